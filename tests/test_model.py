@@ -1,0 +1,66 @@
+"""The Llama Cell on its own: loss definition, padding mask, causality, precision."""
+
+import numpy as np
+import pytest
+import mindspore as ms
+
+from models.llama import LlamaConfig, LlamaForCausalLM
+
+ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+
+PAD = 3
+
+
+def tiny(**overrides):
+    fields = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  intermediate_size=96, seq_length=32, pad_token_id=PAD)
+    fields.update(overrides)
+    ms.set_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**fields))
+
+
+def reference_loss(logits, labels):
+    logits = logits.reshape(-1, logits.shape[-1]).astype(np.float64)
+    labels = labels.reshape(-1)
+    log_probs = logits - logits.max(-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    nll = -log_probs[np.arange(len(labels)), labels]
+    mask = labels != PAD
+    return (nll * mask).sum() / mask.sum()
+
+
+def test_loss_is_masked_next_token_cross_entropy():
+    net = tiny()
+    rng = np.random.default_rng(0)
+    ids = rng.integers(4, 128, size=(2, 33)).astype(np.int32)
+    ids[1, 20:] = PAD  # corpus-tail padding: these labels must not count
+    loss = float(net(ms.Tensor(ids)).asnumpy())
+    logits = net.logits(ms.Tensor(ids[:, :-1])).asnumpy()
+    assert loss == pytest.approx(reference_loss(logits, ids[:, 1:]), rel=1e-5)
+    assert loss == pytest.approx(np.log(128), abs=0.1)  # untrained: close to uniform
+
+
+def test_attention_is_causal():
+    net = tiny()
+    ids = np.random.default_rng(1).integers(4, 128, size=(1, 32)).astype(np.int32)
+    changed = ids.copy()
+    changed[0, 20:] = 5
+    a = net.logits(ms.Tensor(ids)).asnumpy()
+    b = net.logits(ms.Tensor(changed)).asnumpy()
+    np.testing.assert_allclose(a[0, :20], b[0, :20], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(a[0, 20:], b[0, 20:])
+
+
+def test_parameter_names_follow_the_huggingface_checkpoint():
+    names = [p.name for p in tiny().get_parameters()]
+    assert names[:3] == ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
+                         "model.layers.0.self_attn.q_proj.weight"]
+    assert names[-2:] == ["model.norm.weight", "lm_head.weight"]
+    assert "model.layers.1.mlp.gate_proj.weight" in names
+
+
+def test_float16_compute_tracks_float32():
+    ids = ms.Tensor(np.random.default_rng(2).integers(4, 128, size=(2, 33)).astype(np.int32))
+    loss32 = float(tiny()(ids).asnumpy())
+    loss16 = float(tiny(compute_dtype="float16")(ids).asnumpy())
+    assert loss16 == pytest.approx(loss32, abs=2e-2)

@@ -1,0 +1,444 @@
+"""Recipes: MindFormers' YAML vocabulary, loaded strictly into typed sections.
+
+Precedence is defaults < YAML < `--set section.key=value`. Every unknown key, wrong type
+and broken cross-field rule is collected and reported together, each with its dotted
+path. Keys that MindFormers 1.9 accepts but silently ignores or resets (gradient
+accumulation outside semi-auto parallel, `runner_config.stop_step`, sink mode on CPU)
+are either made to work here or refused with the reason.
+"""
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+import yaml
+
+from models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
+from training.errors import RecipeError
+from training.schema import load_dataclass, to_plain
+
+SEQ_ALIGN = 16  # Ascend's Cube unit works on 16x16 tiles.
+
+
+@dataclass
+class TrainerConfig:
+    type: Literal["CausalLanguageModelingTrainer"] = "CausalLanguageModelingTrainer"
+    model_name: str = "llama"
+
+
+@dataclass
+class ContextConfig:
+    mode: Literal[0, 1] = 0  # 0 = graph mode (compiled), 1 = PyNative (eager, for debugging only)
+    device_target: Literal["CPU", "Ascend", "GPU"] = "CPU"
+    device_id: int = 0
+    max_call_depth: int = 10000
+    max_device_memory: Optional[str] = None
+    save_graphs: bool = False
+
+
+@dataclass
+class RunnerConfig:
+    batch_size: int  # per device, per step (the micro-batch)
+    epochs: int = 1
+    stop_step: int = 0  # > 0: stop after this many steps (and size the LR schedule to it)
+    sink_mode: bool = False
+    sink_size: int = -1
+    gradient_accumulation_steps: int = 1
+
+    def check(self, recipe: "Recipe") -> list:
+        problems = []
+        if self.batch_size < 1:
+            problems.append(f"runner_config.batch_size: must be >= 1, got {self.batch_size}")
+        if self.epochs < 1:
+            problems.append(f"runner_config.epochs: must be >= 1, got {self.epochs}")
+        if self.stop_step < 0:
+            problems.append(f"runner_config.stop_step: must be >= 0 (0 = run all epochs), got {self.stop_step}")
+        if self.sink_mode and recipe.context.device_target == "CPU":
+            problems.append("runner_config.sink_mode: True on CPU silently multiplies the number of steps; "
+                            "set it to False")
+        if self.gradient_accumulation_steps > 1 and recipe.parallel.parallel_mode not in (1, 2):
+            problems.append("runner_config.gradient_accumulation_steps: > 1 is silently reset to 1 by "
+                            "MindFormers outside semi-auto/auto parallel (parallel.parallel_mode 1 or 2); "
+                            "raise runner_config.batch_size instead")
+        return problems
+
+
+@dataclass
+class DynamicLossScaleConfig:
+    type: Literal["DynamicLossScaleUpdateCell"] = "DynamicLossScaleUpdateCell"
+    loss_scale_value: float = 65536.0
+    scale_factor: int = 2
+    scale_window: int = 1000
+
+
+@dataclass
+class RunnerWrapperConfig:
+    type: Literal["PortableTrainOneStepCell", "MFTrainOneStepCell"] = "PortableTrainOneStepCell"
+    scale_sense: Union[float, DynamicLossScaleConfig] = 1.0
+    use_clip_grad: bool = True
+    max_grad_norm: float = 1.0
+
+    def check(self, recipe: "Recipe") -> list:
+        if self.type == "MFTrainOneStepCell" and recipe.context.device_target == "CPU":
+            return ["runner_wrapper.type: MFTrainOneStepCell checks overflow with an Ascend-only kernel and "
+                    "does not compile on CPU; use PortableTrainOneStepCell (same behaviour, portable check)"]
+        return []
+
+
+@dataclass
+class OptimizerConfig:
+    type: Literal["AdamW"] = "AdamW"
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+    def check(self, recipe: "Recipe") -> list:
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            return [f"optimizer.betas: expected two values in [0, 1), got {self.betas}"]
+        return []
+
+
+@dataclass
+class LRScheduleConfig:
+    learning_rate: float
+    type: Literal["CosineWithWarmUpLR", "LinearWithWarmUpLR", "ConstantWarmUpLR"] = "CosineWithWarmUpLR"
+    lr_end: float = 0.0
+    warmup_ratio: Optional[float] = None
+    warmup_steps: Optional[int] = None
+    total_steps: int = -1  # -1: epochs x dataset size, or runner_config.stop_step when set
+
+    def check(self, recipe: "Recipe") -> list:
+        problems = []
+        if self.learning_rate <= 0:
+            problems.append(f"lr_schedule.learning_rate: must be > 0, got {self.learning_rate}")
+        if self.warmup_ratio is not None and self.warmup_steps is not None:
+            problems.append("lr_schedule.warmup_ratio, lr_schedule.warmup_steps: set one of them, not both")
+        if self.warmup_ratio is not None and not 0.0 <= self.warmup_ratio < 1.0:
+            problems.append(f"lr_schedule.warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+        return problems
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the Llama-style decoder (see models/llama.py)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    seq_length: int
+    type: Literal[LLAMA_CONFIG_TYPE] = LLAMA_CONFIG_TYPE
+    num_kv_heads: Optional[int] = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.02
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 3
+    compute_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+    def check(self, recipe: "Recipe") -> list:
+        p = "model.model_config"
+        problems = [f"{p}.{name}: must be >= 1, got {getattr(self, name)}"
+                    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+                                 "seq_length") if getattr(self, name) < 1]
+        if problems:
+            return problems
+        if self.seq_length % SEQ_ALIGN:
+            problems.append(f"{p}.seq_length: {self.seq_length} is not a multiple of {SEQ_ALIGN}; Ascend pads "
+                            f"such shapes inside every matmul. Use {_round_up(self.seq_length, SEQ_ALIGN)}")
+        if self.vocab_size % SEQ_ALIGN:
+            problems.append(f"{p}.vocab_size: {self.vocab_size} is not a multiple of {SEQ_ALIGN}; "
+                            f"use {_round_up(self.vocab_size, SEQ_ALIGN)} (extra rows are never predicted)")
+        if self.hidden_size % self.num_heads:
+            problems.append(f"{p}.hidden_size, {p}.num_heads: hidden_size {self.hidden_size} is not "
+                            f"divisible by num_heads {self.num_heads}")
+        elif (self.hidden_size // self.num_heads) % 2:
+            problems.append(f"{p}.hidden_size, {p}.num_heads: head size {self.hidden_size // self.num_heads} "
+                            "must be even for rotary embeddings")
+        kv = self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+        if kv < 1 or self.num_heads % kv:
+            problems.append(f"{p}.num_kv_heads: {kv} must divide num_heads {self.num_heads}")
+        if self.compute_dtype == "bfloat16" and recipe.context.device_target == "CPU":
+            problems.append(f"{p}.compute_dtype: bfloat16 kernels exist only on Ascend/GPU; "
+                            "use float32 (or float16) on CPU")
+        return problems
+
+
+@dataclass
+class ArchConfig:
+    type: Literal[LLAMA_MODEL_TYPE] = LLAMA_MODEL_TYPE
+
+
+@dataclass
+class ModelSection:
+    model_config: ModelConfig
+    arch: ArchConfig = field(default_factory=ArchConfig)
+
+
+@dataclass
+class DataLoaderConfig:
+    dataset_dir: str
+    type: Literal["MindDataset"] = "MindDataset"
+    shuffle: bool = True
+
+
+@dataclass
+class TrainDatasetConfig:
+    data_loader: DataLoaderConfig
+    input_columns: list[str] = field(default_factory=lambda: ["input_ids"])
+    num_parallel_workers: int = 1
+    python_multiprocessing: bool = False
+    drop_remainder: bool = True
+    repeat: int = 1
+    numa_enable: bool = False
+    prefetch_size: int = 1
+
+    def check(self, recipe: "Recipe") -> list:
+        problems = []
+        if self.input_columns != ["input_ids"]:
+            problems.append(f"train_dataset.input_columns: must be ['input_ids'] (packed samples of "
+                            f"seq_length + 1 tokens), got {self.input_columns}")
+        if not self.drop_remainder:
+            problems.append("train_dataset.drop_remainder: must be True; a short last batch changes the "
+                            "input shape and forces a graph recompile")
+        return problems
+
+
+@dataclass
+class TrainDatasetTaskConfig:
+    type: Literal["CausalLanguageModelDataset"] = "CausalLanguageModelDataset"
+    # MindFormers recipes repeat the dataset block here (`dataset_config: *train_dataset`);
+    # it is filled in from train_dataset, and a block that differs from it is refused.
+    dataset_config: Optional[dict] = None
+
+
+@dataclass
+class ParallelConfig:
+    parallel_mode: Literal[0, 1, 2, 3] = 0  # 0 data, 1 semi-auto, 2 auto, 3 hybrid parallel
+    gradients_mean: bool = True
+    full_batch: bool = False
+    enable_parallel_optimizer: bool = False
+    search_mode: Literal["sharding_propagation", "recursive_programming", "dynamic_programming"] = \
+        "sharding_propagation"
+
+
+@dataclass
+class ParallelDegreesConfig:
+    data_parallel: int = 1
+    model_parallel: int = 1
+    pipeline_stage: int = 1
+    micro_batch_num: int = 1
+    use_seq_parallel: bool = False
+    vocab_emb_dp: bool = True
+    gradient_aggregation_group: int = 4
+
+    def check(self, recipe: "Recipe") -> list:
+        p = "parallel_config"
+        problems = [f"{p}.{n}: must be >= 1, got {getattr(self, n)}"
+                    for n in ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num")
+                    if getattr(self, n) < 1]
+        if problems:
+            return problems
+        if recipe.world_size > 1 and not recipe.use_parallel:
+            problems.append(f"use_parallel: must be True when {p}.data_parallel x model_parallel x "
+                            f"pipeline_stage = {recipe.world_size} devices")
+        if recipe.context.device_target == "CPU":
+            for name in ("model_parallel", "pipeline_stage"):
+                if getattr(self, name) > 1:
+                    problems.append(f"{p}.{name}: {getattr(self, name)} needs Ascend (or GPU); shard() and "
+                                    "pipeline stages have no CPU backend. Only data_parallel runs on CPU")
+            if recipe.parallel.parallel_mode in (1, 2):
+                problems.append("parallel.parallel_mode: semi-auto/auto parallel needs Ascend (or GPU); "
+                                "use 0 (data parallel) on CPU")
+        return problems
+
+
+@dataclass
+class RecomputeConfig:
+    recompute: bool = False  # full recompute of every decoder layer
+    select_recompute: bool = False
+    parallel_optimizer_comm_recompute: bool = False
+    mp_comm_recompute: bool = True
+    recompute_slice_activation: bool = True
+
+    def check(self, recipe: "Recipe") -> list:
+        if self.select_recompute:
+            return ["recompute_config.select_recompute: selective recompute is not implemented by "
+                    "models/llama.py yet; use recompute: True (full recompute per layer)"]
+        return []
+
+
+@dataclass
+class LossMonitorConfig:
+    type: Literal["MFLossMonitor"] = "MFLossMonitor"
+    per_print_times: int = 1
+
+
+@dataclass
+class CheckpointMonitorConfig:
+    type: Literal["CheckpointMonitor"] = "CheckpointMonitor"
+    prefix: str = "llama"
+    save_checkpoint_steps: int = 100
+    keep_checkpoint_max: int = 3
+    integrated_save: bool = False
+    async_save: bool = False
+
+
+@dataclass
+class DataPreparationConfig:
+    """How to build `train_dataset.data_loader.dataset_dir` when it does not exist yet (ours)."""
+
+    source: Literal["python_stdlib"] = "python_stdlib"
+    vocab_size: int = 2048
+    max_documents: int = 0  # 0 = every document of the source
+
+
+def _default_callbacks():
+    return [LossMonitorConfig(), CheckpointMonitorConfig()]
+
+
+@dataclass
+class Recipe:
+    output_dir: str
+    model: ModelSection
+    runner_config: RunnerConfig
+    lr_schedule: LRScheduleConfig
+    train_dataset: TrainDatasetConfig
+    seed: int = 0
+    run_mode: Literal["train"] = "train"
+    load_checkpoint: str = ""
+    resume_training: bool = False
+    use_parallel: bool = False
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
+    runner_wrapper: RunnerWrapperConfig = field(default_factory=RunnerWrapperConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train_dataset_task: TrainDatasetTaskConfig = field(default_factory=TrainDatasetTaskConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel_config: ParallelDegreesConfig = field(default_factory=ParallelDegreesConfig)
+    recompute_config: RecomputeConfig = field(default_factory=RecomputeConfig)
+    callbacks: list[Union[LossMonitorConfig, CheckpointMonitorConfig]] = field(default_factory=_default_callbacks)
+    data_preparation: Optional[DataPreparationConfig] = None
+
+    @property
+    def world_size(self) -> int:
+        """Devices the recipe asks for: data x tensor x pipeline parallel."""
+        p = self.parallel_config
+        return p.data_parallel * p.model_parallel * p.pipeline_stage
+
+    @property
+    def dataset_dir(self) -> str:
+        return self.train_dataset.data_loader.dataset_dir
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens in one optimizer step across all data-parallel ranks."""
+        return (self.runner_config.batch_size * self.runner_config.gradient_accumulation_steps
+                * self.parallel_config.data_parallel * self.model.model_config.seq_length)
+
+    def check(self) -> list:
+        problems = []
+        for section in (self.runner_config, self.runner_wrapper, self.optimizer, self.lr_schedule,
+                        self.model.model_config, self.train_dataset, self.parallel_config,
+                        self.recompute_config):
+            problems.extend(section.check(self))
+        task_block = self.train_dataset_task.dataset_config
+        if task_block is not None and not _is_subset(task_block, to_plain(self.train_dataset)):
+            problems.append("train_dataset_task.dataset_config: differs from train_dataset; omit it or write "
+                            "`dataset_config: *train_dataset` (it is filled in from train_dataset)")
+        if not self.output_dir:
+            problems.append("output_dir: must name the run directory")
+        return problems
+
+    def to_dict(self) -> dict:
+        """The resolved recipe, in the same vocabulary it was written in."""
+        data = to_plain(self)
+        data["train_dataset_task"].pop("dataset_config", None)
+        return data
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def _is_subset(small: dict, big: dict) -> bool:
+    """True when every key of `small` is in `big` with an equal value (recursively)."""
+    for key, value in small.items():
+        if key not in big:
+            return False
+        if isinstance(value, dict) and isinstance(big[key], dict):
+            if not _is_subset(value, big[key]):
+                return False
+        elif value != big[key]:
+            return False
+    return True
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def parse_override(text: str) -> tuple:
+    """'a.b.c=value' -> (['a', 'b', 'c'], value parsed as YAML)."""
+    if "=" not in text:
+        raise RecipeError("--set", [f"{text!r}: expected key.path=value"],
+                          hint="e.g. --set runner_config.batch_size=4")
+    key, raw = text.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise RecipeError("--set", [f"{text!r}: empty key path"])
+    return parts, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_override(data: dict, parts: list, value, problems: list) -> None:
+    """Set data[parts...] = value; list items are addressed by index (callbacks.1.prefix)."""
+    node = data
+    for depth, part in enumerate(parts[:-1]):
+        where = ".".join(parts[:depth + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                problems.append(f"--set {'.'.join(parts)}: {where} is not an index of a {len(node)}-item list")
+                return
+            node = node[int(part)]
+        else:
+            node = node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
+            problems.append(f"--set {'.'.join(parts)}: {where} is a value, not a section")
+            return
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            problems.append(f"--set {'.'.join(parts)}: {last} is not an index of a {len(node)}-item list")
+            return
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def load_recipe(path: str, overrides: tuple = ()) -> Recipe:
+    """Read, override, validate. Raises RecipeError listing every problem found."""
+    if not os.path.isfile(path):
+        raise RecipeError(path, ["file not found"], hint="recipes live in recipes/, e.g. recipes/demo_cpu.yaml")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        raise RecipeError(path, [f"not valid YAML: {err}"]) from None
+    if not isinstance(data, dict):
+        raise RecipeError(path, ["the top level must be a mapping of sections"])
+    problems: list = []
+    for text in overrides:
+        apply_override(data, *parse_override(text), problems)
+    return recipe_from_dict(data, path, problems)
+
+
+def recipe_from_dict(data: dict, source: str = "<dict>", problems: list = None) -> Recipe:
+    """Validate an already-parsed recipe; `problems` carries earlier findings (e.g. from --set)."""
+    problems = list(problems or [])
+    recipe = load_dataclass(Recipe, data, "", problems)
+    if not problems:
+        problems.extend(recipe.check())
+    if problems:
+        raise RecipeError(source, problems)
+    return recipe

@@ -1,0 +1,114 @@
+"""One training worker: the resolved recipe -> MindFormers' Trainer, in graph mode.
+
+Started by the launcher (through msrun) as `python scripts/train.py --run-dir RUN_DIR`.
+Each rank records its state in RUN_DIR/status/rank_N.json so the launcher can name the
+rank that failed; rank 0 writes per-step metrics and the final summary.
+"""
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+import traceback
+
+from training.errors import PretrainError
+from training.recipe import Recipe, recipe_from_dict
+
+RESOLVED_RECIPE = "recipe.yaml"
+SUMMARY = "summary.json"
+METRICS = "metrics.jsonl"
+
+
+def rank_id() -> int:
+    return int(os.environ.get("RANK_ID", "0"))
+
+
+def write_status(run_dir: str, state: str, **extra) -> None:
+    path = os.path.join(run_dir, "status", f"rank_{rank_id()}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"rank": rank_id(), "state": state, "time": time.time(), **extra}, f)
+    os.replace(path + ".tmp", path)
+
+
+def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
+    """The recipe in the exact form MindFormers 1.9's Trainer needs (all keys it reads, none it ignores)."""
+    cfg = recipe.to_dict()
+    cfg.pop("data_preparation", None)
+    cfg["output_dir"] = run_dir
+    # MindFormers batches the dataset with train_dataset.batch_size; runner_config owns the value.
+    cfg["train_dataset"]["batch_size"] = recipe.runner_config.batch_size
+    cfg["train_dataset_task"]["dataset_config"] = cfg["train_dataset"]
+    cfg["runner_config"].pop("stop_step")  # 1.9 reads it but never acts on it; StepRecorder does.
+    if recipe.lr_schedule.total_steps == -1 and recipe.runner_config.stop_step:
+        cfg["lr_schedule"]["total_steps"] = recipe.runner_config.stop_step
+    # Keys the 1.9 Trainer dereferences unconditionally.
+    cfg["micro_batch_interleave_num"] = 1
+    cfg["monitor_config"] = {"monitor_on": False}
+    cfg["profile"] = False
+    return cfg
+
+
+def run(run_dir: str) -> dict:
+    """Train from RUN_DIR/recipe.yaml; returns the summary (rank 0 also writes it)."""
+    import yaml
+    with open(os.path.join(run_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
+        recipe = recipe_from_dict(yaml.safe_load(f), os.path.join(run_dir, RESOLVED_RECIPE))
+
+    # MindFormers writes logs under LOCAL_DEFAULT_PATH (default ./output) from import time on.
+    os.environ["LOCAL_DEFAULT_PATH"] = run_dir
+    from mindformers import MindFormerConfig, Trainer
+    from mindformers.core.context import build_context
+    import models.llama  # noqa: F401  (registers the model with MindFormers)
+    import training.train_step  # noqa: F401  (registers the portable train-step wrapper)
+    from training.callbacks import StepRecorder
+
+    config = MindFormerConfig(**mindformers_config(recipe, run_dir))
+    # Without an explicit context MindFormers starts in PyNative mode whatever the recipe says.
+    build_context(config)
+    if not recipe.use_parallel and "MS_ROLE" in os.environ:
+        # A single worker under msrun still joins the cluster so the scheduler can finish.
+        from mindspore.communication import init
+        init()
+    recorder = StepRecorder(recipe, os.path.join(run_dir, METRICS) if rank_id() == 0 else None)
+    trainer = Trainer(args=config, callbacks=[recorder])
+    trainer.train()
+    summary = recorder.summary(run_dir, find_checkpoints(run_dir))
+    if rank_id() == 0:
+        with open(os.path.join(run_dir, SUMMARY), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+def find_checkpoints(run_dir: str) -> list:
+    """This rank's checkpoint files, oldest first."""
+    files = glob.glob(os.path.join(run_dir, "**", f"rank_{rank_id()}", "*.ckpt"), recursive=True)
+    return sorted(files, key=os.path.getmtime)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Training worker (started by scripts/run_distributed.sh).")
+    parser.add_argument("--run-dir", required=True)
+    args = parser.parse_args(argv)
+    if os.environ.get("MS_ROLE") == "MS_SCHED":
+        # msrun runs this script once more as its scheduler; init() makes it serve the
+        # workers and return when they are done, instead of training a second copy.
+        from mindspore.communication import init
+        init()
+        return 0
+    run_dir = os.path.abspath(args.run_dir)
+    write_status(run_dir, "running", pid=os.getpid())
+    try:
+        run(run_dir)
+    except PretrainError as err:
+        print(f"rank {rank_id()}: error: {err}", file=sys.stderr, flush=True)
+        write_status(run_dir, "failed", error=str(err))
+        return 1
+    except BaseException as err:  # the launcher reports the rank; the traceback goes to its log
+        traceback.print_exc()
+        write_status(run_dir, "failed", error=f"{type(err).__name__}: {err}")
+        return 1
+    write_status(run_dir, "done")
+    return 0

@@ -1,0 +1,29 @@
+"""A MindFormers train-step wrapper whose overflow check runs on every backend.
+
+`MFTrainOneStepCell` picks its overflow check by device: GPU uses the `FloatStatus`
+kernel and anything else the Ascend-only `NPUGetFloatStatusV2`; neither exists on CPU,
+so graph compilation fails there. The IsFinite-based check MindSpore uses for Ascend's
+INF/NAN mode is built from ordinary operators and works everywhere, so this wrapper
+uses it on CPU and keeps MindFormers' own choice on Ascend and GPU.
+"""
+
+from mindspore import context
+from mindspore.nn.wrap.loss_scale import _ascend_grad_overflow
+from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
+from mindformers.wrapper import MFTrainOneStepCell
+
+WRAPPER_TYPE = "PortableTrainOneStepCell"
+
+
+@MindFormerRegister.register(MindFormerModuleType.WRAPPER, alias=WRAPPER_TYPE)
+class PortableTrainOneStepCell(MFTrainOneStepCell):
+    """`MFTrainOneStepCell` (loss scale, clipping, grad norm) that also compiles on CPU."""
+
+    def __init__(self, network, optimizer, **kwargs):
+        super().__init__(network, optimizer, **kwargs)
+        self.cpu_target = context.get_context("device_target") == "CPU"
+
+    def get_overflow_status(self, status, compute_output):
+        if self.cpu_target:
+            return self._get_distributed_overflow_status_on_infnan_mode(_ascend_grad_overflow, compute_output)
+        return super().get_overflow_status(status, compute_output)
