@@ -115,13 +115,12 @@ def summary(output_dir: str, manifest: dict) -> str:
 def check_dataset(dataset_dir: str, seq_length: int, vocab_size: int, pad_token_id: int,
                   eos_token_id: int) -> dict:
     """Refuse a dataset that is missing, incomplete, or built for another model shape."""
-    rebuild = prepare_command(dataset_dir, seq_length, vocab_size)
     try:
         manifest = read_manifest(dataset_dir)
         check_files_present(dataset_dir, manifest)
     except DataError as err:
         raise DataError(f"train_dataset.data_loader.dataset_dir: {err.message}",
-                        hint=f"build it with: {rebuild}") from None
+                        hint=f"build it with: {prepare_command(dataset_dir, seq_length, vocab_size)}") from None
     problems = []
     if manifest["seq_length"] != seq_length:
         problems.append(f"seq_length {manifest['seq_length']} (model.model_config.seq_length is {seq_length})")
@@ -135,5 +134,7 @@ def check_dataset(dataset_dir: str, seq_length: int, vocab_size: int, pad_token_
         problems.append(f"eod_id {tok['eod_id']} (model.model_config.eos_token_id is {eos_token_id})")
     if problems:
         raise DataError(f"dataset {dataset_dir} was built for another model: " + "; ".join(problems),
-                        hint=f"fix the recipe, or rebuild the dataset into a new directory: {rebuild}")
+                        hint="fix the recipe, or build a matching dataset with: "
+                             f"{prepare_command('NEW_DIR', seq_length, vocab_size)} and set "
+                             "train_dataset.data_loader.dataset_dir to NEW_DIR")
     return manifest

@@ -2,8 +2,12 @@
 
 import os
 import sys
+import tempfile
 
 import pytest
+
+# Importing MindFormers creates ./output/log unless told where to log; keep the checkout clean.
+os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers-log-"))
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)

@@ -77,8 +77,8 @@ def test_mindrecord_round_trip(tiny_dataset):
 
 def test_dataset_must_match_recipe(tiny_dataset):
     check_dataset(tiny_dataset, seq_length=64, vocab_size=512, pad_token_id=3, eos_token_id=2)
-    with pytest.raises(DataError, match=r"built for another model: seq_length 64 \(model\.model_config\.seq_length "
-                                        r"is 128\).*prepare_data\.py --output .* --seq-length 128"):
+    with pytest.raises(DataError, match=r"(?s)built for another model: seq_length 64 \(model\.model_config\."
+                                        r"seq_length is 128\).*prepare_data\.py --output NEW_DIR --seq-length 128"):
         check_dataset(tiny_dataset, seq_length=128, vocab_size=512, pad_token_id=3, eos_token_id=2)
     with pytest.raises(DataError, match=r"tokenizer vocab_size 512 exceeds model\.model_config\.vocab_size 256"):
         check_dataset(tiny_dataset, seq_length=64, vocab_size=256, pad_token_id=3, eos_token_id=2)
@@ -125,7 +125,7 @@ def test_existing_output_is_never_overwritten(tiny_dataset, tmp_path):
 
 
 def test_prepare_refuses_unaligned_seq_length(tmp_path):
-    with pytest.raises(DataError, match="seq_length 100 is not a multiple of 16.*use 112"):
+    with pytest.raises(DataError, match="(?s)seq_length 100 is not a multiple of 16.*use 112"):
         prepare_dataset(str(tmp_path / "x"), 100, 512, show_progress=False)
 
 

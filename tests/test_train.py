@@ -79,6 +79,6 @@ def test_checkpoint_holds_weights_and_optimizer_state(tiny_run):
 def test_recompute_changes_memory_not_math(tmp_path_factory, tiny_dataset, tiny_run):
     baseline = read_metrics(tiny_run[0])[:6]
     run_dir = run_tiny(tmp_path_factory, tiny_dataset, "recompute", "recompute_config.recompute=True",
-                       "runner_config.stop_step=6")
+                       "runner_config.stop_step=6", "lr_schedule.total_steps=20")
     recomputed = read_metrics(run_dir)
     assert [r["loss"] for r in recomputed] == pytest.approx([r["loss"] for r in baseline], rel=1e-5)
