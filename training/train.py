@@ -13,6 +13,8 @@ import sys
 import time
 import traceback
 
+import yaml
+
 from training.errors import PretrainError
 from training.recipe import Recipe, recipe_from_dict
 
@@ -53,7 +55,6 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
 
 def run(run_dir: str) -> dict:
     """Train from RUN_DIR/recipe.yaml; returns the summary (rank 0 also writes it)."""
-    import yaml
     with open(os.path.join(run_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
         recipe = recipe_from_dict(yaml.safe_load(f), os.path.join(run_dir, RESOLVED_RECIPE))
 
