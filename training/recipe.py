@@ -133,6 +133,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False                 # bias on q/k/v projections (Qwen2-style checkpoints)
+    vocab_pad_multiple: int = 16           # tables padded to a multiple of this x model_parallel
+    document_attention: bool = False       # packed documents: reset positions, block attention at EOD
     bos_token_id: int = 1
     eos_token_id: int = 2
     pad_token_id: int = 3
@@ -148,9 +152,9 @@ class ModelConfig:
         if self.seq_length % SEQ_ALIGN:
             problems.append(f"{p}.seq_length: {self.seq_length} is not a multiple of {SEQ_ALIGN}; Ascend pads "
                             f"such shapes inside every matmul. Use {_round_up(self.seq_length, SEQ_ALIGN)}")
-        if self.vocab_size % SEQ_ALIGN:
-            problems.append(f"{p}.vocab_size: {self.vocab_size} is not a multiple of {SEQ_ALIGN}; "
-                            f"use {_round_up(self.vocab_size, SEQ_ALIGN)} (extra rows are never predicted)")
+        if self.vocab_pad_multiple < 1 or self.vocab_pad_multiple % SEQ_ALIGN:
+            problems.append(f"{p}.vocab_pad_multiple: {self.vocab_pad_multiple} must be a positive multiple of "
+                            f"{SEQ_ALIGN}")
         if self.hidden_size % self.num_heads:
             problems.append(f"{p}.hidden_size, {p}.num_heads: hidden_size {self.hidden_size} is not "
                             f"divisible by num_heads {self.num_heads}")

@@ -1,0 +1,135 @@
+"""Parallel layout of the Llama model, in one place: tensor-parallel shard strategies,
+layer-to-pipeline-stage assignment, and full or selective recompute.
+
+`plan_layout` is pure arithmetic (testable anywhere); `apply_layout` sets the strategies
+on the model's Primitives, `pipeline_stage` on its Cells and recompute flags. Strategies
+and stages only take effect under MindSpore's semi-auto parallel mode, which needs Ascend
+(or GPU); on CPU the plan is still computed, applied and checked.
+
+Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019): q/k/v and gate/up are split
+by output columns (attention heads, MLP width), o and down by input rows, so each
+layer needs one reduction after attention and one after the MLP; the vocabulary is split
+across the output projection (and, unless vocab_emb_dp, the embedding table).
+"""
+
+from dataclasses import dataclass, field
+
+from models.arithmetic import VOCAB_ALIGN, padded_vocab_size
+
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+@dataclass
+class LlamaLayout:
+    data_parallel: int
+    tensor_parallel: int
+    pipeline_stages: int
+    micro_batches: int
+    stage_of_layer: list
+    recompute: str = "none"        # none | full (whole decoder layer) | selective (core attention)
+    strategies: dict = field(default_factory=dict)  # role -> in_strategy
+
+    @property
+    def layers_per_stage(self) -> list:
+        return [self.stage_of_layer.count(s) for s in range(self.pipeline_stages)]
+
+
+def balanced_stages(num_layers: int, stages: int) -> list:
+    """Per-stage layer counts as even as possible; extra layers go to the middle stages,
+    since the first holds the embedding and the last the output projection and loss."""
+    base, extra = divmod(num_layers, stages)
+    counts = [base] * stages
+    middle = list(range(1, stages - 1)) or list(range(stages))
+    for i in range(extra):
+        counts[middle[i % len(middle)]] += 1
+    return counts
+
+
+def layout_problems(cfg, dp: int, tp: int, pp: int, micro_batches: int = 1, stage_layers=None,
+                    recompute: str = "none") -> list:
+    """Every reason the degrees do not fit the model, each naming the recipe keys involved."""
+    problems = []
+    kv_heads = cfg.num_kv_heads or cfg.num_heads
+    vocab = padded_vocab_size(cfg.vocab_size, getattr(cfg, "vocab_pad_multiple", VOCAB_ALIGN), tp)
+    for what, value in (("model.model_config.num_heads", cfg.num_heads),
+                        ("model.model_config.num_kv_heads", kv_heads),
+                        ("model.model_config.intermediate_size", cfg.intermediate_size),
+                        ("padded vocabulary", vocab)):
+        if value % tp:
+            problems.append(f"parallel_config.model_parallel: {tp} does not divide {what} ({value})")
+    if pp > cfg.num_layers:
+        problems.append(f"parallel_config.pipeline_stage: {pp} stages exceed model.model_config.num_layers "
+                        f"({cfg.num_layers})")
+    if pp > 1 and micro_batches < pp:
+        problems.append(f"parallel_config.micro_batch_num: {micro_batches} is below pipeline_stage {pp}; "
+                        "the pipeline would idle (use at least as many micro-batches as stages, ideally 4x)")
+    if stage_layers is not None:
+        if len(stage_layers) != pp or sum(stage_layers) != cfg.num_layers or min(stage_layers) < 1:
+            problems.append(f"parallel_config.stage_layers: {list(stage_layers)} must have pipeline_stage ({pp}) "
+                            f"entries, each >= 1, summing to num_layers ({cfg.num_layers})")
+    if recompute not in RECOMPUTE_MODES:
+        problems.append(f"recompute: {recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    return problems
+
+
+def plan_layout(cfg, dp: int = 1, tp: int = 1, pp: int = 1, micro_batches: int = 1, stage_layers=None,
+                recompute: str = "none", vocab_emb_dp: bool = True) -> LlamaLayout:
+    """The layout for `cfg` at the given degrees; ValueError listing every problem otherwise."""
+    problems = layout_problems(cfg, dp, tp, pp, micro_batches, stage_layers, recompute)
+    if problems:
+        raise ValueError("; ".join(problems))
+    counts = list(stage_layers) if stage_layers is not None else balanced_stages(cfg.num_layers, pp)
+    stage_of_layer = [stage for stage, n in enumerate(counts) for _ in range(n)]
+    column = ((dp, 1), (tp, 1))     # x (N, in) . W (out, in)^T, W split by output rows
+    row = ((dp, tp), (1, tp))       # W split by input columns; partial sums reduced
+    heads = ((dp, tp, 1, 1), (dp, tp, 1, 1))
+    strategies = {
+        "column": column, "row": row, "vocab_projection": column,
+        "embedding": ((1, 1), (dp, 1)) if vocab_emb_dp else ((tp, 1), (dp, 1)),
+        "attention_scores": heads, "attention_softmax": ((dp, tp, 1, 1),), "attention_values": heads,
+    }
+    return LlamaLayout(dp, tp, pp, micro_batches, stage_of_layer, recompute, strategies)
+
+
+def plan_layout_from_mindformers(cfg, parallel_config) -> LlamaLayout:
+    """The layout from MindFormers' TransformerOpParallelConfig (recipe parallel_config + recompute_config)."""
+    recompute_config = getattr(parallel_config, "recompute", None)
+    recompute = "none"
+    if recompute_config is not None and recompute_config.recompute:
+        recompute = "full"
+    elif recompute_config is not None and recompute_config.select_recompute:
+        recompute = "selective"
+    return plan_layout(cfg, parallel_config.data_parallel, parallel_config.model_parallel,
+                       parallel_config.pipeline_stage, parallel_config.micro_batch_num,
+                       getattr(cfg, "pipeline_stage_layers", None), recompute, parallel_config.vocab_emb_dp)
+
+
+def apply_layout(net, layout: LlamaLayout) -> None:
+    """Set strategies, stages and recompute flags on a LlamaForCausalLM."""
+    s = layout.strategies
+    sharded = layout.tensor_parallel > 1 or layout.pipeline_stages > 1
+    model = net.model
+    last = layout.pipeline_stages - 1
+    if sharded:
+        model.embed_tokens.gather.shard(s["embedding"])
+        head = net.head_matmul if net.tie_word_embeddings else net.lm_head.matmul
+        head.shard(s["vocab_projection"])
+    model.embed_tokens.pipeline_stage = 0
+    model.norm.pipeline_stage = last
+    if not net.tie_word_embeddings:
+        net.lm_head.pipeline_stage = last
+    for index, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if sharded:
+            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                linear.matmul.shard(s["column"])
+            for linear in (attn.o_proj, mlp.down_proj):
+                linear.matmul.shard(s["row"])
+            attn.core.qk_matmul.shard(s["attention_scores"])
+            attn.core.softmax.shard(s["attention_softmax"])
+            attn.core.pv_matmul.shard(s["attention_values"])
+        layer.pipeline_stage = layout.stage_of_layer[index]
+        if layout.recompute == "full":
+            layer.recompute()
+        elif layout.recompute == "selective":
+            attn.core.recompute()
