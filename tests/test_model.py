@@ -64,3 +64,39 @@ def test_float16_compute_tracks_float32():
     loss32 = float(tiny()(ids).asnumpy())
     loss16 = float(tiny(compute_dtype="float16")(ids).asnumpy())
     assert loss16 == pytest.approx(loss32, abs=2e-2)
+
+
+def test_document_attention_isolates_packed_documents():
+    eod = 2
+    doc_a = [10, 11, 12, 13, 14, eod]
+    doc_b = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    packed = np.array([doc_a + doc_b + [30] * 16], dtype=np.int32)        # 32 tokens
+    alone = np.array([doc_b + [30] * 22], dtype=np.int32)
+    net = tiny(document_attention=True, eos_token_id=eod)
+    packed_logits = net.logits(ms.Tensor(packed)).asnumpy()
+    alone_logits = net.logits(ms.Tensor(alone)).asnumpy()
+    # Document B sees neither document A nor its positions: same logits as when it starts the row.
+    np.testing.assert_allclose(packed_logits[0, 6:16], alone_logits[0, :10], rtol=1e-5, atol=1e-5)
+    plain = tiny(document_attention=False, eos_token_id=eod)
+    assert not np.allclose(plain.logits(ms.Tensor(packed)).asnumpy()[0, 6:16],
+                           plain.logits(ms.Tensor(alone)).asnumpy()[0, :10], atol=1e-4)
+
+
+def test_padded_vocabulary_rows_get_no_probability_or_gradient():
+    net = tiny(vocab_size=100)                       # tables padded to 112 rows
+    assert net.model.embed_tokens.weight.shape == (112, 32) and net.lm_head.weight.shape == (112, 32)
+    ids = ms.Tensor(np.random.default_rng(3).integers(4, 100, size=(2, 33)).astype(np.int32))
+    assert net.logits(ids[:, :-1]).shape == (2, 32, 100)
+    grad_fn = ms.value_and_grad(net, None, net.trainable_params())
+    _, grads = grad_fn(ids)
+    names = [p.name for p in net.trainable_params()]
+    head_grad = grads[names.index("lm_head.weight")].asnumpy()
+    assert np.abs(head_grad[100:]).max() == 0 and np.abs(head_grad[:100]).max() > 0
+
+
+@pytest.mark.parametrize("fields", [dict(tie_word_embeddings=True), dict(qkv_bias=True), dict(num_kv_heads=1)])
+def test_family_options_build_and_train(fields):
+    net = tiny(**fields)
+    ids = ms.Tensor(np.random.default_rng(4).integers(4, 128, size=(2, 33)).astype(np.int32))
+    loss = float(net(ids).asnumpy())
+    assert loss == pytest.approx(np.log(128), abs=0.15)

@@ -14,6 +14,7 @@ from typing import Literal, Optional, Union
 import yaml
 
 from models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
+from models.parallel import layout_problems
 from training.errors import RecipeError
 from training.schema import load_dataclass, to_plain
 
@@ -237,6 +238,7 @@ class ParallelDegreesConfig:
     use_seq_parallel: bool = False
     vocab_emb_dp: bool = True
     gradient_aggregation_group: int = 4
+    stage_layers: Optional[list[int]] = None  # ours: explicit layers per pipeline stage (default balanced)
 
     def check(self, recipe: "Recipe") -> list:
         p = "parallel_config"
@@ -245,6 +247,8 @@ class ParallelDegreesConfig:
                     if getattr(self, n) < 1]
         if problems:
             return problems
+        problems.extend(layout_problems(recipe.model.model_config, self.data_parallel, self.model_parallel,
+                                        self.pipeline_stage, self.micro_batch_num, self.stage_layers))
         if recipe.world_size > 1 and not recipe.use_parallel:
             problems.append(f"use_parallel: must be True when {p}.data_parallel x model_parallel x "
                             f"pipeline_stage = {recipe.world_size} devices")

@@ -44,6 +44,10 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
     cfg["train_dataset"]["batch_size"] = recipe.runner_config.batch_size
     cfg["train_dataset_task"]["dataset_config"] = cfg["train_dataset"]
     cfg["runner_config"].pop("stop_step")  # 1.9 reads it but never acts on it; StepRecorder does.
+    # Ours, not MindFormers': the model's layout (models/parallel.py) reads it from the model config.
+    stage_layers = cfg["parallel_config"].pop("stage_layers", None)
+    if stage_layers is not None:
+        cfg["model"]["model_config"]["pipeline_stage_layers"] = stage_layers
     if recipe.lr_schedule.total_steps == -1 and recipe.runner_config.stop_step:
         cfg["lr_schedule"]["total_steps"] = recipe.runner_config.stop_step
     # Keys the 1.9 Trainer dereferences unconditionally.
