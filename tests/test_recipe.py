@@ -15,6 +15,7 @@ def write(tmp_path, text, base=TINY_RECIPE):
     """A copy of `base` with `text` substituted via (old, new) pairs."""
     with open(base, encoding="utf-8") as f:
         content = f.read()
+    content = content.replace("base: base/cpu.yaml", f"base: {os.path.join(REPO_ROOT, 'recipes', 'base', 'cpu.yaml')}")
     for old, new in text:
         assert old in content, old
         content = content.replace(old, new)
@@ -47,8 +48,7 @@ def test_unknown_key_names_dotted_path_and_suggests(tmp_path):
 
 def test_all_problems_reported_together(tmp_path):
     path = write(tmp_path, [("    num_layers: 2", "    num_layer: 2"),
-                            ("  batch_size: 4", "  batch_size: four"),
-                            ("  sink_mode: False", "  sink_mode: False\n  sinkmode: True")])
+                            ("  batch_size: 4", "  batch_size: four\n  sinkmode: True")])
     with pytest.raises(RecipeError) as info:
         load_recipe(path)
     problems = info.value.problems
@@ -59,9 +59,35 @@ def test_all_problems_reported_together(tmp_path):
 
 
 def test_bad_enum_value(tmp_path):
-    path = write(tmp_path, [("  device_target: CPU", "  device_target: NPU")])
+    path = write(tmp_path, [("output_dir: runs/tiny_cpu", "output_dir: runs/tiny_cpu\ncontext:\n  device_target: NPU")])
     with pytest.raises(RecipeError, match=r"context\.device_target: 'NPU' is not one of 'CPU', 'Ascend', 'GPU'"):
         load_recipe(path)
+
+
+def test_bases_are_merged_under_the_recipe():
+    dp2 = load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml"))
+    tiny = load_recipe(TINY_RECIPE)
+    assert dp2.runner_config.batch_size == 2 and dp2.parallel_config.data_parallel == 2
+    assert dp2.model == tiny.model and dp2.lr_schedule == tiny.lr_schedule  # inherited through two levels
+    assert dp2.context.device_target == "CPU" and dp2.runner_wrapper.type == "PortableTrainOneStepCell"
+    assert "base" not in dp2.to_dict()
+
+
+def test_base_errors(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(RecipeError, match="circular inheritance"):
+        load_recipe(str(tmp_path / "a.yaml"))
+    (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(RecipeError, match=r"(?s)missing\.yaml: 1 problem.*file not found \(base of .*c\.yaml\)"):
+        load_recipe(str(tmp_path / "c.yaml"))
+
+
+def test_tensor_parallel_stays_within_a_node():
+    with pytest.raises(RecipeError, match=r"parallel_config\.model_parallel: 4 must fit within one node "
+                                          r"\(hardware\.devices_per_node 2\)"):
+        load_recipe(TINY_RECIPE, ("context.device_target=Ascend", "use_parallel=True", "parallel_config.model_parallel=4",
+                                  "hardware.devices_per_node=2", "model.model_config.num_kv_heads=4"))
 
 
 def test_missing_file():

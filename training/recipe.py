@@ -54,7 +54,7 @@ class RunnerConfig:
             problems.append(f"runner_config.epochs: must be >= 1, got {self.epochs}")
         if self.stop_step < 0:
             problems.append(f"runner_config.stop_step: must be >= 0 (0 = run all epochs), got {self.stop_step}")
-        if self.sink_mode and recipe.context.device_target == "CPU":
+        if self.sink_mode and recipe.runs_on_cpu:
             problems.append("runner_config.sink_mode: True on CPU silently multiplies the number of steps; "
                             "set it to False")
         if self.gradient_accumulation_steps > 1 and recipe.parallel.parallel_mode not in (1, 2):
@@ -80,7 +80,7 @@ class RunnerWrapperConfig:
     max_grad_norm: float = 1.0
 
     def check(self, recipe: "Recipe") -> list:
-        if self.type == "MFTrainOneStepCell" and recipe.context.device_target == "CPU":
+        if self.type == "MFTrainOneStepCell" and recipe.runs_on_cpu:
             return ["runner_wrapper.type: MFTrainOneStepCell checks overflow with an Ascend-only kernel and "
                     "does not compile on CPU; use PortableTrainOneStepCell (same behaviour, portable check)"]
         return []
@@ -165,7 +165,7 @@ class ModelConfig:
         kv = self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
         if kv < 1 or self.num_heads % kv:
             problems.append(f"{p}.num_kv_heads: {kv} must divide num_heads {self.num_heads}")
-        if self.compute_dtype == "bfloat16" and recipe.context.device_target == "CPU":
+        if self.compute_dtype == "bfloat16" and recipe.runs_on_cpu:
             problems.append(f"{p}.compute_dtype: bfloat16 kernels exist only on Ascend/GPU; "
                             "use float32 (or float16) on CPU")
         return problems
@@ -252,7 +252,7 @@ class ParallelDegreesConfig:
         if recipe.world_size > 1 and not recipe.use_parallel:
             problems.append(f"use_parallel: must be True when {p}.data_parallel x model_parallel x "
                             f"pipeline_stage = {recipe.world_size} devices")
-        if recipe.context.device_target == "CPU":
+        if recipe.runs_on_cpu:
             for name in ("model_parallel", "pipeline_stage"):
                 if getattr(self, name) > 1:
                     problems.append(f"{p}.{name}: {getattr(self, name)} needs Ascend (or GPU); shard() and "
@@ -303,6 +303,45 @@ class DataPreparationConfig:
     max_documents: int = 0  # 0 = every document of the source
 
 
+@dataclass
+class HardwareConfig:
+    """Where the recipe is meant to run (ours; MindFormers has no such section)."""
+
+    device: str = "CPU"         # a device of training/planner.py's table, e.g. Ascend910B2
+    devices_per_node: int = 0   # 0: every worker on one node
+
+    def check(self, recipe: "Recipe") -> list:
+        n, tp = self.devices_per_node, recipe.parallel_config.model_parallel
+        if n < 0:
+            return [f"hardware.devices_per_node: must be >= 0, got {n}"]
+        if n == 0:
+            return []
+        problems = []
+        if recipe.world_size % n:
+            problems.append(f"hardware.devices_per_node: {n} does not divide the {recipe.world_size} devices of "
+                            "parallel_config (data_parallel x model_parallel x pipeline_stage)")
+        if tp > n or n % tp:
+            problems.append(f"parallel_config.model_parallel: {tp} must fit within one node "
+                            f"(hardware.devices_per_node {n}); tensor parallelism across nodes is too slow")
+        return problems
+
+    def nodes(self, world_size: int) -> int:
+        return world_size // self.devices_per_node if self.devices_per_node else 1
+
+
+@dataclass
+class HcclConfig:
+    """HCCL settings the launcher exports to every rank before communication starts (ours).
+
+    None keeps training/preflight.py's documented default. Changing them after HCCL has
+    initialised hangs silently, so they are never read from a rank's own environment.
+    """
+
+    connect_timeout: Optional[int] = None  # HCCL_CONNECT_TIMEOUT, seconds
+    exec_timeout: Optional[int] = None     # HCCL_EXEC_TIMEOUT, seconds
+    buffsize: Optional[int] = None         # HCCL_BUFFSIZE, MB
+
+
 def _default_callbacks():
     return [LossMonitorConfig(), CheckpointMonitorConfig()]
 
@@ -329,6 +368,13 @@ class Recipe:
     recompute_config: RecomputeConfig = field(default_factory=RecomputeConfig)
     callbacks: list[Union[LossMonitorConfig, CheckpointMonitorConfig]] = field(default_factory=_default_callbacks)
     data_preparation: Optional[DataPreparationConfig] = None
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    hccl: HcclConfig = field(default_factory=HcclConfig)
+
+    @property
+    def runs_on_cpu(self) -> bool:
+        """True when the recipe will execute on CPU; planning (--plan) skips the CPU-only refusals."""
+        return self.context.device_target == "CPU" and not getattr(self, "planning", False)
 
     @property
     def world_size(self) -> int:
@@ -341,16 +387,23 @@ class Recipe:
         return self.train_dataset.data_loader.dataset_dir
 
     @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step: micro-batch x data parallel x accumulation (pipeline micro-batches)."""
+        p = self.parallel_config
+        accumulation = self.runner_config.gradient_accumulation_steps * (p.micro_batch_num if p.pipeline_stage > 1
+                                                                         else 1)
+        return self.runner_config.batch_size * p.data_parallel * accumulation
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens in one optimizer step across all data-parallel ranks."""
-        return (self.runner_config.batch_size * self.runner_config.gradient_accumulation_steps
-                * self.parallel_config.data_parallel * self.model.model_config.seq_length)
+        return self.global_batch_size * self.model.model_config.seq_length
 
     def check(self) -> list:
         problems = []
         for section in (self.runner_config, self.runner_wrapper, self.optimizer, self.lr_schedule,
                         self.model.model_config, self.train_dataset, self.parallel_config,
-                        self.recompute_config):
+                        self.recompute_config, self.hardware):
             problems.extend(section.check(self))
         task_block = self.train_dataset_task.dataset_config
         if task_block is not None and not _is_subset(task_block, to_plain(self.train_dataset)):
@@ -424,10 +477,25 @@ def apply_override(data: dict, parts: list, value, problems: list) -> None:
         node[last] = value
 
 
-def load_recipe(path: str, overrides: tuple = ()) -> Recipe:
-    """Read, override, validate. Raises RecipeError listing every problem found."""
+def deep_merge(base: dict, override: dict) -> dict:
+    """`override` on top of `base`: mappings merge key by key, anything else is replaced."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_recipe_file(path: str, chain: tuple = ()) -> dict:
+    """The YAML mapping of `path`, with its `base:` file(s) (relative to it) merged underneath."""
     if not os.path.isfile(path):
-        raise RecipeError(path, ["file not found"], hint="recipes live in recipes/, e.g. recipes/demo_cpu.yaml")
+        where = f" (base of {chain[-1]})" if chain else ""
+        raise RecipeError(path, [f"file not found{where}"],
+                          hint="recipes live in recipes/, e.g. recipes/demo_cpu.yaml")
+    if os.path.abspath(path) in chain:
+        raise RecipeError(path, [f"base: circular inheritance through {' -> '.join(chain)}"])
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
@@ -435,16 +503,32 @@ def load_recipe(path: str, overrides: tuple = ()) -> Recipe:
         raise RecipeError(path, [f"not valid YAML: {err}"]) from None
     if not isinstance(data, dict):
         raise RecipeError(path, ["the top level must be a mapping of sections"])
+    bases = data.pop("base", [])
+    merged: dict = {}
+    for base in [bases] if isinstance(bases, str) else bases:
+        base_path = os.path.join(os.path.dirname(path), base)
+        merged = deep_merge(merged, read_recipe_file(base_path, chain + (os.path.abspath(path),)))
+    return deep_merge(merged, data)
+
+
+def load_recipe(path: str, overrides: tuple = (), planning: bool = False) -> Recipe:
+    """Read (with bases), override, validate. Raises RecipeError listing every problem found.
+
+    planning=True validates everything except what only matters when executing on this
+    machine's CPU (bf16, tensor/pipeline parallel), so Ascend layouts can be planned here.
+    """
+    data = read_recipe_file(path)
     problems: list = []
     for text in overrides:
         apply_override(data, *parse_override(text), problems)
-    return recipe_from_dict(data, path, problems)
+    return recipe_from_dict(data, path, problems, planning)
 
 
-def recipe_from_dict(data: dict, source: str = "<dict>", problems: list = None) -> Recipe:
+def recipe_from_dict(data: dict, source: str = "<dict>", problems: list = None, planning: bool = False) -> Recipe:
     """Validate an already-parsed recipe; `problems` carries earlier findings (e.g. from --set)."""
     problems = list(problems or [])
     recipe = load_dataclass(Recipe, data, "", problems)
+    recipe.planning = planning
     if not problems:
         problems.extend(recipe.check())
     if problems:
