@@ -1,19 +1,25 @@
-"""`scripts/run_distributed.sh RECIPE [--set key=value ...]`: validate, prepare, launch, report.
+"""`scripts/run_distributed.sh RECIPE [--set key=value ...] [--plan | --check] [cluster options]`.
 
 Everything that can be checked is checked here, in one process, before msrun starts any
-worker: the recipe, the dataset (prepared on first use when the recipe says how), and
-the run directory. Workers then start from the resolved recipe saved in the run
-directory; when one fails, the exit code is non-zero and the failing rank's last log
-lines are shown.
+worker: the recipe, the environment (preflight), the dataset (prepared on first use when
+the recipe says how), and the run directory. Workers then start from the resolved recipe
+saved in the run directory; when one fails, the exit code is non-zero and the failing
+rank's last log lines are shown. `DRY_RUN=1` prints the msrun command instead of running it.
+
+One node or many: `--nodes N --node-rank R --master-addr HOST --master-port P`, or the
+same read from Slurm's variables. Ranks are contiguous per node (node R runs ranks
+R x local .. R x local + local - 1), so tensor-parallel groups stay on a node's links.
 """
 
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 
 from training.errors import LaunchError, PretrainError
 from training.recipe import Recipe, load_recipe
@@ -22,6 +28,61 @@ from training.train import RESOLVED_RECIPE, SUMMARY
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_SCRIPT = os.path.join(REPO_ROOT, "scripts", "train.py")
 LOG_TAIL_LINES = 25
+DEFAULT_MULTINODE_PORT = 8118  # every node must name the same port; a random one cannot be shared
+
+
+@dataclass
+class Cluster:
+    nodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    local_workers: int
+    world_size: int
+
+    @property
+    def ranks(self) -> range:
+        """This node's ranks: contiguous, so tensor-parallel groups never span nodes."""
+        start = self.node_rank * self.local_workers
+        return range(start, start + self.local_workers)
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm nodelist: 'gpu[03-06,09],login1' -> 'gpu03'."""
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    if not match:
+        return nodelist
+    prefix, _, ranges = match.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def resolve_cluster(recipe: Recipe, nodes=None, node_rank=None, master_addr=None, master_port=None,
+                    env=None) -> Cluster:
+    """Node count, this node's rank and the master address, from arguments, then Slurm, then one node."""
+    env = os.environ if env is None else env
+    nodes = nodes or int(env.get("SLURM_NNODES", 1))
+    node_rank = node_rank if node_rank is not None else int(env.get("SLURM_NODEID", 0))
+    if master_addr is None:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        master_addr = first_slurm_host(nodelist) if nodelist and nodes > 1 else "127.0.0.1"
+    if master_port is None:
+        master_port = DEFAULT_MULTINODE_PORT if nodes > 1 else free_port()
+    world = recipe.world_size
+    problems = []
+    if nodes < 1 or not 0 <= node_rank < nodes:
+        problems.append(f"--node-rank {node_rank} must be in [0, {nodes}) for --nodes {nodes}")
+    elif world % nodes:
+        problems.append(f"parallel_config: {world} devices (data x model x pipeline parallel) cannot be split "
+                        f"evenly over {nodes} nodes")
+    elif recipe.hardware.devices_per_node and world // nodes != recipe.hardware.devices_per_node:
+        problems.append(f"hardware.devices_per_node: {recipe.hardware.devices_per_node}, but {world} devices over "
+                        f"{nodes} node(s) is {world // nodes} per node; WORLD_SIZE must match the real devices "
+                        "or HCCL initialisation hangs")
+    if problems:
+        raise LaunchError("; ".join(problems), hint="fix the parallel degrees or the node count before launching")
+    return Cluster(nodes, node_rank, master_addr, master_port, world // nodes, world)
 
 
 def free_port() -> int:
@@ -65,30 +126,29 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str) -> str:
     return run_dir
 
 
-def msrun_command(recipe: Recipe, run_dir: str, master_port: int) -> list:
-    msrun = shutil.which("msrun")
-    if msrun is None:
-        raise LaunchError("msrun not found on PATH", hint="install the repository: pip install -e .")
-    n = recipe.world_size
-    return [msrun, f"--worker_num={n}", f"--local_worker_num={n}", f"--master_port={master_port}",
-            f"--log_dir={os.path.join(run_dir, 'logs')}", "--join=True",
+def msrun_command(cluster: Cluster, run_dir: str) -> list:
+    msrun = shutil.which("msrun") or "msrun"
+    return [msrun, f"--worker_num={cluster.world_size}", f"--local_worker_num={cluster.local_workers}",
+            f"--master_addr={cluster.master_addr}", f"--master_port={cluster.master_port}",
+            f"--node_rank={cluster.node_rank}", f"--log_dir={os.path.join(run_dir, 'logs')}", "--join=True",
             WORKER_SCRIPT, "--run-dir", run_dir]
 
 
-def worker_env(run_dir: str, local_workers: int) -> dict:
-    """Environment for msrun and its workers."""
+def worker_env(run_dir: str, local_workers: int, hccl: dict = None) -> dict:
+    """Environment for msrun and its workers: identical HCCL settings on every rank, set before init."""
     env = dict(os.environ, LOCAL_DEFAULT_PATH=run_dir,
                PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
+    env.update(hccl or {})
     # msrun sets OMP_NUM_THREADS=1 unless it is already set, which halves CPU kernel speed
     # on a 2-core machine; share the cores between the local workers instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local_workers)))
     return env
 
 
-def failed_ranks(run_dir: str, world_size: int) -> list:
-    """(rank, state, error) for each rank that did not finish: failed, or died without a word."""
+def failed_ranks(run_dir: str, ranks) -> list:
+    """(rank, state, error) for each of `ranks` that did not finish: failed, or died without a word."""
     failed = []
-    for rank in range(world_size):
+    for rank in ranks:
         path = os.path.join(run_dir, "status", f"rank_{rank}.json")
         try:
             with open(path, encoding="utf-8") as f:
@@ -110,8 +170,8 @@ def tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
         return f"(no log at {path})\n"
 
 
-def failure_report(run_dir: str, world_size: int, returncode: int) -> str:
-    ranks = failed_ranks(run_dir, world_size) or [(None, "unknown", "")]
+def failure_report(run_dir: str, ranks, returncode: int) -> str:
+    ranks = failed_ranks(run_dir, ranks) or [(None, "unknown", "")]
     parts = [f"[launch] training failed (msrun exit code {returncode})"]
     for rank, state, error in ranks:
         if rank is None:
@@ -132,22 +192,56 @@ def format_summary(summary: dict) -> str:
             f"[launch] checkpoint: {summary['checkpoint']}")
 
 
-def launch(recipe_path: str, overrides=(), show_progress: bool = True) -> int:
+def preflight(recipe: Recipe, master_port: int = None) -> list:
+    """Run the environment checks and print them."""
+    from training.preflight import format_findings, run_checks
+
+    findings = run_checks(recipe, master_port=master_port)
+    print(format_findings(findings), flush=True)
+    return findings
+
+
+def plan_report(recipe: Recipe, device: str = None) -> str:
+    from training.planner import format_plan, plan
+
+    return format_plan(plan(recipe, device=device))
+
+
+def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: int = None, node_rank: int = None,
+           master_addr: str = None, master_port: int = None, dry_run: bool = False) -> int:
+    """Validate, check, prepare, then run msrun on this node; returns the exit code."""
+    from training.preflight import has_errors, hccl_env, write_findings
+
     recipe = load_recipe(recipe_path, tuple(overrides))
+    cluster = resolve_cluster(recipe, nodes, node_rank, master_addr, master_port)
+    findings = preflight(recipe, master_port=cluster.master_port if cluster.node_rank == 0 else None)
+    hccl = hccl_env(recipe)
+    if dry_run:
+        command = msrun_command(cluster, os.path.abspath(recipe.output_dir))
+        print("[dry-run] " + " ".join(f"{k}={v}" for k, v in sorted(hccl.items())) + " " + " ".join(command))
+        return 2 if has_errors(findings) else 0
+    if has_errors(findings):
+        raise LaunchError("preflight found errors (above); nothing was started",
+                          hint="fix them, or see `bash scripts/run_distributed.sh RECIPE --check`")
     ensure_dataset(recipe, show_progress)
     run_dir = prepare_run_dir(recipe, recipe_path)
+    write_findings(findings, run_dir)
     print(f"[launch] resolved recipe (saved as {os.path.join(run_dir, RESOLVED_RECIPE)}):\n{recipe.to_yaml()}",
           flush=True)
-    command = msrun_command(recipe, run_dir, free_port())
-    env = worker_env(run_dir, recipe.world_size)
-    print(f"[launch] {recipe.world_size} worker(s): {' '.join(command)}", flush=True)
+    command = msrun_command(cluster, run_dir)
+    env = worker_env(run_dir, cluster.local_workers, hccl)
+    print(f"[launch] node {cluster.node_rank} of {cluster.nodes}: ranks {cluster.ranks.start}-"
+          f"{cluster.ranks.stop - 1} of {cluster.world_size}; "
+          + " ".join(f"{k}={v}" for k, v in sorted(hccl.items())), flush=True)
+    print(f"[launch] {' '.join(command)}", flush=True)
     returncode = subprocess.call(command, env=env, cwd=run_dir)
-    failed = failed_ranks(run_dir, recipe.world_size)
+    failed = failed_ranks(run_dir, cluster.ranks)
     if returncode != 0 or failed:
-        print(failure_report(run_dir, recipe.world_size, returncode), file=sys.stderr, flush=True)
+        print(failure_report(run_dir, cluster.ranks, returncode), file=sys.stderr, flush=True)
         return returncode or 1
-    with open(os.path.join(run_dir, SUMMARY), encoding="utf-8") as f:
-        print(format_summary(json.load(f)), flush=True)
+    if cluster.node_rank == 0:
+        with open(os.path.join(run_dir, SUMMARY), encoding="utf-8") as f:
+            print(format_summary(json.load(f)), flush=True)
     return 0
 
 
@@ -157,13 +251,29 @@ def main(argv=None) -> int:
     parser.add_argument("recipe", help="recipe YAML, e.g. recipes/demo_cpu.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                         help="override a recipe key (repeatable), e.g. --set runner_config.stop_step=50")
+    parser.add_argument("--plan", action="store_true",
+                        help="print per-device memory and step time, then exit (works for Ascend recipes on CPU)")
+    parser.add_argument("--device", help="with --plan: device from the planner's table (default hardware.device)")
+    parser.add_argument("--check", action="store_true", help="run the preflight checks only")
+    parser.add_argument("--nodes", type=int, help="number of nodes (default: SLURM_NNODES or 1)")
+    parser.add_argument("--node-rank", type=int, help="this node's index (default: SLURM_NODEID or 0)")
+    parser.add_argument("--master-addr", help="node 0's address (default: first Slurm host or 127.0.0.1)")
+    parser.add_argument("--master-port", type=int, help=f"default {DEFAULT_MULTINODE_PORT} on several nodes")
     args = parser.parse_args(argv)
     try:
-        return launch(args.recipe, args.overrides)
+        if args.plan:
+            print(plan_report(load_recipe(args.recipe, tuple(args.overrides), planning=True), args.device))
+            return 0
+        if args.check:
+            from training.preflight import has_errors
+            recipe = load_recipe(args.recipe, tuple(args.overrides))
+            return 2 if has_errors(preflight(recipe, master_port=args.master_port)) else 0
+        return launch(args.recipe, args.overrides, nodes=args.nodes, node_rank=args.node_rank,
+                      master_addr=args.master_addr, master_port=args.master_port,
+                      dry_run=os.environ.get("DRY_RUN", "") not in ("", "0"))
     except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())

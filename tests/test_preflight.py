@@ -1,0 +1,226 @@
+"""Preflight on this machine: real versions, sockets, processes, limits and disk; no mocks."""
+
+import importlib.metadata
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from conftest import DEMO_RECIPE, REPO_ROOT, TINY_RECIPE
+from training.preflight import (MIN_MAX_MAP_COUNT, SUPPORTED_VERSIONS, check_device, check_disk, check_hccl,
+                                check_leftover_processes, check_master_port, check_max_map_count, check_memlock,
+                                check_versions, checkpoint_bytes, format_findings, has_errors, hccl_env,
+                                installed_versions, load_table, run_checks, training_processes, visible_npus,
+                                write_findings)
+from training.errors import LaunchError
+from training.recipe import load_recipe
+
+
+@pytest.fixture(scope="module")
+def installed():
+    return installed_versions()
+
+
+@pytest.fixture(scope="module")
+def table():
+    return load_table()
+
+
+def version_map():
+    import importlib.util
+    folder = importlib.util.find_spec("mindformers").submodule_search_locations[0]
+    with open(os.path.join(folder, "VERSION_MAP.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_pinned_stack_is_supported(installed, table):
+    assert installed["mindspore"] == importlib.metadata.version("mindspore")
+    assert installed["mindformers"] == importlib.metadata.version("mindformers")
+    findings = check_versions(installed, table, "CPU")
+    assert [f.level for f in findings] == ["ok"], format_findings(findings)
+    assert f"mindspore {installed['mindspore']}" in findings[0].message
+    assert "supported (pinned CPU stack)" in findings[0].message
+
+
+def test_table_agrees_with_installed_version_map():
+    own = load_table(version_map=None)
+    pairs = {r["when"]["mindformers"]: r["requires"]["mindspore"] for r in own["known_bad"]
+             if "mindformers" in r["when"]}
+    assert pairs == {mf: entry["support"] for mf, entry in version_map()["mf"].items()}
+
+
+def test_mindformers_with_other_mindspore_is_refused(installed, table):
+    findings = check_versions(dict(installed, mindspore="2.7.2"), table, "CPU")
+    assert [f.level for f in findings] == ["error"]
+    assert "known-bad combination: mindformers 1.9.0 with mindspore 2.7.2" in findings[0].message
+    assert "VERSION_MAP.json" in findings[0].message and "Install mindspore 2.9.0" in findings[0].message
+
+
+def test_installed_version_map_covers_releases_the_table_omits(installed, tmp_path):
+    bare = tmp_path / "supported.yaml"
+    bare.write_text(yaml.safe_dump({"supported": [], "known_bad": []}))
+    findings = check_versions(dict(installed, mindformers="1.8.0"), load_table(str(bare)), "CPU")
+    assert [f.level for f in findings] == ["error"]
+    assert "MindFormers 1.8.0 supports MindSpore 2.7.2" in findings[0].message
+
+
+def test_cann_outside_mindspores_own_list_is_refused(installed, table):
+    ascend = dict(installed, cann="8.0.0", driver="26.0.RC1")
+    findings = check_versions(ascend, table, "Ascend")
+    assert [f.level for f in findings] == ["error"]
+    assert "mindspore 2.9.0 with cann 8.0.0" in findings[0].message
+
+
+def test_cann_accepted_but_unpublished_warns(installed, table):
+    findings = check_versions(dict(installed, cann="8.5.0", driver="25.5.0"), table, "Ascend")
+    assert [f.level for f in findings] == ["warn"]
+    assert "untested combination" in findings[0].message and "cann 8.5.0 (row: 9.0.0)" in findings[0].message
+    published = check_versions(dict(installed, cann="9.0.0", driver="26.0.rc1"), table, "Ascend")
+    assert [f.level for f in published] == ["ok"], format_findings(published)
+
+
+def test_firmware_outside_driver_range_is_refused(installed, table):
+    stack = dict(installed, cann="9.0.0", driver="26.0.RC1", firmware="7.7.0.9.220", firmware_range="7.0.0,7.5.99")
+    findings = check_versions(stack, table, "Ascend")
+    assert [f.level for f in findings] == ["error"]
+    assert "firmware 7.7.0.9.220 is outside the range driver 26.0.RC1 declares" in findings[0].message
+
+
+def test_unknown_python_warns(installed, table):
+    findings = check_versions(dict(installed, python="3.12.4"), table, "CPU")
+    assert [f.level for f in findings] == ["warn"]
+    assert "python 3.12.4 (row: 3.11)" in findings[0].message
+
+
+def test_unquoted_version_in_table_is_rejected(tmp_path):
+    bad = tmp_path / "supported.yaml"
+    bad.write_text("supported:\n  - {name: x, device: CPU, python: 3.10}\nknown_bad: []\n")
+    with pytest.raises(LaunchError, match=r"supported.0.python: 3.1 must be a quoted string"):
+        load_table(str(bad), version_map=None)
+
+
+@pytest.mark.skipif(bool(visible_npus() or shutil.which("npu-smi")), reason="this machine has an NPU")
+def test_ascend_without_npu_is_refused():
+    recipe = load_recipe(TINY_RECIPE, ("context.device_target=Ascend",))
+    findings = check_device(recipe)
+    assert [f.level for f in findings] == ["error"]
+    assert "no NPU is visible" in findings[0].message and "--set context.device_target=CPU" in findings[0].message
+    assert [f.level for f in check_device(load_recipe(TINY_RECIPE))] == ["ok"]
+
+
+def test_hccl_values_from_recipe_and_defaults():
+    assert hccl_env(load_recipe(TINY_RECIPE)) == {"HCCL_CONNECT_TIMEOUT": "1200", "HCCL_EXEC_TIMEOUT": "1836",
+                                                  "HCCL_BUFFSIZE": "200"}
+    recipe = load_recipe(TINY_RECIPE, ("hccl.connect_timeout=300",))
+    assert hccl_env(recipe)["HCCL_CONNECT_TIMEOUT"] == "300"
+    findings = check_hccl(recipe, env={"HCCL_CONNECT_TIMEOUT": "300"})
+    assert [f.level for f in findings] == ["ok"] and "from recipe hccl.connect_timeout" in findings[0].message
+
+
+def test_hccl_environment_that_differs_warns_and_bad_value_is_refused():
+    findings = check_hccl(load_recipe(TINY_RECIPE), env={"HCCL_EXEC_TIMEOUT": "600", "HCCL_BUFFSIZE": "200"})
+    assert [f.level for f in findings] == ["warn"]
+    assert "HCCL_EXEC_TIMEOUT=600 in your environment" in findings[0].message
+    assert "exports HCCL_EXEC_TIMEOUT=1836" in findings[0].message
+    findings = check_hccl(load_recipe(TINY_RECIPE, ("hccl.connect_timeout=60",)), env={})
+    assert [f.level for f in findings] == ["error"] and "[120, 7200]" in findings[0].message
+
+
+def test_environment_is_the_one_the_user_exported():
+    """Importing MindSpore sets HCCL_CONNECT_TIMEOUT=600; that is not the user's setting."""
+    code = ("import os, mindspore; from training.preflight import launch_environment; "
+            "print(os.environ.get('HCCL_CONNECT_TIMEOUT'), launch_environment().get('HCCL_CONNECT_TIMEOUT'))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HCCL_")}
+    env["PYTHONPATH"] = REPO_ROOT
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         check=True).stdout.split()
+    assert out[-2:] == ["600", "None"]
+
+
+def test_limits_are_read_from_this_machine():
+    with open("/proc/sys/vm/max_map_count") as f:
+        value = int(f.read())
+    [finding] = check_max_map_count()
+    assert finding.level == ("ok" if value >= MIN_MAX_MAP_COUNT else "warn")
+    assert str(value) in finding.message
+    if finding.level == "warn":
+        assert f"sysctl -w vm.max_map_count={MIN_MAX_MAP_COUNT}" in finding.message
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    [finding] = check_memlock("Ascend")
+    assert finding.level == ("ok" if soft == resource.RLIM_INFINITY else "warn")
+    if finding.level == "warn":
+        assert "ulimit -l" in finding.message and "memlock" in finding.message
+
+
+def test_busy_master_port_is_refused():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        findings = check_master_port(port)
+        assert [f.level for f in findings] == ["error"]
+        assert f"master port {port} is in use" in findings[0].message and "choose another" in findings[0].message
+    assert [f.level for f in check_master_port(port)] == ["ok"]
+
+
+def test_leftover_training_process_is_named():
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "scripts/train.py"])
+    try:
+        deadline = time.time() + 10
+        while worker.pid not in [pid for pid, _ in training_processes()] and time.time() < deadline:
+            time.sleep(0.05)  # until the child has exec'd and /proc shows its own command line
+        warnings = [f for f in check_leftover_processes() if f.data.get("pid") == worker.pid]
+        assert [f.level for f in warnings] == ["warn"]
+        assert f"process {worker.pid} is still running" in warnings[0].message
+        assert "scripts/train.py" in warnings[0].message and f"kill {worker.pid}" in warnings[0].message
+    finally:
+        worker.kill()
+        worker.wait()
+    assert worker.pid not in [pid for pid, _ in training_processes()]
+
+
+def test_own_process_is_not_a_leftover():
+    code = "import os; from training.preflight import training_processes; print(os.getpid(), training_processes())"
+    out = subprocess.run([sys.executable, "-c", code, "scripts/train.py"], capture_output=True, text=True,
+                         cwd=REPO_ROOT, timeout=60, check=True).stdout
+    pid, found = out.split(" ", 1)
+    assert f"({pid}," not in found
+
+
+def test_checkpoints_that_do_not_fit_are_refused(tmp_path):
+    recipe = load_recipe(TINY_RECIPE, ("model.model_config.hidden_size=1048576", f"output_dir={tmp_path}/run"))
+    free = shutil.disk_usage(tmp_path).free
+    assert checkpoint_bytes(recipe) * 2 > free  # keep_checkpoint_max 2 in tiny_cpu.yaml
+    [finding] = check_disk(recipe)
+    assert finding.level == "error"
+    assert "checkpoints will not fit" in finding.message and str(tmp_path) in finding.message
+    assert finding.data["needed_bytes"] == checkpoint_bytes(recipe) * 2
+
+
+def test_checkpoint_estimate_counts_weights_and_adamw_moments():
+    recipe = load_recipe(DEMO_RECIPE)
+    assert checkpoint_bytes(recipe) == 4_212_992 * 12  # the parameter count in the recipe's header
+
+
+def test_findings_are_written_to_the_run_directory(tmp_path):
+    recipe = load_recipe(TINY_RECIPE, (f"output_dir={tmp_path}/run",))
+    findings = run_checks(recipe, run_dir=str(tmp_path / "run"))
+    assert {f.check for f in findings} >= {"versions", "device", "hccl", "memlock", "max_map_count",
+                                           "master_port", "processes", "disk"}
+    assert not has_errors(findings), format_findings(findings)
+    json_path, txt_path = write_findings(findings, str(tmp_path / "run"))
+    with open(json_path) as f:
+        record = json.load(f)
+    assert len(record["findings"]) == len(findings) and record["errors"] == 0
+    versions = next(f for f in record["findings"] if f["check"] == "versions")
+    assert versions["data"]["mindspore"] == importlib.metadata.version("mindspore")
+    with open(txt_path) as f:
+        assert f.read() == format_findings(findings) + "\n"
+    assert os.path.basename(SUPPORTED_VERSIONS) == "supported_versions.yaml"
