@@ -220,11 +220,25 @@ class TrainDatasetTaskConfig:
 
 
 @dataclass
+class ParallelOptimizerConfig:
+    """MindSpore's optimizer parallel (semi-auto/auto parallel with enable_parallel_optimizer).
+
+    level1 slices weights and optimizer states over data parallel (the gathered weights live
+    from forward to backward), level2 also slices gradients, level3 also re-gathers weights
+    before backward so the forward copies are freed.
+    """
+
+    optimizer_level: Literal["level1", "level2", "level3"] = "level1"
+    parallel_optimizer_threshold: int = 64  # KB; smaller parameters are not sliced
+
+
+@dataclass
 class ParallelConfig:
     parallel_mode: Literal[0, 1, 2, 3] = 0  # 0 data, 1 semi-auto, 2 auto, 3 hybrid parallel
     gradients_mean: bool = True
     full_batch: bool = False
     enable_parallel_optimizer: bool = False
+    parallel_optimizer_config: ParallelOptimizerConfig = field(default_factory=lambda: ParallelOptimizerConfig())
     search_mode: Literal["sharding_propagation", "recursive_programming", "dynamic_programming"] = \
         "sharding_propagation"
 
@@ -356,6 +370,8 @@ class Recipe:
     seed: int = 0
     run_mode: Literal["train"] = "train"
     load_checkpoint: str = ""
+    # MindFormers 1.9 reads `load_checkpoint` directories as safetensors (scripts/convert_checkpoint.py writes them)
+    load_ckpt_format: Literal["ckpt", "safetensors"] = "ckpt"
     resume_training: bool = False
     use_parallel: bool = False
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

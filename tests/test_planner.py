@@ -1,0 +1,179 @@
+"""Memory and step-time planner: hand-computed sizes, the real CPU allocation, and sanity checks."""
+
+import pytest
+
+from conftest import DEMO_RECIPE, TINY_RECIPE
+from models.arithmetic import flops_per_token, param_count
+from training.errors import PretrainError
+from training.planner import DEVICES, GB, format_plan, layer_activation_bytes, plan, stage_parameters
+from training.recipe import load_recipe
+
+SMALL = ("model.model_config.vocab_size=100", "model.model_config.hidden_size=32",
+         "model.model_config.num_layers=2", "model.model_config.num_heads=4", "model.model_config.num_kv_heads=2",
+         "model.model_config.intermediate_size=64", "model.model_config.seq_length=32", "runner_config.batch_size=2")
+ASCEND = ("context.device_target=Ascend", "use_parallel=True", "parallel.parallel_mode=1")
+LLAMA2_7B = ASCEND + (
+    "model.model_config.vocab_size=32000", "model.model_config.hidden_size=4096", "model.model_config.num_layers=32",
+    "model.model_config.num_heads=32", "model.model_config.num_kv_heads=32",
+    "model.model_config.intermediate_size=11008", "model.model_config.seq_length=4096",
+    "model.model_config.compute_dtype=bfloat16", "runner_config.batch_size=1")
+
+
+def recipe(*overrides, path=TINY_RECIPE):
+    return load_recipe(path, tuple(overrides))
+
+
+def test_hand_computed_small_model():
+    p = plan(recipe(*SMALL), device="CPU")
+    # Per layer: q 32x32 + k 16x32 + v 16x32 + o 32x32 + gate/up/down 3 x 32x64 + two norms 2x32 = 9,280.
+    # Tables: vocabulary 100 padded to 112 rows x 32, embedding + untied lm_head. Final norm 32.
+    params = 2 * 9_280 + 2 * 112 * 32 + 32
+    assert params == 25_760 == p.parameters == p.stage_parameters
+    assert p.weight_bytes == 4 * params == 103_040
+    assert p.gradient_bytes == 103_040
+    assert p.optimizer_bytes == p.optimizer_bytes_unsharded == 8 * params == 206_080
+    # fp32 activations (e = 4), s 32, b 2, h 32, f 64, 4 heads: s*b*h = 2,048, s*b*f = 4,096.
+    # none: 4e sbh (norm and projection inputs) + 4e sbh (Q, K, V, o input) + 4e sbf (SwiGLU)
+    #       + 4 a s^2 b (fp32 softmax) = 32,768 + 32,768 + 65,536 + 32,768 per layer.
+    assert p.activation_bytes_none == 2 * 163_840
+    assert p.activation_bytes_selective == 2 * 131_072
+    assert p.activation_bytes_full == 2 * 4 * 2_048
+    assert p.logits_bytes == 2 * 32 * 112 * 4
+    assert p.recompute == "none" and p.in_flight == 1
+    assert p.total_bytes == 103_040 * 2 + 206_080 + 2 * 163_840 + 28_672
+
+
+@pytest.mark.parametrize("extra", [(), SMALL + ("model.model_config.tie_word_embeddings=True",
+                                                 "model.model_config.qkv_bias=True")])
+def test_weights_and_optimizer_match_a_real_cpu_allocation(extra):
+    import mindspore as ms
+    from mindformers.core.optim import AdamW
+    from models.llama import LlamaConfig, LlamaForCausalLM
+
+    r = recipe(*extra)
+    c = r.model.model_config
+    net = LlamaForCausalLM(LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers, num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads, intermediate_size=c.intermediate_size, seq_length=c.seq_length,
+        tie_word_embeddings=c.tie_word_embeddings, qkv_bias=c.qkv_bias, vocab_pad_multiple=c.vocab_pad_multiple,
+        compute_dtype=c.compute_dtype))
+    optimizer = AdamW(net.trainable_params(), learning_rate=1e-3)
+    weights = sum(p.size * p.itemsize for p in net.get_parameters())
+    moments = sum(p.size * p.itemsize for p in list(optimizer.exp_avg) + list(optimizer.exp_avg_sq))
+    p = plan(r, device="CPU")
+    assert weights == p.weight_bytes
+    assert moments == p.optimizer_bytes
+    # Everything else the optimizer owns: its int32 step counter and float32 learning rate (8 bytes).
+    own = {id(x) for x in list(optimizer.exp_avg) + list(optimizer.exp_avg_sq) + list(net.get_parameters())}
+    rest = {q.name: (q.dtype, q.size * q.itemsize) for q in optimizer.get_parameters() if id(q) not in own}
+    assert rest == {"global_step": (ms.int32, 4), "learning_rate": (ms.float32, 4)}
+
+
+def test_recompute_modes_order_and_layer_formula():
+    p = plan(recipe(*LLAMA2_7B, "parallel_config.model_parallel=8"), device="Ascend910B2")
+    assert p.activation_bytes_full < p.activation_bytes_selective < p.activation_bytes_none
+    cfg = recipe(*LLAMA2_7B).model.model_config
+    sbh = 4096 * 4096
+    # Korthikanti's s*b*h*(34 + 5as/h) adapted (see layer_activation_bytes); bf16, no TP:
+    # 8 sbh + 8 sbh + 8 s*b*f + (4 + 2) a s^2 b.
+    assert layer_activation_bytes(cfg, 1, 1, "none") == 16 * sbh + 8 * 4096 * 11008 + 6 * 32 * 4096 ** 2
+    assert layer_activation_bytes(cfg, 1, 1, "full") == 2 * sbh
+    # TP splits everything except the norm/projection inputs (no sequence parallelism).
+    assert layer_activation_bytes(cfg, 1, 8, "selective") == 8 * sbh + (8 * sbh + 8 * 4096 * 11008) // 8
+
+
+def test_optimizer_sharding_divides_by_data_parallel():
+    dp4 = ASCEND + ("parallel_config.data_parallel=4",)
+    unsharded = plan(recipe(*dp4), device="Ascend910B2")
+    sharded = plan(recipe(*dp4, "parallel.enable_parallel_optimizer=True"), device="Ascend910B2")
+    assert not unsharded.optimizer_sharded and sharded.optimizer_sharded
+    assert sharded.optimizer_bytes * 4 == unsharded.optimizer_bytes == sharded.optimizer_bytes_unsharded
+    assert unsharded.optimizer_bytes_sharded == sharded.optimizer_bytes
+    # level1: a 1/DP fp32 slice plus the all-gathered copy that lives from forward to backward.
+    assert sharded.weight_bytes == unsharded.weight_bytes + -(-unsharded.weight_bytes // 4)
+    assert sharded.gradient_bytes == unsharded.gradient_bytes
+    level3 = plan(recipe(*dp4, "parallel.enable_parallel_optimizer=True",
+                         "parallel.parallel_optimizer_config.optimizer_level=level3"), device="Ascend910B2")
+    assert level3.gradient_bytes == -(-unsharded.gradient_bytes // 4)
+    layers = 2  # the gathered copy of about one layer at a time
+    assert level3.weight_bytes == -(-unsharded.weight_bytes // 4) + -(-unsharded.weight_bytes // layers)
+    # MindSpore shards optimizer states only in semi-auto/auto parallel: not in data-parallel mode.
+    data_parallel_mode = plan(recipe(*dp4, "parallel.enable_parallel_optimizer=True", "parallel.parallel_mode=0"),
+                              device="Ascend910B2")
+    assert not data_parallel_mode.optimizer_sharded
+    assert any("only in semi-auto/auto" in n for n in data_parallel_mode.notes)
+
+
+def test_tensor_parallel_halves_weights():
+    split_vocab = ASCEND + ("parallel_config.vocab_emb_dp=False",)
+    tp1 = plan(recipe(*split_vocab), device="Ascend910B2")
+    tp2 = plan(recipe(*split_vocab, "parallel_config.model_parallel=2"), device="Ascend910B2")
+    h, layers = 64, 2
+    replicated = 4 * (layers * 2 * h + h)  # RMSNorm weights stay whole on every TP rank
+    assert tp2.weight_bytes == (tp1.weight_bytes - replicated) // 2 + replicated
+    assert tp2.weight_bytes == pytest.approx(tp1.weight_bytes / 2, rel=0.01)
+    assert tp2.gradient_bytes * 2 == pytest.approx(tp1.gradient_bytes, rel=0.01)
+    # vocab_emb_dp (the default) keeps the embedding table whole on every TP rank.
+    replicated_table = plan(recipe(*ASCEND, "parallel_config.model_parallel=2"), device="Ascend910B2")
+    assert replicated_table.weight_bytes - tp2.weight_bytes == 4 * 512 * 64 // 2
+
+
+def test_pipeline_reports_the_heaviest_stage():
+    r = recipe(*ASCEND, "parallel_config.pipeline_stage=2", "parallel_config.micro_batch_num=4")
+    p = plan(r, device="Ascend910B2")
+    assert p.stage_layers == [1, 1] and len(p.stage_total_bytes) == 2
+    assert p.total_bytes == max(p.stage_total_bytes) == p.stage_total_bytes[p.stage]
+    # 1F1B: the first stage holds pipeline_stage micro-batches in flight, the last one.
+    assert p.stage == 0 and p.in_flight == 2 and p.logits_bytes == 0
+    cfg = r.model.model_config
+    assert (stage_parameters(cfg, 0, 1, 2) + stage_parameters(cfg, 1, 1, 2)) == param_count(cfg)
+
+
+def test_step_time_at_the_stated_mfu():
+    r = recipe(*LLAMA2_7B, "parallel_config.model_parallel=8", "recompute_config.recompute=True")
+    p = plan(r, device="Ascend910B2", mfu=0.5)
+    assert p.flops_per_token == flops_per_token(r.model.model_config)
+    assert p.tokens_per_step == r.tokens_per_step == 4096
+    assert p.step_time_s == pytest.approx(4096 * p.flops_per_token / (8 * 376e12 * 0.5))
+    assert plan(recipe(), device="CPU").step_time_s is None  # no peak FLOP/s for a CPU
+    assert plan(r, device="Ascend910A").step_time_s is None   # the 910A has no bf16
+
+
+def test_tiny_and_demo_recipes_plan_on_this_machine():
+    for path in (TINY_RECIPE, DEMO_RECIPE):
+        p = plan(load_recipe(path))
+        assert p.device == "CPU" and p.fits and p.device_memory_bytes == DEVICES["CPU"].memory_bytes
+        text = format_plan(p)
+        assert "fits: " in text and "<- recipe" in text and "weights (fp32 master)" in text
+    with open("/proc/meminfo") as f:
+        assert DEVICES["CPU"].memory_bytes == int(f.readline().split()[1]) * 1024
+
+
+def test_llama2_7b_on_one_64gb_device_does_not_fit_but_tp8_with_recompute_does():
+    single = plan(recipe(*LLAMA2_7B), device="Ascend910B2")
+    assert single.weight_bytes == 4 * 6_738_415_616  # the published count; 32,000 is already 16-aligned
+    assert not single.fits and single.device_memory_bytes == 64 * GB
+    text = format_plan(single)
+    assert "WILL NOT FIT: needs" in text and "device has 64.0 GB" in text
+    assert "levers in order: recompute" in text
+    assert text.index("recompute (full") < text.index("optimizer-state sharding") < text.index("pipeline") \
+        < text.index("tensor parallel")
+
+    tp8 = plan(recipe(*LLAMA2_7B, "parallel_config.model_parallel=8", "recompute_config.recompute=True"),
+               device="Ascend910B2")
+    assert tp8.fits and tp8.recompute == "full" and tp8.activation_bytes == tp8.activation_bytes_full
+    text = format_plan(tp8)
+    assert text.count("<- recipe") == 1 and "full recompute (layer inputs only)" in text.split("<- recipe")[0][-80:]
+    assert "fits: " in text and "WILL NOT FIT" not in text
+
+
+def test_max_device_memory_caps_the_budget():
+    p = plan(recipe(*ASCEND, "context.max_device_memory=58GB"), device="Ascend910B2")
+    assert p.device_memory_bytes == 58 * GB and "max_device_memory" in p.device_memory_note
+
+
+def test_unknown_device_names_the_known_ones():
+    with pytest.raises(PretrainError, match="(?s)unknown device 'H100'.*Ascend910B2"):
+        plan(recipe(), device="H100")
+    assert plan(recipe(*ASCEND), device="ascend910b3").device == "Ascend910B3"
+    assert all(spec.source for spec in DEVICES.values())
