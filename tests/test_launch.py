@@ -94,3 +94,53 @@ def test_rerun_into_an_existing_run_is_refused(tiny_dataset, tmp_path):
 def test_bad_values_are_refused(bad, tmp_path):
     result = run_launcher(TINY_RECIPE, "--set", bad, "--set", f"output_dir={tmp_path}/run")
     assert result.returncode == 2 and "runner_config.stop_step: must be >= 0" in result.stderr
+
+
+def test_slurm_and_explicit_cluster_resolution():
+    from training.launch import first_slurm_host, resolve_cluster
+    from training.recipe import load_recipe
+    from training.errors import LaunchError
+
+    assert first_slurm_host("gpu[03-06,09],login1") == "gpu03"
+    assert first_slurm_host("node7") == "node7"
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_70b_32dev.yaml"))
+    cluster = resolve_cluster(recipe, env={"SLURM_NNODES": "4", "SLURM_NODEID": "2",
+                                           "SLURM_JOB_NODELIST": "ascend[10-13]"})
+    assert (cluster.nodes, cluster.node_rank, cluster.master_addr, cluster.master_port) == (4, 2, "ascend10", 8118)
+    assert cluster.local_workers == 8 and list(cluster.ranks) == list(range(16, 24))  # contiguous per node
+    explicit = resolve_cluster(recipe, nodes=4, node_rank=0, master_addr="10.1.1.1", master_port=9000, env={})
+    assert explicit.master_addr == "10.1.1.1" and explicit.ranks == range(0, 8)
+    with pytest.raises(LaunchError, match=r"hardware\.devices_per_node: 8, but 32 devices over 2 node\(s\) is 16"):
+        resolve_cluster(recipe, nodes=2, env={})
+    with pytest.raises(LaunchError, match="cannot be split evenly over 3 nodes"):
+        resolve_cluster(recipe, nodes=3, env={})
+
+
+def test_dry_run_prints_the_msrun_command(tmp_path):
+    env = dict(os.environ, DRY_RUN="1")
+    result = subprocess.run(["bash", LAUNCHER, os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml"),
+                             "--set", f"output_dir={tmp_path}/run", "--set", "hardware.devices_per_node=1",
+                             "--nodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.5"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    line = [x for x in result.stdout.splitlines() if x.startswith("[dry-run]")][0]
+    for part in ("HCCL_CONNECT_TIMEOUT=", "--worker_num=2", "--local_worker_num=1", "--master_addr=10.0.0.5",
+                 "--master_port=8118", "--node_rank=1", "scripts/train.py"):
+        assert part in line
+    assert not os.path.exists(tmp_path / "run")  # nothing prepared, nothing started
+
+
+@pytest.mark.parametrize("name", ["llama2_7b_8dev", "llama2_13b_8dev", "llama2_70b_32dev", "dense_100b_32dev",
+                                  "demo_cpu", "tiny_dp2_cpu"])
+def test_plan_works_for_every_shipped_recipe_on_cpu(name):
+    result = run_launcher(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), "--plan")
+    assert result.returncode == 0, result.stderr
+    assert "fits" in result.stdout.lower()
+
+
+def test_plan_still_works_for_ascend_features_asked_on_cpu():
+    result = run_launcher(TINY_RECIPE, "--plan", "--set", "model.model_config.compute_dtype=bfloat16",
+                          "--set", "use_parallel=True", "--set", "parallel_config.model_parallel=2")
+    assert result.returncode == 0, result.stderr
+    refused = run_launcher(TINY_RECIPE, "--set", "model.model_config.compute_dtype=bfloat16")
+    assert refused.returncode == 2 and "bfloat16 kernels exist only on Ascend/GPU" in refused.stderr

@@ -152,6 +152,22 @@ def _header_parameter_count(path):
     return int(match.group(1).replace(",", ""))
 
 
+SHIPPED = sorted(p for p in glob.glob(os.path.join(REPO_ROOT, "recipes", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", SHIPPED)
+def test_header_states_parameters_tokens_and_memory(path):
+    from models.arithmetic import param_count
+
+    recipe = load_recipe(path)
+    with open(path, encoding="utf-8") as f:
+        header = f.read().split("\n\n")[0]
+    tp = recipe.parallel_config.model_parallel
+    assert _header_parameter_count(path) == param_count(recipe.model.model_config, tensor_parallel=tp)
+    assert f"{recipe.tokens_per_step:,}" in header
+    assert "Memory" in header or "memory" in header
+
+
 @pytest.mark.parametrize("path", [TINY_RECIPE, DEMO_RECIPE])
 def test_header_parameter_count_matches_the_model(path):
     import mindspore as ms
