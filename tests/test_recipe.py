@@ -114,6 +114,15 @@ def test_seq_length_must_be_16_aligned():
         load_recipe(TINY_RECIPE, ("model.model_config.seq_length=100",))
 
 
+def test_hidden_head_and_mlp_sizes_are_16_aligned():
+    with pytest.raises(RecipeError) as info:
+        load_recipe(TINY_RECIPE, ("model.model_config.hidden_size=72", "model.model_config.intermediate_size=170"))
+    text = str(info.value)
+    assert "model.model_config.hidden_size: 72 is not a multiple of 16" in text
+    assert "model.model_config.intermediate_size: 170 is not a multiple of 16 (the Cube unit's tile); use 176" in text
+    assert "head size 18 is not a multiple of 16" in text
+
+
 def test_cpu_refuses_what_needs_ascend():
     with pytest.raises(RecipeError) as info:
         load_recipe(TINY_RECIPE, ("model.model_config.compute_dtype=bfloat16", "use_parallel=True",

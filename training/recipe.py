@@ -156,6 +156,13 @@ class ModelConfig:
         if self.vocab_pad_multiple < 1 or self.vocab_pad_multiple % SEQ_ALIGN:
             problems.append(f"{p}.vocab_pad_multiple: {self.vocab_pad_multiple} must be a positive multiple of "
                             f"{SEQ_ALIGN}")
+        for name in ("hidden_size", "intermediate_size"):
+            if getattr(self, name) % SEQ_ALIGN:
+                problems.append(f"{p}.{name}: {getattr(self, name)} is not a multiple of {SEQ_ALIGN} (the Cube "
+                                f"unit's tile); use {_round_up(getattr(self, name), SEQ_ALIGN)}")
+        if not self.hidden_size % self.num_heads and (self.hidden_size // self.num_heads) % SEQ_ALIGN:
+            problems.append(f"{p}.hidden_size, {p}.num_heads: head size {self.hidden_size // self.num_heads} is not "
+                            f"a multiple of {SEQ_ALIGN}; attention matmuls would be padded on Ascend")
         if self.hidden_size % self.num_heads:
             problems.append(f"{p}.hidden_size, {p}.num_heads: hidden_size {self.hidden_size} is not "
                             f"divisible by num_heads {self.num_heads}")
