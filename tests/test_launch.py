@@ -1,6 +1,7 @@
 """The launcher as a user runs it: bad input stops before training; a dead worker is named."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -144,3 +145,31 @@ def test_plan_still_works_for_ascend_features_asked_on_cpu():
     assert result.returncode == 0, result.stderr
     refused = run_launcher(TINY_RECIPE, "--set", "model.model_config.compute_dtype=bfloat16")
     assert refused.returncode == 2 and "bfloat16 kernels exist only on Ascend/GPU" in refused.stderr
+
+
+def test_stalled_worker_is_named_by_rank_and_phase(tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(["bash", LAUNCHER, TINY_RECIPE, "--set", f"output_dir={run_dir}",
+                             "--set", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                             "--set", "runner_config.stop_step=0", "--set", "runner_config.epochs=50",
+                             "--set", "monitoring.hang_timeout=20"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.5)
+    import json
+    pid = json.loads((run_dir / "status" / "rank_0.json").read_text())["pid"]
+    os.kill(pid, signal.SIGSTOP)  # a hang: alive, silent
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 3
+    assert re.search(r"rank 0 stalled in phase '(data|step \d+|save)' for \d+ s \(monitoring\.hang_timeout 20 s\)",
+                     stderr), stderr
+    assert re.search(r"rank 0: killed or crashed \(last phase '(data|step \d+|save)'", stderr), stderr

@@ -1,17 +1,22 @@
 """Training through MindFormers' Trainer, launched like a user does, on real data in graph mode."""
 
+import glob
 import json
+import math
 import os
+import subprocess
+import sys
 
 import pytest
 
-from conftest import TINY_RECIPE
+from conftest import REPO_ROOT, TINY_RECIPE
 from training.launch import launch
 
 
-def read_metrics(run_dir):
+def read_metrics(run_dir, held_out=False):
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+        records = [json.loads(line) for line in f]
+    return [r for r in records if ("val_loss" in r) == held_out]
 
 
 def run_tiny(tmp_path_factory, tiny_dataset, name, *extra):
@@ -29,7 +34,9 @@ def tiny_run(tmp_path_factory, tiny_dataset):
     old = os.getcwd()
     os.chdir(cwd)
     try:
-        run_dir = run_tiny(tmp_path_factory, tiny_dataset, "baseline")
+        run_dir = run_tiny(tmp_path_factory, tiny_dataset, "baseline", "do_eval=True", "eval_step_interval=5",
+                           f"eval_dataset={{data_loader: {{dataset_dir: {tiny_dataset}}}, max_batches: 4}}",
+                           "profile={start_step: 3, stop_step: 4}")
     finally:
         os.chdir(old)
     return run_dir, str(cwd)
@@ -82,3 +89,54 @@ def test_recompute_changes_memory_not_math(tmp_path_factory, tiny_dataset, tiny_
                        "runner_config.stop_step=6", "lr_schedule.total_steps=20")
     recomputed = read_metrics(run_dir)
     assert [r["loss"] for r in recomputed] == pytest.approx([r["loss"] for r in baseline], rel=1e-5)
+
+
+def test_metrics_lines_have_every_field_with_plausible_values(tiny_run):
+    records = read_metrics(tiny_run[0])
+    fields = {"step", "loss", "lr", "grad_norm", "loss_scale", "step_time", "iteration_gap", "data_wait",
+              "tokens_per_s", "tokens_per_s_per_device", "mfu", "host_memory", "device_memory", "compile", "time"}
+    assert all(fields <= set(r) for r in records)
+    assert records[0]["compile"] and not any(r["compile"] for r in records[1:])
+    steady = records[1:]
+    assert records[0]["step_time"] > 5 * max(r["step_time"] for r in steady)  # compile reported on its own
+    for r in steady:
+        assert 0 <= r["data_wait"] < 1 and r["iteration_gap"] >= 0
+        assert r["tokens_per_s"] == pytest.approx(256 / (r["step_time"] + r["iteration_gap"]), rel=1e-3)
+        assert r["tokens_per_s_per_device"] == r["tokens_per_s"]
+        assert 0 < r["mfu"] < 1  # against the GEMM peak measured at start-up
+        assert 100e6 < r["host_memory"] < 8e9 and r["device_memory"] is None  # CPU: no device memory
+        assert r["loss_scale"] == 1.0
+    with open(os.path.join(tiny_run[0], "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    assert summary["compile_time"] > 1 and 0 < summary["mfu"] < 1 and 0 <= summary["data_wait"] < 1
+
+
+def test_held_out_loss_at_the_configured_interval(tiny_run):
+    held_out = read_metrics(tiny_run[0], held_out=True)
+    assert [r["step"] for r in held_out] == [5, 10, 15, 20]
+    assert all(r["val_batches"] == 4 and r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in held_out)
+    assert held_out[-1]["val_loss"] < held_out[0]["val_loss"]
+
+
+def test_tensorboard_and_heartbeat_written(tiny_run):
+    run_dir = tiny_run[0]
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(run_dir, "tensorboard")))
+    with open(os.path.join(run_dir, "heartbeat", "rank_0.json"), encoding="utf-8") as f:
+        beat = json.load(f)
+    assert beat["phase"] == "done" and beat["step"] == 20
+
+
+def test_profiler_window_writes_a_trace(tiny_run):
+    traces = glob.glob(os.path.join(tiny_run[0], "profile", "rank_0", "**", "trace_view.json"), recursive=True)
+    assert traces and os.path.getsize(traces[0]) > 100
+    with open(os.path.join(tiny_run[0], "logs", "worker_0.log"), encoding="utf-8") as f:
+        assert "[profile] steps 3-4 traced: " in f.read()
+
+
+def test_plot_script_writes_pngs(tiny_run, tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "scripts", "plot_run.py"), tiny_run[0],
+                             "--output", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for name in ("loss", "lr", "tokens_per_s", "grad_norm", "data_wait"):
+        with open(tmp_path / f"{name}.png", "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"

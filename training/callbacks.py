@@ -1,6 +1,8 @@
-"""Training callbacks: per-step records, the stop step, and the run summary."""
+"""Training callbacks: per-step metrics, heartbeats, held-out loss, a profiler window, the summary."""
 
 import json
+import math
+import os
 import time
 
 import mindspore as ms
@@ -8,6 +10,8 @@ import numpy as np
 from mindspore.train.callback import Callback
 
 from training.errors import LaunchError
+from training.heartbeat import Heartbeat
+from training.metrics import device_memory_bytes, host_memory_bytes, model_flops_utilisation
 
 
 def _scalar(value):
@@ -17,71 +21,235 @@ def _scalar(value):
 
 
 class StepRecorder(Callback):
-    """Writes one JSON line per step, enforces graph mode, and stops at runner_config.stop_step."""
+    """One JSON line per step (and a log line), TensorBoard scalars, heartbeats, graph-mode guard, stop step.
 
-    def __init__(self, recipe, metrics_path: str = None):
+    Times per step: `step_time` runs from step begin to step end (the compiled step; the
+    first one includes graph compilation); `iteration_gap` from the previous step's end to
+    this step's begin (waiting for the next batch, plus other callbacks such as checkpoint
+    saves); `data_wait` is the gap's share of the whole iteration.
+    """
+
+    def __init__(self, recipe, metrics_path: str, heartbeat: Heartbeat, flops_per_token: int,
+                 peak_flops: float = None, tensorboard_dir: str = None, save_every: int = 0):
         super().__init__()
-        self.recipe = recipe
         self.metrics_path = metrics_path
+        self.heartbeat = heartbeat
         self.stop_step = recipe.runner_config.stop_step
         self.tokens_per_step = recipe.tokens_per_step
+        self.devices = recipe.world_size
+        self.device_target = recipe.context.device_target
         self.want_graph = recipe.context.mode == 0
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.save_every = save_every
+        self.tensorboard_dir = tensorboard_dir
         self.records: list = []
         self._step_start = 0.0
+        self._last_end = 0.0
         self._file = None
+        self._writer = None
 
     def on_train_begin(self, run_context):
-        if self.metrics_path:
-            self._file = open(self.metrics_path, "a", encoding="utf-8")
+        self._file = open(self.metrics_path, "a", encoding="utf-8")
+        if self.tensorboard_dir:
+            from tensorboardX import SummaryWriter
+            self._writer = SummaryWriter(self.tensorboard_dir)
+        self._last_end = time.perf_counter()
+        self.heartbeat.beat("compile")
 
     def on_train_step_begin(self, run_context):
         self._step_start = time.perf_counter()
+        step = int(run_context.original_args().cur_step_num)
+        self.heartbeat.beat("compile" if not self.records else f"step {step}", step)
 
     def on_train_step_end(self, run_context):
-        step_time = time.perf_counter() - self._step_start
+        end = time.perf_counter()
+        step_time, gap = end - self._step_start, self._step_start - self._last_end
+        self._last_end = end
         params = run_context.original_args()
-        outputs = params.net_outputs
         graph_mode = ms.get_context("mode") == ms.GRAPH_MODE
         if self.want_graph and not graph_mode:
             raise LaunchError("training fell back to PyNative mode although context.mode is 0",
                               hint="build the MindFormers context before the Trainer (training.train does)")
-        record = {
-            "step": int(params.cur_step_num),
-            "loss": _scalar(outputs[0]),
-            "overflow": bool(_scalar(outputs[1])),
-            "loss_scale": _scalar(outputs[2]),
-            "lr": _scalar(outputs[3]),
-            "grad_norm": _scalar(outputs[4]) if len(outputs) > 4 else None,
-            "step_time": round(step_time, 6),
-            "tokens_per_s": round(self.tokens_per_step / step_time, 1),
-            "graph_mode": graph_mode,
-            "time": round(time.time(), 3),
-        }
+        record = self.record(int(params.cur_step_num), params.net_outputs, step_time, gap, graph_mode)
         self.records.append(record)
-        if self._file:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        self.log(record)
+        saving = self.save_every and record["step"] % self.save_every == 0
+        self.heartbeat.beat("save" if saving else "data", record["step"])
         if self.stop_step and record["step"] >= self.stop_step:
             run_context.request_stop()
 
+    def record(self, step: int, outputs, step_time: float, gap: float, graph_mode: bool) -> dict:
+        iteration = step_time + gap
+        tokens_per_s = self.tokens_per_step / iteration
+        mfu, flag = model_flops_utilisation(self.flops_per_token, tokens_per_s, self.peak_flops, self.devices)
+        record = {
+            "step": step,
+            "loss": _scalar(outputs[0]),
+            "lr": _scalar(outputs[3]),
+            "grad_norm": _scalar(outputs[4]) if len(outputs) > 4 else None,
+            "loss_scale": _scalar(outputs[2]),
+            "overflow": bool(_scalar(outputs[1])),
+            "step_time": round(step_time, 6),
+            "iteration_gap": round(gap, 6),
+            "data_wait": round(gap / iteration, 6),
+            "tokens_per_s": round(tokens_per_s, 1),
+            "tokens_per_s_per_device": round(tokens_per_s / self.devices, 1),
+            "mfu": None if mfu is None else round(mfu, 6),
+            "host_memory": host_memory_bytes(),
+            "device_memory": device_memory_bytes(self.device_target),
+            "compile": not self.records,  # the first step compiles the graph
+            "graph_mode": graph_mode,
+            "time": round(time.time(), 3),
+        }
+        if flag and self.peak_flops:
+            record["mfu_flag"] = flag
+        return record
+
+    def log(self, record: dict) -> None:
+        mfu = f"{record['mfu']:.1%}" if record["mfu"] is not None else record.get("mfu_flag", "n/a")
+        print(f"[step {record['step']}] loss {record['loss']:.4f} lr {record['lr']:.3e} grad_norm "
+              f"{record['grad_norm'] if record['grad_norm'] is None else round(record['grad_norm'], 4)} "
+              f"step {record['step_time'] * 1e3:.0f} ms gap {record['iteration_gap'] * 1e3:.0f} ms "
+              f"({record['data_wait']:.1%} wait) {record['tokens_per_s']:,.0f} tok/s MFU {mfu}"
+              + (" [includes graph compile]" if record["compile"] else ""), flush=True)
+        if self._writer is not None:
+            for key in ("loss", "lr", "grad_norm", "loss_scale", "step_time", "iteration_gap", "data_wait",
+                        "tokens_per_s", "tokens_per_s_per_device", "mfu", "host_memory", "device_memory"):
+                if record[key] is not None:
+                    self._writer.add_scalar(f"train/{key}", record[key], record["step"])
+
+    def pause_ended(self) -> None:
+        """Work between steps that is not waiting for data (evaluation, profiler analysis) just ended."""
+        self._last_end = time.perf_counter()
+
+    def write_eval(self, record: dict) -> None:
+        """Held-out results go into the same metrics file and TensorBoard."""
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        print(f"[eval step {record['step']}] val_loss {record['val_loss']:.4f} val_ppl {record['val_ppl']:.2f}",
+              flush=True)
+        if self._writer is not None:
+            self._writer.add_scalar("eval/loss", record["val_loss"], record["step"])
+            self._writer.add_scalar("eval/perplexity", record["val_ppl"], record["step"])
+
     def on_train_end(self, run_context):
+        self.heartbeat.beat("done", self.records[-1]["step"] if self.records else 0)
         if self._file:
             self._file.close()
             self._file = None
+        if self._writer is not None:
+            self._writer.close()
 
     def summary(self, run_dir: str, checkpoints: list) -> dict:
-        """Steps, tokens, first/last loss and steady-state throughput (first step = compile, left out)."""
+        """Steps, tokens, first/last loss, steady throughput; the compile step reported on its own."""
         steady = self.records[1:] or self.records
-        steady_time = sum(r["step_time"] for r in steady)
+        steady_time = sum(r["step_time"] + r["iteration_gap"] for r in steady)
+        steady_step = sorted(r["step_time"] for r in steady)[len(steady) // 2] if steady else 0.0
+        mfus = [r["mfu"] for r in steady if r["mfu"] is not None]
+        first = self.records[0] if self.records else None
         return {
             "run_dir": run_dir,
             "steps": len(self.records),
             "last_step": self.records[-1]["step"] if self.records else 0,
             "tokens": len(self.records) * self.tokens_per_step,
-            "first_loss": self.records[0]["loss"] if self.records else None,
+            "first_loss": first["loss"] if first else None,
             "last_loss": self.records[-1]["loss"] if self.records else None,
-            "first_step_time": self.records[0]["step_time"] if self.records else None,
+            "first_step_time": first["step_time"] if first else None,
+            "compile_time": round(max(first["step_time"] - steady_step, 0.0), 3) if first else None,
             "tokens_per_s": round(len(steady) * self.tokens_per_step / steady_time, 1) if steady_time else None,
+            "mfu": round(sum(mfus) / len(mfus), 6) if mfus else None,
+            "data_wait": round(sum(r["data_wait"] for r in steady) / len(steady), 6) if steady else None,
             "graph_mode": all(r["graph_mode"] for r in self.records),
             "checkpoint": checkpoints[-1] if checkpoints else None,
         }
+
+
+class HeldOutEval(Callback):
+    """Loss and perplexity on a held-out dataset every `interval` steps and at the end."""
+
+    def __init__(self, dataset_dir: str, batch_size: int, interval: int, max_batches: int, recorder: StepRecorder,
+                 heartbeat: Heartbeat, log_results: bool):
+        super().__init__()
+        self.dataset_dir = dataset_dir
+        self.batch_size = batch_size
+        self.interval = interval
+        self.max_batches = max_batches
+        self.recorder = recorder
+        self.heartbeat = heartbeat
+        self.log_results = log_results
+        self.last_step = 0
+
+    def _dataset(self):
+        from data.mindrecord_io import read_manifest
+        import mindspore.dataset as ds
+
+        manifest = read_manifest(self.dataset_dir)
+        files = [os.path.join(self.dataset_dir, s["file"]) for s in manifest["shards"]]
+        data = ds.MindDataset(files, columns_list=["input_ids"], shuffle=False)
+        return data.batch(self.batch_size, drop_remainder=True)
+
+    def evaluate(self, network, step: int) -> None:
+        self.heartbeat.beat("eval", step)
+        start = time.perf_counter()
+        losses = []
+        for i, (batch,) in enumerate(self._dataset().create_tuple_iterator()):
+            if self.max_batches and i >= self.max_batches:
+                break
+            losses.append(float(network(batch).asnumpy()))
+        if not losses:
+            raise LaunchError(f"eval_dataset {self.dataset_dir}: fewer samples than one batch of {self.batch_size}")
+        val_loss = sum(losses) / len(losses)
+        self.last_step = step
+        if self.log_results:
+            self.recorder.write_eval({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
+                                      "val_batches": len(losses), "eval_time": round(time.perf_counter() - start, 3),
+                                      "time": round(time.time(), 3)})
+        self.recorder.pause_ended()
+
+    def on_train_step_end(self, run_context):
+        params = run_context.original_args()
+        step = int(params.cur_step_num)
+        if step % self.interval == 0:
+            self.evaluate(params.train_network.network, step)
+
+    def on_train_end(self, run_context):
+        params = run_context.original_args()
+        step = int(params.cur_step_num)
+        if step != self.last_step:
+            self.evaluate(params.train_network.network, step)
+
+
+class ProfileWindow(Callback):
+    """A MindSpore Profiler trace of steps [start_step, stop_step] only."""
+
+    def __init__(self, start_step: int, stop_step: int, output_path: str, recorder: StepRecorder):
+        super().__init__()
+        self.start_step, self.stop_step = start_step, stop_step
+        self.output_path = output_path
+        self.recorder = recorder
+        self.profiler = None
+
+    def on_train_step_begin(self, run_context):
+        step = int(run_context.original_args().cur_step_num)
+        if step == self.start_step and self.profiler is None:
+            self.profiler = ms.Profiler(start_profile=False, output_path=self.output_path)
+            self.profiler.start()
+
+    def on_train_step_end(self, run_context):
+        step = int(run_context.original_args().cur_step_num)
+        if step == self.stop_step and self.profiler is not None:
+            self.finish()
+
+    def on_train_end(self, run_context):
+        if self.profiler is not None:
+            self.finish()
+
+    def finish(self) -> None:
+        self.profiler.stop()
+        self.profiler.analyse()
+        self.profiler = None
+        print(f"[profile] steps {self.start_step}-{self.stop_step} traced: {self.output_path}", flush=True)
+        self.recorder.pause_ended()

@@ -16,18 +16,21 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
-from training.errors import LaunchError, PretrainError
+from training.errors import DataError, LaunchError, PretrainError
 from training.recipe import Recipe, load_recipe
 from training.train import RESOLVED_RECIPE, SUMMARY
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_SCRIPT = os.path.join(REPO_ROOT, "scripts", "train.py")
 LOG_TAIL_LINES = 25
+HANG_EXIT_CODE = 3
 DEFAULT_MULTINODE_PORT = 8118  # every node must name the same port; a random one cannot be shared
 
 
@@ -106,8 +109,26 @@ def ensure_dataset(recipe: Recipe, show_progress: bool = True) -> dict:
         manifest = prepare_dataset(dataset_dir, model.seq_length, prep.vocab_size, source=prep.source,
                                    max_documents=prep.max_documents, show_progress=show_progress)
         print("[launch] " + summary(dataset_dir, manifest), flush=True)
+    if recipe.do_eval:
+        try:
+            check_dataset(recipe.eval_dataset.data_loader.dataset_dir, model.seq_length, model.vocab_size,
+                          model.pad_token_id, model.eos_token_id)
+        except DataError as err:
+            raise DataError(err.message.replace("train_dataset.", "eval_dataset."), err.hint) from None
     return check_dataset(dataset_dir, model.seq_length, model.vocab_size, model.pad_token_id,
                          model.eos_token_id)
+
+
+def check_load_checkpoint(recipe: Recipe) -> None:
+    """A `load_checkpoint` that is set must exist (MindFormers would fail only inside the workers)."""
+    if not recipe.load_checkpoint:
+        return
+    path = os.path.abspath(recipe.load_checkpoint)
+    if not os.path.exists(path):
+        raise LaunchError(f"load_checkpoint: {path} does not exist",
+                          hint="fix the path, or convert a HuggingFace model first: python "
+                               "scripts/convert_checkpoint.py --from-hf HF_DIR --output DIR")
+    recipe.load_checkpoint = path  # workers run inside the run directory
 
 
 def prepare_run_dir(recipe: Recipe, recipe_path: str) -> str:
@@ -120,6 +141,9 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str) -> str:
     os.makedirs(run_dir, exist_ok=True)
     recipe.output_dir = run_dir
     recipe.train_dataset.data_loader.dataset_dir = os.path.abspath(recipe.dataset_dir)
+    if recipe.eval_dataset is not None:
+        loader = recipe.eval_dataset.data_loader
+        loader.dataset_dir = os.path.abspath(loader.dataset_dir)
     with open(os.path.join(run_dir, RESOLVED_RECIPE), "w", encoding="utf-8") as f:
         f.write(f"# resolved from {os.path.abspath(recipe_path)}\n")
         f.write(recipe.to_yaml())
@@ -143,6 +167,43 @@ def worker_env(run_dir: str, local_workers: int, hccl: dict = None) -> dict:
     # on a 2-core machine; share the cores between the local workers instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local_workers)))
     return env
+
+
+def read_heartbeat(run_dir: str, rank: int):
+    try:
+        with open(os.path.join(run_dir, "heartbeat", f"rank_{rank}.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def stalled_ranks(run_dir: str, ranks, timeout: float, started: float, now: float = None) -> list:
+    """(rank, phase, seconds) for each rank whose last heartbeat is older than `timeout`."""
+    now = time.time() if now is None else now
+    stalled = []
+    for rank in ranks:
+        beat = read_heartbeat(run_dir, rank)
+        phase, last = (beat["phase"], beat["time"]) if beat else ("not started", started)
+        if phase != "done" and now - last > timeout:
+            stalled.append((rank, phase, now - last))
+    return stalled
+
+
+def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: float, poll: float = 2.0) -> int:
+    """Run msrun; if a rank's heartbeat stops for `hang_timeout` seconds, name it and stop the job."""
+    started = time.time()
+    proc = subprocess.Popen(command, env=env, cwd=run_dir, start_new_session=True)
+    while proc.poll() is None:
+        time.sleep(poll)
+        stalled = stalled_ranks(run_dir, ranks, hang_timeout, started)
+        if stalled and proc.poll() is None:
+            for rank, phase, seconds in stalled:
+                print(f"[launch] rank {rank} stalled in phase '{phase}' for {seconds:.0f} s "
+                      f"(monitoring.hang_timeout {hang_timeout} s); stopping the job", file=sys.stderr, flush=True)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return HANG_EXIT_CODE
+    return proc.returncode
 
 
 def failed_ranks(run_dir: str, ranks) -> list:
@@ -178,15 +239,19 @@ def failure_report(run_dir: str, ranks, returncode: int) -> str:
             parts.append("no rank reported a failure; see the logs in " + os.path.join(run_dir, "logs"))
             continue
         log = os.path.join(run_dir, "logs", f"worker_{rank}.log")
-        parts.append(f"rank {rank}: {state}{': ' + error if error else ''}\n"
+        beat = read_heartbeat(run_dir, rank)
+        where = f" (last phase '{beat['phase']}', {time.time() - beat['time']:.0f} s ago)" if beat else ""
+        parts.append(f"rank {rank}: {state}{where}{': ' + error if error else ''}\n"
                      f"--- last {LOG_TAIL_LINES} lines of {log} ---\n{tail(log)}---")
     return "\n".join(parts)
 
 
 def format_summary(summary: dict) -> str:
+    mfu = f"MFU {summary['mfu']:.1%}, " if summary.get("mfu") is not None else ""
     return (f"[launch] done: {summary['steps']} steps ({summary['tokens']:,} tokens), loss "
             f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s "
-            f"after a {summary['first_step_time']:.1f} s first step (graph compile), graph mode "
+            f"({mfu}data wait {summary['data_wait']:.1%}) after a {summary['first_step_time']:.1f} s first step "
+            f"(graph compile ~{summary['compile_time']:.1f} s), graph mode "
             f"{'throughout' if summary['graph_mode'] else 'NOT throughout'}.\n"
             f"[launch] run directory: {summary['run_dir']}\n"
             f"[launch] checkpoint: {summary['checkpoint']}")
@@ -224,6 +289,7 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
         raise LaunchError("preflight found errors (above); nothing was started",
                           hint="fix them, or see `bash scripts/run_distributed.sh RECIPE --check`")
     ensure_dataset(recipe, show_progress)
+    check_load_checkpoint(recipe)
     run_dir = prepare_run_dir(recipe, recipe_path)
     write_findings(findings, run_dir)
     print(f"[launch] resolved recipe (saved as {os.path.join(run_dir, RESOLVED_RECIPE)}):\n{recipe.to_yaml()}",
@@ -234,7 +300,7 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
           f"{cluster.ranks.stop - 1} of {cluster.world_size}; "
           + " ".join(f"{k}={v}" for k, v in sorted(hccl.items())), flush=True)
     print(f"[launch] {' '.join(command)}", flush=True)
-    returncode = subprocess.call(command, env=env, cwd=run_dir)
+    returncode = run_watched(command, env, run_dir, cluster.ranks, recipe.monitoring.hang_timeout)
     failed = failed_ranks(run_dir, cluster.ranks)
     if returncode != 0 or failed:
         print(failure_report(run_dir, cluster.ranks, returncode), file=sys.stderr, flush=True)

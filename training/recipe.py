@@ -363,6 +363,31 @@ class HcclConfig:
     buffsize: Optional[int] = None         # HCCL_BUFFSIZE, MB
 
 
+@dataclass
+class EvalDatasetConfig:
+    """Held-out data evaluated during training (MindFormers' eval_dataset block, read by our callback)."""
+
+    data_loader: DataLoaderConfig
+    input_columns: list[str] = field(default_factory=lambda: ["input_ids"])
+    max_batches: int = 0  # ours: evaluate at most this many batches (0 = the whole dataset)
+
+
+@dataclass
+class ProfileConfig:
+    """Record a MindSpore Profiler trace for steps [start_step, stop_step] only."""
+
+    start_step: int
+    stop_step: int
+
+
+@dataclass
+class MonitoringConfig:
+    """What a run reports about itself (ours)."""
+
+    tensorboard: bool = True
+    hang_timeout: int = 900  # seconds without a heartbeat before the launcher names the stalled rank and stops
+
+
 def _default_callbacks():
     return [LossMonitorConfig(), CheckpointMonitorConfig()]
 
@@ -393,6 +418,11 @@ class Recipe:
     data_preparation: Optional[DataPreparationConfig] = None
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     hccl: HcclConfig = field(default_factory=HcclConfig)
+    do_eval: bool = False
+    eval_step_interval: int = 100
+    eval_dataset: Optional[EvalDatasetConfig] = None
+    profile: Optional[ProfileConfig] = None
+    monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
 
     @property
     def runs_on_cpu(self) -> bool:
@@ -434,6 +464,16 @@ class Recipe:
                             "`dataset_config: *train_dataset` (it is filled in from train_dataset)")
         if not self.output_dir:
             problems.append("output_dir: must name the run directory")
+        if self.do_eval and self.eval_dataset is None:
+            problems.append("do_eval: True needs an eval_dataset section (data_loader.dataset_dir of a held-out "
+                            "dataset, e.g. one written by scripts/prepare_data.py --val-fraction)")
+        if self.eval_step_interval < 1:
+            problems.append(f"eval_step_interval: must be >= 1, got {self.eval_step_interval}")
+        if self.profile is not None and not 1 <= self.profile.start_step <= self.profile.stop_step:
+            problems.append(f"profile.start_step, profile.stop_step: need 1 <= start_step <= stop_step, got "
+                            f"{self.profile.start_step}..{self.profile.stop_step}")
+        if self.monitoring.hang_timeout < 1:
+            problems.append(f"monitoring.hang_timeout: must be >= 1 second, got {self.monitoring.hang_timeout}")
         return problems
 
     def to_dict(self) -> dict:

@@ -16,6 +16,7 @@ import traceback
 import yaml
 
 from training.errors import LaunchError, PretrainError
+from training.heartbeat import Heartbeat
 from training.recipe import Recipe, recipe_from_dict
 
 RESOLVED_RECIPE = "recipe.yaml"
@@ -55,11 +56,39 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
         cfg["model"]["model_config"]["pipeline_stage_layers"] = stage_layers
     if recipe.lr_schedule.total_steps == -1 and recipe.runner_config.stop_step:
         cfg["lr_schedule"]["total_steps"] = recipe.runner_config.stop_step
+    # Ours, handled by training/callbacks.py: MindFormers' own evaluation needs metric classes
+    # our model does not implement, and its `profile` is a boolean.
+    for key in ("monitoring", "eval_dataset", "eval_step_interval"):
+        cfg.pop(key, None)
+    cfg["do_eval"] = False
     # Keys the 1.9 Trainer dereferences unconditionally.
     cfg["micro_batch_interleave_num"] = 1
     cfg["monitor_config"] = {"monitor_on": False}
     cfg["profile"] = False
     return cfg
+
+
+def build_callbacks(recipe: Recipe, run_dir: str, heartbeat) -> tuple:
+    """(StepRecorder, every callback to pass to the Trainer)."""
+    from training.callbacks import HeldOutEval, ProfileWindow, StepRecorder
+    from training.metrics import device_peak_flops, training_flops_per_token
+
+    rank = rank_id()
+    peak, peak_source = device_peak_flops(recipe)
+    print(f"[rank {rank}] MFU peak per device: {peak_source}", flush=True)
+    save_every = next((c.save_checkpoint_steps for c in recipe.callbacks if c.type == "CheckpointMonitor"), 0)
+    tensorboard = os.path.join(run_dir, "tensorboard") if recipe.monitoring.tensorboard and rank == 0 else None
+    recorder = StepRecorder(recipe, os.path.join(run_dir, metrics_file(rank)), heartbeat,
+                            training_flops_per_token(recipe), peak, tensorboard, save_every)
+    callbacks = [recorder]
+    if recipe.do_eval:
+        callbacks.append(HeldOutEval(recipe.eval_dataset.data_loader.dataset_dir, recipe.runner_config.batch_size,
+                                     recipe.eval_step_interval, recipe.eval_dataset.max_batches, recorder,
+                                     heartbeat, log_results=True))
+    if recipe.profile is not None:
+        callbacks.append(ProfileWindow(recipe.profile.start_step, recipe.profile.stop_step,
+                                       os.path.join(run_dir, "profile", f"rank_{rank}"), recorder))
+    return recorder, callbacks
 
 
 def run(run_dir: str) -> dict:
@@ -73,8 +102,9 @@ def run(run_dir: str) -> dict:
     from mindformers.core.context import build_context
     import models.llama  # noqa: F401  (registers the model with MindFormers)
     import training.train_step  # noqa: F401  (registers the portable train-step wrapper)
-    from training.callbacks import StepRecorder
 
+    heartbeat = Heartbeat(run_dir, rank_id())
+    heartbeat.beat("setup")
     config = MindFormerConfig(**mindformers_config(recipe, run_dir))
     # Without an explicit context MindFormers starts in PyNative mode whatever the recipe says.
     build_context(config)
@@ -84,8 +114,8 @@ def run(run_dir: str) -> dict:
         init()
     if recipe.world_size > 1:
         collective_self_test()
-    recorder = StepRecorder(recipe, os.path.join(run_dir, metrics_file(rank_id())))
-    trainer = Trainer(args=config, callbacks=[recorder])
+    recorder, callbacks = build_callbacks(recipe, run_dir, heartbeat)
+    trainer = Trainer(args=config, callbacks=callbacks)
     trainer.train()
     summary = recorder.summary(run_dir, find_checkpoints(run_dir))
     if rank_id() == 0:
@@ -141,6 +171,7 @@ def main(argv=None) -> int:
         return 0
     run_dir = os.path.abspath(args.run_dir)
     write_status(run_dir, "running", pid=os.getpid())
+    Heartbeat(run_dir, rank_id()).beat("start")
     try:
         run(run_dir)
     except PretrainError as err:

@@ -1,0 +1,32 @@
+"""Plot loss, LR, tokens/s, grad norm and data wait against step for one or more runs.
+
+    python scripts/plot_run.py runs/demo_cpu [runs/other ...] [--output DIR]
+
+PNGs go to DIR (default: the first run's plots/ directory).
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from training.plots import plot_runs  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="+")
+    parser.add_argument("--output", help="directory for the PNGs (default RUN_DIR/plots of the first run)")
+    args = parser.parse_args(argv)
+    try:
+        written = plot_runs(args.run_dirs, args.output or os.path.join(args.run_dirs[0], "plots"))
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

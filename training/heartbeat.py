@@ -1,0 +1,24 @@
+"""Per-rank heartbeat files: the launcher reads them to name a rank that stopped making progress."""
+
+import json
+import os
+import time
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+class Heartbeat:
+    """RUN_DIR/heartbeat/rank_N.json: this rank's phase (start, setup, compile, step N, data, save, eval, done)."""
+
+    def __init__(self, run_dir: str, rank: int):
+        self.path = os.path.join(run_dir, "heartbeat", f"rank_{rank}.json")
+        self.rank = rank
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+
+    def beat(self, phase: str, step: int = 0) -> None:
+        write_json_atomic(self.path, {"rank": self.rank, "phase": phase, "step": step, "time": time.time(),
+                                      "pid": os.getpid()})
