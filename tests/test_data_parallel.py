@@ -19,10 +19,10 @@ def losses(path):
 
 
 def final_weights(run_dir, rank):
+    import glob
     import mindspore as ms
-    ckpt = [f for f in os.listdir(os.path.join(run_dir, "checkpoint", "checkpoint", f"rank_{rank}"))
-            if f.endswith(f"_{STEPS}.ckpt")][0]
-    params = ms.load_checkpoint(os.path.join(run_dir, "checkpoint", "checkpoint", f"rank_{rank}", ckpt))
+    ckpt = glob.glob(os.path.join(run_dir, "**", f"rank_{rank}", f"*_{STEPS}.ckpt"), recursive=True)[0]
+    params = ms.load_checkpoint(ckpt)
     return {k: v.asnumpy() for k, v in params.items() if not k.startswith(("adam_", "global_step", "scale_sense",
                                                                            "current_iterator_step", "epoch_num",
                                                                            "step_num", "loss_scale"))}

@@ -404,7 +404,7 @@ class Recipe:
     load_checkpoint: str = ""
     # MindFormers 1.9 reads `load_checkpoint` directories as safetensors (scripts/convert_checkpoint.py writes them)
     load_ckpt_format: Literal["ckpt", "safetensors"] = "ckpt"
-    resume_training: bool = False
+    resume_training: Union[bool, str] = False  # True: newest in load_checkpoint; a name: that checkpoint
     use_parallel: bool = False
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     context: ContextConfig = field(default_factory=ContextConfig)

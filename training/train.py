@@ -62,6 +62,7 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
         cfg.pop(key, None)
     cfg["do_eval"] = False
     # Keys the 1.9 Trainer dereferences unconditionally.
+    cfg["use_legacy_format"] = True  # .ckpt checkpoints; resume by checkpoint name needs this set
     cfg["micro_batch_interleave_num"] = 1
     cfg["monitor_config"] = {"monitor_on": False}
     cfg["profile"] = False
