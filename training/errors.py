@@ -26,3 +26,7 @@ class DataError(PretrainError):
 
 class LaunchError(PretrainError):
     """The job could not be started, or a worker failed."""
+
+
+class ConversionError(PretrainError):
+    """A checkpoint cannot be converted: unsupported option, unknown or misshapen tensor, bad file."""

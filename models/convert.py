@@ -1,0 +1,703 @@
+"""HuggingFace Llama-family checkpoints <-> checkpoints of models/llama.py, tensor by tensor.
+
+    from_hf(HF_DIR, OUT_DIR)  config.json + safetensors / pytorch_model.bin
+                              -> OUT_DIR/weights.safetensors (what the MindFormers Trainer loads
+                                 through a recipe's `load_checkpoint: OUT_DIR`), model_config.yaml
+                                 (the recipe's `model:` section) and conversion.json (the manifest)
+    to_hf(OURS, OUT_DIR)      a converted directory, a run directory, a .ckpt or .safetensors file
+                              -> OUT_DIR/config.json + model.safetensors for transformers
+
+How the Trainer reads OUT_DIR (recipe keys `load_checkpoint: OUT_DIR`, `load_ckpt_format:
+safetensors`): training/train.py runs MindFormers 1.9 with `use_legacy_format: True`, whose
+transform_and_load_checkpoint -> load_checkpoint_with_safetensors loads every `*.safetensors` of a
+directory without `rank_N/` folders into every rank ("multi checkpoint file" mode: complete
+weights, as data parallel needs), by parameter name. Without use_legacy_format, MindFormers'
+newer path (mindformers/checkpoint/checkpoint.py) reads the same directory, but takes one holding
+`model.safetensors` for a HuggingFace checkpoint needing a weight template: hence weights.safetensors.
+
+Everything is driven by two tables: CONFIG_MAP (config.json keys <-> model_config fields, with
+the options each family must leave at their supported value) and KEY_MAP (one row per tensor:
+names, shape from the config, transform). Conversion is strict: every source tensor is converted
+or named in an ignore list, every shape is checked against the config before any data is read,
+and unknown tensors are errors. Output is built in a hidden sibling directory and renamed into
+place when complete, so a failed or interrupted conversion leaves nothing behind.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, fields
+
+import numpy as np
+import yaml
+
+from models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
+from models.arithmetic import padded_vocab_size
+from models.checkpoint_io import CkptFile, SafetensorsFile, SafetensorsWriter, TorchBinFile
+from training.errors import ConversionError
+from training.recipe import ModelConfig, ModelSection, load_recipe
+from training.schema import load_dataclass, to_plain
+
+FORMAT_VERSION = 1
+CHECKPOINT_FILE = "weights.safetensors"  # not model.safetensors: see the module docstring
+MODEL_SECTION_FILE = "model_config.yaml"
+MANIFEST_FILE = "conversion.json"
+HF_WEIGHTS_FILE = "model.safetensors"
+DEFAULT_MAX_SEQ_LENGTH = 4096  # the rotary table and causal mask are seq_length-sized; long contexts opt in
+MAX_ABS_TOLERANCE = 1e-4       # --verify bounds for float32 weights (bf16 sources are widened exactly)
+KL_TOLERANCE = 1e-6
+
+
+# --- Configuration ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Family:
+    """A HuggingFace model_type this converter reads: what it implies and what it must not use."""
+
+    model_type: str
+    architecture: str
+    qkv_bias: bool
+    requirements: tuple  # (config.json key, the only supported value, why)
+    defaults: dict       # transformers' class defaults for keys save_pretrained may leave out
+
+
+COMMON_REQUIREMENTS = (
+    ("hidden_act", "silu", "the MLP is SwiGLU with SiLU"),
+    ("rope_scaling", None, "rotary positions are unscaled (no linear, dynamic, yarn or llama3 scaling)"),
+    ("attention_dropout", 0.0, "the model has no attention dropout"),
+)
+COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "initializer_range": 0.02,
+                   "tie_word_embeddings": False, "pad_token_id": None, "hidden_act": "silu", "rope_scaling": None,
+                   "attention_dropout": 0.0}
+
+FAMILIES = {
+    "llama": Family("llama", "LlamaForCausalLM", qkv_bias=False, requirements=(
+        ("attention_bias", False, "it biases o_proj as well as q/k/v; the model has q/k/v bias only"),
+        ("mlp_bias", False, "the MLP has no biases"),
+    ), defaults={**COMMON_DEFAULTS, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
+                 "attention_bias": False, "mlp_bias": False}),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, requirements=(
+        ("use_sliding_window", False, "attention is full causal attention, never a sliding window"),
+    ), defaults={**COMMON_DEFAULTS, "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
+                 "num_key_value_heads": 32, "use_sliding_window": False}),
+}
+
+# model_config field <-> config.json key. seq_length and qkv_bias are derived (see below).
+CONFIG_MAP = (
+    ("vocab_size", "vocab_size"),
+    ("hidden_size", "hidden_size"),
+    ("num_layers", "num_hidden_layers"),
+    ("num_heads", "num_attention_heads"),
+    ("num_kv_heads", "num_key_value_heads"),
+    ("intermediate_size", "intermediate_size"),
+    ("rms_norm_eps", "rms_norm_eps"),
+    ("rope_theta", "rope_theta"),
+    ("initializer_range", "initializer_range"),
+    ("tie_word_embeddings", "tie_word_embeddings"),
+    ("bos_token_id", "bos_token_id"),
+    ("eos_token_id", "eos_token_id"),
+    ("pad_token_id", "pad_token_id"),
+)
+REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+NO_TOKEN = -1  # a token id HF leaves unset (null); no label equals it, so nothing is masked
+
+
+def family_of(hf_config: dict, where: str) -> Family:
+    """Dispatch on config.json's model_type; anything else is refused by name."""
+    model_type = hf_config.get("model_type")
+    if model_type not in FAMILIES:
+        raise ConversionError(f"{where}: model_type {model_type!r} (architectures "
+                              f"{hf_config.get('architectures')}) is not supported; supported: "
+                              f"{', '.join(FAMILIES)}",
+                              hint="only Llama-style decoders convert: RMSNorm, rotary positions, SwiGLU, "
+                                   "optional q/k/v bias")
+    return FAMILIES[model_type]
+
+
+def model_config_from_hf(hf_config: dict, where: str, seq_length: int = None) -> ModelConfig:
+    """config.json -> our model_config, refusing every option the model does not implement."""
+    family = family_of(hf_config, where)
+    hf = {**family.defaults, **hf_config}
+    problems = [f"{key}: missing" for key in REQUIRED_HF_KEYS if key not in hf]
+    if problems:
+        raise ConversionError(f"{where}: {'; '.join(problems)}")
+    hf.setdefault("num_key_value_heads", hf["num_attention_heads"])
+    for key, supported, why in COMMON_REQUIREMENTS + family.requirements:
+        if hf.get(key) != supported:
+            problems.append(f"{key}: {hf.get(key)!r} is not supported ({supported!r} only): {why}")
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hidden % heads or hf.get("head_dim", hidden // heads) != hidden // heads:
+        problems.append(f"head_dim: {hf.get('head_dim')!r} with hidden_size {hidden} and {heads} heads is not "
+                        "supported: the model uses head_dim = hidden_size / num_attention_heads")
+    if any(kind != "full_attention" for kind in hf.get("layer_types") or ()):
+        problems.append(f"layer_types: {sorted(set(hf['layer_types']))} is not supported: every layer must be "
+                        "full_attention")
+    max_positions = hf["max_position_embeddings"]
+    if seq_length is not None and seq_length > max_positions:
+        problems.append(f"--seq-length {seq_length} exceeds max_position_embeddings {max_positions}")
+    if problems:
+        raise ConversionError(f"{where}: {len(problems)} unsupported setting(s):\n" +
+                              "\n".join(f"  - {p}" for p in problems))
+    values = {ours: hf[theirs] for ours, theirs in CONFIG_MAP}
+    for name in TOKEN_ID_FIELDS:
+        value = values[name]
+        values[name] = NO_TOKEN if value is None else value[0] if isinstance(value, list) else value
+    values["seq_length"] = seq_length or min(max_positions, DEFAULT_MAX_SEQ_LENGTH)
+    return ModelConfig(**values, qkv_bias=family.qkv_bias)
+
+
+def hf_config_from_model(cfg: ModelConfig) -> dict:
+    """Our model_config -> config.json of the HF family that has exactly its options."""
+    family = FAMILIES["qwen2" if cfg.qkv_bias else "llama"]
+    config = {"architectures": [family.architecture], "model_type": family.model_type}
+    config.update({theirs: getattr(cfg, ours) for ours, theirs in CONFIG_MAP})
+    config["num_key_value_heads"] = cfg.num_kv_heads or cfg.num_heads
+    for name in TOKEN_ID_FIELDS:
+        config[name] = None if config[name] == NO_TOKEN else config[name]
+    config["max_position_embeddings"] = cfg.seq_length
+    config.update({key: supported for key, supported, _ in COMMON_REQUIREMENTS + family.requirements})
+    config["head_dim"] = cfg.hidden_size // cfg.num_heads
+    config["torch_dtype"] = "float32"
+    return config
+
+
+def model_section_yaml(cfg: ModelConfig, header: str) -> str:
+    """A recipe's `model:` section for `cfg`, in the recipe vocabulary."""
+    section = {"model": {"model_config": {"type": LLAMA_CONFIG_TYPE, **to_plain(cfg)},
+                         "arch": {"type": LLAMA_MODEL_TYPE}}}
+    section["model"]["model_config"].pop("compute_dtype", None)  # a training choice, the recipe's to make
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
+    return comment + yaml.safe_dump(section, sort_keys=False)
+
+
+def recipe_keys(out_dir: str) -> str:
+    """How a recipe trains from a converted directory."""
+    out_dir = os.path.abspath(out_dir)
+    return (f"To train from it, use this model: section ({os.path.join(out_dir, MODEL_SECTION_FILE)}) in the "
+            f"recipe and set load_checkpoint: {out_dir} and load_ckpt_format: safetensors")
+
+
+def read_model_section(path: str) -> tuple:
+    """(ModelConfig, tensor-parallel degree) from a model_config.yaml or from a recipe."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as err:
+        raise ConversionError(f"{path}: cannot read the model section ({err})") from None
+    if not isinstance(data, dict) or "model" not in data:
+        raise ConversionError(f"{path}: no `model:` section")
+    if set(data) != {"model"}:  # a whole recipe: resolve and validate it like the launcher does
+        recipe = load_recipe(path)
+        return recipe.model.model_config, recipe.parallel_config.model_parallel
+    problems: list = []
+    section = load_dataclass(ModelSection, data["model"], "model", problems)
+    if problems:
+        raise ConversionError(f"{path}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
+    return section.model_config, 1
+
+
+# --- The key map ------------------------------------------------------------------------------
+
+# One row per tensor: HF name ({n}: layer index), our name, shape in HF layout (named dimensions,
+# see dimensions()), transform HF -> ours, and the config flag the tensor depends on. Our names
+# equal HF's because models/llama.py names its parameters after the HF checkpoint; Linear weights
+# are (out, in) on both sides and rotary uses the same half-split layout, so nothing transposes
+# or permutes. The vocabulary tables gain padding rows (never predicted) on our side.
+KEY_MAP = (
+    ("model.embed_tokens.weight", "model.embed_tokens.weight", ("vocab", "hidden"), "pad_vocab_rows", None),
+    ("model.layers.{n}.input_layernorm.weight", "model.layers.{n}.input_layernorm.weight", ("hidden",),
+     "identity", None),
+    ("model.layers.{n}.self_attn.q_proj.weight", "model.layers.{n}.self_attn.q_proj.weight", ("q", "hidden"),
+     "identity", None),
+    ("model.layers.{n}.self_attn.q_proj.bias", "model.layers.{n}.self_attn.q_proj.bias", ("q",),
+     "identity", "qkv_bias"),
+    ("model.layers.{n}.self_attn.k_proj.weight", "model.layers.{n}.self_attn.k_proj.weight", ("kv", "hidden"),
+     "identity", None),
+    ("model.layers.{n}.self_attn.k_proj.bias", "model.layers.{n}.self_attn.k_proj.bias", ("kv",),
+     "identity", "qkv_bias"),
+    ("model.layers.{n}.self_attn.v_proj.weight", "model.layers.{n}.self_attn.v_proj.weight", ("kv", "hidden"),
+     "identity", None),
+    ("model.layers.{n}.self_attn.v_proj.bias", "model.layers.{n}.self_attn.v_proj.bias", ("kv",),
+     "identity", "qkv_bias"),
+    ("model.layers.{n}.self_attn.o_proj.weight", "model.layers.{n}.self_attn.o_proj.weight", ("hidden", "q"),
+     "identity", None),
+    ("model.layers.{n}.post_attention_layernorm.weight", "model.layers.{n}.post_attention_layernorm.weight",
+     ("hidden",), "identity", None),
+    ("model.layers.{n}.mlp.gate_proj.weight", "model.layers.{n}.mlp.gate_proj.weight", ("ffn", "hidden"),
+     "identity", None),
+    ("model.layers.{n}.mlp.up_proj.weight", "model.layers.{n}.mlp.up_proj.weight", ("ffn", "hidden"),
+     "identity", None),
+    ("model.layers.{n}.mlp.down_proj.weight", "model.layers.{n}.mlp.down_proj.weight", ("hidden", "ffn"),
+     "identity", None),
+    ("model.norm.weight", "model.norm.weight", ("hidden",), "identity", None),
+    ("lm_head.weight", "lm_head.weight", ("vocab", "hidden"), "pad_vocab_rows", "untied"),
+)
+
+# Source tensors that hold no weights, consumed by being named here.
+IGNORED_HF = (
+    r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",  # rotary frequencies, recomputed from rope_theta
+    r"model\.rotary_emb\.inv_freq",
+)
+IGNORED_OURS = (
+    r"adam_[mv]\..+",  # AdamW moments of a training checkpoint
+    r"global_step|epoch_num|step_num|loss_scale|scale_sense|global_batch_size",  # training counters
+    r"current_iterator_step|last_overflow_iterator_step",
+)
+TIED_HEAD = "lm_head.weight"  # in a tied HF checkpoint, a copy of the embedding when present at all
+
+
+def identity(x: np.ndarray, shape: tuple) -> np.ndarray:
+    return x
+
+
+def pad_vocab_rows(x: np.ndarray, shape: tuple) -> np.ndarray:
+    """(vocab, hidden) -> (padded_vocab, hidden), zero rows appended (never predicted, never looked up)."""
+    if x.shape == shape:  # the usual case (32000, 128256, 151936 rows): no second copy of the largest tensor
+        return x
+    padded = np.zeros(shape, np.float32)
+    padded[:x.shape[0]] = x
+    return padded
+
+
+def strip_vocab_rows(x: np.ndarray, shape: tuple) -> np.ndarray:
+    """(padded_vocab, hidden) -> (vocab, hidden)."""
+    return np.ascontiguousarray(x[:shape[0]])
+
+
+TRANSFORMS = {  # name: (HF -> ours, ours -> HF)
+    "identity": (identity, identity),
+    "pad_vocab_rows": (pad_vocab_rows, strip_vocab_rows),
+}
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    hf: str
+    ours: str
+    hf_shape: tuple
+    our_shape: tuple
+    transform: str
+
+
+def dimensions(cfg: ModelConfig, tensor_parallel: int = 1) -> dict:
+    head_dim = cfg.hidden_size // cfg.num_heads
+    return {"vocab": cfg.vocab_size, "hidden": cfg.hidden_size, "q": cfg.num_heads * head_dim,
+            "kv": (cfg.num_kv_heads or cfg.num_heads) * head_dim, "ffn": cfg.intermediate_size,
+            "padded_vocab": padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple, tensor_parallel)}
+
+
+def tensor_plan(cfg: ModelConfig, tensor_parallel: int = 1) -> list:
+    """Every tensor of the model for `cfg`, in KEY_MAP order, with both names and shapes."""
+    dims = dimensions(cfg, tensor_parallel)
+    flags = {None: True, "qkv_bias": cfg.qkv_bias, "untied": not cfg.tie_word_embeddings}
+    plan = []
+    for hf, ours, shape, transform, flag in KEY_MAP:
+        if not flags[flag]:
+            continue
+        hf_shape = tuple(dims[d] for d in shape)
+        our_shape = tuple(dims["padded_vocab" if d == "vocab" else d] for d in shape)
+        for n in range(cfg.num_layers) if "{n}" in hf else (None,):
+            plan.append(TensorPlan(hf.format(n=n), ours.format(n=n), hf_shape, our_shape, transform))
+    return plan
+
+
+def check_tensors(found: dict, expected: dict, ignored: tuple, where: str, extra_ok=()) -> list:
+    """Compare tensor name -> shape maps; returns the ignored names, raises listing every problem."""
+    problems, skipped = [], []
+    for name, shape in found.items():
+        if name in expected:
+            if tuple(shape) != tuple(expected[name]):
+                problems.append(f"{name}: expected shape {tuple(expected[name])} from the config, found "
+                                f"{tuple(shape)}")
+        elif name in extra_ok or any(re.fullmatch(pattern, name) for pattern in ignored):
+            skipped.append(name)
+        else:
+            problems.append(f"{name}: unknown tensor (not in the key map for this config)")
+    problems += [f"{name}: missing" for name in expected if name not in found]
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise ConversionError(f"{where}: {len(problems)} tensor problem(s):\n" + "\n".join(f"  - {p}" for p in shown),
+                              hint="the weights do not match the config (num_hidden_layers, sizes, "
+                                   "tie_word_embeddings, bias?)")
+    return skipped
+
+
+# --- HuggingFace weights ----------------------------------------------------------------------
+
+@dataclass
+class HFWeights:
+    """Where each tensor of a HuggingFace directory lives: name -> (reader, dtype code, shape)."""
+
+    format: str
+    files: list
+    tensors: dict
+
+    def read(self, name: str) -> np.ndarray:
+        return self.tensors[name][0].read(name)
+
+
+def open_hf_weights(hf_dir: str) -> HFWeights:
+    """Index the weight files of hf_dir (safetensors preferred, like transformers), reading headers only."""
+    layouts = (("model.safetensors.index.json", "safetensors"), ("model.safetensors", "safetensors"),
+               ("pytorch_model.bin.index.json", "bin"), ("pytorch_model.bin", "bin"))
+    for name, kind in layouts:
+        path = os.path.join(hf_dir, name)
+        if os.path.isfile(path):
+            break
+    else:
+        raise ConversionError(f"{hf_dir}: no weights found (looked for {', '.join(n for n, _ in layouts)})")
+    opener = SafetensorsFile if kind == "safetensors" else TorchBinFile
+    if not name.endswith(".index.json"):
+        reader = opener(path)
+        return HFWeights(kind, [name], {t: (reader, *info[:2]) for t, info in reader.tensors.items()})
+    try:
+        with open(path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError) as err:
+        raise ConversionError(f"{path}: unreadable index ({type(err).__name__}: {err})") from None
+    shards = sorted(set(weight_map.values()))
+    missing = [s for s in shards if not os.path.isfile(os.path.join(hf_dir, s))]
+    if missing:
+        raise ConversionError(f"{hf_dir}: missing shard(s) {', '.join(missing)} listed in {name}",
+                              hint="copy every shard the index lists")
+    tensors, problems = {}, []
+    for shard in shards:
+        reader = opener(os.path.join(hf_dir, shard))
+        for tensor, info in reader.tensors.items():
+            if weight_map.get(tensor) != shard:
+                problems.append(f"{shard}: holds {tensor}, which {name} places in {weight_map.get(tensor)}")
+            tensors[tensor] = (reader, *info[:2])
+    problems += [f"{t}: listed in {name} but absent from {s}" for t, s in weight_map.items() if t not in tensors]
+    if problems:
+        raise ConversionError(f"{hf_dir}: index and shards disagree:\n" + "\n".join(f"  - {p}" for p in problems))
+    return HFWeights(kind, shards, tensors)
+
+
+def read_hf_config(hf_dir: str) -> tuple:
+    """(config dict, sha256 of config.json)."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"{hf_dir}: not a directory (expected a HuggingFace model directory)")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        return json.loads(raw), hashlib.sha256(raw).hexdigest()
+    except (OSError, ValueError) as err:
+        raise ConversionError(f"{path}: cannot read the model config ({err})") from None
+
+
+# --- Output directories -----------------------------------------------------------------------
+
+def fingerprint(model: dict, tensors: list) -> str:
+    """Identity of a converted model: its config and the sha256 of every tensor."""
+    content = json.dumps({"model": model, "tensors": [[t["name"], t["shape"], t["sha256"]] for t in tensors]},
+                         sort_keys=True)
+    return hashlib.sha256(content.encode("utf-8")).hexdigest()
+
+
+def existing_conversion(out_dir: str, model: dict) -> dict:
+    """The manifest already in out_dir when it holds this model's conversion; None when out_dir is free.
+
+    Refuses a file, a directory with other content, and a conversion of a different model.
+    """
+    if not os.path.exists(out_dir):
+        return None
+    if not os.path.isdir(out_dir):
+        raise ConversionError(f"output {out_dir} is a file, not a directory")
+    if not os.listdir(out_dir):
+        return None
+    try:
+        with open(os.path.join(out_dir, MANIFEST_FILE), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        raise ConversionError(f"output {out_dir} already holds files that are not a conversion "
+                              f"(no readable {MANIFEST_FILE})", hint="choose another --output") from None
+    if manifest.get("model") != model:
+        raise ConversionError(f"output {out_dir} already holds a different model (converted from "
+                              f"{manifest.get('source', {}).get('path')})",
+                              hint="choose another --output, or remove the old conversion first")
+    return manifest
+
+
+def publish(work_dir: str, out_dir: str, manifest: dict, existing: dict) -> dict:
+    """Write the manifest (completion marker) and move work_dir into place; returns the manifest in effect."""
+    if existing is not None:
+        if existing.get("fingerprint") != manifest["fingerprint"]:
+            raise ConversionError(f"output {out_dir} already holds a different model with the same config "
+                                  f"(converted from {existing.get('source', {}).get('path')}; tensors differ)",
+                                  hint="choose another --output, or remove the old conversion first")
+        shutil.rmtree(work_dir)
+        return {**existing, "already_converted": True}
+    with open(os.path.join(work_dir, MANIFEST_FILE), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.isdir(out_dir):
+        os.rmdir(out_dir)  # empty, checked by existing_conversion
+    os.rename(work_dir, out_dir)
+    return manifest
+
+
+def work_dir_for(out_dir: str) -> str:
+    """A hidden sibling of out_dir (same file system, so the final rename is atomic)."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.partial-", dir=parent)
+
+
+def _progress(total: int, desc: str, show: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not show, leave=False)
+
+
+def _sha256(array: np.ndarray) -> str:
+    return hashlib.sha256(memoryview(np.ascontiguousarray(array)).cast("B")).hexdigest()
+
+
+# --- HF -> ours -------------------------------------------------------------------------------
+
+def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = False,
+            show_progress: bool = True) -> dict:
+    """Convert a HuggingFace directory into OUT_DIR (weights.safetensors, model_config.yaml, conversion.json).
+
+    With verify, logits of transformers and of our model are compared before OUT_DIR is
+    published; a conversion outside tolerance leaves no output. Returns the manifest.
+    """
+    start = time.perf_counter()
+    hf_dir = os.path.abspath(hf_dir)
+    hf_config, config_sha = read_hf_config(hf_dir)
+    where = os.path.join(hf_dir, "config.json")
+    cfg = model_config_from_hf(hf_config, where, seq_length)
+    weights = open_hf_weights(hf_dir)
+    plan = tensor_plan(cfg)
+    found = {name: info[2] for name, info in weights.tensors.items()}
+    tied_copy = (TIED_HEAD,) if cfg.tie_word_embeddings else ()
+    ignored = check_tensors(found, {p.hf: p.hf_shape for p in plan}, IGNORED_HF, hf_dir, extra_ok=tied_copy)
+    model = to_plain(cfg)
+    existing = existing_conversion(out_dir, model)
+
+    work_dir = work_dir_for(out_dir)
+    try:
+        tensors = _write_weights(weights, plan, os.path.join(work_dir, CHECKPOINT_FILE), show_progress)
+        if TIED_HEAD in ignored:
+            _check_tied_copy(weights, tensors)
+        family = family_of(hf_config, where)
+        with open(os.path.join(work_dir, MODEL_SECTION_FILE), "w", encoding="utf-8") as f:
+            f.write(model_section_yaml(cfg, f"Converted from {hf_dir} ({family.model_type}) by "
+                                            f"scripts/convert_checkpoint.py.\n{recipe_keys(out_dir)}"))
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "direction": "from-hf",
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "source": {"path": hf_dir, "model_type": family.model_type,
+                       "architectures": hf_config.get("architectures"), "config_sha256": config_sha,
+                       "format": weights.format,
+                       "files": [{"file": name, "bytes": os.path.getsize(os.path.join(hf_dir, name))}
+                                 for name in weights.files]},
+            "checkpoint": CHECKPOINT_FILE,
+            "dtype": "float32",
+            "model": model,
+            "padded_vocab_size": dimensions(cfg)["padded_vocab"],
+            "tensors": tensors,
+            "ignored": ignored,
+            "fingerprint": fingerprint(model, tensors),
+        }
+        if verify:
+            manifest["verify"] = verify_logits(hf_dir, work_dir)
+        manifest["seconds"] = round(time.perf_counter() - start, 2)
+        published = publish(work_dir, out_dir, manifest, existing)
+        return {**published, "verify": manifest["verify"]} if verify else published
+    finally:
+        if os.path.isdir(work_dir):
+            shutil.rmtree(work_dir)
+
+
+def _write_weights(weights: HFWeights, plan: list, path: str, show_progress: bool) -> list:
+    # MindSpore's save_checkpoint(format="safetensors") marks its files the same way.
+    writer = SafetensorsWriter(path, {p.ours: p.our_shape for p in plan}, metadata={"format": "ms"})
+    records = []
+    with _progress(len(plan), "convert", show_progress) as bar:
+        for item in plan:
+            source = weights.read(item.hf)
+            tensor = TRANSFORMS[item.transform][0](source, item.our_shape)
+            writer.write(item.ours, tensor)
+            records.append({"name": item.ours, "source": item.hf, "source_dtype": weights.tensors[item.hf][1],
+                            "transform": item.transform, "shape": list(tensor.shape), "sha256": _sha256(tensor)})
+            del source, tensor  # keep one tensor alive at a time
+            bar.update()
+    writer.close()
+    return records
+
+
+def _check_tied_copy(weights: HFWeights, records: list) -> None:
+    """A tied checkpoint that stores lm_head.weight must store the embedding again, nothing else."""
+    embedding = next(r for r in records if r["source"] == "model.embed_tokens.weight")
+    head = pad_vocab_rows(weights.read(TIED_HEAD), tuple(embedding["shape"]))
+    if _sha256(head) != embedding["sha256"]:
+        raise ConversionError(f"{TIED_HEAD}: differs from model.embed_tokens.weight although config.json sets "
+                              "tie_word_embeddings: true",
+                              hint="set tie_word_embeddings: false if the head is a separate matrix")
+
+
+# --- ours -> HF -------------------------------------------------------------------------------
+
+def find_our_checkpoint(source: str, model_config: str = None) -> tuple:
+    """(checkpoint file, model section file) for a converted dir, a run dir or a checkpoint file."""
+    source = os.path.abspath(source)
+    if os.path.isdir(source):
+        if os.path.isfile(os.path.join(source, CHECKPOINT_FILE)):
+            ckpt = os.path.join(source, CHECKPOINT_FILE)
+        else:
+            ckpts = [os.path.join(d, f) for d, _, files in os.walk(source) if os.path.basename(d) == "rank_0"
+                     for f in files if f.endswith(".ckpt")]
+            if not ckpts:
+                raise ConversionError(f"{source}: neither {CHECKPOINT_FILE} nor a rank_0/*.ckpt training "
+                                      "checkpoint found")
+            ckpt = max(ckpts, key=os.path.getmtime)  # the run's last checkpoint
+    elif os.path.isfile(source) and source.endswith((".ckpt", ".safetensors")):
+        ckpt = source
+    else:
+        raise ConversionError(f"{source}: expected a converted directory, a run directory, or a .ckpt or "
+                              ".safetensors checkpoint file")
+    if model_config:
+        return ckpt, model_config
+    directory = os.path.dirname(ckpt)
+    for _ in range(5):  # a run keeps its checkpoints in RUN_DIR/checkpoint/checkpoint/rank_0/
+        for name in (MODEL_SECTION_FILE, "recipe.yaml"):
+            if os.path.isfile(os.path.join(directory, name)):
+                return ckpt, os.path.join(directory, name)
+        directory = os.path.dirname(directory)
+    raise ConversionError(f"{ckpt}: no {MODEL_SECTION_FILE} or recipe.yaml found beside it or above it",
+                          hint="pass --model-config with the recipe (or model_config.yaml) it was trained with")
+
+
+def to_hf(source: str, out_dir: str, model_config: str = None, show_progress: bool = True) -> dict:
+    """Convert one of our checkpoints to OUT_DIR/config.json + model.safetensors (float32). Returns the manifest."""
+    start = time.perf_counter()
+    ckpt_path, section_path = find_our_checkpoint(source, model_config)
+    cfg, tensor_parallel = read_model_section(section_path)
+    ckpt = CkptFile(ckpt_path) if ckpt_path.endswith(".ckpt") else SafetensorsFile(ckpt_path)
+    plan = tensor_plan(cfg, tensor_parallel)
+    found = {name: info[1] for name, info in ckpt.tensors.items()}
+    ignored = check_tensors(found, {p.ours: p.our_shape for p in plan}, IGNORED_OURS, ckpt_path)
+    hf_config = hf_config_from_model(cfg)
+    existing = existing_conversion(out_dir, hf_config)
+
+    work_dir = work_dir_for(out_dir)
+    try:
+        writer = SafetensorsWriter(os.path.join(work_dir, HF_WEIGHTS_FILE), {p.hf: p.hf_shape for p in plan},
+                                   metadata={"format": "pt"})  # transformers refuses files without it
+        records = []
+        with _progress(len(plan), "convert", show_progress) as bar:
+            for item in plan:
+                tensor = TRANSFORMS[item.transform][1](ckpt.read(item.ours), item.hf_shape)
+                writer.write(item.hf, tensor)
+                records.append({"name": item.hf, "source": item.ours, "transform": item.transform,
+                                "shape": list(tensor.shape), "sha256": _sha256(tensor)})
+                del tensor
+                bar.update()
+        writer.close()
+        with open(os.path.join(work_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(hf_config, f, indent=2)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "direction": "to-hf",
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "source": {"path": ckpt_path, "model_section": section_path},
+            "checkpoint": HF_WEIGHTS_FILE,
+            "dtype": "float32",
+            "model": hf_config,
+            "tensors": records,
+            "ignored": ignored,
+            "fingerprint": fingerprint(hf_config, records),
+            "seconds": round(time.perf_counter() - start, 2),
+        }
+        return publish(work_dir, out_dir, manifest, existing)
+    finally:
+        if os.path.isdir(work_dir):
+            shutil.rmtree(work_dir)
+
+
+# --- Parity -----------------------------------------------------------------------------------
+
+def load_our_model(converted_dir: str):
+    """Our LlamaForCausalLM with a converted checkpoint loaded strictly (every parameter, nothing else)."""
+    if "LOCAL_DEFAULT_PATH" not in os.environ:  # MindFormers logs to ./output from import time on otherwise
+        os.environ["LOCAL_DEFAULT_PATH"] = tempfile.mkdtemp(prefix="mindformers-log-")
+    import mindspore as ms
+    from models.llama import LlamaConfig, LlamaForCausalLM
+
+    cfg, _ = read_model_section(os.path.join(converted_dir, MODEL_SECTION_FILE))
+    if ms.get_context("device_target") != "CPU":  # compared with transformers on the CPU
+        ms.set_device("CPU")
+    net = LlamaForCausalLM(LlamaConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "type"}))
+    params = ms.load_checkpoint(os.path.join(converted_dir, CHECKPOINT_FILE), format="safetensors")
+    not_loaded, unused = ms.load_param_into_net(net, params, strict_load=True)
+    if not_loaded or unused:
+        raise ConversionError(f"{converted_dir}: checkpoint and model disagree: parameters not loaded "
+                              f"{not_loaded}, checkpoint entries unused {unused}")
+    return net, cfg
+
+
+def verify_logits(hf_dir: str, converted_dir: str, batch: int = 2, max_tokens: int = 128, seed: int = 0) -> dict:
+    """Logits of transformers (float32, CPU) and of our model on the same random tokens.
+
+    Returns max |delta logits| and the mean over positions of KL(hf || ours); raises when
+    either exceeds its tolerance.
+    """
+    import mindspore as ms
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    net, cfg = load_our_model(converted_dir)
+    length = min(cfg.seq_length, max_tokens)
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, length))
+    ours = net.logits(ms.Tensor(tokens.astype(np.int32))).asnumpy().astype(np.float64)
+    del net
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        theirs = reference.eval()(torch.from_numpy(tokens)).logits.double().numpy()
+    result = compare_logits(theirs, ours)
+    result.update(batch=batch, tokens=length)
+    if not (result["max_abs_delta"] <= MAX_ABS_TOLERANCE and result["kl"] <= KL_TOLERANCE):
+        raise ConversionError(f"{hf_dir}: converted logits differ from transformers': max |delta| "
+                              f"{result['max_abs_delta']:.3e} (tolerance {MAX_ABS_TOLERANCE:.0e}), KL(hf || ours) "
+                              f"{result['kl']:.3e} (tolerance {KL_TOLERANCE:.0e})",
+                              hint="nothing was written; report the model's config.json")
+    return result
+
+
+def compare_logits(reference: np.ndarray, ours: np.ndarray) -> dict:
+    """max |delta| and mean KL(reference || ours) over positions, in float64."""
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    log_p, log_q = log_softmax(reference), log_softmax(ours)
+    kl = float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean())
+    return {"max_abs_delta": float(np.abs(reference - ours).max()), "kl": kl}
+
+
+def summary(manifest: dict, out_dir: str) -> str:
+    """One paragraph for the end of a conversion."""
+    count = sum(int(np.prod(t["shape"])) for t in manifest["tensors"])
+    text = (f"{'already converted' if manifest.get('already_converted') else 'converted'}: "
+            f"{len(manifest['tensors'])} tensors ({count:,} values, float32) from {manifest['source']['path']} "
+            f"into {os.path.abspath(out_dir)}/{manifest['checkpoint']}")
+    if manifest.get("seconds") is not None and not manifest.get("already_converted"):
+        text += f" in {manifest['seconds']:.1f} s"
+    if manifest["ignored"]:
+        text += f"; ignored: {', '.join(manifest['ignored'])}"
+    if manifest["direction"] == "from-hf":
+        text += f". {recipe_keys(out_dir)}"
+    if "verify" in manifest:
+        v = manifest["verify"]
+        text += (f". Parity with transformers on {v['batch']}x{v['tokens']} random tokens: max |delta logits| "
+                 f"{v['max_abs_delta']:.2e}, KL(hf || ours) {v['kl']:.2e}")
+    return text + "."
