@@ -8,7 +8,7 @@ from training.errors import PretrainError
 from training.planner import DEVICES, GB, format_plan, layer_activation_bytes, plan, stage_parameters
 from training.recipe import load_recipe
 
-SMALL = ("model.model_config.vocab_size=100", "model.model_config.hidden_size=32",
+SMALL = ("model.model_config.vocab_size=100", "model.model_config.hidden_size=64",
          "model.model_config.num_layers=2", "model.model_config.num_heads=4", "model.model_config.num_kv_heads=2",
          "model.model_config.intermediate_size=64", "model.model_config.seq_length=32", "runner_config.batch_size=2")
 ASCEND = ("context.device_target=Ascend", "use_parallel=True", "parallel.parallel_mode=1")
@@ -25,22 +25,22 @@ def recipe(*overrides, path=TINY_RECIPE):
 
 def test_hand_computed_small_model():
     p = plan(recipe(*SMALL), device="CPU")
-    # Per layer: q 32x32 + k 16x32 + v 16x32 + o 32x32 + gate/up/down 3 x 32x64 + two norms 2x32 = 9,280.
-    # Tables: vocabulary 100 padded to 112 rows x 32, embedding + untied lm_head. Final norm 32.
-    params = 2 * 9_280 + 2 * 112 * 32 + 32
-    assert params == 25_760 == p.parameters == p.stage_parameters
-    assert p.weight_bytes == 4 * params == 103_040
-    assert p.gradient_bytes == 103_040
-    assert p.optimizer_bytes == p.optimizer_bytes_unsharded == 8 * params == 206_080
-    # fp32 activations (e = 4), s 32, b 2, h 32, f 64, 4 heads: s*b*h = 2,048, s*b*f = 4,096.
+    # Per layer: q 64x64 + k 32x64 + v 32x64 + o 64x64 + gate/up/down 3 x 64x64 + two norms 2x64 = 24,704.
+    # Tables: vocabulary 100 padded to 112 rows x 64, embedding + untied lm_head. Final norm 64.
+    params = 2 * 24_704 + 2 * 112 * 64 + 64
+    assert params == 63_808 == p.parameters == p.stage_parameters
+    assert p.weight_bytes == 4 * params == 255_232
+    assert p.gradient_bytes == 255_232
+    assert p.optimizer_bytes == p.optimizer_bytes_unsharded == 8 * params == 510_464
+    # fp32 activations (e = 4), s 32, b 2, h 64, f 64, 4 heads: s*b*h = 4,096, s*b*f = 4,096.
     # none: 4e sbh (norm and projection inputs) + 4e sbh (Q, K, V, o input) + 4e sbf (SwiGLU)
-    #       + 4 a s^2 b (fp32 softmax) = 32,768 + 32,768 + 65,536 + 32,768 per layer.
-    assert p.activation_bytes_none == 2 * 163_840
-    assert p.activation_bytes_selective == 2 * 131_072
-    assert p.activation_bytes_full == 2 * 4 * 2_048
+    #       + 4 a s^2 b (fp32 softmax) = 65,536 + 65,536 + 65,536 + 32,768 per layer.
+    assert p.activation_bytes_none == 2 * 229_376
+    assert p.activation_bytes_selective == 2 * 196_608
+    assert p.activation_bytes_full == 2 * 4 * 4_096
     assert p.logits_bytes == 2 * 32 * 112 * 4
     assert p.recompute == "none" and p.in_flight == 1
-    assert p.total_bytes == 103_040 * 2 + 206_080 + 2 * 163_840 + 28_672
+    assert p.total_bytes == 255_232 * 2 + 510_464 + 2 * 229_376 + 28_672
 
 
 @pytest.mark.parametrize("extra", [(), SMALL + ("model.model_config.tie_word_embeddings=True",

@@ -30,8 +30,9 @@ class StepRecorder(Callback):
     """
 
     def __init__(self, recipe, metrics_path: str, heartbeat: Heartbeat, flops_per_token: int,
-                 peak_flops: float = None, tensorboard_dir: str = None, save_every: int = 0):
+                 peak_flops: float = None, tensorboard_dir: str = None, initial_step: int = 0):
         super().__init__()
+        self.initial_step = initial_step  # the step a resumed run starts after
         self.metrics_path = metrics_path
         self.heartbeat = heartbeat
         self.stop_step = recipe.runner_config.stop_step
@@ -41,7 +42,6 @@ class StepRecorder(Callback):
         self.want_graph = recipe.context.mode == 0
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
-        self.save_every = save_every
         self.tensorboard_dir = tensorboard_dir
         self.records: list = []
         self._step_start = 0.0
@@ -59,7 +59,7 @@ class StepRecorder(Callback):
 
     def on_train_step_begin(self, run_context):
         self._step_start = time.perf_counter()
-        step = int(run_context.original_args().cur_step_num)
+        step = self.initial_step + len(self.records) + 1
         self.heartbeat.beat("compile" if not self.records else f"step {step}", step)
 
     def on_train_step_end(self, run_context):
@@ -71,13 +71,13 @@ class StepRecorder(Callback):
         if self.want_graph and not graph_mode:
             raise LaunchError("training fell back to PyNative mode although context.mode is 0",
                               hint="build the MindFormers context before the Trainer (training.train does)")
-        record = self.record(int(params.cur_step_num), params.net_outputs, step_time, gap, graph_mode)
+        record = self.record(self.initial_step + len(self.records) + 1, params.net_outputs, step_time, gap,
+                             graph_mode)
         self.records.append(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         self.log(record)
-        saving = self.save_every and record["step"] % self.save_every == 0
-        self.heartbeat.beat("save" if saving else "data", record["step"])
+        self.heartbeat.beat("data", record["step"])
         if self.stop_step and record["step"] >= self.stop_step:
             run_context.request_stop()
 
@@ -120,6 +120,14 @@ class StepRecorder(Callback):
                         "tokens_per_s", "tokens_per_s_per_device", "mfu", "host_memory", "device_memory"):
                 if record[key] is not None:
                     self._writer.add_scalar(f"train/{key}", record[key], record["step"])
+
+    def spike(self, factor: float, window: int):
+        """The moving mean the last loss exceeded by `factor`, or None (off when factor is 0)."""
+        losses = [r["loss"] for r in self.records[-window - 1:-1] if math.isfinite(r["loss"])]
+        if not factor or len(losses) < window:
+            return None
+        mean = sum(losses) / len(losses)
+        return mean if self.records[-1]["loss"] > factor * mean else None
 
     def pause_ended(self) -> None:
         """Work between steps that is not waiting for data (evaluation, profiler analysis) just ended."""
@@ -210,15 +218,14 @@ class HeldOutEval(Callback):
         self.recorder.pause_ended()
 
     def on_train_step_end(self, run_context):
-        params = run_context.original_args()
-        step = int(params.cur_step_num)
+        step = self.recorder.records[-1]["step"]
         if step % self.interval == 0:
-            self.evaluate(params.train_network.network, step)
+            self.evaluate(run_context.original_args().train_network.network, step)
 
     def on_train_end(self, run_context):
         params = run_context.original_args()
-        step = int(params.cur_step_num)
-        if step != self.last_step:
+        step = self.recorder.records[-1]["step"] if self.recorder.records else 0
+        if step and step != self.last_step:
             self.evaluate(params.train_network.network, step)
 
 
@@ -233,13 +240,13 @@ class ProfileWindow(Callback):
         self.profiler = None
 
     def on_train_step_begin(self, run_context):
-        step = int(run_context.original_args().cur_step_num)
+        step = self.recorder.initial_step + len(self.recorder.records) + 1
         if step == self.start_step and self.profiler is None:
             self.profiler = ms.Profiler(start_profile=False, output_path=self.output_path)
             self.profiler.start()
 
     def on_train_step_end(self, run_context):
-        step = int(run_context.original_args().cur_step_num)
+        step = self.recorder.records[-1]["step"]
         if step == self.stop_step and self.profiler is not None:
             self.finish()
 
@@ -253,3 +260,106 @@ class ProfileWindow(Callback):
         self.profiler = None
         print(f"[profile] steps {self.start_step}-{self.stop_step} traced: {self.output_path}", flush=True)
         self.recorder.pause_ended()
+
+
+class CheckpointSaver(Callback):
+    """Saves every `every` steps (and on SIGTERM) through training/checkpoint.py; stops on NaN if asked.
+
+    Runs after StepRecorder, whose last record gives the global step and loss. In async mode
+    the parameters are copied to host memory synchronously (the state of this step), and the
+    files, checksums and manifest are written by a background thread while training goes on.
+    """
+
+    def __init__(self, run_dir: str, rank: int, world_size: int, recorder: StepRecorder, settings, anomaly,
+                 global_batch_size: int, state_extra: dict):
+        super().__init__()
+        self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
+        self.recorder = recorder
+        self.prefix = settings.prefix
+        self.every = settings.save_checkpoint_steps
+        self.keep_last, self.keep_every = settings.keep_checkpoint_max, settings.keep_every
+        self.async_save = settings.async_save
+        self.anomaly = anomaly
+        self.global_batch_size = global_batch_size
+        self.state_extra = state_extra
+        self.preempted = False
+        self.last_saved = None
+        self.blocked_time = 0.0  # seconds training waited for saves (benchmark figure)
+        self._writer = None
+
+    def on_train_step_end(self, run_context):
+        record = self.recorder.records[-1]
+        step, loss = record["step"], record["loss"]
+        params = run_context.original_args()
+        if not math.isfinite(loss) or (record["grad_norm"] is not None and not math.isfinite(record["grad_norm"])):
+            if self.anomaly.on_nan == "stop":
+                where = self.save(params, step, kind="nan")
+                raise LaunchError(f"step {step}: non-finite loss {loss} / grad norm {record['grad_norm']}; "
+                                  f"state saved for post-mortem in {where}",
+                                  hint="inspect it, then resume from the last good checkpoint with a lower LR, "
+                                       "or set anomaly.on_nan: skip")
+            print(f"[anomaly] step {step}: non-finite loss/grad norm; the update was skipped "
+                  "(anomaly.on_nan: skip)", flush=True)
+        spike = self.recorder.spike(self.anomaly.spike_factor, self.anomaly.spike_window)
+        if spike:
+            print(f"[anomaly] step {step}: loss spike {loss:.4f} > {self.anomaly.spike_factor} x moving mean "
+                  f"{spike:.4f} over {self.anomaly.spike_window} steps", flush=True)
+            if self.anomaly.spike_snapshot:
+                print(f"[anomaly] snapshot: {self.save(params, step, kind='spike')}", flush=True)
+        if (self.every and step % self.every == 0) or self.preempted:
+            self.save(params, step)
+        if self.preempted:
+            print(f"[checkpoint] SIGTERM: saved step {step}, stopping; rerun the same command to resume", flush=True)
+            run_context.request_stop()
+
+    def on_train_end(self, run_context):
+        step = self.recorder.records[-1]["step"] if self.recorder.records else 0
+        if step and self.last_saved != step:
+            self.save(run_context.original_args(), step)
+        self.wait()
+
+    def save(self, params, step: int, kind: str = "step") -> str:
+        from training import checkpoint as ckpt
+
+        start = time.perf_counter()
+        self.wait()  # one save in flight at a time
+        directory = ckpt.step_dir(self.run_dir, step, kind)
+        epoch = int(params.cur_epoch_num)
+        name = ckpt.ckpt_name(self.prefix, self.rank, epoch, step)
+        loss_scale = self.recorder.records[-1]["loss_scale"] if self.recorder.records else 1.0
+        append = {"epoch_num": epoch, "step_num": step, "loss_scale": float(loss_scale),
+                  "global_batch_size": self.global_batch_size}
+        meta = {"step": step, "epoch": epoch, "rank": self.rank, "world_size": self.world_size, "kind": kind}
+        state = {"step": step, "epoch": epoch, "global_batch_size": self.global_batch_size,
+                 "data_position": step * self.global_batch_size, "rng_state": rng_state(), **self.state_extra}
+        tensors = ckpt.snapshot(params.train_network)
+
+        def write():
+            if self.rank == 0:
+                os.makedirs(directory, exist_ok=True)
+                ckpt.write_atomic(os.path.join(directory, ckpt.STATE), json.dumps(state, indent=1))
+            ckpt.write_rank(os.path.join(directory, f"rank_{self.rank}"), name, tensors, append, meta)
+            if kind == "step":
+                ckpt.prune(self.run_dir, self.rank, self.keep_last, self.keep_every)
+
+        if self.async_save and kind == "step":
+            import threading
+            self._writer = threading.Thread(target=write, name=f"checkpoint-{step}")
+            self._writer.start()
+        else:
+            write()
+        self.recorder.heartbeat.beat("save", step)
+        self.last_saved = step
+        self.blocked_time += time.perf_counter() - start
+        self.recorder.pause_ended()
+        return directory
+
+    def wait(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+
+def rng_state() -> list:
+    """MindSpore's default generator state (seed and offset), so a resumed run draws the same numbers."""
+    return [int(v) for v in np.asarray(ms.get_rng_state().asnumpy()).reshape(-1)]

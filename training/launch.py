@@ -31,6 +31,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_SCRIPT = os.path.join(REPO_ROOT, "scripts", "train.py")
 LOG_TAIL_LINES = 25
 HANG_EXIT_CODE = 3
+PREEMPTED_EXIT_CODE = 4
 DEFAULT_MULTINODE_PORT = 8118  # every node must name the same port; a random one cannot be shared
 
 
@@ -132,22 +133,69 @@ def check_load_checkpoint(recipe: Recipe) -> None:
 
 
 def prepare_run_dir(recipe: Recipe, recipe_path: str) -> str:
-    """Create the run directory and save the resolved recipe in it (absolute paths)."""
+    """Create the run directory (or continue the run it holds) and save the resolved recipe in it."""
     run_dir = os.path.abspath(recipe.output_dir)
-    if os.path.exists(os.path.join(run_dir, RESOLVED_RECIPE)):
-        raise LaunchError(f"output_dir {run_dir} already holds a run (from {recipe_path} or another recipe)",
-                          hint="resuming is not supported yet; choose a new directory with "
-                               "--set output_dir=..., or move the old run away")
-    os.makedirs(run_dir, exist_ok=True)
     recipe.output_dir = run_dir
     recipe.train_dataset.data_loader.dataset_dir = os.path.abspath(recipe.dataset_dir)
     if recipe.eval_dataset is not None:
         loader = recipe.eval_dataset.data_loader
         loader.dataset_dir = os.path.abspath(loader.dataset_dir)
+    if os.path.exists(os.path.join(run_dir, RESOLVED_RECIPE)):
+        continue_run(recipe, run_dir)
+    os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, RESOLVED_RECIPE), "w", encoding="utf-8") as f:
         f.write(f"# resolved from {os.path.abspath(recipe_path)}\n")
         f.write(recipe.to_yaml())
     return run_dir
+
+
+def continue_run(recipe: Recipe, run_dir: str) -> None:
+    """The same launch command again: resume from the newest valid checkpoint, never mix two models."""
+    import yaml
+    from models.shapes import parameter_shapes
+    from training.checkpoint import MANIFEST, newest_valid_step, read_json
+    from training.recipe import recipe_from_dict
+
+    with open(os.path.join(run_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
+        previous = recipe_from_dict(yaml.safe_load(f), os.path.join(run_dir, RESOLVED_RECIPE))
+    if previous.model != recipe.model:
+        changed = [k for k, v in vars(recipe.model.model_config).items()
+                   if getattr(previous.model.model_config, k) != v]
+        raise LaunchError(f"output_dir {run_dir} holds a run of another model (changed: "
+                          f"{', '.join('model.model_config.' + k for k in changed) or 'model'})",
+                          hint="a changed model cannot resume these checkpoints; choose a new output_dir")
+    shapes = parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
+    step, directory = newest_valid_step(run_dir, recipe.world_size, shapes,
+                                        log=lambda m: print("[launch] warning: " + m, flush=True))
+    if step is None:
+        print(f"[launch] {run_dir} holds a run but no valid checkpoint: starting it over", flush=True)
+    else:
+        recipe.load_checkpoint = directory
+        recipe.resume_training = read_json(os.path.join(directory, "rank_0", MANIFEST))["file"]
+        print(f"[launch] resuming {run_dir} from step {step} ({directory})", flush=True)
+    truncate_metrics(run_dir, step or 0)
+    for stale in ("status", "heartbeat"):
+        shutil.rmtree(os.path.join(run_dir, stale), ignore_errors=True)
+
+
+def resumed_step(recipe: Recipe) -> int:
+    from training.checkpoint import MANIFEST, read_json
+
+    manifest = os.path.join(recipe.load_checkpoint, "rank_0", MANIFEST)
+    return read_json(manifest)["step"] if os.path.isfile(manifest) else 0
+
+
+def truncate_metrics(run_dir: str, step: int) -> None:
+    """Drop per-step records after `step`: the resumed run writes them again, exactly once."""
+    for name in os.listdir(run_dir):
+        if name.startswith("metrics") and name.endswith(".jsonl"):
+            path = os.path.join(run_dir, name)
+            with open(path, encoding="utf-8") as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(path + ".tmp", path)
+
 
 
 def msrun_command(cluster: Cluster, run_dir: str) -> list:
@@ -291,6 +339,11 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
     ensure_dataset(recipe, show_progress)
     check_load_checkpoint(recipe)
     run_dir = prepare_run_dir(recipe, recipe_path)
+    if recipe.resume_training and recipe.runner_config.stop_step and \
+            resumed_step(recipe) >= recipe.runner_config.stop_step:
+        print(f"[launch] {run_dir} is already complete (step {resumed_step(recipe)} of runner_config.stop_step "
+              f"{recipe.runner_config.stop_step}); nothing to do", flush=True)
+        return 0
     write_findings(findings, run_dir)
     print(f"[launch] resolved recipe (saved as {os.path.join(run_dir, RESOLVED_RECIPE)}):\n{recipe.to_yaml()}",
           flush=True)
@@ -307,7 +360,12 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
         return returncode or 1
     if cluster.node_rank == 0:
         with open(os.path.join(run_dir, SUMMARY), encoding="utf-8") as f:
-            print(format_summary(json.load(f)), flush=True)
+            summary = json.load(f)
+        print(format_summary(summary), flush=True)
+        if summary.get("preempted"):
+            print(f"[launch] preempted (SIGTERM) after step {summary['last_step']}, checkpoint saved; rerun the "
+                  "same command to resume", flush=True)
+            return PREEMPTED_EXIT_CODE
     return 0
 
 

@@ -310,9 +310,10 @@ class CheckpointMonitorConfig:
     type: Literal["CheckpointMonitor"] = "CheckpointMonitor"
     prefix: str = "llama"
     save_checkpoint_steps: int = 100
-    keep_checkpoint_max: int = 3
+    keep_checkpoint_max: int = 3   # the newest N steps are kept
+    keep_every: int = 0            # ours: also keep every step divisible by this (0: none)
     integrated_save: bool = False
-    async_save: bool = False
+    async_save: bool = False       # copy to host, then write files in the background
 
 
 @dataclass
@@ -381,6 +382,16 @@ class ProfileConfig:
 
 
 @dataclass
+class AnomalyConfig:
+    """What to do about non-finite losses and loss spikes (ours)."""
+
+    on_nan: Literal["stop", "skip"] = "stop"  # stop: save the state for post-mortem and stop; skip: log, go on
+    spike_factor: float = 0.0                 # > 0: a loss above factor x the moving mean is a spike
+    spike_window: int = 20
+    spike_snapshot: bool = True               # save a snapshot at each spike (checkpoints/spike_<step>)
+
+
+@dataclass
 class MonitoringConfig:
     """What a run reports about itself (ours)."""
 
@@ -402,7 +413,7 @@ class Recipe:
     seed: int = 0
     run_mode: Literal["train"] = "train"
     load_checkpoint: str = ""
-    # MindFormers 1.9 reads `load_checkpoint` directories as safetensors (scripts/convert_checkpoint.py writes them)
+    # format of the files in load_checkpoint; scripts/convert_checkpoint.py writes safetensors
     load_ckpt_format: Literal["ckpt", "safetensors"] = "ckpt"
     resume_training: Union[bool, str] = False  # True: newest in load_checkpoint; a name: that checkpoint
     use_parallel: bool = False
@@ -423,6 +434,7 @@ class Recipe:
     eval_dataset: Optional[EvalDatasetConfig] = None
     profile: Optional[ProfileConfig] = None
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
+    anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
 
     @property
     def runs_on_cpu(self) -> bool:
@@ -434,6 +446,10 @@ class Recipe:
         """Devices the recipe asks for: data x tensor x pipeline parallel."""
         p = self.parallel_config
         return p.data_parallel * p.model_parallel * p.pipeline_stage
+
+    @property
+    def checkpointing(self) -> Optional["CheckpointMonitorConfig"]:
+        return next((c for c in self.callbacks if c.type == "CheckpointMonitor"), None)
 
     @property
     def dataset_dir(self) -> str:

@@ -9,6 +9,7 @@ import argparse
 import glob
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -58,8 +59,10 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
         cfg["lr_schedule"]["total_steps"] = recipe.runner_config.stop_step
     # Ours, handled by training/callbacks.py: MindFormers' own evaluation needs metric classes
     # our model does not implement, and its `profile` is a boolean.
-    for key in ("monitoring", "eval_dataset", "eval_step_interval"):
+    for key in ("monitoring", "eval_dataset", "eval_step_interval", "anomaly"):
         cfg.pop(key, None)
+    # training/checkpoint.py saves (atomic files, manifests, full state) instead of CheckpointMonitor.
+    cfg["callbacks"] = [c for c in cfg["callbacks"] if c["type"] != "CheckpointMonitor"]
     cfg["do_eval"] = False
     # Keys the 1.9 Trainer dereferences unconditionally.
     cfg["use_legacy_format"] = True  # .ckpt checkpoints; resume by checkpoint name needs this set
@@ -69,18 +72,36 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
     return cfg
 
 
-def build_callbacks(recipe: Recipe, run_dir: str, heartbeat) -> tuple:
-    """(StepRecorder, every callback to pass to the Trainer)."""
-    from training.callbacks import HeldOutEval, ProfileWindow, StepRecorder
+def resume_step(recipe: Recipe) -> int:
+    """The step a resumed run continues after (0 for a fresh run), with its data position checked."""
+    from training.checkpoint import MANIFEST, STATE, read_json
+
+    if not recipe.resume_training or not recipe.load_checkpoint:
+        return 0
+    manifest_path = os.path.join(recipe.load_checkpoint, f"rank_{rank_id()}", MANIFEST)
+    if not os.path.isfile(manifest_path):
+        return 0  # not one of ours: MindFormers resumes it and counts steps itself
+    step = read_json(manifest_path)["step"]
+    state = read_json(os.path.join(recipe.load_checkpoint, STATE))
+    samples, batch = state["data_position"], recipe.global_batch_size
+    if samples % batch:
+        raise LaunchError(f"resume: the checkpoint consumed {samples} samples (step {step} x global batch "
+                          f"{state['global_batch_size']}), not a whole number of the new global batch {batch}",
+                          hint="keep runner_config.batch_size x data_parallel x accumulation dividing it")
+    return samples // batch
+
+
+def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) -> tuple:
+    """(StepRecorder, CheckpointSaver or None, every callback to pass to the Trainer)."""
+    from training.callbacks import CheckpointSaver, HeldOutEval, ProfileWindow, StepRecorder
     from training.metrics import device_peak_flops, training_flops_per_token
 
     rank = rank_id()
     peak, peak_source = device_peak_flops(recipe)
     print(f"[rank {rank}] MFU peak per device: {peak_source}", flush=True)
-    save_every = next((c.save_checkpoint_steps for c in recipe.callbacks if c.type == "CheckpointMonitor"), 0)
     tensorboard = os.path.join(run_dir, "tensorboard") if recipe.monitoring.tensorboard and rank == 0 else None
     recorder = StepRecorder(recipe, os.path.join(run_dir, metrics_file(rank)), heartbeat,
-                            training_flops_per_token(recipe), peak, tensorboard, save_every)
+                            training_flops_per_token(recipe), peak, tensorboard, initial_step)
     callbacks = [recorder]
     if recipe.do_eval:
         callbacks.append(HeldOutEval(recipe.eval_dataset.data_loader.dataset_dir, recipe.runner_config.batch_size,
@@ -89,7 +110,21 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat) -> tuple:
     if recipe.profile is not None:
         callbacks.append(ProfileWindow(recipe.profile.start_step, recipe.profile.stop_step,
                                        os.path.join(run_dir, "profile", f"rank_{rank}"), recorder))
-    return recorder, callbacks
+    saver = None
+    if recipe.checkpointing is not None:
+        saver = CheckpointSaver(run_dir, rank, recipe.world_size, recorder, recipe.checkpointing, recipe.anomaly,
+                                recipe.global_batch_size, state_hashes(recipe, run_dir))
+        callbacks.append(saver)
+    return recorder, saver, callbacks
+
+
+def state_hashes(recipe: Recipe, run_dir: str) -> dict:
+    """What a checkpoint was trained with: the resolved recipe and the dataset manifest, by sha256."""
+    from data.mindrecord_io import MANIFEST as DATA_MANIFEST
+    from training.checkpoint import file_sha256
+
+    return {"recipe_sha256": file_sha256(os.path.join(run_dir, RESOLVED_RECIPE)),
+            "dataset_manifest_sha256": file_sha256(os.path.join(recipe.dataset_dir, DATA_MANIFEST))}
 
 
 def run(run_dir: str) -> dict:
@@ -115,10 +150,17 @@ def run(run_dir: str) -> dict:
         init()
     if recipe.world_size > 1:
         collective_self_test()
-    recorder, callbacks = build_callbacks(recipe, run_dir, heartbeat)
+    initial_step = resume_step(recipe)
+    recorder, saver, callbacks = build_callbacks(recipe, run_dir, heartbeat, initial_step)
+    if saver is not None:
+        # Preemption: save at the end of the current step, then stop cleanly.
+        signal.signal(signal.SIGTERM, lambda *_: setattr(saver, "preempted", True))
     trainer = Trainer(args=config, callbacks=callbacks)
     trainer.train()
     summary = recorder.summary(run_dir, find_checkpoints(run_dir))
+    summary["resumed_from_step"] = initial_step
+    summary["preempted"] = bool(saver and saver.preempted)
+    summary["checkpoint_blocked_s"] = round(saver.blocked_time, 3) if saver else 0.0
     if rank_id() == 0:
         with open(os.path.join(run_dir, SUMMARY), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
@@ -155,9 +197,19 @@ def collective_self_test() -> None:
 
 
 def find_checkpoints(run_dir: str) -> list:
-    """This rank's checkpoint files, oldest first."""
-    files = glob.glob(os.path.join(run_dir, "**", f"rank_{rank_id()}", "*.ckpt"), recursive=True)
-    return sorted(files, key=os.path.getmtime)
+    """This rank's complete checkpoint files (of regular steps), oldest first."""
+    from training.checkpoint import CHECKPOINTS, MANIFEST, read_json
+
+    manifests = sorted(glob.glob(os.path.join(run_dir, CHECKPOINTS, "step_*", f"rank_{rank_id()}", MANIFEST)))
+    return [os.path.join(os.path.dirname(m), read_json(m)["file"]) for m in manifests]
+
+
+def summary_flag(run_dir: str, key: str) -> bool:
+    try:
+        with open(os.path.join(run_dir, SUMMARY), encoding="utf-8") as f:
+            return bool(json.load(f).get(key))
+    except (OSError, json.JSONDecodeError):
+        return False
 
 
 def main(argv=None) -> int:
@@ -183,5 +235,5 @@ def main(argv=None) -> int:
         traceback.print_exc()
         write_status(run_dir, "failed", error=f"{type(err).__name__}: {err}")
         return 1
-    write_status(run_dir, "done")
+    write_status(run_dir, "done", preempted=summary_flag(run_dir, "preempted"))
     return 0

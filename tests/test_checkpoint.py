@@ -1,0 +1,177 @@
+"""Checkpoints: fault drills on real runs (kill -9, SIGTERM, corrupt newest), and bad input refused."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import REPO_ROOT, TINY_RECIPE
+from training.checkpoint import MANIFEST, newest_valid_step, read_json, step_dir, verify_step, write_rank
+
+LAUNCHER = os.path.join(REPO_ROOT, "scripts", "run_distributed.sh")
+SAVE = ["--set", "callbacks.1.save_checkpoint_steps=5", "--set", "callbacks.1.keep_checkpoint_max=3"]
+
+
+def command(run_dir, dataset, *extra):
+    return ["bash", LAUNCHER, TINY_RECIPE, "--set", f"output_dir={run_dir}",
+            "--set", f"train_dataset.data_loader.dataset_dir={dataset}", *SAVE, *extra]
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if "val_loss" not in line]
+
+
+def start_and_signal(run_dir, dataset, after_steps, sig):
+    """Launch like a user, wait until `after_steps` steps are recorded, send `sig` to the worker."""
+    proc = subprocess.Popen(command(run_dir, dataset), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    path = os.path.join(run_dir, "metrics.jsonl")
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if os.path.exists(path) and len(open(path, encoding="utf-8").read().splitlines()) >= after_steps:
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.1)
+    os.kill(read_json(os.path.join(run_dir, "status", "rank_0.json"))["pid"], sig)
+    output, _ = proc.communicate(timeout=180)
+    return proc.returncode, output
+
+
+def rerun(run_dir, dataset, *extra):
+    result = subprocess.run(command(run_dir, dataset, *extra), capture_output=True, text=True, timeout=300)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, tiny_dataset):
+    run_dir = str(tmp_path_factory.mktemp("ckpt") / "uninterrupted")
+    code, output = rerun(run_dir, tiny_dataset)
+    assert code == 0, output
+    return run_dir
+
+
+def same_trajectory(run_dir, baseline_dir):
+    got, want = metrics(run_dir), metrics(baseline_dir)
+    assert [r["step"] for r in got] == list(range(1, 21))  # every step recorded exactly once
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]  # bitwise on CPU
+    assert [r["lr"] for r in got] == [r["lr"] for r in want]
+
+
+def test_layout_manifest_and_pruning(baseline):
+    steps = sorted(os.listdir(os.path.join(baseline, "checkpoints")))
+    assert steps == ["step_00000010", "step_00000015", "step_00000020"]  # keep_checkpoint_max 3
+    manifest = read_json(os.path.join(baseline, "checkpoints", "step_00000020", "rank_0", MANIFEST))
+    assert manifest["step"] == 20 and len(manifest["sha256"]) == 64
+    tensors = manifest["tensors"]
+    assert tensors["model.embed_tokens.weight"]["shape"] == [512, 64]
+    assert "adam_m.lm_head.weight" in tensors and "global_step" in tensors
+    state = read_json(os.path.join(baseline, "checkpoints", "step_00000020", "state.json"))
+    assert state["data_position"] == 20 * 4 and len(state["rng_state"]) >= 1
+    assert len(state["recipe_sha256"]) == 64 and len(state["dataset_manifest_sha256"]) == 64
+
+
+def test_kill9_mid_run_and_crash_during_save(baseline, tiny_dataset, tmp_path):
+    run_dir = str(tmp_path / "run")
+    code, _ = start_and_signal(run_dir, tiny_dataset, 12, signal.SIGKILL)
+    assert code != 0
+    # What a crash in the middle of saving step 15 leaves: a file, no manifest.
+    partial = os.path.join(step_dir(run_dir, 15), "rank_0")
+    os.makedirs(partial)
+    src = os.path.join(step_dir(run_dir, 10), "rank_0", read_json(os.path.join(step_dir(run_dir, 10), "rank_0",
+                                                                               MANIFEST))["file"])
+    with open(src, "rb") as f, open(os.path.join(partial, ".partial-x.ckpt"), "wb") as g:
+        g.write(f.read()[:1000])
+    code, output = rerun(run_dir, tiny_dataset)
+    assert code == 0, output
+    assert "skipping" in output and "step_00000015" in output and "incomplete save" in output
+    assert "resuming" in output and "from step 10" in output
+    same_trajectory(run_dir, baseline)
+
+
+def test_sigterm_saves_then_resume_continues_exactly(baseline, tiny_dataset, tmp_path):
+    run_dir = str(tmp_path / "run")
+    code, output = start_and_signal(run_dir, tiny_dataset, 7, signal.SIGTERM)
+    assert code == 4, output
+    saved = [int(e.split("_")[1]) for e in os.listdir(os.path.join(run_dir, "checkpoints"))]
+    preempted_at = max(saved)
+    assert preempted_at not in (5, 10, 15, 20) and preempted_at >= 7  # saved because of the signal
+    code, output = rerun(run_dir, tiny_dataset)
+    assert code == 0 and f"from step {preempted_at}" in output, output
+    same_trajectory(run_dir, baseline)
+
+
+def test_corrupt_newest_falls_back_to_previous(baseline, tiny_dataset, tmp_path):
+    run_dir = str(tmp_path / "run")
+    code, _ = start_and_signal(run_dir, tiny_dataset, 17, signal.SIGKILL)
+    assert code != 0
+    newest = os.path.join(step_dir(run_dir, 15), "rank_0")
+    path = os.path.join(newest, read_json(os.path.join(newest, MANIFEST))["file"])
+    with open(path, "r+b") as f:  # same size, different bytes
+        f.seek(os.path.getsize(path) // 2)
+        f.write(b"\xde\xad\xbe\xef")
+    code, output = rerun(run_dir, tiny_dataset)
+    assert code == 0, output
+    assert "sha256 differs from manifest.json (corrupt)" in output and "from step 10" in output
+    same_trajectory(run_dir, baseline)
+
+
+def test_rerun_of_a_complete_run_does_nothing(baseline, tiny_dataset):
+    before = metrics(baseline)
+    code, output = rerun(baseline, tiny_dataset)
+    assert code == 0 and "already complete (step 20" in output
+    assert metrics(baseline) == before
+
+
+def test_recipe_change_that_alters_shapes_is_refused(baseline, tiny_dataset):
+    code, output = rerun(baseline, tiny_dataset, "--set", "model.model_config.hidden_size=128")
+    assert code == 2
+    assert "holds a run of another model (changed: model.model_config.hidden_size)" in output
+
+
+def test_truncated_file_and_another_model(baseline, tmp_path):
+    from models.shapes import parameter_shapes
+    from training.recipe import load_recipe
+
+    copy = str(tmp_path / "step")
+    shutil.copytree(step_dir(baseline, 20), copy)
+    cfg = load_recipe(TINY_RECIPE).model.model_config
+    assert verify_step(copy, 1, parameter_shapes(cfg)) == []
+    other = load_recipe(TINY_RECIPE, ("model.model_config.num_layers=3",)).model.model_config
+    problems = verify_step(copy, 1, parameter_shapes(other))
+    assert any("tensor model.layers.2.input_layernorm.weight missing (checkpoint of another model?)" in p
+               for p in problems)
+    ckpt = os.path.join(copy, "rank_0", read_json(os.path.join(copy, "rank_0", MANIFEST))["file"])
+    with open(ckpt, "r+b") as f:
+        f.truncate(os.path.getsize(ckpt) // 2)
+    assert any("(truncated?)" in p for p in verify_step(copy, 1, parameter_shapes(cfg)))
+    step, _ = newest_valid_step(str(tmp_path), 1)
+    assert step is None
+
+
+def test_missing_optimizer_state_is_refused_for_resume(tmp_path):
+    import numpy as np
+    import mindspore as ms
+    from models.shapes import parameter_shapes
+    from training.recipe import load_recipe
+
+    cfg = load_recipe(TINY_RECIPE).model.model_config
+    shapes = parameter_shapes(cfg)
+    weights = [{"name": n, "data": ms.Tensor(np.zeros(s, np.float32))} for n, s in shapes.items()]
+    write_rank(str(tmp_path / "rank_0"), "w_rank_0-1_5.ckpt", weights, {}, {"step": 5, "world_size": 1})
+    problems = verify_step(str(tmp_path), 1, shapes)
+    assert len(problems) == 1 and "no AdamW state" in problems[0] and "set load_checkpoint without" in problems[0]
+    assert verify_step(str(tmp_path), 1, shapes, need_optimizer=False) == []
+
+
+def test_verify_checkpoint_script(baseline):
+    script = os.path.join(REPO_ROOT, "scripts", "verify_checkpoint.py")
+    ok = subprocess.run(["python", script, baseline, "--recipe", TINY_RECIPE], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.count("OK ") == 3, ok.stdout + ok.stderr
+    bad = subprocess.run(["python", script, baseline, "--recipe", TINY_RECIPE,
+                          "--set", "model.model_config.intermediate_size=192"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "mlp.up_proj.weight has shape (176, 64), the recipe's model needs (192, 64)" \
+        in bad.stdout
