@@ -175,3 +175,37 @@ def test_verify_checkpoint_script(baseline):
                           "--set", "model.model_config.intermediate_size=192"], capture_output=True, text=True)
     assert bad.returncode == 1 and "mlp.up_proj.weight has shape (176, 64), the recipe's model needs (192, 64)" \
         in bad.stdout
+
+
+NAN = ["--set", "lr_schedule.learning_rate=1e30", "--set", "lr_schedule.warmup_steps=0",
+       "--set", "runner_wrapper.use_clip_grad=False", "--set", "runner_config.stop_step=4"]
+
+
+def test_nan_stops_and_keeps_the_state_for_post_mortem(tiny_dataset, tmp_path):
+    run_dir = str(tmp_path / "run")
+    code, output = rerun(run_dir, tiny_dataset, *NAN)
+    assert code == 1
+    assert "step 2: non-finite loss nan" in output and "state saved for post-mortem" in output
+    post_mortem = step_dir(run_dir, 2, kind="nan")
+    assert os.path.isfile(os.path.join(post_mortem, "rank_0", MANIFEST))
+    assert verify_step(post_mortem, 1) == []
+    assert not os.path.exists(os.path.join(run_dir, "checkpoints", "step_00000002"))  # never resumed from
+
+
+def test_nan_skip_goes_on(tiny_dataset, tmp_path):
+    run_dir = str(tmp_path / "run")
+    code, output = rerun(run_dir, tiny_dataset, *NAN, "--set", "anomaly.on_nan=skip")
+    assert code == 0, output
+    assert "[anomaly] step 2: non-finite loss/grad norm; the update was skipped" in output
+    assert len(metrics(run_dir)) == 4
+
+
+def test_loss_spike_against_the_moving_window():
+    from training.callbacks import StepRecorder
+
+    recorder = StepRecorder.__new__(StepRecorder)
+    recorder.records = [{"loss": 2.0} for _ in range(5)] + [{"loss": 2.5}]
+    assert recorder.spike(factor=1.5, window=5) is None
+    recorder.records.append({"loss": 3.5})
+    assert recorder.spike(factor=1.5, window=5) == pytest.approx(2.1)  # mean of the 5 before it
+    assert recorder.spike(factor=0.0, window=5) is None  # off
