@@ -70,3 +70,17 @@ def test_collective_self_test_ran_on_every_rank(runs):
     for rank in (0, 1):
         with open(os.path.join(two, "logs", f"worker_{rank}.log"), encoding="utf-8") as f:
             assert f"[rank {rank}] collective self-test passed: all-reduce over 2 ranks = 3" in f.read()
+
+
+def test_resume_at_dp1_from_a_dp2_checkpoint_continues_with_the_right_samples(runs, tiny_dataset, tmp_path):
+    """Save at data parallel 2, resume at data parallel 1 (same global batch): the DP1 trajectory continues."""
+    one, _ = runs
+    run_dir = str(tmp_path / "dp2_then_dp1")
+    common = [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+              "train_dataset.data_loader.shuffle=False", "callbacks.1.save_checkpoint_steps=4",
+              f"lr_schedule.total_steps={STEPS}"]
+    assert launch(DP2_RECIPE, [*common, "runner_config.stop_step=4"], show_progress=False) == 0
+    assert launch(TINY_RECIPE, [*common, f"runner_config.stop_step={STEPS}"], show_progress=False) == 0
+    resumed = losses(os.path.join(run_dir, "metrics.jsonl"))[4:]
+    assert len(resumed) == STEPS - 4
+    assert np.allclose(resumed, losses(os.path.join(one, "metrics.jsonl"))[4:], rtol=2e-5, atol=2e-5)
