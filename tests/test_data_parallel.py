@@ -84,3 +84,16 @@ def test_resume_at_dp1_from_a_dp2_checkpoint_continues_with_the_right_samples(ru
     resumed = losses(os.path.join(run_dir, "metrics.jsonl"))[4:]
     assert len(resumed) == STEPS - 4
     assert np.allclose(resumed, losses(os.path.join(one, "metrics.jsonl"))[4:], rtol=2e-5, atol=2e-5)
+
+
+def test_dp2_run_interrupted_after_a_save_resumes_bitwise_on_both_ranks(runs, tiny_dataset, tmp_path):
+    """The same command run again continues a DP2 run; both ranks' per-step losses equal the uninterrupted run's."""
+    _, two = runs
+    run_dir = str(tmp_path / "dp2_interrupted")
+    common = [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+              "train_dataset.data_loader.shuffle=False", "callbacks.1.save_checkpoint_steps=4",
+              f"lr_schedule.total_steps={STEPS}"]
+    assert launch(DP2_RECIPE, [*common, "runner_config.stop_step=4"], show_progress=False) == 0
+    assert launch(DP2_RECIPE, [*common, f"runner_config.stop_step={STEPS}"], show_progress=False) == 0
+    for name in ("metrics.jsonl", "metrics_rank_1.jsonl"):
+        assert losses(os.path.join(run_dir, name)) == losses(os.path.join(two, name))

@@ -27,3 +27,56 @@ class PortableTrainOneStepCell(MFTrainOneStepCell):
         if self.cpu_target:
             return self._get_distributed_overflow_status_on_infnan_mode(_ascend_grad_overflow, compute_output)
         return super().get_overflow_status(status, compute_output)
+
+
+def _allreduce_barrier(original):
+    """A barrier for CPU, where MindSpore has no Barrier kernel: an all-reduce every rank must join."""
+    import numpy as np
+    import mindspore as ms
+    from mindspore import nn, ops
+
+    class AllReduceBarrier(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.all_reduce = ops.AllReduce()
+
+        def construct(self, x):
+            return self.all_reduce(x)
+
+    cell = []
+
+    def barrier(*args, **kwargs):
+        if context.get_context("device_target") != "CPU":
+            return original(*args, **kwargs)
+        if not cell:
+            cell.append(AllReduceBarrier())
+        # MindFormers may have set full_batch, which data-parallel mode refuses to compile with.
+        full_batch = context.get_auto_parallel_context("full_batch")
+        context.set_auto_parallel_context(full_batch=False)
+        try:
+            cell[0](ms.Tensor(np.ones((1,), np.float32))).asnumpy()  # returns only when every rank arrived
+        finally:
+            context.set_auto_parallel_context(full_batch=full_batch)
+        return None
+
+    return barrier
+
+
+def install_cpu_barrier() -> None:
+    """MindFormers calls comm_func.barrier() when resuming under data parallel; make it work on CPU too."""
+    import importlib
+    from mindspore.communication import comm_func
+
+    if hasattr(comm_func.barrier, "__wrapped_cpu__"):
+        return
+    portable = _allreduce_barrier(comm_func.barrier)
+    portable.__wrapped_cpu__ = True
+    comm_func.barrier = portable
+    for module in ("mindformers.trainer.utils", "mindformers.utils.load_checkpoint_utils",
+                   "mindformers.core.callback.callback", "mindformers.version_control"):
+        imported = importlib.import_module(module)
+        if hasattr(imported, "barrier"):
+            imported.barrier = portable
+
+
+install_cpu_barrier()
