@@ -74,20 +74,27 @@ def test_layout_manifest_and_pruning(baseline):
     assert len(state["recipe_sha256"]) == 64 and len(state["dataset_manifest_sha256"]) == 64
 
 
-def test_kill9_mid_run_and_crash_during_save(baseline, tiny_dataset, tmp_path):
+def test_kill9_then_corrupt_newest_and_crash_during_save(baseline, tiny_dataset, tmp_path):
+    """kill -9 mid-run; the newest complete step is corrupt and a newer save was cut short: resume falls back."""
     run_dir = str(tmp_path / "run")
-    code, _ = start_and_signal(run_dir, tiny_dataset, 12, signal.SIGKILL)
+    code, _ = start_and_signal(run_dir, tiny_dataset, 17, signal.SIGKILL)
     assert code != 0
-    # What a crash in the middle of saving step 15 leaves: a file, no manifest.
-    partial = os.path.join(step_dir(run_dir, 15), "rank_0")
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == [
+        "step_00000005", "step_00000010", "step_00000015"]
+    newest = os.path.join(step_dir(run_dir, 15), "rank_0")
+    path = os.path.join(newest, read_json(os.path.join(newest, MANIFEST))["file"])
+    with open(path, "r+b") as f:  # same size, different bytes
+        f.seek(os.path.getsize(path) // 2)
+        f.write(b"\xde\xad\xbe\xef")
+    # What a crash in the middle of saving step 20 leaves: a partial file, no manifest.
+    partial = os.path.join(step_dir(run_dir, 20), "rank_0")
     os.makedirs(partial)
-    src = os.path.join(step_dir(run_dir, 10), "rank_0", read_json(os.path.join(step_dir(run_dir, 10), "rank_0",
-                                                                               MANIFEST))["file"])
-    with open(src, "rb") as f, open(os.path.join(partial, ".partial-x.ckpt"), "wb") as g:
+    with open(path, "rb") as f, open(os.path.join(partial, ".partial-x.ckpt"), "wb") as g:
         g.write(f.read()[:1000])
     code, output = rerun(run_dir, tiny_dataset)
     assert code == 0, output
-    assert "skipping" in output and "step_00000015" in output and "incomplete save" in output
+    assert "skipping" in output and "step_00000020" in output and "incomplete save" in output
+    assert "sha256 differs from manifest.json (corrupt)" in output
     assert "resuming" in output and "from step 10" in output
     same_trajectory(run_dir, baseline)
 
@@ -101,21 +108,6 @@ def test_sigterm_saves_then_resume_continues_exactly(baseline, tiny_dataset, tmp
     assert preempted_at not in (5, 10, 15, 20) and preempted_at >= 7  # saved because of the signal
     code, output = rerun(run_dir, tiny_dataset)
     assert code == 0 and f"from step {preempted_at}" in output, output
-    same_trajectory(run_dir, baseline)
-
-
-def test_corrupt_newest_falls_back_to_previous(baseline, tiny_dataset, tmp_path):
-    run_dir = str(tmp_path / "run")
-    code, _ = start_and_signal(run_dir, tiny_dataset, 17, signal.SIGKILL)
-    assert code != 0
-    newest = os.path.join(step_dir(run_dir, 15), "rank_0")
-    path = os.path.join(newest, read_json(os.path.join(newest, MANIFEST))["file"])
-    with open(path, "r+b") as f:  # same size, different bytes
-        f.seek(os.path.getsize(path) // 2)
-        f.write(b"\xde\xad\xbe\xef")
-    code, output = rerun(run_dir, tiny_dataset)
-    assert code == 0, output
-    assert "sha256 differs from manifest.json (corrupt)" in output and "from step 10" in output
     same_trajectory(run_dir, baseline)
 
 
