@@ -19,6 +19,7 @@ import os
 import shutil
 import time
 
+from data.tokenizer import file_sha256
 from training.errors import PretrainError
 
 CHECKPOINTS = "checkpoints"
@@ -38,14 +39,6 @@ def step_dir(run_dir: str, step: int, kind: str = "step") -> str:
 def ckpt_name(prefix: str, rank: int, epoch: int, step: int) -> str:
     # MindFormers resumes a checkpoint by this name pattern (rank_N is replaced per rank).
     return f"{prefix}_rank_{rank}-{epoch}_{step}.ckpt"
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_atomic(path: str, text: str) -> None:
