@@ -81,14 +81,14 @@ def test_killed_worker_is_named_with_its_log(tiny_dataset, tmp_path):
     assert f"last 25 lines of {run_dir}/logs/worker_0.log" in stderr
 
 
-def test_rerun_into_an_existing_run_is_refused(tiny_dataset, tmp_path):
+def test_rerun_into_a_directory_whose_run_is_unreadable_is_refused(tiny_dataset, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "recipe.yaml").write_text("seed: 0\n")
     result = run_launcher(TINY_RECIPE, "--set", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
                           "--set", f"output_dir={tmp_path}/run")
     assert result.returncode == 2
-    assert "already holds a run" in result.stderr
-    assert (tmp_path / "run" / "recipe.yaml").read_text() == "seed: 0\n"
+    assert f"{tmp_path}/run/recipe.yaml" in result.stderr and "missing required key" in result.stderr
+    assert (tmp_path / "run" / "recipe.yaml").read_text() == "seed: 0\n"  # nothing overwritten
 
 
 @pytest.mark.parametrize("bad", ["runner_config.stop_step=-1"])
