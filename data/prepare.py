@@ -1,24 +1,26 @@
 """Build a packed MindRecord dataset from raw documents, and check one against a recipe.
 
-This is the simple whole-corpus-in-memory version (fine for the demo corpus of ~12 MB);
-the output format, the manifest and the atomic completion are the lasting parts.
+`prepare_dataset` is the whole chain (data/pipeline.py runs it: streaming, parallel,
+restartable); `check_dataset` is what the launcher asks before training.
 """
 
 import os
-import shutil
+import shlex
 
-from tqdm import tqdm
-
-from data.clean import CleanStats, clean_documents
-from data.corpus import python_stdlib_files, read_documents
-from data.mindrecord_io import (MANIFEST, check_files_present, finalize, partial_dir, read_manifest,
-                                remove_partial, write_shards)
-from data.packing import PackStats, pack_documents
-from data.tokenizer import BOS_ID, EOD_ID, PAD_ID, UNK_ID, file_sha256, load_tokenizer, train_tokenizer
+from data.corpus import expand_inputs, python_stdlib_files
+from data.mindrecord_io import check_files_present, read_manifest
+from data.pipeline import PrepareOptions, Run
+from data.tokenizer import VOCAB_MULTIPLE
 from training.errors import DataError
 
 SEQ_ALIGN = 16
-ENCODE_BATCH = 256
+SOURCES = ("python_stdlib",)
+
+# PrepareOptions field -> command-line flag, for commands rebuilt from a manifest.
+FLAGS = {"text_field": "--text-field", "lines": "--lines", "normalization": "--normalize",
+         "min_chars": "--min-chars", "max_chars": "--max-chars", "invalid_utf8": "--invalid-utf8",
+         "near_dedup": "--near-dedup", "packing": "--packing", "tail": "--tail", "val_fraction": "--val-fraction",
+         "tokenizer_sample_chars": "--tokenizer-sample-chars"}
 
 
 def prepare_command(output_dir: str, seq_length: int, vocab_size: int) -> str:
@@ -27,89 +29,99 @@ def prepare_command(output_dir: str, seq_length: int, vocab_size: int) -> str:
             f"--vocab-size {vocab_size}")
 
 
-def source_files(source: str, inputs=None) -> list:
+def rerun_command(manifest: dict, output_dir: str, seq_length: int = None, vocab_size: int = None) -> str:
+    """The command that builds `manifest`'s dataset again, with another output (and seq_length/vocabulary)."""
+    args = manifest.get("arguments", {})
+    seq_length = seq_length or manifest["seq_length"]
+    parts = ["python", "scripts/prepare_data.py", "--output", output_dir, "--seq-length", str(seq_length)]
+    tokenizer = args.get("tokenizer")
+    if tokenizer and (vocab_size is None or manifest["tokenizer"]["vocab_size"] <= vocab_size):
+        parts += ["--tokenizer", tokenizer]
+    else:
+        parts += ["--vocab-size", str(vocab_size or manifest["tokenizer"]["vocab_size"])]
+    inputs = args.get("inputs") or []
     if inputs:
-        missing = [p for p in inputs if not os.path.isfile(p)]
-        if missing:
-            raise DataError(f"input file {missing[0]} does not exist ({len(missing)} missing in all)")
-        return sorted(inputs)
-    if source == "python_stdlib":
-        return python_stdlib_files()
-    raise DataError(f"unknown data source {source!r}", hint="use python_stdlib or pass input files")
+        parts += ["--input", *inputs[:20]] + (["..."] if len(inputs) > 20 else [])
+    if args.get("max_documents"):
+        parts += ["--max-documents", str(args["max_documents"])]
+    defaults = PrepareOptions()
+    for name, flag in FLAGS.items():
+        value = args.get(name, getattr(defaults, name))
+        if value != getattr(defaults, name):
+            parts += [flag] if isinstance(value, bool) else [flag, str(value)]
+    return " ".join(p if p == "..." else shlex.quote(p) for p in parts)
 
 
 def prepare_dataset(output_dir: str, seq_length: int, vocab_size: int = 2048, source: str = "python_stdlib",
-                    inputs=None, max_documents: int = 0, tokenizer: str = None,
-                    samples_per_shard: int = 4096, show_progress: bool = True) -> dict:
-    """Clean, deduplicate, tokenise and pack documents into `output_dir`; returns the manifest."""
+                    inputs=None, max_documents: int = 0, tokenizer: str = None, samples_per_shard: int = 4096,
+                    show_progress: bool = True, **options) -> dict:
+    """Clean, deduplicate, tokenise and pack documents into `output_dir`; returns the manifest.
+
+    inputs: paths, globs or directories (default: the `source` corpus). `options` are the
+    fields of data.pipeline.PrepareOptions (input format, filters, near-dedup, packing,
+    validation split, workers, --strict). An interrupted run, repeated with the same
+    arguments, continues from its last completed shard.
+    """
+    opts = PrepareOptions(**options)
+    problems = opts.problems()
     if seq_length % SEQ_ALIGN:
         raise DataError(f"seq_length {seq_length} is not a multiple of {SEQ_ALIGN}",
                         hint=f"use {-(-seq_length // SEQ_ALIGN) * SEQ_ALIGN}")
-    if os.path.exists(output_dir):
-        if os.path.isfile(os.path.join(output_dir, MANIFEST)):
-            raise DataError(f"dataset {output_dir} already exists (complete)",
-                            hint="reuse it, or choose another --output")
-        raise DataError(f"{output_dir} exists but is not a complete dataset (no {MANIFEST})",
-                        hint="remove it or choose another --output; nothing was written")
-    files = source_files(source, inputs)
-    if max_documents:
-        files = files[:max_documents]
-    remove_partial(output_dir)
-    work = partial_dir(output_dir)
-    os.makedirs(work)
-    try:
-        clean_stats = CleanStats()
-        docs = list(clean_documents(read_documents(files), clean_stats))
-        if not docs:
-            raise DataError(f"no usable document among {len(files)} input files", hint="check the inputs")
-        if tokenizer:
-            tokenizer_path = shutil.copyfile(tokenizer, os.path.join(work, "tokenizer.model"))
-        else:
-            tokenizer_path = train_tokenizer(docs, vocab_size, os.path.join(work, "tokenizer"))
-            for scratch in ("tokenizer.sample.txt", "tokenizer.vocab"):
-                os.remove(os.path.join(work, scratch))
-        sp = load_tokenizer(tokenizer_path)
-        pack_stats = PackStats()
-        progress = tqdm(total=len(docs), unit="doc", desc="tokenize+pack", disable=not show_progress)
-
-        def token_docs():
-            for start in range(0, len(docs), ENCODE_BATCH):
-                batch = docs[start:start + ENCODE_BATCH]
-                yield from sp.encode(batch, num_threads=os.cpu_count() or 1)
-                progress.update(len(batch))
-
-        rows = pack_documents(token_docs(), seq_length, EOD_ID, PAD_ID, pack_stats)
-        shards = write_shards(rows, work, samples_per_shard)
-        progress.close()
-        manifest = {
-            "source": source if not inputs else "files",
-            "inputs": {"files": len(files)},
-            "documents": clean_stats.as_dict(),
-            "tokenizer": {"file": "tokenizer.model", "sha256": file_sha256(tokenizer_path),
-                          "vocab_size": sp.get_piece_size(), "unk_id": UNK_ID, "bos_id": BOS_ID,
-                          "eod_id": EOD_ID, "pad_id": PAD_ID},
-            "seq_length": seq_length,
-            "sample_length": seq_length + 1,
-            "samples": pack_stats.samples,
-            "tokens": pack_stats.tokens,
-            "padding_tokens": pack_stats.padding_tokens,
-            "padding_rate": round(pack_stats.padding_rate, 8),
-            "shards": shards,
-        }
-        finalize(work, output_dir, manifest)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return manifest
+    if not tokenizer and vocab_size % VOCAB_MULTIPLE:
+        problems.append(f"vocab_size {vocab_size} is not a multiple of {VOCAB_MULTIPLE}; use "
+                        f"{-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE}")
+    if not tokenizer and opts.model_vocab_size and vocab_size > opts.model_vocab_size:
+        problems.append(f"vocab_size {vocab_size} does not fit model.model_config.vocab_size "
+                        f"{opts.model_vocab_size}")
+    if tokenizer and not os.path.isfile(tokenizer):
+        problems.append(f"tokenizer {tokenizer} does not exist")
+    if samples_per_shard < 1:
+        problems.append(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+    if problems:
+        raise DataError("; ".join(problems), hint="fix the arguments; nothing was written")
+    if inputs:
+        files, missing = expand_inputs(list(inputs))
+        source = "files"
+    elif source in SOURCES:
+        files, missing = [str(p) for p in python_stdlib_files()], []
+    else:
+        raise DataError(f"unknown data source {source!r}", hint="use python_stdlib or pass input files")
+    if not files:
+        raise DataError(f"no input file found: {missing[0][0]}: {missing[0][1]} ({len(missing)} in all)",
+                        hint="check the --input paths and patterns")
+    return Run(output_dir, seq_length, vocab_size, source, [str(p) for p in inputs or []], files, missing,
+               max_documents, tokenizer, samples_per_shard, show_progress, opts).execute()
 
 
 def summary(output_dir: str, manifest: dict) -> str:
+    """One paragraph: what was kept, filtered and written."""
     d = manifest["documents"]
-    return (f"dataset {output_dir}: {d['kept']} of {d['read']} documents kept ({d['duplicates']} duplicates, "
-            f"{d['invalid_utf8']} invalid UTF-8, {d['too_short']} too short), {manifest['tokens']:,} tokens "
+    extra = "".join(f", {d[key]} {label}" for key, label in (("too_long", "too long"),
+                                                             ("near_duplicates", "near-duplicates"),
+                                                             ("malformed_json", "malformed JSON"),
+                                                             ("missing_field", "without text field"))
+                    if d.get(key))
+    text = (f"dataset {output_dir}: {d['kept']} of {d['read']} documents kept ({d['duplicates']} duplicates, "
+            f"{d['invalid_utf8']} invalid UTF-8, {d['too_short']} too short{extra}), {manifest['tokens']:,} tokens "
             f"in {manifest['samples']:,} samples of {manifest['sample_length']} tokens, "
             f"{len(manifest['shards'])} shard(s), padding {manifest['padding_rate']:.4%}, "
             f"vocabulary {manifest['tokenizer']['vocab_size']}.")
+    bad = {k: v for k, v in manifest.get("bad_input", {}).get("counts", {}).items() if v}
+    if bad:
+        first = manifest["bad_input"]["first"]
+        text += " Skipped bad input: " + "; ".join(f"{n} {kind} (first: {first[kind]})" for kind, n in bad.items())
+        text += "."
+    if manifest.get("validation"):
+        v = manifest["validation"]
+        text += (f" Validation: {v['documents']} documents held out, {v['tokens']:,} tokens in {v['samples']:,} "
+                 f"samples in {validation_dir(output_dir, manifest)}.")
+    return text
+
+
+def validation_dir(dataset_dir: str, manifest: dict):
+    """The validation dataset written with this one (--val-fraction), or None."""
+    validation = manifest.get("validation")
+    return os.path.normpath(os.path.join(dataset_dir, validation["dataset_dir"])) if validation else None
 
 
 def check_dataset(dataset_dir: str, seq_length: int, vocab_size: int, pad_token_id: int,
@@ -121,6 +133,18 @@ def check_dataset(dataset_dir: str, seq_length: int, vocab_size: int, pad_token_
     except DataError as err:
         raise DataError(f"train_dataset.data_loader.dataset_dir: {err.message}",
                         hint=f"build it with: {prepare_command(dataset_dir, seq_length, vocab_size)}") from None
+    problems = model_mismatches(manifest, seq_length, vocab_size, pad_token_id, eos_token_id)
+    if problems:
+        raise DataError(f"dataset {dataset_dir} was built for another model: " + "; ".join(problems),
+                        hint="fix the recipe, or build a matching dataset with: "
+                             f"{rerun_command(manifest, 'NEW_DIR', seq_length, vocab_size)} and set "
+                             "train_dataset.data_loader.dataset_dir to NEW_DIR")
+    return manifest
+
+
+def model_mismatches(manifest: dict, seq_length: int, vocab_size: int, pad_token_id: int,
+                     eos_token_id: int) -> list:
+    """Where a dataset's manifest disagrees with a model config (empty when it fits)."""
     problems = []
     if manifest["seq_length"] != seq_length:
         problems.append(f"seq_length {manifest['seq_length']} (model.model_config.seq_length is {seq_length})")
@@ -132,9 +156,4 @@ def check_dataset(dataset_dir: str, seq_length: int, vocab_size: int, pad_token_
         problems.append(f"pad_id {tok['pad_id']} (model.model_config.pad_token_id is {pad_token_id})")
     if tok["eod_id"] != eos_token_id:
         problems.append(f"eod_id {tok['eod_id']} (model.model_config.eos_token_id is {eos_token_id})")
-    if problems:
-        raise DataError(f"dataset {dataset_dir} was built for another model: " + "; ".join(problems),
-                        hint="fix the recipe, or build a matching dataset with: "
-                             f"{prepare_command('NEW_DIR', seq_length, vocab_size)} and set "
-                             "train_dataset.data_loader.dataset_dir to NEW_DIR")
-    return manifest
+    return problems

@@ -1,36 +1,114 @@
-"""Build a packed MindRecord dataset (clean, dedup, sentencepiece, pack, shards + manifest).
+"""Build a packed MindRecord dataset (clean, dedup, sentencepiece, pack, shards + manifest), or inspect one.
 
-    python scripts/prepare_data.py --output datasets/pystdlib-sp2048-s256 --seq-length 256 --vocab-size 2048
-    python scripts/prepare_data.py --output DIR --seq-length 256 --input a.txt b.txt --tokenizer tok.model
+    python scripts/prepare_data.py --input 'web/*.jsonl.gz' --output datasets/web --seq-length 2048 --vocab-size 32000
+    python scripts/prepare_data.py --input a.txt b.parquet --output DIR --seq-length 256 --tokenizer tok.model
+    python scripts/prepare_data.py --output datasets/pystdlib-sp2048-s256 --seq-length 256   # the Python stdlib
+    python scripts/prepare_data.py --validate DIR [--recipe recipes/tiny_cpu.yaml]
+    python scripts/prepare_data.py --report DIR
+    python scripts/prepare_data.py --show DIR --sample 12
+
+Inputs: .txt (one document per file; --lines: per line), .jsonl (--text-field), .parquet,
+.txt.gz/.jsonl.gz; any other suffix is read as text. An interrupted run, repeated with the
+same arguments, keeps its completed shards and finishes the rest.
 """
 
 import argparse
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from data.prepare import prepare_dataset, summary  # noqa: E402
 from training.errors import PretrainError  # noqa: E402
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", required=True, help="dataset directory to create")
-    parser.add_argument("--seq-length", type=int, required=True, help="model-visible length, a multiple of 16")
-    parser.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of a newly trained tokenizer")
-    parser.add_argument("--tokenizer", help="use this sentencepiece .model instead of training one")
-    parser.add_argument("--input", nargs="+", help="text files, one document each (default: the Python stdlib)")
-    parser.add_argument("--max-documents", type=int, default=0, help="use only the first N documents")
-    parser.add_argument("--samples-per-shard", type=int, default=4096)
+    modes = parser.add_argument_group("inspect a finished dataset (instead of building one)")
+    modes.add_argument("--validate", metavar="DIR", help="check shards against the manifest (and --recipe)")
+    modes.add_argument("--report", metavar="DIR", help="write DIR/report/report.txt and PNG plots")
+    modes.add_argument("--report-output", metavar="OUT", help="with --report: write there instead")
+    modes.add_argument("--show", metavar="DIR", help="decode a packed sample back to text (with --sample)")
+    modes.add_argument("--sample", type=int, default=0, help="with --show: the sample index")
+
+    build = parser.add_argument_group("build")
+    build.add_argument("--input", nargs="+", metavar="PATH_OR_GLOB",
+                       help="files, globs or directories (default: the Python standard library's source)")
+    build.add_argument("--output", help="dataset directory to create")
+    build.add_argument("--seq-length", type=int, help="model-visible length, a multiple of 16")
+    build.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of a newly trained tokenizer")
+    build.add_argument("--tokenizer", metavar="MODEL", help="use this sentencepiece .model instead of training one")
+    build.add_argument("--recipe", help="with --validate: check against this recipe; when building: take "
+                                        "--seq-length from it and refuse a tokenizer that does not fit its model")
+    build.add_argument("--text-field", default="text", help=".jsonl key / .parquet column holding the text")
+    build.add_argument("--lines", action="store_true", help=".txt files hold one document per line")
+    build.add_argument("--normalize", default="NFKC", choices=["NFKC", "NFC", "none"], help="Unicode normalisation")
+    build.add_argument("--min-chars", type=int, default=32, help="drop shorter documents")
+    build.add_argument("--max-chars", type=int, default=0, help="drop longer documents (0: no limit)")
+    build.add_argument("--invalid-utf8", default="drop", choices=["drop", "replace"],
+                       help="documents with invalid UTF-8: drop them, or keep them with U+FFFD")
+    build.add_argument("--near-dedup", action="store_true", help="also remove near-duplicates (MinHash LSH)")
+    build.add_argument("--packing", default="stream", choices=["stream", "best_fit"],
+                       help="stream: documents continue across samples (no padding but the tail); "
+                            "best_fit: whole documents per sample, padded")
+    build.add_argument("--tail", default="pad", choices=["pad", "drop"], help="the last partial sample")
+    build.add_argument("--val-fraction", type=float, default=0.0,
+                       help="hold out this fraction of documents (by hash) into a validation dataset")
+    build.add_argument("--val-output", help="validation dataset directory (default: OUTPUT-val)")
+    build.add_argument("--max-documents", type=int, default=0, help="use only the first N documents")
+    build.add_argument("--samples-per-shard", type=int, default=4096)
+    build.add_argument("--workers", type=int, default=-1,
+                       help="tokenizing processes (default: one per core, none for corpora under 8 MB)")
+    build.add_argument("--tokenizer-sample-chars", type=int, default=32_000_000,
+                       help="characters of text the tokenizer is trained on (a hash-chosen sample)")
+    build.add_argument("--strict", action="store_true", help="stop at the first bad input instead of skipping it")
+    build.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        manifest = prepare_dataset(args.output, args.seq_length, args.vocab_size, inputs=args.input,
-                                   max_documents=args.max_documents, tokenizer=args.tokenizer,
-                                   samples_per_shard=args.samples_per_shard)
+        if args.validate:
+            from data.inspection import validate_dataset
+            print(validate_dataset(args.validate, args.recipe))
+        elif args.report:
+            from data.inspection import report_dataset
+            text, plots = report_dataset(args.report, args.report_output)
+            print(text + "\n\nplots: " + ", ".join(plots))
+        elif args.show:
+            from data.inspection import show_sample
+            print(show_sample(args.show, args.sample))
+        else:
+            return build(parser, args, argv)
     except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def build(parser: argparse.ArgumentParser, args, argv) -> int:
+    from data.prepare import prepare_dataset, summary
+
+    model_vocab = 0
+    if args.recipe:
+        from training.recipe import load_recipe
+        model = load_recipe(args.recipe).model.model_config
+        args.seq_length = args.seq_length or model.seq_length
+        model_vocab = model.vocab_size
+    if not args.output or not args.seq_length:
+        parser.error("building a dataset needs --output and --seq-length (or --recipe)")
+    given = sys.argv[1:] if argv is None else argv
+    command = " ".join(shlex.quote(a) for a in ["python", "scripts/prepare_data.py", *given])
+    manifest = prepare_dataset(
+        args.output, args.seq_length, args.vocab_size, inputs=args.input, max_documents=args.max_documents,
+        tokenizer=args.tokenizer, samples_per_shard=args.samples_per_shard, show_progress=not args.no_progress,
+        text_field=args.text_field, lines=args.lines, normalization=args.normalize, min_chars=args.min_chars,
+        max_chars=args.max_chars, invalid_utf8=args.invalid_utf8, near_dedup=args.near_dedup, packing=args.packing,
+        tail=args.tail, val_fraction=args.val_fraction, val_output=args.val_output or "", strict=args.strict,
+        workers=args.workers, tokenizer_sample_chars=args.tokenizer_sample_chars, model_vocab_size=model_vocab,
+        command=command)
     print(summary(args.output, manifest))
     return 0
 

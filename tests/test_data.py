@@ -25,8 +25,8 @@ def test_clean_documents_counts_what_it_drops():
     raw = [("a", b"x" * 40), ("b", b"x" * 40), ("c", b"short"), ("d", b"\xff\xfe" + b"y" * 40), ("e", b"z" * 40)]
     kept = list(clean_documents(raw, stats))
     assert kept == ["x" * 40, "z" * 40]
-    assert stats.as_dict() == {"read": 5, "kept": 2, "invalid_utf8": 1, "too_short": 1, "duplicates": 1,
-                               "duplicate_ratio": 0.2}
+    assert stats.as_dict() == {"read": 5, "kept": 2, "invalid_utf8": 1, "too_short": 1, "too_long": 0,
+                               "duplicates": 1, "near_duplicates": 0, "duplicate_ratio": 0.2}
 
 
 def test_packing_predicts_every_token_once_and_pads_only_the_tail():

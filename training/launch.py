@@ -116,8 +116,25 @@ def ensure_dataset(recipe: Recipe, show_progress: bool = True) -> dict:
                           model.pad_token_id, model.eos_token_id)
         except DataError as err:
             raise DataError(err.message.replace("train_dataset.", "eval_dataset."), err.hint) from None
-    return check_dataset(dataset_dir, model.seq_length, model.vocab_size, model.pad_token_id,
-                         model.eos_token_id)
+    manifest = check_dataset(dataset_dir, model.seq_length, model.vocab_size, model.pad_token_id,
+                             model.eos_token_id)
+    if recipe.train_dataset.blend:
+        check_blend(recipe)
+    return manifest
+
+
+def check_blend(recipe: Recipe) -> None:
+    """Every blended dataset must fit the model, and all must share one tokenizer (data/loader.py)."""
+    from data.loader import load_sources, recipe_sources
+    from data.prepare import check_dataset
+
+    model = recipe.model.model_config
+    for dataset_dir, _, key in recipe_sources(recipe):
+        try:
+            check_dataset(dataset_dir, model.seq_length, model.vocab_size, model.pad_token_id, model.eos_token_id)
+        except DataError as err:
+            raise DataError(err.message.replace("train_dataset.data_loader.dataset_dir", key), err.hint) from None
+    load_sources(recipe_sources(recipe))
 
 
 def check_load_checkpoint(recipe: Recipe) -> None:
@@ -137,6 +154,8 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str) -> str:
     run_dir = os.path.abspath(recipe.output_dir)
     recipe.output_dir = run_dir
     recipe.train_dataset.data_loader.dataset_dir = os.path.abspath(recipe.dataset_dir)
+    for source in recipe.train_dataset.blend or []:
+        source.dataset_dir = os.path.abspath(source.dataset_dir)
     if recipe.eval_dataset is not None:
         loader = recipe.eval_dataset.data_loader
         loader.dataset_dir = os.path.abspath(loader.dataset_dir)

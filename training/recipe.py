@@ -197,6 +197,14 @@ class DataLoaderConfig:
 
 
 @dataclass
+class BlendSourceConfig:
+    """One dataset of a blend (ours): training draws from it in proportion to `weight`."""
+
+    dataset_dir: str
+    weight: float = 1.0
+
+
+@dataclass
 class TrainDatasetConfig:
     data_loader: DataLoaderConfig
     input_columns: list[str] = field(default_factory=lambda: ["input_ids"])
@@ -206,15 +214,32 @@ class TrainDatasetConfig:
     repeat: int = 1
     numa_enable: bool = False
     prefetch_size: int = 1
+    blend: Optional[list[BlendSourceConfig]] = None  # ours: several datasets mixed by weight (data/loader.py)
 
     def check(self, recipe: "Recipe") -> list:
         problems = []
+        if self.blend is not None:
+            problems.extend(self._blend_problems())
         if self.input_columns != ["input_ids"]:
             problems.append(f"train_dataset.input_columns: must be ['input_ids'] (packed samples of "
                             f"seq_length + 1 tokens), got {self.input_columns}")
         if not self.drop_remainder:
             problems.append("train_dataset.drop_remainder: must be True; a short last batch changes the "
                             "input shape and forces a graph recompile")
+        return problems
+
+    def _blend_problems(self) -> list:
+        if not self.blend:
+            return ["train_dataset.blend: empty; list {dataset_dir, weight} entries or remove the key"]
+        problems = [f"train_dataset.blend[{i}].weight: must be > 0, got {b.weight}"
+                    for i, b in enumerate(self.blend) if b.weight <= 0]
+        dirs = [os.path.normpath(b.dataset_dir) for b in self.blend]
+        if len(set(dirs)) != len(dirs):
+            problems.append("train_dataset.blend: lists a dataset_dir more than once; give it one weight")
+        if os.path.normpath(self.data_loader.dataset_dir) not in dirs:
+            problems.append(f"train_dataset.blend: does not list train_dataset.data_loader.dataset_dir "
+                            f"({self.data_loader.dataset_dir}); list it with its weight (it is the dataset "
+                            "data_preparation builds)")
         return problems
 
 

@@ -51,6 +51,9 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
     cfg["train_dataset"]["batch_size"] = recipe.runner_config.batch_size
     cfg["train_dataset_task"]["dataset_config"] = cfg["train_dataset"]
     cfg["runner_config"].pop("stop_step")  # 1.9 reads it but never acts on it; StepRecorder does.
+    # Ours: data/loader.py builds the dataset, with every pass (epochs x repeat) in it, each with its own shuffle.
+    cfg["train_dataset"].pop("blend", None)
+    cfg["runner_config"]["epochs"] = 1
     # Ours, not MindFormers': the model's layout (models/parallel.py) reads it from the model config.
     stage_layers = cfg["parallel_config"].pop("stage_layers", None)
     if stage_layers is not None:
@@ -138,6 +141,7 @@ def run(run_dir: str) -> dict:
     from mindformers.core.context import build_context
     import models.llama  # noqa: F401  (registers the model with MindFormers)
     import training.train_step  # noqa: F401  (registers the portable train-step wrapper)
+    from data.loader import build_train_dataset
 
     heartbeat = Heartbeat(run_dir, rank_id())
     heartbeat.beat("setup")
@@ -155,7 +159,10 @@ def run(run_dir: str) -> dict:
     if saver is not None:
         # Preemption: save at the end of the current step, then stop cleanly.
         signal.signal(signal.SIGTERM, lambda *_: setattr(saver, "preempted", True))
-    trainer = Trainer(args=config, callbacks=callbacks)
+    # One seeded order on every rank, each data-parallel rank its own slice; a resumed run's
+    # MindFormers skips `initial_step` batches of it (set_init_step), i.e. data_position samples.
+    train_dataset = build_train_dataset(recipe, rank_id())
+    trainer = Trainer(args=config, callbacks=callbacks, train_dataset=train_dataset)
     trainer.train()
     summary = recorder.summary(run_dir, find_checkpoints(run_dir))
     summary["resumed_from_step"] = initial_step

@@ -1,0 +1,159 @@
+"""Training reads prepared datasets: one, or several blended by weight; each data-parallel rank its own part.
+
+The order of samples is a pure function of (datasets, weights, seed, passes, shuffle), so
+every rank computes the same global order without talking to the others:
+
+- each pass over the data draws sum(dataset sizes) samples; dataset d's k-th draw happens
+  at "time" (k + 0.5) / weight_d and draws are taken in time order, so every prefix of the
+  order holds each dataset in proportion to its weight (a small dataset is cycled, a large
+  one thinned);
+- within a dataset, each cycle through it is a fresh permutation seeded by (seed, dataset,
+  cycle) (or the stored order when shuffle is off);
+- global batch b is positions [b*G, (b+1)*G) of that order (G = samples per optimizer step
+  over all data-parallel ranks); data-parallel rank r reads the r-th slice of B = G / ranks
+  positions. Slices are disjoint, together they are exactly the global batch, and a run
+  with more or fewer ranks (same G) sees the same data per step.
+
+So after `step` optimizer steps the run has consumed `global_sample_position(step, G)`
+samples of the order, and `build_train_dataset(..., start_step=step)` continues from there
+(as does MindFormers' resume, which skips `step` batches of the dataset): that number is all
+a checkpoint needs to record about data.
+"""
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from data.mindrecord_io import read_manifest
+from training.errors import DataError
+
+
+@dataclass(frozen=True)
+class Source:
+    dataset_dir: str
+    weight: float
+    samples: int
+    files: tuple
+
+
+def load_sources(entries: list) -> list:
+    """[(dataset_dir, weight, recipe key)] -> Sources; blended datasets must share tokenizer and sample length."""
+    sources, first = [], None
+    for dataset_dir, weight, key in entries:
+        try:
+            manifest = read_manifest(dataset_dir)
+        except DataError as err:
+            raise DataError(f"{key}: {err.message}", hint="build it with scripts/prepare_data.py") from None
+        if first is None:
+            first = (key, manifest)
+        else:
+            first_key, ref = first
+            for field, value, ref_value in (("tokenizer sha256", manifest["tokenizer"]["sha256"],
+                                             ref["tokenizer"]["sha256"]),
+                                            ("sample length", manifest["sample_length"], ref["sample_length"])):
+                if value != ref_value:
+                    raise DataError(f"{key}: {dataset_dir} has another {field} than {first_key} ({value} vs "
+                                    f"{ref_value}); blended datasets must share one tokenizer and seq_length",
+                                    hint="prepare them with the same --tokenizer MODEL and --seq-length")
+        if not manifest["samples"]:
+            raise DataError(f"{key}: {dataset_dir} holds no samples", hint="prepare it from more text")
+        files = tuple(os.path.join(dataset_dir, s["file"]) for s in manifest["shards"])
+        sources.append(Source(dataset_dir, weight, manifest["samples"], files))
+    return sources
+
+
+def blend_order(sizes: list, weights: list, seed: int, passes: int, shuffle: bool) -> tuple:
+    """(dataset index, sample index) arrays for `passes` passes of sum(sizes) samples each (see module doc)."""
+    weights = np.asarray(weights, np.float64) / float(np.sum(weights))
+    total = passes * int(sum(sizes))
+    times, owner = [], []
+    for d, w in enumerate(weights):
+        draws = int(np.ceil(total * w)) + 1
+        times.append((np.arange(draws) + 0.5) / w)
+        owner.append(np.full(draws, d, np.int32))
+    order = np.argsort(np.concatenate(times), kind="stable")[:total]  # ties: the earlier dataset first
+    dataset = np.concatenate(owner)[order]
+    sample = np.empty(total, np.int64)
+    for d, size in enumerate(sizes):
+        where = np.flatnonzero(dataset == d)
+        if len(where):
+            cycles = [_permutation(size, seed, d, c, shuffle) for c in range(-(-len(where) // size))]
+            sample[where] = np.concatenate(cycles)[:len(where)]
+    return dataset, sample
+
+
+def _permutation(size: int, seed: int, dataset: int, cycle: int, shuffle: bool) -> np.ndarray:
+    if not shuffle:
+        return np.arange(size, dtype=np.int64)
+    return np.random.default_rng([seed, dataset, cycle]).permutation(size).astype(np.int64)
+
+
+def rank_positions(total: int, batch: int, dp_rank: int, dp_size: int, start_step: int = 0) -> np.ndarray:
+    """This rank's positions in the global order: its slice of every global batch from `start_step` on."""
+    global_batch = batch * dp_size
+    steps = np.arange(start_step, total // global_batch, dtype=np.int64)
+    return (steps[:, None] * global_batch + dp_rank * batch + np.arange(batch)[None, :]).reshape(-1)
+
+
+def global_sample_position(step: int, global_batch_size: int) -> int:
+    """Samples of the global order consumed after `step` optimizer steps (what a checkpoint records)."""
+    return step * global_batch_size
+
+
+def data_parallel_layout(recipe, rank: int) -> tuple:
+    """(data-parallel rank, data-parallel ranks, samples per batch on this rank), as MindFormers shards data."""
+    p = recipe.parallel_config
+    if not recipe.use_parallel or recipe.world_size == 1:
+        return 0, 1, recipe.runner_config.batch_size
+    if recipe.parallel.parallel_mode in (1, 2):  # semi-auto / auto parallel
+        if recipe.parallel.full_batch:          # every rank reads the whole global batch
+            return 0, 1, recipe.global_batch_size
+        per_stage = recipe.world_size // p.pipeline_stage
+        return rank % per_stage // p.model_parallel, p.data_parallel, recipe.global_batch_size // p.data_parallel
+    return rank, recipe.world_size, recipe.runner_config.batch_size
+
+
+def recipe_sources(recipe) -> list:
+    """[(dataset_dir, weight, recipe key)] the recipe trains on."""
+    if recipe.train_dataset.blend:
+        return [(b.dataset_dir, b.weight, f"train_dataset.blend[{i}].dataset_dir")
+                for i, b in enumerate(recipe.train_dataset.blend)]
+    return [(recipe.dataset_dir, 1.0, "train_dataset.data_loader.dataset_dir")]
+
+
+def rank_samples(recipe, rank: int, start_step: int = 0) -> tuple:
+    """(sources, flat sample indices this rank reads in order, batch size): everything but the MindSpore dataset."""
+    sources = load_sources(recipe_sources(recipe))
+    dp_rank, dp_size, batch = data_parallel_layout(recipe, rank)
+    passes = recipe.runner_config.epochs * recipe.train_dataset.repeat
+    dataset, sample = blend_order([s.samples for s in sources], [s.weight for s in sources], recipe.seed, passes,
+                                  recipe.train_dataset.data_loader.shuffle)
+    positions = rank_positions(len(dataset), batch, dp_rank, dp_size, start_step)
+    if not len(positions):
+        raise DataError(f"train_dataset: {len(dataset)} samples ({passes} pass(es)) hold no global batch of "
+                        f"{batch * dp_size} samples after step {start_step}",
+                        hint="use more data, more runner_config.epochs, or a smaller runner_config.batch_size")
+    offsets = np.cumsum([0] + [s.samples for s in sources[:-1]])
+    return sources, offsets[dataset[positions]] + sample[positions], batch
+
+
+def build_train_dataset(recipe, rank: int, start_step: int = 0):
+    """The MindSpore dataset rank `rank` trains on: batches of (batch, seq_length + 1) int32 `input_ids`."""
+    import mindspore.dataset as ds
+
+    # As MindFormers' own dataset builder does. It matters beyond data: it also seeds Python's
+    # and NumPy's global generators, which the model's initial weights are drawn from next.
+    ds.config.set_seed(recipe.seed)
+    ds.config.set_prefetch_size(recipe.train_dataset.prefetch_size)
+    ds.config.set_numa_enable(recipe.train_dataset.numa_enable)
+    sources, indices, batch = rank_samples(recipe, rank, start_step)
+    files = [f for s in sources for f in s.files]
+    # MindRecord refuses a subset longer than the data it samples, so several passes
+    # (epochs x repeat) read as consecutive segments of at most that length.
+    rows = sum(s.samples for s in sources)
+    segments = [ds.MindDataset(files, columns_list=["input_ids"], sampler=ds.SubsetSampler(part.tolist()),
+                               num_parallel_workers=recipe.train_dataset.num_parallel_workers)
+                for part in np.split(indices, range(rows, len(indices), rows))]
+    data = segments[0].concat(segments[1:]) if len(segments) > 1 else segments[0]
+    return data.batch(batch, drop_remainder=True)

@@ -1,0 +1,599 @@
+"""The corpus-scale preparation run behind `data.prepare.prepare_dataset`.
+
+    inputs --ChunkReader (main process)--> chunks of ~1 MB of raw text
+           --worker processes-----------> per document: status, digest, tokens + EOD
+           --main process, in order-----> exact/near dedup, validation split, packing
+           --ShardWriter----------------> MindRecord shards, then the manifest(s)
+
+Everything that depends on order happens in the main process on results taken in input
+order, so the shards are the same whatever the number of workers. At most two chunks per
+worker are in flight, so memory does not grow with the corpus (only the dedup keys do:
+~60 bytes per distinct document).
+
+The run lives in OUTPUT.partial/, its scratch state in state/: run.json (fingerprint of the
+arguments), seen.u64 / bands.u64 (dedup keys, append-only) and snapshot.json with
+snapshot-N.npz, rewritten whenever a shard completes. A snapshot holds the state at the
+start of the chunk in which the shard completed (reading position, counts, packer leftovers,
+samples not yet in a shard). A rerun with the same arguments restores it, reads on from
+that position, skips the samples that completed shards already hold and carries on;
+anything written after the snapshot is deleted first. Same inputs and options, same shards.
+"""
+
+import collections
+import hashlib
+import heapq
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, fields
+
+import numpy as np
+from tqdm import tqdm
+
+from data.clean import INVALID_UTF8, INVALID_UTF8_POLICIES, KEPT, NORMALIZATIONS, TOO_LONG, TOO_SHORT, \
+    CleanOptions
+from data.corpus import ChunkReader, Position, input_format
+from data.dedup import KeyIndex
+from data.mindrecord_io import MANIFEST, ShardWriter, write_json_atomic, write_manifest
+from data.packing import PACKINGS, TAILS, make_packer
+from data.tokenizer import EOD_ID, PAD_ID, check_vocab_size, describe, file_sha256, load_tokenizer, \
+    train_tokenizer
+from data.workers import BAD_STATUSES, MALFORMED_JSON, MISSING_FIELD, STATUS_NAMES, WorkerConfig, \
+    default_workers, init_worker, pin_mmap_threshold, process_chunk
+from training.errors import DataError
+
+STATE = "state"
+TOKENIZER = "tokenizer.model"
+LENGTH_BINS = 32  # document lengths (tokens) bucketed by powers of two: bin k holds [2^k, 2^(k+1))
+DOCUMENT_COUNTS = ("read", "kept", "invalid_utf8", "too_short", "too_long", "malformed_json", "missing_field",
+                   "duplicates", "near_duplicates", "validation")
+BAD_KINDS = ("unreadable", "empty_file", "binary_file", "malformed_json", "missing_field", "invalid_utf8")
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """Everything beyond prepare_dataset's required arguments; the CLI flag is in brackets."""
+
+    text_field: str = "text"          # [--text-field] .jsonl key and .parquet column holding the text
+    lines: bool = False               # [--lines] .txt files hold one document per line
+    normalization: str = "NFKC"       # [--normalize] NFKC | NFC | none
+    min_chars: int = 32               # [--min-chars]
+    max_chars: int = 0                # [--max-chars] 0 = no limit
+    invalid_utf8: str = "drop"        # [--invalid-utf8] drop | replace
+    near_dedup: bool = False          # [--near-dedup] MinHash near-duplicate removal
+    packing: str = "stream"           # [--packing] stream | best_fit
+    tail: str = "pad"                 # [--tail] pad | drop the last partial sample
+    val_fraction: float = 0.0         # [--val-fraction] documents held out into a validation dataset
+    val_output: str = ""              # [--val-output] default: OUTPUT-val
+    strict: bool = False              # [--strict] stop at the first bad input instead of skipping it
+    workers: int = -1                 # [--workers] -1 = automatic, 0 = in this process
+    tokenizer_sample_chars: int = 32_000_000   # [--tokenizer-sample-chars] text the tokenizer is trained on
+    model_vocab_size: int = 0         # [--recipe] the tokenizer must fit this embedding table
+    command: str = ""                 # the command that started the run (recorded in the manifest)
+
+    def problems(self) -> list:
+        checks = [
+            (self.normalization in NORMALIZATIONS, f"normalization {self.normalization!r}: use one of "
+                                                   f"{', '.join(NORMALIZATIONS)}"),
+            (self.invalid_utf8 in INVALID_UTF8_POLICIES, f"invalid_utf8 {self.invalid_utf8!r}: use drop or replace"),
+            (self.packing in PACKINGS, f"packing {self.packing!r}: use one of {', '.join(PACKINGS)}"),
+            (self.tail in TAILS, f"tail {self.tail!r}: use pad or drop"),
+            (0.0 <= self.val_fraction < 0.5, f"val_fraction {self.val_fraction}: must be in [0, 0.5)"),
+            (self.min_chars >= 0 and self.max_chars >= 0, "min_chars and max_chars must be >= 0"),
+            (not self.max_chars or self.max_chars >= self.min_chars, "max_chars must be >= min_chars"),
+            (self.tokenizer_sample_chars > 0, "tokenizer_sample_chars must be > 0"),
+        ]
+        return [message for ok, message in checks if not ok]
+
+    def clean(self) -> CleanOptions:
+        return CleanOptions(self.normalization, self.min_chars, self.max_chars, self.invalid_utf8)
+
+    def recorded(self) -> dict:
+        """The options that shape the output (recorded in the manifest and the resume fingerprint)."""
+        skip = {"workers", "command", "model_vocab_size", "strict"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+
+
+class Tallies:
+    """Every count a manifest reports; small enough to copy at each chunk start."""
+
+    def __init__(self, files: int):
+        self.documents = dict.fromkeys(DOCUMENT_COUNTS, 0)
+        self.bad = dict.fromkeys(BAD_KINDS, 0)
+        self.first: dict = {}                        # kind -> "path:line: what"
+        self.file_docs = np.zeros(files, np.int64)   # kept documents per input file
+        self.file_tokens = np.zeros(files, np.int64)
+        self.lengths = np.zeros(LENGTH_BINS, np.int64)
+
+    def copy(self) -> "Tallies":
+        other = Tallies(0)
+        other.documents, other.bad, other.first = dict(self.documents), dict(self.bad), dict(self.first)
+        other.file_docs, other.file_tokens, other.lengths = \
+            self.file_docs.copy(), self.file_tokens.copy(), self.lengths.copy()
+        return other
+
+    def meta(self) -> dict:
+        return {"documents": self.documents, "bad": self.bad, "first": self.first}
+
+    def arrays(self) -> dict:
+        return {"file_docs": self.file_docs, "file_tokens": self.file_tokens, "lengths": self.lengths}
+
+    def restore(self, meta: dict, arrays: dict) -> None:
+        self.documents, self.bad, self.first = dict(meta["documents"]), dict(meta["bad"]), dict(meta["first"])
+        self.file_docs, self.file_tokens, self.lengths = \
+            arrays["file_docs"], arrays["file_tokens"], arrays["lengths"]
+
+    def documents_report(self) -> dict:
+        d = self.documents
+        removed = d["duplicates"] + d["near_duplicates"]
+        return {**d, "train": d["kept"] - d["validation"],
+                "duplicate_ratio": round(removed / d["read"], 6) if d["read"] else 0.0}
+
+
+class Split:
+    """One output dataset (train or validation): its packer and its shard writer."""
+
+    def __init__(self, name: str, directory: str, seq_length: int, samples_per_shard: int, opts: PrepareOptions):
+        self.name, self.directory, self.mode = name, directory, opts.packing
+        os.makedirs(directory, exist_ok=True)
+        self.packer = make_packer(opts.packing, seq_length, PAD_ID, opts.tail)
+        self.writer = ShardWriter(directory, "train" if name == "train" else "val", samples_per_shard, PAD_ID)
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> int:
+        return self.writer.add(self.packer.add(tokens, lengths))
+
+    def finish(self) -> None:
+        self.writer.add(self.packer.finish())
+        self.writer.finish()
+
+    def mark(self) -> tuple:
+        """What a snapshot needs of this split as it is now (references: packers never mutate arrays)."""
+        meta, arrays = self.packer.state()
+        return meta, arrays, self.writer.rows, list(self.writer.pending)
+
+
+class Run:
+    def __init__(self, output_dir: str, seq_length: int, vocab_size: int, source: str, patterns: list,
+                 files: list, missing: list, max_documents: int, tokenizer: str, samples_per_shard: int,
+                 show_progress: bool, opts: PrepareOptions):
+        self.output_dir, self.seq_length, self.vocab_size = output_dir, seq_length, vocab_size
+        self.source, self.patterns, self.files, self.missing = source, patterns, files, missing
+        self.max_documents, self.tokenizer_source = max_documents, tokenizer
+        self.samples_per_shard, self.show_progress, self.opts = samples_per_shard, show_progress, opts
+        self.work = output_dir.rstrip("/") + ".partial"
+        self.state = os.path.join(self.work, STATE)
+        self.val_output = opts.val_output or output_dir.rstrip("/") + "-val"
+        self.sizes = [_size(f) for f in files]
+        self.workers = default_workers(sum(self.sizes)) if opts.workers < 0 else opts.workers
+        self.fingerprint = self._fingerprint()
+
+    # ---- the run -------------------------------------------------------------------------------
+
+    def execute(self) -> dict:
+        pin_mmap_threshold()
+        self._check_outputs()
+        finished = self._finished_manifest()
+        if finished is not None:
+            return self._publish(finished)
+        snapshot = self._open_work()
+        try:
+            tokenizer_path, trained_on = self._tokenizer()
+            manifest = self._main_pass(tokenizer_path, trained_on, snapshot)
+        except DataError:
+            shutil.rmtree(self.work, ignore_errors=True)
+            raise
+        except BaseException:
+            print(f"\nprepare: stopped; {self.work} keeps every completed shard: rerun the same command to "
+                  "continue from there", file=sys.stderr, flush=True)
+            raise
+        return manifest
+
+    def _fingerprint(self) -> str:
+        identity = {"seq_length": self.seq_length, "vocab_size": self.vocab_size, "source": self.source,
+                    "files": [[os.path.abspath(f), size, _mtime(f)] for f, size in zip(self.files, self.sizes)],
+                    "missing": self.missing, "max_documents": self.max_documents,
+                    "tokenizer": file_sha256(self.tokenizer_source) if self.tokenizer_source else None,
+                    "samples_per_shard": self.samples_per_shard, "options": self.opts.recorded()}
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+    def _check_outputs(self) -> None:
+        for directory, what in ((self.output_dir, "dataset"), (self.val_output, "validation dataset")):
+            if not os.path.exists(directory) or (what != "dataset" and self._ours(directory)):
+                continue
+            if os.path.isfile(os.path.join(directory, MANIFEST)):
+                raise DataError(f"{what} {directory} already exists (complete)",
+                                hint="reuse it, or choose another --output" if what == "dataset" else
+                                "move it away, or choose another --val-output")
+            raise DataError(f"{directory} exists but is not a complete dataset (no {MANIFEST})",
+                            hint="remove it or choose another --output; nothing was written")
+
+    def _ours(self, directory: str) -> bool:
+        """True for a validation dataset this very run finished before it was interrupted."""
+        try:
+            with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
+                return json.load(f).get("run_fingerprint") == self.fingerprint and os.path.isdir(self.work)
+        except (OSError, json.JSONDecodeError):
+            return False
+
+    def _finished_manifest(self):
+        """The manifest of an earlier identical run that stopped between writing it and renaming the directory."""
+        try:
+            with open(os.path.join(self.work, MANIFEST), encoding="utf-8") as f:
+                manifest = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            return None
+        return manifest if manifest.get("run_fingerprint") == self.fingerprint else None
+
+    def _open_work(self):
+        """Start OUTPUT.partial, or reopen an interrupted identical run; returns its snapshot (or None)."""
+        run_file = os.path.join(self.state, "run.json")
+        if os.path.isdir(self.work):
+            try:
+                with open(run_file, encoding="utf-8") as f:
+                    previous = json.load(f)
+            except (OSError, json.JSONDecodeError):
+                previous = None  # interrupted before it recorded anything worth keeping
+            if previous is not None and previous["fingerprint"] != self.fingerprint:
+                raise DataError(f"{self.work} holds an interrupted run with other arguments or inputs (differs in: "
+                                f"{', '.join(_differences(previous['identity'], self._identity())) or 'inputs'})",
+                                hint=f"rerun it with the same arguments to continue it, or delete {self.work} to "
+                                     "start over")
+            if previous is not None:
+                if self._ours(self.val_output):  # stopped while moving the validation dataset out
+                    os.rename(self.val_output, os.path.join(self.work, "val"))
+                return _read_snapshot(self.state)
+            shutil.rmtree(self.work)
+        os.makedirs(self.state)
+        write_json_atomic(run_file, {"fingerprint": self.fingerprint, "identity": self._identity()})
+        return None
+
+    def _identity(self) -> dict:
+        return {"seq_length": self.seq_length, "vocab_size": self.vocab_size, "source": self.source,
+                "inputs": self.patterns, "files": len(self.files), "max_documents": self.max_documents,
+                "tokenizer": self.tokenizer_source, "samples_per_shard": self.samples_per_shard,
+                **self.opts.recorded()}
+
+    # ---- tokenizer ------------------------------------------------------------------------------
+
+    def _tokenizer(self) -> tuple:
+        """(path inside the dataset, what it was trained on); trains one on a sample unless given or done."""
+        path = os.path.join(self.work, TOKENIZER)
+        record = os.path.join(self.state, "tokenizer.json")
+        if self.tokenizer_source:
+            if not os.path.isfile(path):
+                shutil.copyfile(self.tokenizer_source, path)
+            sp = load_tokenizer(path)
+            check_vocab_size(self.tokenizer_source, sp.get_piece_size(), self.opts.model_vocab_size,
+                             "model.model_config.vocab_size")
+            return path, None
+        if os.path.isfile(record):
+            with open(record, encoding="utf-8") as f:
+                return path, json.load(f)
+        docs = self._sample()
+        if not docs:
+            raise DataError(f"no usable document among {len(self.files)} input files", hint="check the inputs")
+        prefix = os.path.join(self.state, "tokenizer")
+        shutil.move(train_tokenizer(docs, self.vocab_size, prefix), path)
+        trained_on = {"documents": len(docs), "chars": sum(len(d) for d in docs)}
+        write_json_atomic(record, trained_on)
+        return path, trained_on
+
+    def _sample(self) -> list:
+        """A deterministic sample of distinct cleaned documents: those with the smallest digests, up to a budget.
+
+        Hash order is independent of input order and needs one pass with bounded memory;
+        the sample is returned in corpus order.
+        """
+        budget = self.opts.tokenizer_sample_chars
+        total = max(1, sum(self.sizes))
+        # Workers send back only texts whose digest is below this (4x the budget's share: headroom for
+        # compressed inputs and filtered documents); below the budget everything comes back.
+        below = 1 << 64 if 4 * budget >= total else int((1 << 64) * 4 * budget / total)
+        config = WorkerConfig(self.opts.clean(), self.opts.text_field, None, EOD_ID, False, below)
+        # Cleaning is cheap next to shipping every text back from a worker: below the budget, stay inline.
+        workers = self.workers if below < 1 << 64 else 0
+        heap, digests, chars, order = [], set(), 0, 0
+        tallies = Tallies(len(self.files))
+        self._record_missing(tallies)
+        for chunk, result, count in self._results(config, Position(), 0, "sample for tokenizer", tallies, workers):
+            self._record_bad(chunk, result, count, tallies)  # counts are the main pass's; this is for --strict
+            kept_before = int((result.status[:count] == KEPT).sum())
+            for kept_index, digest, text in result.texts:
+                if kept_index >= kept_before or digest in digests:
+                    continue
+                heapq.heappush(heap, (-digest, order + kept_index, text))
+                digests.add(digest)
+                chars += len(text)
+                while chars > budget and len(heap) > 1:
+                    neg, _, dropped = heapq.heappop(heap)
+                    digests.discard(-neg)
+                    chars -= len(dropped)
+            order += kept_before
+        return [text for _, _, text in sorted(heap, key=lambda item: item[1])]
+
+    # ---- the main pass ---------------------------------------------------------------------------
+
+    def _main_pass(self, tokenizer_path: str, trained_on, snapshot) -> dict:
+        sp = load_tokenizer(tokenizer_path)
+        tallies = Tallies(len(self.files))
+        splits = {"train": Split("train", self.work, self.seq_length, self.samples_per_shard, self.opts)}
+        if self.opts.val_fraction:
+            splits["val"] = Split("val", os.path.join(self.work, "val"), self.seq_length, self.samples_per_shard,
+                                  self.opts)
+        position, chunk_index, seen_count, bands_count = Position(), 0, 0, 0
+        if snapshot is None:
+            self._record_missing(tallies)
+        else:
+            meta, arrays = snapshot
+            position, chunk_index = Position(**meta["position"]), meta["chunk"]
+            seen_count, bands_count = meta["seen"], meta["bands"]
+            tallies.restore(meta, arrays)
+            for name, split in splits.items():
+                state = meta["splits"][name]
+                prefix = f"{name}.packer."
+                split.packer.restore(state["packer"], {k[len(prefix):]: v for k, v in arrays.items()
+                                                       if k.startswith(prefix)})
+                split.writer.restore(state["shards"], state["rows"], [arrays[f"{name}.pending"]]
+                                     if len(arrays[f"{name}.pending"]) else [])
+            print(f"prepare: resuming {self.work} at shard {len(splits['train'].writer.shards)} (input "
+                  f"{self.files[position.file] if position.file < len(self.files) else 'end'}, line {position.line})",
+                  file=sys.stderr, flush=True)
+        for split in splits.values():
+            split.writer.remove_strays()
+        seen = KeyIndex(os.path.join(self.state, "seen.u64"), seen_count)
+        bands = KeyIndex(os.path.join(self.state, "bands.u64"), bands_count) if self.opts.near_dedup else None
+        val_below = int(self.opts.val_fraction * (1 << 64))
+        config = WorkerConfig(self.opts.clean(), self.opts.text_field, tokenizer_path, EOD_ID, self.opts.near_dedup,
+                              threads=1 if self.workers else (os.cpu_count() or 1))
+        snapshots = _Snapshots(self.state)
+        for chunk, result, count in self._results(config, position, chunk_index, "prepare", tallies, self.workers):
+            mark = (chunk, tallies.copy(), seen.count, bands.count if bands else 0,
+                    {name: split.mark() for name, split in splits.items()})
+            self._record_bad(chunk, result, count, tallies)
+            written = self._consume(result, count, tallies, splits, seen, bands, val_below)
+            if written:
+                for index in (seen, bands):
+                    if index is not None:
+                        index.sync()
+                snapshots.save(mark, splits)
+        if tallies.documents["kept"] == 0:
+            raise DataError(f"no usable document among {len(self.files)} input files", hint="check the inputs")
+        for split in splits.values():
+            split.finish()
+        seen.close()
+        if bands:
+            bands.close()
+        return self._write_manifests(sp, tokenizer_path, trained_on, tallies, splits)
+
+    def _results(self, config: WorkerConfig, start: Position, chunk_index: int, desc: str, tallies: Tallies,
+                 workers: int):
+        """(chunk, worker result, raw documents to take) in input order, up to max_documents."""
+        chunks = ChunkReader(self.files, self.opts.lines, self.opts.text_field).chunks(start, chunk_index)
+        quota = self.max_documents - tallies.documents["read"] if self.max_documents else None
+        progress = tqdm(total=sum(self.sizes), initial=sum(self.sizes[:start.file]), unit="B", unit_scale=True,
+                        unit_divisor=1024, desc=desc, disable=not self.show_progress, mininterval=0.5)
+        began, docs_at_start = time.perf_counter(), tallies.documents["kept"]
+        tokens = 0
+        try:
+            for chunk, result in self._processed(config, chunks, workers):
+                count = len(result.status) if quota is None else min(len(result.status), quota)
+                yield chunk, result, count
+                progress.update(chunk.disk_bytes)
+                if result.lengths is not None:
+                    tokens += int(result.lengths[:int((result.status[:count] == KEPT).sum())].sum())
+                elapsed = max(time.perf_counter() - began, 1e-9)
+                docs = tallies.documents["kept"] - docs_at_start
+                progress.set_postfix_str(f"{docs:,} docs ({docs / elapsed:,.0f}/s), {tokens / 1e6:,.1f}M tokens "
+                                         f"({tokens / elapsed / 1e6:,.2f}M/s)", refresh=False)
+                if quota is not None:
+                    quota -= count
+                    if quota <= 0:
+                        return
+        finally:
+            progress.close()
+
+    def _processed(self, config: WorkerConfig, chunks, workers: int):
+        """Run process_chunk over the chunks, in order: inline, or in a pool with at most 2 chunks per worker queued."""
+        if not workers:
+            init_worker(config)
+            for chunk in chunks:
+                yield chunk, process_chunk(chunk.pieces)
+            return
+        # spawn, not fork: this process may hold MindSpore's threads, which fork does not copy safely.
+        with multiprocessing.get_context("spawn").Pool(workers, init_worker, (config,)) as pool:
+            queued = collections.deque()
+            for chunk in chunks:
+                queued.append((chunk, pool.apply_async(process_chunk, (chunk.pieces,))))
+                if len(queued) > 2 * workers:
+                    done, pending = queued.popleft()
+                    yield done, pending.get()
+            while queued:
+                done, pending = queued.popleft()
+                yield done, pending.get()
+
+    def _record_missing(self, tallies: Tallies) -> None:
+        for pattern, reason in self.missing:
+            self._bad(tallies, "unreadable", pattern, reason)
+
+    def _record_bad(self, chunk, result, count: int, tallies: Tallies) -> None:
+        """Count this chunk's bad input in input order; with --strict, stop at the first."""
+        events = [(b.file, b.line, b.kind, b.detail) for b in chunk.bad]
+        status = result.status[:count]
+        for code in BAD_STATUSES:
+            hits = np.flatnonzero(status == code)
+            if len(hits):
+                first = hits[0]
+                events.append((int(result.file[first]), int(result.line[first]), STATUS_NAMES[code],
+                               result.detail.get(code, STATUS_NAMES[code])))
+                tallies.bad[STATUS_NAMES[code]] += len(hits) - 1  # the first is counted by _bad below
+        for file, line, kind, detail in sorted(events):
+            where = self.files[file] + (f":{line}" if line else "")
+            self._bad(tallies, kind, where, detail)
+
+    def _bad(self, tallies: Tallies, kind: str, where: str, detail: str) -> None:
+        message = f"{where}: {detail}"
+        if self.opts.strict:
+            raise DataError(f"bad input: {message}", hint="fix or remove it, or run without --strict to skip such "
+                                                          "input (it is counted in the manifest)")
+        tallies.bad[kind] += 1
+        tallies.first.setdefault(kind, message)
+
+    def _consume(self, result, count: int, tallies: Tallies, splits: dict, seen: KeyIndex, bands,
+                 val_below: int) -> int:
+        """Dedup, split and pack one chunk's documents; returns the number of shards this completed."""
+        status = result.status[:count]
+        d = tallies.documents
+        d["read"] += count
+        for code, name in ((INVALID_UTF8, "invalid_utf8"), (TOO_SHORT, "too_short"), (TOO_LONG, "too_long"),
+                           (MALFORMED_JSON, "malformed_json"), (MISSING_FIELD, "missing_field")):
+            d[name] += int((status == code).sum())
+        d["invalid_utf8"] += int(result.replaced[:count].sum())
+        is_kept = status == KEPT
+        kept = int(is_kept.sum())
+        digests, lengths = result.digest[:kept], result.lengths[:kept]
+        tokens = result.tokens[:int(lengths.sum())]
+        keep = np.ones(kept, bool)
+        fresh = set()
+        for i, digest in enumerate(digests.tolist()):
+            if digest in seen or digest in fresh:
+                keep[i] = False
+            else:
+                fresh.add(digest)
+        d["duplicates"] += kept - len(fresh)
+        seen.add_many(digests[keep])
+        if bands is not None:
+            for i in np.flatnonzero(keep):
+                keys = result.bands[i]
+                if any(k in bands for k in keys.tolist()):
+                    keep[i] = False
+                    d["near_duplicates"] += 1
+                else:
+                    bands.add_many(keys)
+        held_out = keep & (digests < np.uint64(val_below)) if val_below else np.zeros(kept, bool)
+        d["kept"] += int(keep.sum())
+        d["validation"] += int(held_out.sum())
+        files = result.file[:count][is_kept]
+        np.add.at(tallies.file_docs, files[keep], 1)
+        np.add.at(tallies.file_tokens, files[keep], lengths[keep])
+        np.add.at(tallies.lengths, np.minimum(np.log2(lengths[keep]).astype(np.int64), LENGTH_BINS - 1), 1)
+        written = 0
+        for name, mask in (("train", keep & ~held_out), ("val", held_out)):
+            if name in splits and mask.any():
+                whole = mask.all()  # the common case: no copy
+                written += splits[name].add(tokens if whole else tokens[np.repeat(mask, lengths)],
+                                            lengths if whole else lengths[mask])
+        return written
+
+    # ---- the end --------------------------------------------------------------------------------
+
+    def _write_manifests(self, sp, tokenizer_path: str, trained_on, tallies: Tallies, splits: dict) -> dict:
+        inputs = self._inputs(tallies)
+        tokenizer = {"file": TOKENIZER, "source": os.path.abspath(self.tokenizer_source) if self.tokenizer_source
+                     else "trained", **describe(sp, tokenizer_path)}
+        if trained_on:
+            tokenizer["trained_on"] = trained_on
+        common = {"source": self.source, "command": self.opts.command,
+                  "arguments": self._identity(), "run_fingerprint": self.fingerprint, "inputs": inputs,
+                  "options": self.opts.recorded(), "documents": tallies.documents_report(),
+                  "bad_input": {"counts": tallies.bad, "first": tallies.first}, "tokenizer": tokenizer,
+                  "seq_length": self.seq_length, "sample_length": self.seq_length + 1,
+                  "doc_length_histogram": {"bin_start_tokens": [1 << k for k in range(LENGTH_BINS)],
+                                           "documents": tallies.lengths.tolist()}}
+        if "val" in splits:
+            val_dir = splits["val"].directory
+            shutil.copyfile(tokenizer_path, os.path.join(val_dir, TOKENIZER))
+            val_manifest = write_manifest(val_dir, {**common, "split": "validation", **_dataset(splits["val"])})
+            if self._ours(self.val_output):
+                shutil.rmtree(self.val_output)
+            os.rename(val_dir, self.val_output)
+            # Relative to this dataset, so the pair can be moved together.
+            common["validation"] = {"dataset_dir": os.path.relpath(self.val_output, self.output_dir),
+                                    "documents": tallies.documents["validation"],
+                                    "samples": val_manifest["samples"], "tokens": val_manifest["tokens"]}
+        manifest = write_manifest(self.work, {**common, "split": "train", **_dataset(splits["train"])})
+        return self._publish(manifest)
+
+    def _publish(self, manifest: dict) -> dict:
+        shutil.rmtree(self.state, ignore_errors=True)
+        os.rename(self.work, self.output_dir)
+        return manifest
+
+    def _inputs(self, tallies: Tallies) -> dict:
+        listed = [{"path": os.path.abspath(path), "format": "+".join(f for f in (fmt, "gzip" if gz else "") if f),
+                   "bytes": size, "sha256": file_sha256(path), "documents": int(docs), "tokens": int(tokens)}
+                  for path, size, (fmt, gz), docs, tokens in
+                  zip(self.files, self.sizes, map(input_format, self.files), tallies.file_docs, tallies.file_tokens)]
+        return {"files": len(self.files), "bytes": sum(self.sizes), "missing": [p for p, _ in self.missing],
+                "list": listed}
+
+
+class _Snapshots:
+    """snapshot.json + snapshot-N.npz in the state directory; the JSON names its arrays file."""
+
+    def __init__(self, state: str):
+        self.state = state
+        self.serial = 0
+
+    def save(self, mark: tuple, splits: dict) -> None:
+        chunk, tallies, seen_count, bands_count, split_marks = mark
+        arrays = dict(tallies.arrays())
+        split_meta = {}
+        for name, split in splits.items():
+            packer_meta, packer_arrays, rows, pending = split_marks[name]
+            uncovered = split.writer.uncovered(pending, rows)
+            arrays[f"{name}.pending"] = uncovered[0] if uncovered else np.zeros((0, 1), np.int32)
+            arrays.update({f"{name}.packer.{k}": v for k, v in packer_arrays.items()})
+            split_meta[name] = {"packer": packer_meta, "rows": rows, "shards": split.writer.shards}
+        self.serial += 1
+        name = f"snapshot-{self.serial:06d}.npz"
+        with open(os.path.join(self.state, name), "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        write_json_atomic(os.path.join(self.state, "snapshot.json"),
+                          {"chunk": chunk.index, "position": chunk.start.as_dict(), "seen": seen_count,
+                           "bands": bands_count, "splits": split_meta, "arrays": name, **tallies.meta()})
+        for old in os.listdir(self.state):
+            if old.startswith("snapshot-") and old != name:
+                os.remove(os.path.join(self.state, old))
+
+
+def _dataset(split: Split) -> dict:
+    stats = split.packer.stats
+    return {"packing": {"mode": split.mode, "tail": split.packer.tail, "split_documents": stats.split_documents},
+            "samples": stats.samples, "tokens": stats.tokens, "padding_tokens": stats.padding_tokens,
+            "padding_rate": round(stats.padding_rate, 8), "dropped_tokens": stats.dropped_tokens,
+            "shards": split.writer.shards}
+
+
+def _read_snapshot(state: str):
+    path = os.path.join(state, "snapshot.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        meta = json.load(f)
+    with np.load(os.path.join(state, meta["arrays"])) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    return meta, arrays
+
+
+def _differences(before: dict, now: dict) -> list:
+    return [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
+            if before.get(k) != now.get(k)]
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _mtime(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0
