@@ -18,7 +18,16 @@ So after `step` optimizer steps the run has consumed `global_sample_position(ste
 samples of the order, and `build_train_dataset(..., start_step=step)` continues from there
 (as does MindFormers' resume, which skips `step` batches of the dataset): that number is all
 a checkpoint needs to record about data.
+
+A loss-spike rollback (training/callbacks.py) removes the offending samples from the order:
+`skips` are [start, end) ranges of positions in the order above, and the order training
+reads is that order with those positions left out. The skips a run made are kept in
+RUN_DIR/data_skips.json and in every checkpoint after them, so each later rebuild (a
+resume, another rank) reads the same order.
 """
+
+import hashlib
+import json
 
 import os
 from dataclasses import dataclass
@@ -27,6 +36,8 @@ import numpy as np
 
 from data.mindrecord_io import read_manifest
 from training.errors import DataError
+
+SKIPS_FILE = "data_skips.json"
 
 
 @dataclass(frozen=True)
@@ -122,23 +133,86 @@ def recipe_sources(recipe) -> list:
     return [(recipe.dataset_dir, 1.0, "train_dataset.data_loader.dataset_dir")]
 
 
-def rank_samples(recipe, rank: int, start_step: int = 0) -> tuple:
-    """(sources, flat sample indices this rank reads in order, batch size): everything but the MindSpore dataset."""
+def training_order(recipe, skips=()) -> tuple:
+    """(sources, flat sample ids in the order training reads them): the blend order minus `skips`.
+
+    A flat id indexes the sources' samples concatenated in recipe order (dataset d's sample i
+    is offsets[d] + i), which is how the shard files are listed to MindDataset.
+    """
     sources = load_sources(recipe_sources(recipe))
-    dp_rank, dp_size, batch = data_parallel_layout(recipe, rank)
     passes = recipe.runner_config.epochs * recipe.train_dataset.repeat
     dataset, sample = blend_order([s.samples for s in sources], [s.weight for s in sources], recipe.seed, passes,
                                   recipe.train_dataset.data_loader.shuffle)
-    positions = rank_positions(len(dataset), batch, dp_rank, dp_size, start_step)
+    offsets = np.cumsum([0] + [s.samples for s in sources[:-1]])
+    ids = offsets[dataset] + sample
+    return sources, ids[kept_positions(len(ids), skips)]
+
+
+def kept_positions(total: int, skips=()) -> np.ndarray:
+    """Positions of the blend order that remain after removing the [start, end) ranges in `skips`."""
+    keep = np.ones(total, bool)
+    for start, end in skips:
+        keep[start:end] = False
+    return np.flatnonzero(keep)
+
+
+def skip_range(total: int, skips, first_step: int, last_step: int, global_batch_size: int) -> list:
+    """The blend-order ranges steps first_step..last_step (1-based) read, given the skips already made."""
+    positions = kept_positions(total, skips)[(first_step - 1) * global_batch_size:last_step * global_batch_size]
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    return [[int(run[0]), int(run[-1]) + 1] for run in np.split(positions, breaks) if len(run)]
+
+
+def order_length(recipe) -> int:
+    """Positions in the blend order (every pass), before any skip."""
+    passes = recipe.runner_config.epochs * recipe.train_dataset.repeat
+    return passes * sum(s.samples for s in load_sources(recipe_sources(recipe)))
+
+
+def next_samples(recipe, position: int, skips=(), count: int = None) -> dict:
+    """What a checkpoint records to verify its data position: the next `count` sample ids and their hash.
+
+    `count` defaults to one global batch (at most 1024). On resume the same function runs on
+    the resumed recipe: a different seed, shuffle, blend, dataset or skip list gives other ids.
+    """
+    return describe_next(training_order(recipe, skips)[1], position, count or min(recipe.global_batch_size, 1024))
+
+
+def describe_next(ids: np.ndarray, position: int, count: int) -> dict:
+    """{position, count, first_ids, sha256} of ids[position:position + count] (see next_samples)."""
+    upcoming = np.ascontiguousarray(ids[position:position + count], dtype=np.int64)
+    return {"position": int(position), "count": int(len(upcoming)), "first_ids": upcoming[:8].tolist(),
+            "sha256": hashlib.sha256(upcoming.tobytes()).hexdigest()}
+
+
+def read_skips(run_dir: str) -> list:
+    """The rollbacks a run made (RUN_DIR/data_skips.json), oldest first; [] when none."""
+    try:
+        with open(os.path.join(run_dir, SKIPS_FILE), encoding="utf-8") as f:
+            return json.load(f)["rollbacks"]
+    except FileNotFoundError:
+        return []
+
+
+def skip_ranges(rollbacks: list) -> list:
+    """Every [start, end) blend-order range the rollbacks removed."""
+    return [tuple(r) for rollback in rollbacks for r in rollback["skipped_positions"]]
+
+
+def rank_samples(recipe, rank: int, start_step: int = 0, skips=()) -> tuple:
+    """(sources, flat sample indices this rank reads in order, batch size): everything but the MindSpore dataset."""
+    sources, ids = training_order(recipe, skips)
+    dp_rank, dp_size, batch = data_parallel_layout(recipe, rank)
+    positions = rank_positions(len(ids), batch, dp_rank, dp_size, start_step)
     if not len(positions):
-        raise DataError(f"train_dataset: {len(dataset)} samples ({passes} pass(es)) hold no global batch of "
+        passes = recipe.runner_config.epochs * recipe.train_dataset.repeat
+        raise DataError(f"train_dataset: {len(ids)} samples ({passes} pass(es)) hold no global batch of "
                         f"{batch * dp_size} samples after step {start_step}",
                         hint="use more data, more runner_config.epochs, or a smaller runner_config.batch_size")
-    offsets = np.cumsum([0] + [s.samples for s in sources[:-1]])
-    return sources, offsets[dataset[positions]] + sample[positions], batch
+    return sources, ids[positions], batch
 
 
-def build_train_dataset(recipe, rank: int, start_step: int = 0):
+def build_train_dataset(recipe, rank: int, start_step: int = 0, skips=()):
     """The MindSpore dataset rank `rank` trains on: batches of (batch, seq_length + 1) int32 `input_ids`."""
     import mindspore.dataset as ds
 
@@ -147,7 +221,7 @@ def build_train_dataset(recipe, rank: int, start_step: int = 0):
     ds.config.set_seed(recipe.seed)
     ds.config.set_prefetch_size(recipe.train_dataset.prefetch_size)
     ds.config.set_numa_enable(recipe.train_dataset.numa_enable)
-    sources, indices, batch = rank_samples(recipe, rank, start_step)
+    sources, indices, batch = rank_samples(recipe, rank, start_step, skips)
     files = [f for s in sources for f in s.files]
     # MindRecord refuses a subset longer than the data it samples, so several passes
     # (epochs x repeat) read as consecutive segments of at most that length.

@@ -72,6 +72,21 @@ def test_layout_manifest_and_pruning(baseline):
     state = read_json(os.path.join(baseline, "checkpoints", "step_00000020", "state.json"))
     assert state["data_position"] == 20 * 4 and len(state["rng_state"]) >= 1
     assert len(state["recipe_sha256"]) == 64 and len(state["dataset_manifest_sha256"]) == 64
+    # The data position carries the ids (and their hash) of the samples the next step reads.
+    assert state["next_samples"]["position"] == 80 and state["next_samples"]["count"] == 4
+    assert state["data_skips"] == []
+
+
+def test_resume_with_another_data_order_is_refused(baseline, tiny_dataset):
+    before = metrics(baseline)
+    code, output = rerun(baseline, tiny_dataset, "--set", "seed=7")
+    assert code == 2
+    assert "resume from step 20: the training data order changed: after sample 80" in output
+    assert "(changed: seed)" in output and "a resume must not replay or skip data" in output
+    code, output = rerun(baseline, tiny_dataset, "--set", "runner_config.batch_size=3")
+    assert code == 2 and "consumed 80 samples (global batch 4), not a whole number of this recipe's global " \
+                          "batch 3" in output
+    assert metrics(baseline) == before  # refused before anything was touched
 
 
 def test_kill9_then_corrupt_newest_and_crash_during_save(baseline, tiny_dataset, tmp_path):
@@ -201,3 +216,54 @@ def test_loss_spike_against_the_moving_window():
     recorder.records.append({"loss": 3.5})
     assert recorder.spike(factor=1.5, window=5) == pytest.approx(2.1)  # mean of the 5 before it
     assert recorder.spike(factor=0.0, window=5) is None  # off
+
+
+def poisoned_dataset(tiny_dataset, root):
+    """Twelve stdlib modules and, among them, one file of random CJK text: byte tokens the model never saw."""
+    import random
+
+    import numpy as np
+    from data.corpus import python_stdlib_files
+    from data.mindrecord_io import read_manifest, read_samples
+    from data.prepare import prepare_dataset
+
+    src = os.path.join(root, "src")
+    os.makedirs(src)
+    for i, path in enumerate(python_stdlib_files()[:12]):
+        shutil.copyfile(path, os.path.join(src, f"doc_{i:02d}.txt"))
+    rng = random.Random(0)
+    with open(os.path.join(src, "doc_05_poison.txt"), "w", encoding="utf-8") as f:
+        f.write("".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(40)))
+    out = os.path.join(root, "poisoned")
+    prepare_dataset(out, 64, inputs=[src], tokenizer=os.path.join(tiny_dataset, "tokenizer.model"),
+                    show_progress=False, workers=0)
+    rows = np.stack(list(read_samples(out, read_manifest(out))))
+    poisoned = np.flatnonzero(((rows > 2) & (rows < 259)).mean(axis=1) > 0.5)  # mostly byte-fallback pieces
+    return out, poisoned
+
+
+def test_loss_spike_rolls_back_and_skips_the_offending_samples(tiny_dataset, tmp_path):
+    dataset, poisoned = poisoned_dataset(tiny_dataset, str(tmp_path))
+    spike_step = int(poisoned[0]) // 4 + 1  # batch 4, unshuffled: sample i is read at step i // 4 + 1
+    assert len(poisoned) and {int(i) // 4 + 1 for i in poisoned} == {spike_step} and spike_step > 12
+    run_dir = str(tmp_path / "run")
+    code, output = rerun(run_dir, dataset, "--set", "train_dataset.data_loader.shuffle=False",
+                         "--set", f"runner_config.stop_step={spike_step + 4}",
+                         "--set", "anomaly.spike_factor=1.3", "--set", "anomaly.spike_window=5",
+                         "--set", "anomaly.on_spike=rollback")
+    assert code == 0, output
+    last_good = (spike_step - 1) // 5 * 5  # checkpoints every 5 steps
+    assert f"[launch] loss spike at step {spike_step}: rolling back to step {last_good} and skipping 4 samples" \
+        in output
+    assert f"resuming {run_dir} from step {last_good}" in output
+    rollbacks = read_json(os.path.join(run_dir, "data_skips.json"))["rollbacks"]
+    start = (spike_step - 1) * 4
+    assert len(rollbacks) == 1 and rollbacks[0]["skipped_positions"] == [[start, start + 4]]
+    assert rollbacks[0]["loss"] > 1.3 * rollbacks[0]["moving_mean"]
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, spike_step + 5))  # each step once, the spike replaced
+    assert records[spike_step - 1]["loss"] < 1.3 * sum(r["loss"] for r in records[spike_step - 6:spike_step - 1]) / 5
+    # After the skip, step k reads the samples that were step k + 1's: the last save expects sample 4 x (k + 1) next.
+    state = read_json(os.path.join(step_dir(run_dir, spike_step + 4), "state.json"))
+    assert state["data_skips"] == [[start, start + 4]]
+    assert state["next_samples"]["first_ids"][:2] == [4 * (spike_step + 5), 4 * (spike_step + 5) + 1]

@@ -142,3 +142,20 @@ def test_blended_recipe_trains(tmp_path, tiny_dataset, second_dataset):
     assert len(losses) == 8 and losses[-1] < losses[0]
     with open(os.path.join(run_dir, "recipe.yaml"), encoding="utf-8") as f:
         assert f"dataset_dir: {os.path.abspath(second_dataset)}" in f.read()
+
+
+def test_skips_remove_positions_and_a_second_rollback_maps_through_the_first(tiny_dataset):
+    from data.loader import kept_positions, next_samples, skip_range, training_order
+
+    assert kept_positions(10, [(2, 4), (7, 8)]).tolist() == [0, 1, 4, 5, 6, 8, 9]
+    assert skip_range(40, [], 3, 3, 4) == [[8, 12]]  # step 3 reads positions 8..11
+    # With [8, 12) already gone, steps 3-4 read positions 12..19; across a gap the range splits.
+    assert skip_range(40, [(8, 12)], 3, 4, 4) == [[12, 20]]
+    assert skip_range(40, [(8, 12)], 2, 3, 4) == [[4, 8], [12, 16]]
+    rcp = recipe(TINY_RECIPE, tiny_dataset)
+    _, order = training_order(rcp)
+    _, skipped = training_order(rcp, [(8, 12)])
+    assert (skipped == np.delete(order, range(8, 12))).all()
+    same, other_seed = next_samples(rcp, 8), next_samples(recipe(TINY_RECIPE, tiny_dataset, "seed=3"), 8)
+    assert same["first_ids"] == order[8:12].tolist() and same["sha256"] != other_seed["sha256"]
+    assert next_samples(rcp, 8, [(8, 12)])["first_ids"][:4] == order[12:16].tolist()

@@ -263,26 +263,45 @@ class ProfileWindow(Callback):
 
 
 class CheckpointSaver(Callback):
-    """Saves every `every` steps (and on SIGTERM) through training/checkpoint.py; stops on NaN if asked.
+    """Saves every `every` steps (and on SIGTERM) through training/checkpoint.py; handles NaN and loss spikes.
 
     Runs after StepRecorder, whose last record gives the global step and loss. In async mode
     the parameters are copied to host memory synchronously (the state of this step), and the
     files, checksums and manifest are written by a background thread while training goes on.
+
+    Each save records the data position (samples of the training order consumed) with the ids
+    and hash of the samples that come next, and the skip list in force (data/loader.py), so a
+    resume can prove it continues with the right samples.
+
+    Loss spike with `anomaly.on_spike: rollback`: the run stops at the spike step without
+    saving it, records the blend-order positions of the offending samples in
+    RUN_DIR/data_skips.json and its status; the launcher then resumes from the newest
+    checkpoint before the spike, and the rebuilt training order leaves those samples out.
+    Spike and rollback decisions are all-reduced, so every data-parallel rank takes them.
     """
 
-    def __init__(self, run_dir: str, rank: int, world_size: int, recorder: StepRecorder, settings, anomaly,
-                 global_batch_size: int, state_extra: dict):
+    def __init__(self, run_dir: str, rank: int, world_size: int, recorder: StepRecorder, recipe,
+                 state_extra: dict, rollbacks: list):
         super().__init__()
+        from data.loader import order_length, skip_ranges, training_order
+
+        settings = recipe.checkpointing
         self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
         self.recorder = recorder
         self.prefix = settings.prefix
         self.every = settings.save_checkpoint_steps
         self.keep_last, self.keep_every = settings.keep_checkpoint_max, settings.keep_every
         self.async_save = settings.async_save
-        self.anomaly = anomaly
-        self.global_batch_size = global_batch_size
+        self.anomaly = recipe.anomaly
+        self.global_batch_size = recipe.global_batch_size
         self.state_extra = state_extra
+        self.rollbacks = list(rollbacks)     # made by earlier launches of this run
+        self.skips = skip_ranges(self.rollbacks)
+        self.order = training_order(recipe, self.skips)[1]  # flat sample ids, in the order training reads them
+        self.order_total = order_length(recipe)
         self.preempted = False
+        self.rollback = None                 # set when this launch stops for a rollback
+        self.last_spike = None               # (loss, moving mean or None when another rank saw it)
         self.last_saved = None
         self.blocked_time = 0.0  # seconds training waited for saves (benchmark figure)
         self._writer = None
@@ -300,12 +319,12 @@ class CheckpointSaver(Callback):
                                        "or set anomaly.on_nan: skip")
             print(f"[anomaly] step {step}: non-finite loss/grad norm; the update was skipped "
                   "(anomaly.on_nan: skip)", flush=True)
-        spike = self.recorder.spike(self.anomaly.spike_factor, self.anomaly.spike_window)
-        if spike:
-            print(f"[anomaly] step {step}: loss spike {loss:.4f} > {self.anomaly.spike_factor} x moving mean "
-                  f"{spike:.4f} over {self.anomaly.spike_window} steps", flush=True)
+        if self.spiked(step, loss):
             if self.anomaly.spike_snapshot:
                 print(f"[anomaly] snapshot: {self.save(params, step, kind='spike')}", flush=True)
+            if self.anomaly.on_spike == "rollback" and self.roll_back(step, loss):
+                run_context.request_stop()
+                return
         if (self.every and step % self.every == 0) or self.preempted:
             self.save(params, step)
         if self.preempted:
@@ -314,11 +333,69 @@ class CheckpointSaver(Callback):
 
     def on_train_end(self, run_context):
         step = self.recorder.records[-1]["step"] if self.recorder.records else 0
-        if step and self.last_saved != step:
+        if step and self.last_saved != step and self.rollback is None:
             self.save(run_context.original_args(), step)
         self.wait()
 
+    def spiked(self, step: int, loss: float) -> bool:
+        """This step's loss is a spike (on any rank, when several train together); logs it."""
+        if not self.anomaly.spike_factor:
+            return False
+        mean = self.recorder.spike(self.anomaly.spike_factor, self.anomaly.spike_window)
+        spiked = mean is not None
+        if self.world_size > 1:
+            from training.collectives import all_reduce_sum
+            spiked = bool(all_reduce_sum([1.0 if spiked else 0.0])[0] > 0)
+        if mean is not None:
+            self.last_spike = (loss, mean)
+            print(f"[anomaly] step {step}: loss spike {loss:.4f} > {self.anomaly.spike_factor} x moving mean "
+                  f"{mean:.4f} over {self.anomaly.spike_window} steps", flush=True)
+        elif spiked:
+            self.last_spike = (loss, None)
+            print(f"[anomaly] step {step}: loss spike on another rank (this rank's loss {loss:.4f})", flush=True)
+        return spiked
+
+    def roll_back(self, step: int, loss: float) -> bool:
+        """Stop for a rollback past this step's samples; False (only logged) when there is nothing to roll back to."""
+        from training import checkpoint as ckpt
+        from data.loader import SKIPS_FILE, skip_range
+
+        if len(self.rollbacks) >= self.anomaly.max_rollbacks:
+            print(f"[anomaly] step {step}: not rolling back, anomaly.max_rollbacks ({self.anomaly.max_rollbacks}) "
+                  "reached; training goes on", flush=True)
+            return False
+        self.wait()
+        if self.world_size > 1:
+            from training.collectives import all_reduce_sum
+            all_reduce_sum([1.0])  # every rank's saves are on disk before anyone looks for the last good one
+        good = [s for s in ckpt.complete_steps(self.run_dir, self.world_size) if s < step]
+        if not good:
+            print(f"[anomaly] step {step}: no checkpoint before the spike to roll back to; training goes on",
+                  flush=True)
+            return False
+        first = max(step - self.anomaly.rollback_skip_steps + 1, good[-1] + 1)
+        positions = skip_range(self.order_total, self.skips, first, step, self.global_batch_size)
+        loss_seen, mean = self.last_spike or (loss, None)
+        self.rollback = {"spike_step": step, "loss": loss_seen, "moving_mean": mean,
+                         "rolled_back_to": good[-1], "skipped_steps": [first, step],
+                         "skipped_positions": positions,
+                         "skipped_samples": sum(end - start for start, end in positions),
+                         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        # Every rank writes the same content (no shared filesystem assumed); the rename is atomic.
+        path = os.path.join(self.run_dir, SKIPS_FILE)
+        tmp = f"{path}.rank{self.rank}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"rollbacks": self.rollbacks + [self.rollback]}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        print(f"[anomaly] step {step}: rolling back to step {good[-1]}; the {self.rollback['skipped_samples']} "
+              f"samples of steps {first}-{step} (training-order positions {positions}) will be skipped; recorded in "
+              f"{path}", flush=True)
+        return True
+
     def save(self, params, step: int, kind: str = "step") -> str:
+        from data.loader import describe_next
         from training import checkpoint as ckpt
 
         start = time.perf_counter()
@@ -330,8 +407,11 @@ class CheckpointSaver(Callback):
         append = {"epoch_num": epoch, "step_num": step, "loss_scale": float(loss_scale),
                   "global_batch_size": self.global_batch_size}
         meta = {"step": step, "epoch": epoch, "rank": self.rank, "world_size": self.world_size, "kind": kind}
+        position = step * self.global_batch_size
         state = {"step": step, "epoch": epoch, "global_batch_size": self.global_batch_size,
-                 "data_position": step * self.global_batch_size, "rng_state": rng_state(), **self.state_extra}
+                 "data_position": position,
+                 "next_samples": describe_next(self.order, position, min(self.global_batch_size, 1024)),
+                 "data_skips": [list(r) for r in self.skips], "rng_state": rng_state(), **self.state_extra}
         tensors = ckpt.snapshot(params.train_network)
 
         def write():

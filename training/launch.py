@@ -191,10 +191,72 @@ def continue_run(recipe: Recipe, run_dir: str) -> None:
     else:
         recipe.load_checkpoint = directory
         recipe.resume_training = read_json(os.path.join(directory, "rank_0", MANIFEST))["file"]
+        check_data_position(recipe, run_dir, previous)
         print(f"[launch] resuming {run_dir} from step {step} ({directory})", flush=True)
     truncate_metrics(run_dir, step or 0)
     for stale in ("status", "heartbeat"):
         shutil.rmtree(os.path.join(run_dir, stale), ignore_errors=True)
+
+
+DATA_ORDER_KEYS = ("seed", "train_dataset.data_loader.shuffle", "train_dataset.blend", "runner_config.epochs",
+                   "train_dataset.repeat")
+
+
+def check_data_position(recipe: Recipe, run_dir: str, previous: Recipe = None) -> None:
+    """A resume must continue the training order where the checkpoint left it (data/loader.py).
+
+    The checkpoint's state.json names its data position and the ids and hash of the samples
+    that come next; the resumed recipe must give the same ones (with the same skips), and the
+    position must be a whole number of its global batches.
+    """
+    from data.loader import SKIPS_FILE, next_samples, read_skips, skip_ranges
+    from training.checkpoint import STATE, read_json
+
+    state_path = os.path.join(recipe.load_checkpoint, STATE)
+    if not os.path.isfile(state_path):
+        return  # not one of ours (e.g. converted weights): MindFormers resumes it as it is
+    state = read_json(state_path)
+    position, step, saved = state["data_position"], state["step"], state.get("next_samples")
+    if position % recipe.global_batch_size:
+        raise LaunchError(f"resume from step {step}: the checkpoint consumed {position} samples (global batch "
+                          f"{state['global_batch_size']}), not a whole number of this recipe's global batch "
+                          f"{recipe.global_batch_size}",
+                          hint="keep runner_config.batch_size x data_parallel x accumulation dividing it")
+    if saved is None:
+        return
+    skips = [tuple(r) for r in state.get("data_skips", [])]
+    listed = skip_ranges(read_skips(run_dir))
+    lost = [list(r) for r in skips if r not in listed]
+    if lost:
+        raise LaunchError(f"resume from step {step}: the checkpoint was trained without the samples at training-order "
+                          f"positions {lost}, which {os.path.join(run_dir, SKIPS_FILE)} does not list",
+                          hint=f"restore {SKIPS_FILE} (the rollback record this run wrote), or start a new output_dir")
+    now = next_samples(recipe, position, skips, saved["count"])
+    if now["sha256"] != saved["sha256"]:
+        changed = []
+        if previous is not None:
+            changed = [key for key in DATA_ORDER_KEYS if _get(previous, key) != _get(recipe, key)]
+        if state.get("dataset_manifest_sha256") and state["dataset_manifest_sha256"] != _dataset_sha(recipe):
+            changed.append(f"the dataset in {recipe.dataset_dir} (its manifest.json differs)")
+        raise LaunchError(f"resume from step {step}: the training data order changed: after sample {position} the "
+                          f"checkpoint expects samples {saved['first_ids']}..., this recipe gives "
+                          f"{now['first_ids']}... (changed: {', '.join(changed) or 'the datasets or their order'})",
+                          hint="restore those settings to continue this run (a resume must not replay or skip "
+                               "data), or start a new run with another output_dir")
+
+
+def _get(recipe: Recipe, dotted: str):
+    value = recipe
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _dataset_sha(recipe: Recipe) -> str:
+    from data.mindrecord_io import MANIFEST as DATA_MANIFEST
+    from training.checkpoint import file_sha256
+
+    return file_sha256(os.path.join(recipe.dataset_dir, DATA_MANIFEST))
 
 
 def resumed_step(recipe: Recipe) -> int:
@@ -271,6 +333,19 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
             proc.wait()
             return HANG_EXIT_CODE
     return proc.returncode
+
+
+def requested_rollback(run_dir: str, ranks):
+    """The rollback record this node's ranks stopped for (a loss spike, anomaly.on_spike: rollback), or None."""
+    for rank in ranks:
+        try:
+            with open(os.path.join(run_dir, "status", f"rank_{rank}.json"), encoding="utf-8") as f:
+                status = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            continue
+        if status.get("rollback"):
+            return status["rollback"]
+    return None
 
 
 def failed_ranks(run_dir: str, ranks) -> list:
@@ -358,6 +433,9 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
     ensure_dataset(recipe, show_progress)
     check_load_checkpoint(recipe)
     run_dir = prepare_run_dir(recipe, recipe_path)
+    if recipe.resume_training and recipe.load_checkpoint and \
+            not os.path.abspath(recipe.load_checkpoint).startswith(run_dir + os.sep):
+        check_data_position(recipe, run_dir)  # resuming another run's checkpoint in a new run directory
     if recipe.resume_training and recipe.runner_config.stop_step and \
             resumed_step(recipe) >= recipe.runner_config.stop_step:
         print(f"[launch] {run_dir} is already complete (step {resumed_step(recipe)} of runner_config.stop_step "
@@ -372,11 +450,22 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
           f"{cluster.ranks.stop - 1} of {cluster.world_size}; "
           + " ".join(f"{k}={v}" for k, v in sorted(hccl.items())), flush=True)
     print(f"[launch] {' '.join(command)}", flush=True)
-    returncode = run_watched(command, env, run_dir, cluster.ranks, recipe.monitoring.hang_timeout)
-    failed = failed_ranks(run_dir, cluster.ranks)
-    if returncode != 0 or failed:
-        print(failure_report(run_dir, cluster.ranks, returncode), file=sys.stderr, flush=True)
-        return returncode or 1
+    while True:
+        returncode = run_watched(command, env, run_dir, cluster.ranks, recipe.monitoring.hang_timeout)
+        failed = failed_ranks(run_dir, cluster.ranks)
+        if returncode != 0 or failed:
+            print(failure_report(run_dir, cluster.ranks, returncode), file=sys.stderr, flush=True)
+            return returncode or 1
+        rollback = requested_rollback(run_dir, cluster.ranks)
+        if rollback is None:
+            break
+        # A loss spike: the workers stopped at the spike step and recorded the samples to skip;
+        # resume from the newest checkpoint before it, as a rerun of the same command would.
+        print(f"[launch] loss spike at step {rollback['spike_step']}: rolling back to step "
+              f"{rollback['rolled_back_to']} and skipping {rollback['skipped_samples']} samples (steps "
+              f"{rollback['skipped_steps'][0]}-{rollback['skipped_steps'][1]}); see "
+              f"{os.path.join(run_dir, 'data_skips.json')}", flush=True)
+        run_dir = prepare_run_dir(recipe, recipe_path)
     if cluster.node_rank == 0:
         with open(os.path.join(run_dir, SUMMARY), encoding="utf-8") as f:
             summary = json.load(f)

@@ -414,6 +414,25 @@ class AnomalyConfig:
     spike_factor: float = 0.0                 # > 0: a loss above factor x the moving mean is a spike
     spike_window: int = 20
     spike_snapshot: bool = True               # save a snapshot at each spike (checkpoints/spike_<step>)
+    on_spike: Literal["log", "rollback"] = "log"  # rollback: resume from the last checkpoint before the spike,
+    #                                               without the samples of the spike step (and the steps before
+    #                                               it given by rollback_skip_steps)
+    rollback_skip_steps: int = 1              # steps of samples to skip, ending with the spike step
+    max_rollbacks: int = 3                    # after this many rollbacks a spike is only logged
+
+    def check(self, recipe: "Recipe") -> list:
+        problems = []
+        if self.spike_factor < 0 or self.spike_window < 1:
+            problems.append("anomaly.spike_factor must be >= 0 and anomaly.spike_window >= 1")
+        if self.on_spike == "rollback":
+            if not self.spike_factor:
+                problems.append("anomaly.on_spike: rollback needs anomaly.spike_factor > 0 (what a spike is)")
+            if recipe.checkpointing is None or not recipe.checkpointing.save_checkpoint_steps:
+                problems.append("anomaly.on_spike: rollback needs checkpoints to roll back to (a CheckpointMonitor "
+                                "callback with save_checkpoint_steps)")
+        if self.rollback_skip_steps < 1 or self.max_rollbacks < 0:
+            problems.append("anomaly.rollback_skip_steps must be >= 1 and anomaly.max_rollbacks >= 0")
+        return problems
 
 
 @dataclass
@@ -497,7 +516,7 @@ class Recipe:
         problems = []
         for section in (self.runner_config, self.runner_wrapper, self.optimizer, self.lr_schedule,
                         self.model.model_config, self.train_dataset, self.parallel_config,
-                        self.recompute_config, self.hardware):
+                        self.recompute_config, self.hardware, self.anomaly):
             problems.extend(section.check(self))
         task_block = self.train_dataset_task.dataset_config
         if task_block is not None and not _is_subset(task_block, to_plain(self.train_dataset)):

@@ -96,6 +96,7 @@ def resume_step(recipe: Recipe) -> int:
 
 def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) -> tuple:
     """(StepRecorder, CheckpointSaver or None, every callback to pass to the Trainer)."""
+    from data.loader import read_skips
     from training.callbacks import CheckpointSaver, HeldOutEval, ProfileWindow, StepRecorder
     from training.metrics import device_peak_flops, training_flops_per_token
 
@@ -115,8 +116,8 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
                                        os.path.join(run_dir, "profile", f"rank_{rank}"), recorder))
     saver = None
     if recipe.checkpointing is not None:
-        saver = CheckpointSaver(run_dir, rank, recipe.world_size, recorder, recipe.checkpointing, recipe.anomaly,
-                                recipe.global_batch_size, state_hashes(recipe, run_dir))
+        saver = CheckpointSaver(run_dir, rank, recipe.world_size, recorder, recipe, state_hashes(recipe, run_dir),
+                                read_skips(run_dir))
         callbacks.append(saver)
     return recorder, saver, callbacks
 
@@ -141,7 +142,7 @@ def run(run_dir: str) -> dict:
     from mindformers.core.context import build_context
     import models.llama  # noqa: F401  (registers the model with MindFormers)
     import training.train_step  # noqa: F401  (registers the portable train-step wrapper)
-    from data.loader import build_train_dataset
+    from data.loader import build_train_dataset, read_skips, skip_ranges
 
     heartbeat = Heartbeat(run_dir, rank_id())
     heartbeat.beat("setup")
@@ -161,13 +162,15 @@ def run(run_dir: str) -> dict:
         signal.signal(signal.SIGTERM, lambda *_: setattr(saver, "preempted", True))
     # One seeded order on every rank, each data-parallel rank its own slice; a resumed run's
     # MindFormers skips `initial_step` batches of it (set_init_step), i.e. data_position samples.
-    train_dataset = build_train_dataset(recipe, rank_id())
+    # Samples a loss-spike rollback removed stay out of it (RUN_DIR/data_skips.json).
+    train_dataset = build_train_dataset(recipe, rank_id(), skips=skip_ranges(read_skips(run_dir)))
     trainer = Trainer(args=config, callbacks=callbacks, train_dataset=train_dataset)
     trainer.train()
     summary = recorder.summary(run_dir, find_checkpoints(run_dir))
     summary["resumed_from_step"] = initial_step
     summary["preempted"] = bool(saver and saver.preempted)
     summary["checkpoint_blocked_s"] = round(saver.blocked_time, 3) if saver else 0.0
+    summary["rollback"] = saver.rollback if saver else None
     if rank_id() == 0:
         with open(os.path.join(run_dir, SUMMARY), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
@@ -180,23 +183,13 @@ def collective_self_test() -> None:
     A wrong world size, a rank on the wrong network or a broken HCCL/MCCL setup shows up
     here in seconds, with the rank named, instead of as a hang inside the first step.
     """
-    import numpy as np
-    import mindspore as ms
-    from mindspore import nn, ops
     from mindspore.communication import get_group_size, get_rank
-
-    class AllReduceSum(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.all_reduce = ops.AllReduce()
-
-        def construct(self, x):
-            return self.all_reduce(x)
+    from training.collectives import all_reduce_sum
 
     rank, size = get_rank(), get_group_size()
-    got = AllReduceSum()(ms.Tensor(np.full((8,), rank + 1, np.float32))).asnumpy()
+    got = all_reduce_sum([rank + 1.0] * 8)
     expected = size * (size + 1) / 2
-    if not np.all(got == expected):
+    if not (got == expected).all():
         raise LaunchError(f"rank {rank}: collective self-test failed: all-reduce of rank+1 over {size} ranks "
                           f"gave {got.tolist()}, expected {expected}",
                           hint="check that every node runs the same recipe and node count, and the network")
@@ -209,14 +202,6 @@ def find_checkpoints(run_dir: str) -> list:
 
     manifests = sorted(glob.glob(os.path.join(run_dir, CHECKPOINTS, "step_*", f"rank_{rank_id()}", MANIFEST)))
     return [os.path.join(os.path.dirname(m), read_json(m)["file"]) for m in manifests]
-
-
-def summary_flag(run_dir: str, key: str) -> bool:
-    try:
-        with open(os.path.join(run_dir, SUMMARY), encoding="utf-8") as f:
-            return bool(json.load(f).get(key))
-    except (OSError, json.JSONDecodeError):
-        return False
 
 
 def main(argv=None) -> int:
@@ -233,7 +218,7 @@ def main(argv=None) -> int:
     write_status(run_dir, "running", pid=os.getpid())
     Heartbeat(run_dir, rank_id()).beat("start")
     try:
-        run(run_dir)
+        summary = run(run_dir)
     except PretrainError as err:
         print(f"rank {rank_id()}: error: {err}", file=sys.stderr, flush=True)
         write_status(run_dir, "failed", error=str(err))
@@ -242,5 +227,5 @@ def main(argv=None) -> int:
         traceback.print_exc()
         write_status(run_dir, "failed", error=f"{type(err).__name__}: {err}")
         return 1
-    write_status(run_dir, "done", preempted=summary_flag(run_dir, "preempted"))
+    write_status(run_dir, "done", preempted=summary["preempted"], rollback=summary["rollback"])
     return 0

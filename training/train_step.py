@@ -31,32 +31,12 @@ class PortableTrainOneStepCell(MFTrainOneStepCell):
 
 def _allreduce_barrier(original):
     """A barrier for CPU, where MindSpore has no Barrier kernel: an all-reduce every rank must join."""
-    import numpy as np
-    import mindspore as ms
-    from mindspore import nn, ops
-
-    class AllReduceBarrier(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.all_reduce = ops.AllReduce()
-
-        def construct(self, x):
-            return self.all_reduce(x)
-
-    cell = []
+    from training.collectives import all_reduce_sum
 
     def barrier(*args, **kwargs):
         if context.get_context("device_target") != "CPU":
             return original(*args, **kwargs)
-        if not cell:
-            cell.append(AllReduceBarrier())
-        # MindFormers may have set full_batch, which data-parallel mode refuses to compile with.
-        full_batch = context.get_auto_parallel_context("full_batch")
-        context.set_auto_parallel_context(full_batch=False)
-        try:
-            cell[0](ms.Tensor(np.ones((1,), np.float32))).asnumpy()  # returns only when every rank arrived
-        finally:
-            context.set_auto_parallel_context(full_batch=full_batch)
+        all_reduce_sum([1.0])  # returns only when every rank arrived
         return None
 
     return barrier
