@@ -127,8 +127,14 @@ def state_hashes(recipe: Recipe, run_dir: str) -> dict:
             "dataset_manifest_sha256": file_sha256(os.path.join(recipe.dataset_dir, DATA_MANIFEST))}
 
 
-def run(run_dir: str) -> dict:
-    """Train from RUN_DIR/recipe.yaml; returns the summary (rank 0 also writes it)."""
+def run(run_dir: str, started: float = None) -> dict:
+    """Train from RUN_DIR/recipe.yaml; returns the summary (rank 0 also writes it).
+
+    `started` is when the worker process began (time.time()); the summary's `startup`
+    section gives the wall-clock time of each start-up phase from it, so the time to the
+    first step can be split into imports, building (data, model, optimizer) and compile.
+    """
+    started = time.time() if started is None else started
     with open(os.path.join(run_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
         recipe = recipe_from_dict(yaml.safe_load(f), os.path.join(run_dir, RESOLVED_RECIPE))
 
@@ -138,6 +144,7 @@ def run(run_dir: str) -> dict:
     from mindformers.core.context import build_context
     import models.llama  # noqa: F401  (registers the model with MindFormers)
     import training.train_step  # noqa: F401  (registers the portable train-step wrapper)
+    imported = time.time()
 
     heartbeat = Heartbeat(run_dir, rank_id())
     heartbeat.beat("setup")
@@ -156,8 +163,10 @@ def run(run_dir: str) -> dict:
         # Preemption: save at the end of the current step, then stop cleanly.
         signal.signal(signal.SIGTERM, lambda *_: setattr(saver, "preempted", True))
     trainer = Trainer(args=config, callbacks=callbacks)
+    setup_done = time.time()
     trainer.train()
     summary = recorder.summary(run_dir, find_checkpoints(run_dir))
+    summary["startup"] = startup_phases(started, imported, setup_done, recorder.records)
     summary["resumed_from_step"] = initial_step
     summary["preempted"] = bool(saver and saver.preempted)
     summary["checkpoint_blocked_s"] = round(saver.blocked_time, 3) if saver else 0.0
@@ -165,6 +174,24 @@ def run(run_dir: str) -> dict:
         with open(os.path.join(run_dir, SUMMARY), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
     return summary
+
+
+def startup_phases(started: float, imported: float, setup_done: float, records: list) -> dict:
+    """Seconds spent in each phase from worker start to the end of the first step.
+
+    imports: Python, MindSpore and MindFormers; setup: context, MFU peak measurement,
+    callbacks, Trainer object; build: what Trainer.train() does before the first step
+    (dataset, network, optimizer, wrapper, first batch); first_step: graph compile plus
+    one step. `first_step_end` is absolute (time.time()), to measure from the launch.
+    """
+    if not records:
+        return {}
+    first = records[0]
+    first_end = first["time"]
+    first_begin = first_end - first["step_time"]
+    return {"worker_start": round(started, 3), "imports": round(imported - started, 3),
+            "setup": round(setup_done - imported, 3), "build": round(first_begin - setup_done, 3),
+            "first_step": round(first["step_time"], 3), "first_step_end": first_end}
 
 
 def collective_self_test() -> None:
@@ -213,6 +240,7 @@ def summary_flag(run_dir: str, key: str) -> bool:
 
 
 def main(argv=None) -> int:
+    started = time.time()
     parser = argparse.ArgumentParser(description="Training worker (started by scripts/run_distributed.sh).")
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)
@@ -226,7 +254,7 @@ def main(argv=None) -> int:
     write_status(run_dir, "running", pid=os.getpid())
     Heartbeat(run_dir, rank_id()).beat("start")
     try:
-        run(run_dir)
+        run(run_dir, started)
     except PretrainError as err:
         print(f"rank {rank_id()}: error: {err}", file=sys.stderr, flush=True)
         write_status(run_dir, "failed", error=str(err))
