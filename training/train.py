@@ -131,8 +131,14 @@ def state_hashes(recipe: Recipe, run_dir: str) -> dict:
             "dataset_manifest_sha256": file_sha256(os.path.join(recipe.dataset_dir, DATA_MANIFEST))}
 
 
-def run(run_dir: str) -> dict:
-    """Train from RUN_DIR/recipe.yaml; returns the summary (rank 0 also writes it)."""
+def run(run_dir: str, started: float = None) -> dict:
+    """Train from RUN_DIR/recipe.yaml; returns the summary (rank 0 also writes it).
+
+    `started` is when the worker process began (time.time()); the summary's `startup`
+    section gives the wall-clock time of each start-up phase from it, so the time to the
+    first step can be split into imports, building (data, model, optimizer) and compile.
+    """
+    started = time.time() if started is None else started
     with open(os.path.join(run_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
         recipe = recipe_from_dict(yaml.safe_load(f), os.path.join(run_dir, RESOLVED_RECIPE))
 
@@ -143,6 +149,7 @@ def run(run_dir: str) -> dict:
     import models.llama  # noqa: F401  (registers the model with MindFormers)
     import training.train_step  # noqa: F401  (registers the portable train-step wrapper)
     from data.loader import build_train_dataset, read_skips, skip_ranges
+    imported = time.time()
 
     heartbeat = Heartbeat(run_dir, rank_id())
     heartbeat.beat("setup")
@@ -163,10 +170,14 @@ def run(run_dir: str) -> dict:
     # One seeded order on every rank, each data-parallel rank its own slice; a resumed run's
     # MindFormers skips `initial_step` batches of it (set_init_step), i.e. data_position samples.
     # Samples a loss-spike rollback removed stay out of it (RUN_DIR/data_skips.json).
+    data_start = time.time()
     train_dataset = build_train_dataset(recipe, rank_id(), skips=skip_ranges(read_skips(run_dir)))
+    data_seconds = time.time() - data_start
     trainer = Trainer(args=config, callbacks=callbacks, train_dataset=train_dataset)
+    setup_done = time.time()
     trainer.train()
     summary = recorder.summary(run_dir, find_checkpoints(run_dir))
+    summary["startup"] = startup_phases(started, imported, setup_done, recorder.records, data_seconds)
     summary["resumed_from_step"] = initial_step
     summary["preempted"] = bool(saver and saver.preempted)
     summary["checkpoint_blocked_s"] = round(saver.blocked_time, 3) if saver else 0.0
@@ -175,6 +186,27 @@ def run(run_dir: str) -> dict:
         with open(os.path.join(run_dir, SUMMARY), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
     return summary
+
+
+def startup_phases(started: float, imported: float, setup_done: float, records: list,
+                   data_seconds: float = 0.0) -> dict:
+    """Seconds spent in each phase from worker start to the end of the first step.
+
+    imports: Python, MindSpore and MindFormers; setup: context, MFU peak measurement,
+    callbacks, Trainer object, and `data` (the training order and MindRecord dataset, also
+    given on its own); build: what Trainer.train() does before the first step (network,
+    optimizer, wrapper, first batch); first_step: graph compile plus one step.
+    `first_step_end` is absolute (time.time()), to measure from the launch.
+    """
+    if not records:
+        return {}
+    first = records[0]
+    first_end = first["time"]
+    first_begin = first_end - first["step_time"]
+    return {"worker_start": round(started, 3), "imports": round(imported - started, 3),
+            "setup": round(setup_done - imported, 3), "data": round(data_seconds, 3),
+            "build": round(first_begin - setup_done, 3), "first_step": round(first["step_time"], 3),
+            "first_step_end": first_end}
 
 
 def collective_self_test() -> None:
@@ -205,6 +237,7 @@ def find_checkpoints(run_dir: str) -> list:
 
 
 def main(argv=None) -> int:
+    started = time.time()
     parser = argparse.ArgumentParser(description="Training worker (started by scripts/run_distributed.sh).")
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)
@@ -218,7 +251,7 @@ def main(argv=None) -> int:
     write_status(run_dir, "running", pid=os.getpid())
     Heartbeat(run_dir, rank_id()).beat("start")
     try:
-        summary = run(run_dir)
+        summary = run(run_dir, started)
     except PretrainError as err:
         print(f"rank {rank_id()}: error: {err}", file=sys.stderr, flush=True)
         write_status(run_dir, "failed", error=str(err))
