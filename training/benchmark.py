@@ -101,6 +101,7 @@ class MindSporeTrainer:
 
         from models.llama import LlamaConfig, LlamaForCausalLM
         import training.train_step  # noqa: F401  (registers the portable wrapper)
+        import training.optim  # noqa: F401  (registers FoldedAdamW)
         from training.train import mindformers_config
 
         cfg = MindFormerConfig(**mindformers_config(recipe, run_dir))
