@@ -62,8 +62,8 @@ def print_shape(result: dict) -> None:
     before, after = result["load_average"]
     print(f"   load average {before:.2f} before, {after:.2f} at the end, on {os.cpu_count()} cores")
     if before > BUSY_LOAD_PER_CORE * os.cpu_count():
-        print("   the machine was busy before the run: PyTorch's OpenMP loops lose more than MindSpore to other "
-              "work, so the medians flatter us; the best-step ratio is the one closest to an idle machine")
+        print("   the machine was busy before the run: other work slows the two frameworks unevenly (PyTorch's "
+              "OpenMP loops usually more), so the medians are skewed; the best-step ratio is the closest to idle")
     if result["torch_compile_error"]:
         print(f"   torch.compile not available here: {result['torch_compile_error']}")
 
