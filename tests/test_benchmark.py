@@ -13,3 +13,5 @@ def test_smoke_shape_trains_both_frameworks_side_by_side(tmp_path):
         # Same data, same initial scale: both start near the uniform loss log(vocab).
         assert abs(row["loss_first"] - math.log(benchmark.SMOKE.vocab_size)) < 0.1
     assert result["peak"]["mindspore"] > 0 and math.isfinite(result["ratio"]["pytorch"])
+    assert math.isfinite(result["best_ratio"]["pytorch"]) and math.isfinite(result["paired_ratio"]["pytorch"])
+    assert len(result["load_average"]) == 2

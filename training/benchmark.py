@@ -101,6 +101,7 @@ class MindSporeTrainer:
 
         from models.llama import LlamaConfig, LlamaForCausalLM
         import training.train_step  # noqa: F401  (registers the portable wrapper)
+        import training.optim  # noqa: F401  (registers FoldedAdamW)
         from training.train import mindformers_config
 
         cfg = MindFormerConfig(**mindformers_config(recipe, run_dir))
@@ -242,6 +243,7 @@ def alternate(trainers: list, data: np.ndarray, warmup: int, steps: int, peak: G
 
 def compare_shape(shape: Shape, warmup: int, steps: int, torch_compile: bool, run_dir: str) -> dict:
     """Train our model and the PyTorch peers at `shape`, alternating; returns the figures."""
+    load_before = os.getloadavg()[0]  # other work on the machine, before ours starts
     recipe = load_shape_recipe(shape, total_steps=warmup + steps + 1)
     trainers = [MindSporeTrainer(recipe, run_dir), TorchTrainer(recipe)]
     compile_error = None
@@ -271,7 +273,12 @@ def compare_shape(shape: Shape, warmup: int, steps: int, torch_compile: bool, ru
     result["ratio"] = {name: ours / row["tokens_per_s"] for name, row in result["rows"].items() if name != "mindspore"}
     result["best_ratio"] = {name: best / row["best_tokens_per_s"] for name, row in result["rows"].items()
                             if name != "mindspore"}
-    result["load_average"] = os.getloadavg()[0]
+    # Each round runs one step of every trainer back to back, under about the same load: the
+    # median of the per-round ratios follows load changes that shift the two medians apart.
+    ours_steps = timings["mindspore"].step_s
+    result["paired_ratio"] = {name: statistics.median(theirs / mine for theirs, mine in zip(t.step_s, ours_steps))
+                              for name, t in timings.items() if name != "mindspore"}
+    result["load_average"] = (load_before, os.getloadavg()[0])
     return result
 
 

@@ -88,7 +88,8 @@ class RunnerWrapperConfig:
 
 @dataclass
 class OptimizerConfig:
-    type: Literal["AdamW"] = "AdamW"
+    # FoldedAdamW (training/optim.py): AdamW's update on the fused AdamWeightDecay kernel (CPU recipes).
+    type: Literal["AdamW", "FoldedAdamW"] = "AdamW"
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1

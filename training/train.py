@@ -148,6 +148,7 @@ def run(run_dir: str, started: float = None) -> dict:
     from mindformers.core.context import build_context
     import models.llama  # noqa: F401  (registers the model with MindFormers)
     import training.train_step  # noqa: F401  (registers the portable train-step wrapper)
+    import training.optim  # noqa: F401  (registers FoldedAdamW)
     from data.loader import build_train_dataset, read_skips, skip_ranges
     imported = time.time()
 

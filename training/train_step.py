@@ -5,10 +5,19 @@ kernel and anything else the Ascend-only `NPUGetFloatStatusV2`; neither exists o
 so graph compilation fails there. The IsFinite-based check MindSpore uses for Ascend's
 INF/NAN mode is built from ordinary operators and works everywhere, so this wrapper
 uses it on CPU and keeps MindFormers' own choice on Ascend and GPU.
+
+With gradient clipping on, the CPU check needs no pass of its own: every gradient is
+finite exactly when the sum of their squares is (barring a float32 overflow of the sum
+itself, > 3.4e38, which is better skipped than applied as a zero update), and the clip
+computes that sum anyway. The check builds it from the same ops as MindFormers'
+ClipGradNorm, so graph compilation merges the two (common subexpressions) and the
+IsFinite/ReduceAll pass over every gradient disappears.
 """
 
-from mindspore import context
+from mindspore import context, ops
+from mindspore.common import dtype as mstype
 from mindspore.nn.wrap.loss_scale import _ascend_grad_overflow
+from mindformers.core.clip_grad import get_square_sum
 from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 from mindformers.wrapper import MFTrainOneStepCell
 
@@ -24,9 +33,15 @@ class PortableTrainOneStepCell(MFTrainOneStepCell):
         self.cpu_target = context.get_context("device_target") == "CPU"
 
     def get_overflow_status(self, status, compute_output):
-        if self.cpu_target:
+        if not self.cpu_target:
+            return super().get_overflow_status(status, compute_output)
+        if not self.use_clip_grad:
             return self._get_distributed_overflow_status_on_infnan_mode(_ascend_grad_overflow, compute_output)
-        return super().get_overflow_status(status, compute_output)
+        square_sum = ops.addn(self.hyper_map(get_square_sum, compute_output))  # the clip's own sum, shared
+        flag = ops.cast(ops.logical_not(ops.isfinite(square_sum)), mstype.float32)
+        if self.is_distributed:
+            flag = self.allreduce(flag)
+        return self.less_equal(self.base, flag).reshape(())
 
 
 def _allreduce_barrier(original):
