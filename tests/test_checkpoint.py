@@ -247,10 +247,10 @@ def test_loss_spike_rolls_back_and_skips_the_offending_samples(tiny_dataset, tmp
     spike_step = int(poisoned[0]) // 4 + 1  # batch 4, unshuffled: sample i is read at step i // 4 + 1
     assert len(poisoned) and {int(i) // 4 + 1 for i in poisoned} == {spike_step} and spike_step > 12
     run_dir = str(tmp_path / "run")
-    code, output = rerun(run_dir, dataset, "--set", "train_dataset.data_loader.shuffle=False",
-                         "--set", f"runner_config.stop_step={spike_step + 4}",
-                         "--set", "anomaly.spike_factor=1.3", "--set", "anomaly.spike_window=5",
-                         "--set", "anomaly.on_spike=rollback")
+    settings = ("--set", "train_dataset.data_loader.shuffle=False", "--set", f"runner_config.stop_step={spike_step + 4}",
+                "--set", "anomaly.spike_factor=1.3", "--set", "anomaly.spike_window=5",
+                "--set", "anomaly.on_spike=rollback")
+    code, output = rerun(run_dir, dataset, *settings)
     assert code == 0, output
     last_good = (spike_step - 1) // 5 * 5  # checkpoints every 5 steps
     assert f"[launch] loss spike at step {spike_step}: rolling back to step {last_good} and skipping 4 samples" \
@@ -267,3 +267,7 @@ def test_loss_spike_rolls_back_and_skips_the_offending_samples(tiny_dataset, tmp
     state = read_json(os.path.join(step_dir(run_dir, spike_step + 4), "state.json"))
     assert state["data_skips"] == [[start, start + 4]]
     assert state["next_samples"]["first_ids"][:2] == [4 * (spike_step + 5), 4 * (spike_step + 5) + 1]
+    # Without the rollback record a rerun would read the skipped samples again: refused.
+    os.remove(os.path.join(run_dir, "data_skips.json"))
+    code, output = rerun(run_dir, dataset, *settings)
+    assert code == 2 and "was trained without the samples at training-order positions" in output, output
