@@ -21,7 +21,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(out: str, async_save: bool, args) -> dict:
     cmd = ["bash", os.path.join(REPO_ROOT, "scripts", "run_distributed.sh"),
            os.path.join(REPO_ROOT, "recipes", "tiny_cpu.yaml"), "--set", f"output_dir={out}",
-           "--set", f"model.model_config.hidden_size={args.hidden}", "--set", f"model.model_config.num_layers={args.layers}",
+           "--set", f"model.model_config.hidden_size={args.hidden}",
+           "--set", f"model.model_config.num_layers={args.layers}",
            "--set", "model.model_config.num_heads=8", "--set", "model.model_config.num_kv_heads=8",
            "--set", f"model.model_config.intermediate_size={args.hidden * 8 // 3 // 16 * 16}",
            "--set", f"runner_config.stop_step={args.steps}", "--set", f"callbacks.1.save_checkpoint_steps={args.every}",

@@ -5,9 +5,9 @@
 
 For each shape (reference: hidden 256, 4 layers, 8 heads, MLP 688, vocabulary 8192,
 seq_length 256, batch 8; larger: hidden 512, 8 layers, MLP 1376, vocabulary 16384,
-seq_length 512, batch 2; demo: the demo recipe's model, vocabulary 2048) it trains our LlamaForCausalLM through PortableTrainOneStepCell
-with the recipes' AdamW, and transformers' LlamaForCausalLM (float32, eager; and under
-torch.compile when that works here) with torch.optim.AdamW and the same hyper-parameters,
+seq_length 512, batch 2; demo: the demo recipe's model, vocabulary 2048) it trains our
+LlamaForCausalLM through PortableTrainOneStepCell with the recipes' optimizer, and
+transformers' LlamaForCausalLM (float32, eager; and under torch.compile when that works here) with torch.optim.AdamW and the same hyper-parameters,
 alternating their steps in this one process, and prints steady-state tokens/s, the ratio,
 MFU against a float32 GEMM peak measured between the steps, and our compile time. tokens/s
 is from the median step; "best" from the fastest step, which is what an idle machine gives
@@ -75,18 +75,21 @@ def print_demo(ours: dict, peer: dict) -> None:
           f"data wait {ours['data_wait']:.1%}, MFU {ours['mfu']:.1%} vs the run's own start-up GEMM measurement); "
           f"loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}; whole run {ours['wall_s']:.1f} s")
     print(f"   pytorch {peer['tokens_per_s']:7.0f} tokens/s (same dataset via MindDataset, data wait "
-          f"{peer['data_wait']:.1%}; run after ours, not interleaved); ratio {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}")
+          f"{peer['data_wait']:.1%}; run after ours, not interleaved); "
+          f"ratio {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}")
     if st:
         print(f"   start-up, launch -> first step done {st['launch_to_first_step_end']:.1f} s: launcher+msrun "
               f"{st['launch_to_worker']:.1f} s, imports {st['imports']:.1f} s, setup {st['setup']:.1f} s, "
-              f"build (data, model, optimizer) {st['build']:.1f} s, first step (graph compile) {st['first_step']:.1f} s")
+              f"of which data {st.get('data', 0.0):.1f} s, build (model, optimizer) {st['build']:.1f} s, "
+              f"first step (graph compile) {st['first_step']:.1f} s")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per framework and shape")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile, allocations)")
-    parser.add_argument("--shapes", nargs="+", default=["reference", "larger", "demo"], choices=sorted(benchmark.SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["reference", "larger", "demo"],
+                        choices=sorted(benchmark.SHAPES))
     parser.add_argument("--no-torch-compile", action="store_true")
     parser.add_argument("--no-demo", action="store_true")
     parser.add_argument("--demo-steps", type=int, default=40)

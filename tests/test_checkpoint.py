@@ -84,8 +84,8 @@ def test_resume_with_another_data_order_is_refused(baseline, tiny_dataset):
     assert "resume from step 20: the training data order changed: after sample 80" in output
     assert "(changed: seed)" in output and "a resume must not replay or skip data" in output
     code, output = rerun(baseline, tiny_dataset, "--set", "runner_config.batch_size=3")
-    assert code == 2 and "consumed 80 samples (global batch 4), not a whole number of this recipe's global " \
-                          "batch 3" in output
+    assert code == 2
+    assert "consumed 80 samples (global batch 4), not a whole number of this recipe's global batch 3" in output
     assert metrics(baseline) == before  # refused before anything was touched
 
 
@@ -247,9 +247,9 @@ def test_loss_spike_rolls_back_and_skips_the_offending_samples(tiny_dataset, tmp
     spike_step = int(poisoned[0]) // 4 + 1  # batch 4, unshuffled: sample i is read at step i // 4 + 1
     assert len(poisoned) and {int(i) // 4 + 1 for i in poisoned} == {spike_step} and spike_step > 12
     run_dir = str(tmp_path / "run")
-    settings = ("--set", "train_dataset.data_loader.shuffle=False", "--set", f"runner_config.stop_step={spike_step + 4}",
-                "--set", "anomaly.spike_factor=1.3", "--set", "anomaly.spike_window=5",
-                "--set", "anomaly.on_spike=rollback")
+    settings = ("--set", "train_dataset.data_loader.shuffle=False",
+                "--set", f"runner_config.stop_step={spike_step + 4}", "--set", "anomaly.spike_factor=1.3",
+                "--set", "anomaly.spike_window=5", "--set", "anomaly.on_spike=rollback")
     code, output = rerun(run_dir, dataset, *settings)
     assert code == 0, output
     last_good = (spike_step - 1) // 5 * 5  # checkpoints every 5 steps

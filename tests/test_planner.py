@@ -44,7 +44,7 @@ def test_hand_computed_small_model():
 
 
 @pytest.mark.parametrize("extra", [(), SMALL + ("model.model_config.tie_word_embeddings=True",
-                                                 "model.model_config.qkv_bias=True")])
+                                                "model.model_config.qkv_bias=True")])
 def test_weights_and_optimizer_match_a_real_cpu_allocation(extra):
     import mindspore as ms
     from mindformers.core.optim import AdamW

@@ -86,8 +86,9 @@ def test_base_errors(tmp_path):
 def test_tensor_parallel_stays_within_a_node():
     with pytest.raises(RecipeError, match=r"parallel_config\.model_parallel: 4 must fit within one node "
                                           r"\(hardware\.devices_per_node 2\)"):
-        load_recipe(TINY_RECIPE, ("context.device_target=Ascend", "use_parallel=True", "parallel_config.model_parallel=4",
-                                  "hardware.devices_per_node=2", "model.model_config.num_kv_heads=4"))
+        load_recipe(TINY_RECIPE, ("context.device_target=Ascend", "use_parallel=True",
+                                  "parallel_config.model_parallel=4", "hardware.devices_per_node=2",
+                                  "model.model_config.num_kv_heads=4"))
 
 
 def test_missing_file():

@@ -1,4 +1,5 @@
-"""PortableTrainOneStepCell on CPU: overflow is read off the clip's gradient norm; a non-finite gradient skips the update."""
+"""PortableTrainOneStepCell on CPU: overflow is read off the clip's gradient norm; a non-finite gradient
+skips the update."""
 
 import mindspore as ms
 import numpy as np

@@ -265,8 +265,8 @@ def compare_shape(shape: Shape, warmup: int, steps: int, torch_compile: bool, ru
         result["rows"][name] = {"tokens_per_s": tps, "step_s": t.median_step(), "first_step_s": t.first_step_s,
                                 "best_tokens_per_s": shape.tokens_per_step / t.best_step(),
                                 "mfu": fpt * tps / result["peak"]["mindspore"],
-                                "mfu_own_gemm": fpt * tps / result["peak"]["torch" if name != "mindspore"
-                                                                          else "mindspore"],
+                                "mfu_own_gemm": fpt * tps / result["peak"]["mindspore" if name == "mindspore"
+                                                                           else "torch"],
                                 "loss_first": t.losses[0], "loss_last": t.losses[-1]}
     ours = result["rows"]["mindspore"]["tokens_per_s"]
     best = result["rows"]["mindspore"]["best_tokens_per_s"]

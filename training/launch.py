@@ -278,7 +278,6 @@ def truncate_metrics(run_dir: str, step: int) -> None:
             os.replace(path + ".tmp", path)
 
 
-
 def msrun_command(cluster: Cluster, run_dir: str) -> list:
     msrun = shutil.which("msrun") or "msrun"
     return [msrun, f"--worker_num={cluster.world_size}", f"--local_worker_num={cluster.local_workers}",
@@ -506,6 +505,7 @@ def main(argv=None) -> int:
     except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
 
 if __name__ == "__main__":
     sys.exit(main())
