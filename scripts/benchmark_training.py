@@ -7,8 +7,9 @@ For each shape (reference: hidden 256, 4 layers, 8 heads, MLP 688, vocabulary 81
 seq_length 256, batch 8; larger: hidden 512, 8 layers, MLP 1376, vocabulary 16384,
 seq_length 512, batch 2; demo: the demo recipe's model, vocabulary 2048) it trains our
 LlamaForCausalLM through PortableTrainOneStepCell with the recipes' optimizer, and
-transformers' LlamaForCausalLM (float32, eager; and under torch.compile when that works here) with torch.optim.AdamW and the same hyper-parameters,
-alternating their steps in this one process, and prints steady-state tokens/s, the ratio,
+transformers' LlamaForCausalLM (float32, eager; and under torch.compile when that works here)
+with torch.optim.AdamW and the same hyper-parameters, alternating their steps in this one
+process, and prints steady-state tokens/s, the ratio,
 MFU against a float32 GEMM peak measured between the steps, and our compile time. tokens/s
 is from the median step; "best" from the fastest step, which is what an idle machine gives
 when other work shares the cores (PyTorch's OpenMP loops lose more than MindSpore to that).
