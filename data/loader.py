@@ -163,19 +163,19 @@ def skip_range(total: int, skips, first_step: int, last_step: int, global_batch_
     return [[int(run[0]), int(run[-1]) + 1] for run in np.split(positions, breaks) if len(run)]
 
 
-def order_length(recipe) -> int:
-    """Positions in the blend order (every pass), before any skip."""
-    passes = recipe.runner_config.epochs * recipe.train_dataset.repeat
-    return passes * sum(s.samples for s in load_sources(recipe_sources(recipe)))
+def next_samples_count(global_batch_size: int) -> int:
+    """How many upcoming sample ids a checkpoint records: one global batch, at most 1024."""
+    return min(global_batch_size, 1024)
 
 
 def next_samples(recipe, position: int, skips=(), count: int = None) -> dict:
     """What a checkpoint records to verify its data position: the next `count` sample ids and their hash.
 
-    `count` defaults to one global batch (at most 1024). On resume the same function runs on
-    the resumed recipe: a different seed, shuffle, blend, dataset or skip list gives other ids.
+    `count` defaults to next_samples_count. On resume the same function runs on the resumed
+    recipe: a different seed, shuffle, blend, dataset or skip list gives other ids.
     """
-    return describe_next(training_order(recipe, skips)[1], position, count or min(recipe.global_batch_size, 1024))
+    return describe_next(training_order(recipe, skips)[1], position,
+                         count or next_samples_count(recipe.global_batch_size))
 
 
 def describe_next(ids: np.ndarray, position: int, count: int) -> dict:

@@ -283,7 +283,7 @@ class CheckpointSaver(Callback):
     def __init__(self, run_dir: str, rank: int, world_size: int, recorder: StepRecorder, recipe,
                  state_extra: dict, rollbacks: list):
         super().__init__()
-        from data.loader import order_length, skip_ranges, training_order
+        from data.loader import skip_ranges, training_order
 
         settings = recipe.checkpointing
         self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
@@ -298,7 +298,8 @@ class CheckpointSaver(Callback):
         self.rollbacks = list(rollbacks)     # made by earlier launches of this run
         self.skips = skip_ranges(self.rollbacks)
         self.order = training_order(recipe, self.skips)[1]  # flat sample ids, in the order training reads them
-        self.order_total = order_length(recipe)
+        # Positions of the blend order before any skip (skip ranges are disjoint).
+        self.order_total = len(self.order) + sum(end - start for start, end in self.skips)
         self.preempted = False
         self.rollback = None                 # set when this launch stops for a rollback
         self.last_spike = None               # (loss, moving mean or None when another rank saw it)
@@ -383,19 +384,14 @@ class CheckpointSaver(Callback):
                          "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         # Every rank writes the same content (no shared filesystem assumed); the rename is atomic.
         path = os.path.join(self.run_dir, SKIPS_FILE)
-        tmp = f"{path}.rank{self.rank}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"rollbacks": self.rollbacks + [self.rollback]}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        ckpt.write_atomic(path, json.dumps({"rollbacks": self.rollbacks + [self.rollback]}, indent=1))
         print(f"[anomaly] step {step}: rolling back to step {good[-1]}; the {self.rollback['skipped_samples']} "
               f"samples of steps {first}-{step} (training-order positions {positions}) will be skipped; recorded in "
               f"{path}", flush=True)
         return True
 
     def save(self, params, step: int, kind: str = "step") -> str:
-        from data.loader import describe_next
+        from data.loader import describe_next, next_samples_count
         from training import checkpoint as ckpt
 
         start = time.perf_counter()
@@ -410,7 +406,7 @@ class CheckpointSaver(Callback):
         position = step * self.global_batch_size
         state = {"step": step, "epoch": epoch, "global_batch_size": self.global_batch_size,
                  "data_position": position,
-                 "next_samples": describe_next(self.order, position, min(self.global_batch_size, 1024)),
+                 "next_samples": describe_next(self.order, position, next_samples_count(self.global_batch_size)),
                  "data_skips": [list(r) for r in self.skips], "rng_state": rng_state(), **self.state_extra}
         tensors = ckpt.snapshot(params.train_network)
 

@@ -32,6 +32,17 @@ class CheckpointError(PretrainError):
     """A checkpoint is incomplete, corrupt, or does not belong to this recipe."""
 
 
+def resumed_steps(state: dict, global_batch_size: int) -> int:
+    """Steps of `global_batch_size` a checkpoint's data position (its state.json) equals; refused if not whole."""
+    position = state["data_position"]
+    if position % global_batch_size:
+        raise CheckpointError(f"resume from step {state['step']}: the checkpoint consumed {position} samples (global "
+                              f"batch {state['global_batch_size']}), not a whole number of this recipe's global batch "
+                              f"{global_batch_size}",
+                              hint="keep runner_config.batch_size x data_parallel x accumulation dividing it")
+    return position // global_batch_size
+
+
 def step_dir(run_dir: str, step: int, kind: str = "step") -> str:
     return os.path.join(run_dir, CHECKPOINTS, f"{kind}_{step:08d}")
 
@@ -42,7 +53,8 @@ def ckpt_name(prefix: str, rank: int, epoch: int, step: int) -> str:
 
 
 def write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
+    """`path` holds the old or the whole new text, even after a crash; ranks may write the same path at once."""
+    tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()

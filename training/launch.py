@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from training.errors import DataError, LaunchError, PretrainError
 from training.recipe import Recipe, load_recipe
-from training.train import RESOLVED_RECIPE, SUMMARY
+from training.train import RESOLVED_RECIPE, SUMMARY, dataset_manifest_sha256, read_status
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_SCRIPT = os.path.join(REPO_ROOT, "scripts", "train.py")
@@ -210,18 +210,14 @@ def check_data_position(recipe: Recipe, run_dir: str, previous: Recipe = None) -
     position must be a whole number of its global batches.
     """
     from data.loader import SKIPS_FILE, next_samples, read_skips, skip_ranges
-    from training.checkpoint import STATE, read_json
+    from training.checkpoint import STATE, read_json, resumed_steps
 
     state_path = os.path.join(recipe.load_checkpoint, STATE)
     if not os.path.isfile(state_path):
         return  # not one of ours (e.g. converted weights): MindFormers resumes it as it is
     state = read_json(state_path)
     position, step, saved = state["data_position"], state["step"], state.get("next_samples")
-    if position % recipe.global_batch_size:
-        raise LaunchError(f"resume from step {step}: the checkpoint consumed {position} samples (global batch "
-                          f"{state['global_batch_size']}), not a whole number of this recipe's global batch "
-                          f"{recipe.global_batch_size}",
-                          hint="keep runner_config.batch_size x data_parallel x accumulation dividing it")
+    resumed_steps(state, recipe.global_batch_size)
     if saved is None:
         return
     skips = [tuple(r) for r in state.get("data_skips", [])]
@@ -236,7 +232,7 @@ def check_data_position(recipe: Recipe, run_dir: str, previous: Recipe = None) -
         changed = []
         if previous is not None:
             changed = [key for key in DATA_ORDER_KEYS if _get(previous, key) != _get(recipe, key)]
-        if state.get("dataset_manifest_sha256") and state["dataset_manifest_sha256"] != _dataset_sha(recipe):
+        if state.get("dataset_manifest_sha256") and state["dataset_manifest_sha256"] != dataset_manifest_sha256(recipe):
             changed.append(f"the dataset in {recipe.dataset_dir} (its manifest.json differs)")
         raise LaunchError(f"resume from step {step}: the training data order changed: after sample {position} the "
                           f"checkpoint expects samples {saved['first_ids']}..., this recipe gives "
@@ -250,13 +246,6 @@ def _get(recipe: Recipe, dotted: str):
     for part in dotted.split("."):
         value = getattr(value, part)
     return value
-
-
-def _dataset_sha(recipe: Recipe) -> str:
-    from data.mindrecord_io import MANIFEST as DATA_MANIFEST
-    from training.checkpoint import file_sha256
-
-    return file_sha256(os.path.join(recipe.dataset_dir, DATA_MANIFEST))
 
 
 def resumed_step(recipe: Recipe) -> int:
@@ -337,12 +326,8 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
 def requested_rollback(run_dir: str, ranks):
     """The rollback record this node's ranks stopped for (a loss spike, anomaly.on_spike: rollback), or None."""
     for rank in ranks:
-        try:
-            with open(os.path.join(run_dir, "status", f"rank_{rank}.json"), encoding="utf-8") as f:
-                status = json.load(f)
-        except (OSError, json.JSONDecodeError):
-            continue
-        if status.get("rollback"):
+        status = read_status(run_dir, rank)
+        if status and status.get("rollback"):
             return status["rollback"]
     return None
 
@@ -351,11 +336,8 @@ def failed_ranks(run_dir: str, ranks) -> list:
     """(rank, state, error) for each of `ranks` that did not finish: failed, or died without a word."""
     failed = []
     for rank in ranks:
-        path = os.path.join(run_dir, "status", f"rank_{rank}.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                status = json.load(f)
-        except (OSError, json.JSONDecodeError):
+        status = read_status(run_dir, rank)
+        if status is None:
             failed.append((rank, "never started", ""))
             continue
         if status["state"] != "done":

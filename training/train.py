@@ -34,8 +34,21 @@ def rank_id() -> int:
     return int(os.environ.get("RANK_ID", "0"))
 
 
+def status_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, "status", f"rank_{rank}.json")
+
+
+def read_status(run_dir: str, rank: int):
+    """RUN_DIR/status/rank_N.json (running, done or failed, with details), or None before the rank wrote one."""
+    try:
+        with open(status_path(run_dir, rank), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def write_status(run_dir: str, state: str, **extra) -> None:
-    path = os.path.join(run_dir, "status", f"rank_{rank_id()}.json")
+    path = status_path(run_dir, rank_id())
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump({"rank": rank_id(), "state": state, "time": time.time(), **extra}, f)
@@ -77,21 +90,13 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
 
 def resume_step(recipe: Recipe) -> int:
     """The step a resumed run continues after (0 for a fresh run), with its data position checked."""
-    from training.checkpoint import MANIFEST, STATE, read_json
+    from training.checkpoint import MANIFEST, STATE, read_json, resumed_steps
 
     if not recipe.resume_training or not recipe.load_checkpoint:
         return 0
-    manifest_path = os.path.join(recipe.load_checkpoint, f"rank_{rank_id()}", MANIFEST)
-    if not os.path.isfile(manifest_path):
+    if not os.path.isfile(os.path.join(recipe.load_checkpoint, f"rank_{rank_id()}", MANIFEST)):
         return 0  # not one of ours: MindFormers resumes it and counts steps itself
-    step = read_json(manifest_path)["step"]
-    state = read_json(os.path.join(recipe.load_checkpoint, STATE))
-    samples, batch = state["data_position"], recipe.global_batch_size
-    if samples % batch:
-        raise LaunchError(f"resume: the checkpoint consumed {samples} samples (step {step} x global batch "
-                          f"{state['global_batch_size']}), not a whole number of the new global batch {batch}",
-                          hint="keep runner_config.batch_size x data_parallel x accumulation dividing it")
-    return samples // batch
+    return resumed_steps(read_json(os.path.join(recipe.load_checkpoint, STATE)), recipe.global_batch_size)
 
 
 def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) -> tuple:
@@ -124,11 +129,18 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
 
 def state_hashes(recipe: Recipe, run_dir: str) -> dict:
     """What a checkpoint was trained with: the resolved recipe and the dataset manifest, by sha256."""
-    from data.mindrecord_io import MANIFEST as DATA_MANIFEST
     from training.checkpoint import file_sha256
 
     return {"recipe_sha256": file_sha256(os.path.join(run_dir, RESOLVED_RECIPE)),
-            "dataset_manifest_sha256": file_sha256(os.path.join(recipe.dataset_dir, DATA_MANIFEST))}
+            "dataset_manifest_sha256": dataset_manifest_sha256(recipe)}
+
+
+def dataset_manifest_sha256(recipe: Recipe) -> str:
+    """sha256 of the training dataset's manifest.json: a checkpoint records it, a resume compares it."""
+    from data.mindrecord_io import MANIFEST as DATA_MANIFEST
+    from training.checkpoint import file_sha256
+
+    return file_sha256(os.path.join(recipe.dataset_dir, DATA_MANIFEST))
 
 
 def run(run_dir: str, started: float = None) -> dict:
