@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.mindrecord_io import read_manifest
+from data.mindrecord_io import read_manifest, shard_files
 from training.errors import DataError
 
 SKIPS_FILE = "data_skips.json"
@@ -69,7 +69,7 @@ def load_sources(entries: list) -> list:
                                     hint="prepare them with the same --tokenizer MODEL and --seq-length")
         if not manifest["samples"]:
             raise DataError(f"{key}: {dataset_dir} holds no samples", hint="prepare it from more text")
-        files = tuple(os.path.join(dataset_dir, s["file"]) for s in manifest["shards"])
+        files = tuple(shard_files(dataset_dir, manifest))
         sources.append(Source(dataset_dir, weight, manifest["samples"], files))
     return sources
 

@@ -178,6 +178,11 @@ def verify_files(dataset_dir: str, manifest: dict) -> None:
                             f"in {MANIFEST} (modified or corrupt)")
 
 
+def shard_files(dataset_dir: str, manifest: dict) -> list:
+    """The dataset's MindRecord files, in manifest order (what MindDataset is given)."""
+    return [os.path.join(dataset_dir, shard["file"]) for shard in manifest["shards"]]
+
+
 def read_samples(dataset_dir: str, manifest: dict):
     """Yield the stored samples in order, shard by shard (for inspection and tests)."""
     for shard in manifest["shards"]:

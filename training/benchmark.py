@@ -330,10 +330,11 @@ def run_demo(steps: int, out_dir: str, dataset_dir: str = None) -> dict:
 def torch_demo(steps: int, dataset_dir: str) -> dict:
     """The PyTorch peer at the demo's shape, reading the demo's MindRecord dataset (batch time included)."""
     import mindspore.dataset as ds
+    from data.mindrecord_io import read_manifest, shard_files
     from training.recipe import load_recipe
 
     recipe = load_recipe(DEMO_RECIPE, overrides=(f"runner_config.stop_step={steps}",))
-    files = sorted(os.path.join(dataset_dir, f) for f in os.listdir(dataset_dir) if f.endswith(".mindrecord"))
+    files = shard_files(dataset_dir, read_manifest(dataset_dir))
     dataset = ds.MindDataset(files, columns_list=["input_ids"], shuffle=True, num_parallel_workers=1)
     dataset = dataset.batch(recipe.runner_config.batch_size, drop_remainder=True)
     trainer = TorchTrainer(recipe)

@@ -191,11 +191,10 @@ class HeldOutEval(Callback):
         self.last_step = 0
 
     def _dataset(self):
-        from data.mindrecord_io import read_manifest
+        from data.mindrecord_io import read_manifest, shard_files
         import mindspore.dataset as ds
 
-        manifest = read_manifest(self.dataset_dir)
-        files = [os.path.join(self.dataset_dir, s["file"]) for s in manifest["shards"]]
+        files = shard_files(self.dataset_dir, read_manifest(self.dataset_dir))
         data = ds.MindDataset(files, columns_list=["input_ids"], shuffle=False)
         return data.batch(self.batch_size, drop_remainder=True)
 
