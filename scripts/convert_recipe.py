@@ -1,0 +1,52 @@
+"""Turn a MindFormers training config into a recipe, or a recipe into a MindFormers config.
+
+    python scripts/convert_recipe.py --from-mindformers CONFIG.yaml --output recipes/NAME.yaml [--report R.md]
+    python scripts/convert_recipe.py --to-mindformers RECIPE.yaml --output CONFIG.yaml [--report R.md]
+
+--from-mindformers imports MindFormers' Llama-family configs (LlamaConfig / LlamaForCausalLM: Llama 2,
+Llama 3, Qwen2-style q/k/v bias) and reports every key: carried over, translated, or dropped with the
+reason. Without --report the report is printed.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from training.errors import PretrainError  # noqa: E402
+from training.mindformers_config import from_mindformers, to_mindformers, write_output  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    direction = parser.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--from-mindformers", metavar="CONFIG", help="a MindFormers training YAML")
+    direction.add_argument("--to-mindformers", metavar="RECIPE", help="one of our recipes")
+    parser.add_argument("--output", required=True, help="file to write (a recipe, or a MindFormers config)")
+    parser.add_argument("--report", help="write the per-key report (Markdown) here instead of printing it")
+    parser.add_argument("--force", action="store_true", help="replace --output if it exists")
+    args = parser.parse_args(argv)
+    try:
+        if args.from_mindformers:
+            text, report = from_mindformers(args.from_mindformers, args.output)
+            title = f"Import of {args.from_mindformers} into {args.output}"
+        else:
+            text, report = to_mindformers(args.to_mindformers)
+            title = f"Export of {args.to_mindformers} to {args.output}"
+        write_output(args.output, text, args.force)
+        if args.report:
+            write_output(args.report, report.to_markdown(title), force=True)
+    except PretrainError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not args.report:
+        print(report.to_markdown(title))
+    print(f"wrote {args.output} ({report.summary()})" + (f"; report: {args.report}" if args.report else ""))
+    if args.from_mindformers:
+        print(f"next: bash scripts/run_distributed.sh {args.output} --plan")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
