@@ -71,6 +71,11 @@ MF_DEFAULTS = {
                             use_seq_parallel=False, vocab_emb_dp=True, gradient_aggregation_group=4),
 }
 
+NUMERIC_KEYS = ("model.model_config.hidden_size", "model.model_config.num_heads", "model.model_config.multiple_of",
+                "model.model_config.ffn_dim_multiplier", "runner_config.batch_size",
+                "runner_config.gradient_accumulation_steps", "micro_batch_interleave_num",
+                "parallel_config.data_parallel", "parallel_config.model_parallel", "parallel_config.pipeline_stage",
+                "parallel_config.micro_batch_num")
 OUR_SCHEDULES = ("CosineWithWarmUpLR", "LinearWithWarmUpLR", "ConstantWarmUpLR")
 ADAM_WEIGHT_DECAY_TYPES = ("FP32StateAdamWeightDecay", "AdamWeightDecay")
 OURS_FP32 = "ours keeps float32 master weights and computes norms, softmax, rotary and the loss in float32 " \
@@ -109,8 +114,8 @@ DROPPED = {
     "context.mempool_block_size": "device memory tuning: MindSpore's default applies",
     "context.jit_config": "graph compiler level: MindSpore's default for the device applies",
     "context.memory_optimize_level": "device memory tuning: MindSpore's default applies",
-    "context.ascend_config": "Ascend operator precision/tuning: MindSpore's default applies; check it when "
-                            "comparing numerics",
+    "context.ascend_config": ("Ascend operator precision/tuning: MindSpore's default applies; check it when "
+                              "comparing numerics"),
     "context.enable_graph_kernel": "graph-kernel fusion: MindSpore's default (off) applies",
     "context.graph_kernel_flags": "graph-kernel fusion: MindSpore's default (off) applies",
     "context.runtime_num_threads": "host threads: MindSpore's default applies",
@@ -269,6 +274,9 @@ class _Importer:
 
     # -- sections ----------------------------------------------------------------------------
     def run(self) -> dict:
+        self.check_numbers()
+        if self.problems:
+            raise RecipeError(self.where, self.problems, hint="fix these values in the MindFormers file")
         self.model()
         if self.problems:  # another architecture or option: nothing else is worth reading
             raise RecipeError(self.where, self.problems, hint=self.hint())
@@ -284,6 +292,23 @@ class _Importer:
         if self.problems:
             raise RecipeError(self.where, self.problems, hint=self.hint())
         return self.out
+
+    def check_numbers(self):
+        """The values the conversion computes with must be numbers (the rest is checked by the strict loader)."""
+        for key in NUMERIC_KEYS:
+            value = self.get(key)
+            wanted = (int, float) if key.endswith("ffn_dim_multiplier") else int
+            if value is not None and (isinstance(value, bool) or not isinstance(value, wanted)):
+                self.problems.append(f"{key}: expected a number, got {value!r}")
+        for section in ("model", "model.model_config", "runner_config", "parallel_config", "optimizer",
+                        "lr_schedule", "train_dataset", "parallel", "context", "runner_wrapper"):
+            node = self.src
+            for part in section.split("."):
+                node = node.get(part, {}) if isinstance(node, dict) else node
+            if not isinstance(node, dict):
+                self.problems.append(f"{section}: expected a mapping, got {node!r}")
+        if not isinstance(self.src.get("callbacks", []), (list, type(None))):
+            self.problems.append(f"callbacks: expected a list, got {self.src['callbacks']!r}")
 
     @staticmethod
     def hint() -> str:
@@ -338,9 +363,9 @@ class _Importer:
             self.problems.append(f"{m}offset: {offset!r} moves layers between pipeline stages; set "
                                  "parallel_config.stage_layers (layers per stage) in the recipe by hand")
             self.taken.add(m + "offset")
-        for key in [k for k in self.leaves if k.startswith((m + "moe_config.", m + "parallel_config.",
-                                                               m + "quant_config."))]:
-            self.drop(key, "MindFormers fills it from the top-level sections")
+        self.drop(m + "parallel_config", "MindFormers fills it from the top-level parallel_config")
+        self.drop(m + "moe_config", "no experts: a dense model, as ours")
+        self.drop(m + "quant_config", "no quantisation, as ours")
 
     def intermediate_size(self):
         """The SwiGLU width: MindFormers' rule when intermediate_size is not given.
@@ -592,8 +617,8 @@ class _Importer:
             self.carry(c + key, default=d[key])
         if not pipeline and self.get(c + "micro_batch_num", 1) > 1:
             self.put(c + "micro_batch_num", 1)
-            self.drop(c + "micro_batch_num", "MindFormers resets it to 1 without pipeline stages "
-                                              "(trainer/base_trainer.py:215-218)")
+            self.drop(c + "micro_batch_num",
+                      "MindFormers resets it to 1 without pipeline stages (trainer/base_trainer.py:215-218)")
         else:
             self.carry(c + "micro_batch_num", default=d["micro_batch_num"])
         for key in ("context_parallel", "expert_parallel", "seq_split_num", "ulysses_degree_in_cp"):
@@ -820,6 +845,16 @@ def to_mindformers(recipe_path: str) -> tuple:
         "model": {"model_config": model_config, "arch": {"type": MF_MODEL_TYPE}},
         "profile": False,
     }
+    m = "model.model_config."
+    for ours, theirs in (("num_kv_heads", "n_kv_heads"), ("rope_theta", "theta"), ("qkv_bias", "qkv_has_bias"),
+                         ("initializer_range", "init_method_std"), ("type", "type")):
+        report.add(m + ours, getattr(cfg, ours), "translated", m + theirs, "MindFormers' spelling")
+    report.add(m + "vocab_pad_multiple", cfg.vocab_pad_multiple, "dropped", "",
+               "MindFormers does not pad the vocabulary tables")
+    report.add("runner_wrapper.type", recipe.runner_wrapper.type, "translated", "runner_wrapper.type",
+               "MindFormers' MFTrainOneStepCell (Ascend overflow check)")
+    report.add("parallel.full_batch", recipe.parallel.full_batch, "translated", "parallel.full_batch",
+               "MindFormers' trainer reads the global batch on every rank in semi-auto parallel")
     if recipe.optimizer.type == "FoldedAdamW":
         report.add("optimizer.type", "FoldedAdamW", "translated", "optimizer.type",
                    "MindFormers' AdamW: the same update (FoldedAdamW runs it on one fused CPU kernel)")

@@ -1,0 +1,225 @@
+"""scripts/convert_recipe.py on real MindFormers configs (tests/data/mindformers, vendored from MindFormers v1.5.0)."""
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO_ROOT, TINY_RECIPE
+from models.arithmetic import param_count
+from training.errors import RecipeError
+from training.launch import plan_report
+from training.mindformers_config import (LLAMA_CONFIG_ARGS, MF_DEFAULTS, _leaves, from_mindformers,
+                                         mindformers_ffn_width, to_mindformers)
+from training.recipe import load_recipe
+
+DATA = os.path.join(REPO_ROOT, "tests", "data", "mindformers")
+SCRIPT = os.path.join(REPO_ROOT, "scripts", "convert_recipe.py")
+LLAMA_FAMILY = ["pretrain_llama2_7b", "pretrain_llama2_13b", "pretrain_llama3_70b", "finetune_qwen2_7b"]
+
+
+def mf_config(name: str) -> dict:
+    with open(os.path.join(DATA, f"{name}.yaml"), encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def mindformers_parameters(model_config: dict) -> int:
+    """Parameters of MindFormers' LlamaForCausalLM, from its config keys alone (test oracle).
+
+    The MLP width follows mindformers/models/llama/llama_layer.py:302-309 when intermediate_size
+    is unset; attention: wq/wo (h x h), wk/wv (h x kv_heads*head_dim) plus q/k/v bias with
+    qkv_has_bias; two RMSNorm weights per layer, a final norm, embedding and (untied) lm_head.
+    """
+    h, layers, vocab = model_config["hidden_size"], model_config["num_layers"], model_config["vocab_size"]
+    heads = model_config["num_heads"]
+    kv = (model_config.get("n_kv_heads") or heads) * (h // heads)
+    ffn = model_config.get("intermediate_size")
+    if ffn is None:
+        ffn = 4 * h
+        if model_config.get("ffn_dim_multiplier") is not None:
+            ffn = int((model_config["ffn_dim_multiplier"] + 0.01) * ffn)
+        ffn = int(2 * ffn / 3)
+        multiple_of = model_config.get("multiple_of", 256)
+        ffn = multiple_of * ((ffn + multiple_of - 1) // multiple_of)
+    attention = 2 * h * h + 2 * h * kv + ((h + 2 * kv) if model_config.get("qkv_has_bias") else 0)
+    per_layer = attention + 3 * h * ffn + 2 * h
+    tables = vocab * h * (1 if model_config.get("tie_word_embeddings") else 2)
+    return layers * per_layer + h + tables
+
+
+def import_config(name: str, tmp_path) -> tuple:
+    out = tmp_path / "recipes" / f"{name}.yaml"
+    text, report = from_mindformers(os.path.join(DATA, f"{name}.yaml"), str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return str(out), report
+
+
+@pytest.mark.parametrize("name", LLAMA_FAMILY)
+def test_import_loads_plans_and_keeps_the_parameter_count(name, tmp_path):
+    source = mf_config(name)
+    path, report = import_config(name, tmp_path)
+    recipe = load_recipe(path, planning=True)
+    model = source["model"]["model_config"]
+    assert param_count(recipe.model.model_config, padded=False) == mindformers_parameters(model)
+    degrees = source["parallel_config"]
+    p = recipe.parallel_config
+    assert (p.data_parallel, p.model_parallel, p.pipeline_stage) == \
+        (degrees["data_parallel"], degrees["model_parallel"], degrees["pipeline_stage"])
+    text = plan_report(recipe)  # what `run_distributed.sh RECIPE --plan` prints
+    assert text.startswith(f"plan: {param_count(recipe.model.model_config, p.model_parallel):,} parameters on "
+                           f"DP {p.data_parallel} x TP {p.model_parallel} x PP {p.pipeline_stage}")
+    # every key of the source is accounted for in the report
+    reported = {e.key for e in report.entries}
+    assert set(_leaves(source)) <= reported
+
+
+def test_llama2_7b_is_carried_the_same_way(tmp_path):
+    path, report = import_config("pretrain_llama2_7b", tmp_path)
+    recipe = load_recipe(path, planning=True)
+    cfg = recipe.model.model_config
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == \
+        (4096, 32, 32, 32, 11008)
+    assert cfg.compute_dtype == "float16" and cfg.pad_token_id == 0 and cfg.initializer_range == 0.01
+    assert recipe.optimizer.type == "AdamW" and recipe.optimizer.betas == [0.9, 0.95]
+    assert recipe.optimizer.weight_decay == 0.0  # AdamWeightDecay's default, not our base recipe's 0.1
+    lr = recipe.lr_schedule
+    assert (lr.type, lr.learning_rate, lr.lr_end, lr.warmup_ratio, lr.total_steps) == \
+        ("CosineWithWarmUpLR", 5e-5, 0.0, 0.03, -1)
+    assert recipe.runner_wrapper.scale_sense.loss_scale_value == 65536.0
+    assert recipe.runner_wrapper.use_clip_grad and recipe.runner_wrapper.max_grad_norm == 1.0
+    assert recipe.runner_config.gradient_accumulation_steps == 8 and recipe.global_batch_size == 64
+    assert recipe.parallel.parallel_optimizer_config.optimizer_level == "level1"
+    saver = recipe.checkpointing
+    assert (saver.prefix, saver.save_checkpoint_steps, saver.keep_checkpoint_max) == ("llama2_7b", 100, 5)
+    by_key = {e.key: e for e in report.entries}
+    assert by_key["optimizer.type"].status == "translated" and "bias correction" in by_key["optimizer.type"].reason
+    assert by_key["model.model_config.multiple_of"].status == "translated"
+    assert by_key["callbacks[2].type"].status == "dropped" and "OBS" in by_key["callbacks[2].type"].reason
+    assert by_key["processor.tokenizer.type"].status == "dropped"
+    assert by_key["model.model_config.use_flash_attention"].status == "dropped"
+    assert not [e for e in report.entries if "unknown key" in e.reason]
+
+
+def test_llama3_ffn_multiplier_and_qwen2_interleave(tmp_path):
+    path, _ = import_config("pretrain_llama3_70b", tmp_path)
+    cfg = load_recipe(path, planning=True).model.model_config
+    assert cfg.intermediate_size == 28672 and cfg.num_kv_heads == 8 and cfg.rope_theta == 500000.0
+    path, report = import_config("finetune_qwen2_7b", tmp_path)
+    recipe = load_recipe(path, planning=True)
+    assert recipe.model.model_config.qkv_bias and recipe.model.model_config.rms_norm_eps == 1e-6
+    # MindFormers' global batch: batch_size 1 x data_parallel 2 x micro_batch_interleave_num 2
+    assert recipe.global_batch_size == 4 and recipe.runner_config.batch_size == 2
+    assert {e.key: e.status for e in report.entries}["train_dataset.input_columns"] == "dropped"
+
+
+def test_other_architectures_are_refused_by_type():
+    with pytest.raises(RecipeError, match="ChatGLM2Config.*not a Llama-family model"):
+        from_mindformers(os.path.join(DATA, "finetune_glm4_9b.yaml"), "recipes/glm.yaml")
+
+
+def test_options_that_change_the_model_are_refused(tmp_path):
+    source = mf_config("pretrain_llama2_7b")
+    source["model"]["model_config"].update(extend_method="PI", attn_proj_has_bias=True, use_ring_attention=True)
+    bad = tmp_path / "scaled.yaml"
+    bad.write_text(yaml.safe_dump(source))
+    with pytest.raises(RecipeError, match="extend_method: 'PI' is not supported") as err:
+        from_mindformers(str(bad), str(tmp_path / "out.yaml"))
+    assert len(err.value.problems) == 3
+
+
+def test_mindformers_defaults_and_width_rule_match_the_installed_package():
+    from mindformers.core.callback import CheckpointMonitor
+    from mindformers.core.lr import CosineWithWarmUpLR
+    from mindformers.core.optim.adamw import AdamW
+    from mindformers.models.llama import LlamaConfig
+    from mindformers.wrapper import MFTrainOneStepCell
+    from mindspore import nn
+
+    def defaults(fn):
+        return {k: p.default for k, p in inspect.signature(fn).parameters.items()}
+
+    llama = defaults(LlamaConfig.__init__)
+    assert set(LLAMA_CONFIG_ARGS) == set(llama) - {"self", "kwargs"}
+    assert all(llama[k] == v for k, v in MF_DEFAULTS["model_config"].items())
+    adamw = defaults(AdamW.__init__)
+    assert list(adamw["betas"]) == MF_DEFAULTS["AdamW"]["betas"] and adamw["eps"] == MF_DEFAULTS["AdamW"]["eps"]
+    assert adamw["weight_decay"] == MF_DEFAULTS["AdamW"]["weight_decay"]
+    assert all(defaults(nn.AdamWeightDecay.__init__)[k] == v for k, v in MF_DEFAULTS["AdamWeightDecay"].items())
+    assert all(defaults(CosineWithWarmUpLR.__init__)[k] == v for k, v in MF_DEFAULTS["lr_schedule"].items())
+    assert all(defaults(MFTrainOneStepCell.__init__)[k] == v for k, v in MF_DEFAULTS["runner_wrapper"].items())
+    assert all(defaults(CheckpointMonitor.__init__)[k] == v for k, v in MF_DEFAULTS["CheckpointMonitor"].items())
+    # Llama 2 7B/13B/70B and Llama 3 8B/70B widths (published intermediate sizes)
+    assert [mindformers_ffn_width(4096), mindformers_ffn_width(5120), mindformers_ffn_width(8192, 4096, 1.3),
+            mindformers_ffn_width(4096, 1024, 1.3), mindformers_ffn_width(8192, 256, 1.3)] == \
+        [11008, 13824, 28672, 14336, 28672]
+
+
+def test_export_loads_in_mindformers_and_round_trips(tmp_path):
+    from mindformers import MindFormerConfig
+    from mindformers.models.llama import LlamaConfig
+
+    for recipe_path in (TINY_RECIPE, os.path.join(REPO_ROOT, "recipes", "llama2_7b_8dev.yaml")):
+        text, _ = to_mindformers(recipe_path)
+        exported = tmp_path / f"mf_{os.path.basename(recipe_path)}"
+        exported.write_text(text)
+        config = MindFormerConfig(str(exported))
+        assert config.model.arch.type == "LlamaForCausalLM"
+        model = {k: v for k, v in config.model.model_config.items() if k != "type"}
+        mf = LlamaConfig(**model)  # the config object only: the network needs Ascend kernels
+        ours = load_recipe(recipe_path, planning=True)
+        assert mindformers_parameters(model) == param_count(ours.model.model_config, padded=False)
+        assert (mf.hidden_size, mf.n_kv_heads, mf.intermediate_size) == \
+            (ours.model.model_config.hidden_size, ours.model.model_config.num_kv_heads,
+             ours.model.model_config.intermediate_size)
+        back, _ = import_config_file(str(exported), tmp_path)
+        assert back.model == ours.model
+        assert back.parallel_config.data_parallel == ours.parallel_config.data_parallel
+        assert back.optimizer.betas == ours.optimizer.betas and back.lr_schedule.type == ours.lr_schedule.type
+
+
+def import_config_file(path: str, tmp_path) -> tuple:
+    out = tmp_path / "back" / (os.path.basename(path))
+    text, report = from_mindformers(path, str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return load_recipe(str(out), planning=True), report
+
+
+def test_command_line_writes_recipe_and_report_and_refuses_cleanly(tmp_path):
+    recipes = tmp_path / "recipes"
+    out, report = recipes / "llama2_13b_mf.yaml", tmp_path / "report.md"
+    args = [sys.executable, SCRIPT, "--from-mindformers", os.path.join(DATA, "pretrain_llama2_13b.yaml"),
+            "--output", str(out), "--report", str(report)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stdout and report.read_text().count("| `") > 100
+    again = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
+    glm = subprocess.run([sys.executable, SCRIPT, "--from-mindformers", os.path.join(DATA, "finetune_glm4_9b.yaml"),
+                          "--output", str(recipes / "glm.yaml")], capture_output=True, text=True, timeout=120)
+    assert glm.returncode == 2 and "not a Llama-family model" in glm.stderr and "Traceback" not in glm.stderr
+    assert not (recipes / "glm.yaml").exists()
+
+
+def test_base_is_relative_to_the_written_recipe():
+    text, _ = from_mindformers(os.path.join(DATA, "pretrain_llama2_7b.yaml"),
+                               os.path.join(REPO_ROOT, "recipes", "llama2_7b_mf.yaml"))
+    assert yaml.safe_load(text)["base"] == "base/ascend.yaml"
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("parallel_config", {"pipeline_stage": "two"}, "parallel_config.pipeline_stage: expected a number"),
+    ("runner_config", True, "runner_config: expected a mapping"),
+    ("callbacks", {"type": "MFLossMonitor"}, "callbacks: expected a list"),
+])
+def test_malformed_values_are_reported_not_crashed_on(key, value, message, tmp_path):
+    source = mf_config("pretrain_llama2_7b")
+    source[key] = value
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(source))
+    with pytest.raises(RecipeError, match=message):
+        from_mindformers(str(bad), str(tmp_path / "out.yaml"))
