@@ -518,3 +518,102 @@ def test_one_dataset_listed_twice_through_other_spellings_is_refused_at_load(tmp
     assert f"train_dataset.blend[1].dataset_dir: {tmp_path}/ds/a is already listed as train_dataset.blend[0]" \
         in str(info.value)
     assert "train_dataset.blend[2].dataset_dir" in str(info.value)
+
+
+# --- The datasets a recipe reads: built only when they are its own, checked as a set -----------------------
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory, tiny_dataset):
+    """A few stdlib files with the tiny dataset's tokenizer: blendable with it, and fewer samples."""
+    from data.corpus import python_stdlib_files
+    from data.prepare import prepare_dataset
+
+    out = str(tmp_path_factory.mktemp("small") / "small")
+    prepare_dataset(out, 64, inputs=[str(p) for p in python_stdlib_files()[100:102]],
+                    tokenizer=os.path.join(tiny_dataset, "tokenizer.model"), show_progress=False, workers=0)
+    return out
+
+
+def test_a_missing_dataset_is_built_only_when_it_is_the_recipes_own(tmp_path, tiny_dataset, capsys):
+    from data.mindrecord_io import read_manifest
+    from training.errors import DataError
+    from training.launch import ensure_dataset
+
+    typo = tmp_path / "pystdlib-sp512-s64-n6O"
+    recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={typo}",
+                                       f"data_preparation.output_dir={tiny_dataset}"))
+    with pytest.raises(DataError, match=rf"(?s)train_dataset\.data_loader\.dataset_dir: dataset {typo}: "
+                                        rf"directory does not exist.*python scripts/prepare_data\.py --output {typo} "
+                                        rf"--seq-length 64 --vocab-size 512; data_preparation builds only its "
+                                        rf"output_dir {tiny_dataset}"):
+        ensure_dataset(recipe, show_progress=False)
+    assert not typo.exists()
+    # Its own dataset, even spelled through a symlink and ../, is built when missing.
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tmp_path}/real/own",
+                                       f"data_preparation.output_dir={tmp_path}/link/x/../own",
+                                       "data_preparation.max_documents=15"))
+    manifest = ensure_dataset(recipe, show_progress=False)
+    assert f"[launch] dataset {tmp_path}/real/own not found: preparing it" in capsys.readouterr().out
+    assert manifest == read_manifest(str(tmp_path / "real" / "own"))
+
+
+def test_eval_dataset_must_share_the_tokenizer_and_hold_a_batch(tmp_path, tiny_dataset, small_dataset):
+    from data.corpus import python_stdlib_files
+    from data.mindrecord_io import read_manifest
+    from data.prepare import prepare_dataset
+    from training.errors import DataError
+    from training.launch import check_datasets
+
+    def with_eval(eval_dir, *overrides):
+        return load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}", "do_eval=True",
+                                         f"eval_dataset={{data_loader: {{dataset_dir: {eval_dir}}}}}", *overrides))
+
+    samples = read_manifest(small_dataset)["samples"]
+    assert check_datasets(with_eval(small_dataset, f"runner_config.batch_size={samples}"))["warnings"] == []
+    with pytest.raises(DataError, match=rf"eval_dataset\.data_loader\.dataset_dir: {small_dataset} holds {samples} "
+                                        rf"sample\(s\), fewer than one batch \(runner_config\.batch_size "
+                                        rf"{samples + 1}\)"):
+        check_datasets(with_eval(small_dataset, f"runner_config.batch_size={samples + 1}"))
+    # Same size of vocabulary, another tokenizer: the held-out loss would be on other tokens.
+    other = str(tmp_path / "other")
+    prepare_dataset(other, 64, 512, inputs=[str(p) for p in python_stdlib_files()[:30]], show_progress=False,
+                    workers=0)
+    with pytest.raises(DataError, match=r"eval_dataset\.data_loader\.dataset_dir: .*other was tokenised with "
+                                        r"another tokenizer than train_dataset\.data_loader\.dataset_dir"):
+        check_datasets(with_eval(other))
+
+
+def test_model_vocabulary_against_the_tokenizer(tiny_dataset):
+    from training.errors import DataError
+    from training.launch import check_datasets
+
+    larger = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                       "model.model_config.vocab_size=1024"))
+    assert check_datasets(larger)["warnings"] == [
+        f"model.model_config.vocab_size 1024 is larger than the tokenizer's 512 ({tiny_dataset}): 512 embedding "
+        "rows are never trained"]
+    smaller = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                        "model.model_config.vocab_size=256", "data_preparation.vocab_size=256"))
+    with pytest.raises(DataError, match=r"tokenizer vocab_size 512 exceeds model\.model_config\.vocab_size 256"):
+        check_datasets(smaller)
+
+
+def test_blend_members_expected_repeats_are_printed_and_warned(tiny_dataset, small_dataset, capsys):
+    from data.mindrecord_io import read_manifest
+    from training.launch import BLEND_REPEAT_WARNING, ensure_dataset
+
+    big, small = read_manifest(tiny_dataset)["samples"], read_manifest(small_dataset)["samples"]
+    recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                       f"train_dataset.blend=[{{dataset_dir: {tiny_dataset}, weight: 0.1}}, "
+                                       f"{{dataset_dir: {small_dataset}, weight: 0.9}}]"))
+    ensure_dataset(recipe, show_progress=False)
+    out = capsys.readouterr().out
+    repeats = 0.9 * (big + small) / small
+    assert repeats > BLEND_REPEAT_WARNING
+    assert f"[launch] blend: {small_dataset}: weight 90.0% of the samples, {small:,} samples, read " \
+           f"~{repeats:.2f} times per pass" in out
+    assert f"[launch] warning: train_dataset.blend[1].dataset_dir: {small_dataset} ({small:,} samples at 90.0% of " \
+           f"the blend) is read ~{repeats:.0f} times per pass" in out
+    assert "[launch] warning: train_dataset.blend[0]" not in out
