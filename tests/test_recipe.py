@@ -595,7 +595,7 @@ def test_model_vocabulary_against_the_tokenizer(tiny_dataset):
         f"model.model_config.vocab_size 1024 is larger than the tokenizer's 512 ({tiny_dataset}): 512 embedding "
         "rows are never trained"]
     smaller = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-                                        "model.model_config.vocab_size=256", "data_preparation.vocab_size=256"))
+                                        "model.model_config.vocab_size=256"))
     with pytest.raises(DataError, match=r"tokenizer vocab_size 512 exceeds model\.model_config\.vocab_size 256"):
         check_datasets(smaller)
 

@@ -430,9 +430,6 @@ class DataPreparationConfig:
         problems = _at_least(p, self, 1, "vocab_size") + _at_least(p, self, 0, "max_documents")
         if not self.output_dir:
             problems.append(f"{p}.output_dir: must name the dataset directory it builds")
-        model_vocab = recipe.model.model_config.vocab_size
-        if self.vocab_size > model_vocab:
-            problems.append(f"{p}.vocab_size: {self.vocab_size} exceeds model.model_config.vocab_size {model_vocab}")
         return problems
 
 
