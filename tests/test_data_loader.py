@@ -142,6 +142,10 @@ def test_blended_recipe_trains(tmp_path, tiny_dataset, second_dataset):
     assert len(losses) == 8 and losses[-1] < losses[0]
     with open(os.path.join(run_dir, "recipe.yaml"), encoding="utf-8") as f:
         assert f"dataset_dir: {os.path.abspath(second_dataset)}" in f.read()
+    with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+        members = json.load(f)["blend"]  # what the launcher printed: each member's expected repeats per pass
+    assert [m["dataset_dir"] for m in members] == [os.path.realpath(tiny_dataset), os.path.realpath(second_dataset)]
+    assert [m["share"] for m in members] == [0.7, 0.3] and all(m["repeats_per_pass"] > 0 for m in members)
 
 
 def test_skips_remove_positions_and_a_second_rollback_maps_through_the_first(tiny_dataset):

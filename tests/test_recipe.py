@@ -1,14 +1,20 @@
 """Recipe loading: strict keys with dotted paths, types, overrides, cross-field rules."""
 
+import copy
+import dataclasses
 import glob
 import os
 import re
+import types
+import typing
 
 import pytest
+import yaml
 
 from conftest import DEMO_RECIPE, REPO_ROOT, TINY_RECIPE
 from training.errors import RecipeError
-from training.recipe import load_recipe
+from training.recipe import CheckpointMonitorConfig, Recipe, apply_override, load_recipe, read_recipe_file, \
+    recipe_from_dict
 
 
 def write(tmp_path, text, base=TINY_RECIPE):
@@ -189,3 +195,425 @@ def test_header_parameter_count_matches_the_model(path):
     counted = sum(int(p.size) for p in net.get_parameters())
     assert counted == _header_parameter_count(path)
     del ms
+
+
+# --- The loader never crashes: wrong types at every key path of every shipped recipe ---------------------
+
+def _sections(annotation) -> list:
+    """The dataclasses an annotation can hold (a section, an Optional section, a union of tagged sections)."""
+    if dataclasses.is_dataclass(annotation):
+        return [annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a)]
+    return []
+
+
+def key_paths(cls, prefix=()):
+    """Every key path the schema defines under `cls` (list items as indexes 0 and 1), with its annotation."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path, annotation = prefix + (f.name,), hints[f.name]
+        yield path, annotation
+        for section in _sections(annotation):
+            yield from key_paths(section, path)
+        if typing.get_origin(annotation) is list:
+            for section in _sections(typing.get_args(annotation)[0]):
+                for index in ("0", "1"):
+                    yield from key_paths(section, path + (index,))
+
+
+def shown(path) -> tuple:
+    """How problems spell a key path: callbacks[1].prefix (schema) or callbacks.1.prefix (--set)."""
+    return (".".join(path), "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path).lstrip("."))
+
+
+WRONG_VALUES = [True, "text", [1, "a"], {"unexpected": 1}, None, 1.5, -3]
+SCHEMA_PATHS = sorted({path for path, _ in key_paths(Recipe)})
+
+
+@pytest.mark.parametrize("path", SHIPPED)
+def test_wrong_values_at_every_key_path_give_a_recipe_error_naming_the_key(path):
+    data = read_recipe_file(path)
+    for keys in SCHEMA_PATHS:
+        for value in WRONG_VALUES:
+            variant, problems = copy.deepcopy(data), []
+            apply_override(variant, list(keys), copy.deepcopy(value), problems)
+            try:
+                recipe_from_dict(variant, path, problems, planning=True)
+            except RecipeError as err:
+                # The key itself, or the section that holds it, is named.
+                names = [shown(keys[:n]) for n in range(len(keys), 0, -1)]
+                assert any(a in str(err) or b in str(err) for a, b in names), (keys, value, str(err))
+
+
+# Sections the tiny recipe leaves out, filled in so that each of their numbers is checked on its own.
+COMPLETE = ("eval_dataset={data_loader: {dataset_dir: held_out}}", "profile={start_step: 1, stop_step: 2}",
+            "runner_wrapper.scale_sense={type: DynamicLossScaleUpdateCell}",
+            "train_dataset.blend=[{dataset_dir: datasets/pystdlib-sp512-s64-n60}, {dataset_dir: other}]")
+
+
+CHECKPOINT_KEYS = {f.name for f in dataclasses.fields(CheckpointMonitorConfig)}
+
+
+def test_numeric_keys_have_range_rules():
+    """Every number of the schema is range-checked: an absurd value is refused naming its key."""
+    for keys, annotation in key_paths(Recipe):
+        inner = [a for t in typing.get_args(annotation) for a in typing.get_args(t)]  # Optional[list[int]]
+        kinds = {annotation, *typing.get_args(annotation), *inner}
+        if not {int, float} & kinds or typing.get_origin(annotation) is typing.Literal:
+            continue
+        if keys[0] == "callbacks" and (keys[1] == "1") != (keys[2] in CHECKPOINT_KEYS):
+            continue  # tiny's callbacks[0] is the loss monitor, callbacks[1] the checkpoint monitor
+        for value in ["-1000"] + ([".nan", ".inf"] if float in kinds else []):
+            with pytest.raises(RecipeError) as info:
+                load_recipe(TINY_RECIPE, COMPLETE + (f"{'.'.join(keys)}={value}",), planning=True)
+            named = [p for p in info.value.problems if any(name in p for name in shown(keys))]
+            assert named and "unknown key" not in named[0], (keys, value, info.value.problems)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("lr_schedule.lr_end=-1e-4", r"lr_schedule\.lr_end: must be >= 0, got -0\.0001"),
+    ("lr_schedule.lr_end=0.5", r"lr_schedule\.lr_end: 0\.5 is above learning_rate"),
+    ("lr_schedule.learning_rate=.nan", r"lr_schedule\.learning_rate: must be a finite number, got nan"),
+    ("lr_schedule.learning_rate=inf", r"lr_schedule\.learning_rate: must be a finite number, got 'inf'"),
+    ("lr_schedule.warmup_steps=-2", r"lr_schedule\.warmup_steps: must be >= 0, got -2"),
+    ("lr_schedule.warmup_steps=50", r"lr_schedule\.warmup_steps: 50 exceeds the 20 steps"),
+    ("optimizer.eps=-1e-8", r"optimizer\.eps: must be > 0"),
+    ("optimizer.weight_decay=-0.1", r"optimizer\.weight_decay: must be >= 0"),
+    ("runner_wrapper.max_grad_norm=-1", r"runner_wrapper\.max_grad_norm: must be > 0"),
+    ("model.model_config.rms_norm_eps=0", r"model\.model_config\.rms_norm_eps: must be > 0"),
+    ("model.model_config.pad_token_id=512", r"model\.model_config\.pad_token_id: 512 is not a token id"),
+    ("seed=-1", r"seed: must be >= 0"),
+    ("callbacks.1.keep_checkpoint_max=0", r"callbacks\[1\]\.keep_checkpoint_max: must be >= 1"),
+    ("profile={start_step: 5, stop_step: 30}", r"profile\.stop_step, runner_config\.stop_step: the profile "
+                                               r"window 5\.\.30 ends after the run's last step 20"),
+])
+def test_numbers_that_cannot_be_right_are_refused_naming_the_key(override, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(TINY_RECIPE, (override,))
+
+
+def test_yaml_anchors_bools_and_nulls_where_sections_belong(tmp_path):
+    path = write(tmp_path, [("output_dir: runs/tiny_cpu", "output_dir: runs/tiny_cpu\nprofile: False\n"
+                                                          "eval_dataset: &ev [1, 2]\nhccl: *ev\nanomaly: null\n"
+                                                          "monitoring: &loop {tensorboard: *ev}\n"),
+                            ("optimizer:\n  weight_decay: 0.0", "optimizer: &opt\n  weight_decay: 0.0\n"
+                                                                "  nested: *opt")])
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    text = str(info.value)
+    for expected in ("profile: expected a mapping, got False", "eval_dataset: expected a mapping, got [1, 2]",
+                     "hccl: expected a mapping, got [1, 2]", "anomaly: expected a mapping, got None",
+                     "monitoring.tensorboard: expected bool, got [1, 2]", "optimizer.nested: unknown key"):
+        assert expected in text
+
+
+# The keys and layout of MindFormers' configs/llama2/pretrain_llama2_7b.yaml (mindspore-lab/mindformers).
+MINDFORMERS_LLAMA2_7B = """\
+seed: 0
+output_dir: './output'
+load_checkpoint: ''
+src_strategy_path_or_dir: ''
+auto_trans_ckpt: False
+only_save_strategy: False
+resume_training: False
+run_mode: 'train'
+trainer:
+  type: CausalLanguageModelingTrainer
+  model_name: 'llama2_7b'
+runner_config:
+  epochs: 2
+  batch_size: 1
+  sink_mode: True
+  sink_size: 1
+  gradient_accumulation_steps: 8
+optimizer:
+  type: FP32StateAdamWeightDecay
+  beta1: 0.9
+  beta2: 0.95
+  eps: 1.e-8
+  learning_rate: 5.e-5
+lr_schedule:
+  type: CosineWithWarmUpLR
+  learning_rate: 5.e-5
+  lr_end: 0
+  warmup_ratio: 0.03
+  total_steps: -1
+train_dataset: &train_dataset
+  data_loader:
+    type: MindDataset
+    dataset_dir: ""
+    shuffle: True
+  input_columns: ["input_ids"]
+  num_parallel_workers: 8
+  python_multiprocessing: False
+  drop_remainder: True
+  batch_size: 6
+  repeat: 1
+  numa_enable: False
+  prefetch_size: 1
+train_dataset_task:
+  type: CausalLanguageModelDataset
+  dataset_config: *train_dataset
+do_eval: False
+eval_dataset: &eval_dataset
+  data_loader:
+    type: MindDataset
+    dataset_dir: ""
+    shuffle: False
+  input_columns: ["input_ids"]
+  drop_remainder: False
+eval_dataset_task:
+  type: CausalLanguageModelDataset
+  dataset_config: *eval_dataset
+use_parallel: True
+parallel:
+  parallel_mode: 1
+  gradients_mean: False
+  enable_alltoall: False
+  full_batch: True
+  search_mode: "sharding_propagation"
+  enable_parallel_optimizer: True
+  strategy_ckpt_save_file: "./ckpt_strategy.ckpt"
+  parallel_optimizer_config:
+    gradient_accumulation_shard: False
+    parallel_optimizer_threshold: 64
+parallel_config:
+  data_parallel: 8
+  model_parallel: 1
+  pipeline_stage: 1
+  use_seq_parallel: False
+  micro_batch_num: 1
+  vocab_emb_dp: True
+  gradient_aggregation_group: 4
+micro_batch_interleave_num: 1
+recompute_config:
+  recompute: False
+  select_recompute: False
+callbacks:
+  - type: MFLossMonitor
+  - type: CheckpointMonitor
+    prefix: "llama2_7b"
+    save_checkpoint_steps: 100
+  - type: ObsMonitor
+context:
+  mode: 0
+  device_target: "Ascend"
+  max_call_depth: 10000
+  max_device_memory: "58GB"
+  save_graphs: False
+  save_graphs_path: "./graph"
+  device_id: 0
+model:
+  model_config:
+    type: LlamaConfig
+    batch_size: 1
+    seq_length: 4096
+    hidden_size: 4096
+    num_layers: 32
+    num_heads: 32
+    vocab_size: 32000
+    multiple_of: 256
+    rms_norm_eps: 1.0e-5
+    compute_dtype: "float16"
+    use_flash_attention: True
+  arch:
+    type: LlamaForCausalLM
+processor:
+  return_tensors: ms
+  tokenizer:
+    type: LlamaTokenizer
+  type: LlamaProcessor
+metric:
+  type: PerplexityMetric
+runner_wrapper:
+  type: MFTrainOneStepCell
+  scale_sense:
+    type: DynamicLossScaleUpdateCell
+    loss_scale_value: 65536
+    scale_factor: 2
+    scale_window: 1000
+  use_clip_grad: True
+eval_callbacks:
+  - type: ObsMonitor
+auto_tune: False
+profile: False
+profile_start_step: 1
+profile_stop_step: 10
+layer_scale: False
+"""
+
+
+def test_a_mindformers_config_is_named_with_the_import_command(tmp_path, capsys):
+    """MindFormers' own Llama 2 pretraining config (configs/llama2/pretrain_llama2_7b.yaml, same keys and layout)."""
+    config = tmp_path / "pretrain_llama2_7b.yaml"
+    config.write_text(MINDFORMERS_LLAMA2_7B, encoding="utf-8")
+    from training.launch import main
+    assert main([str(config), "--plan"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"recipe {config}: 1 problem(s):\n  - this is a MindFormers configuration" in err
+    assert "processor, metric" in err and "model.model_config.type LlamaConfig" in err
+    assert f"python scripts/convert_recipe.py --from-mindformers {config} --output recipes/NAME.yaml" in err
+
+
+def test_duplicate_keys_are_refused_with_their_line(tmp_path):
+    path = write(tmp_path, [("  lr_end: 5.0e-4", "  lr_end: 5.0e-4\n  lr_end: -5.0e-4")])
+    with pytest.raises(RecipeError, match=r"recipe\.yaml: 1 problem\(s\):\n  - not valid YAML: "
+                                          r"duplicate key 'lr_end' "
+                                          r"on line 23 \(first on line 22\)"):
+        load_recipe(path)
+    # A mapping's own key may override one merged in with `<<: *anchor`.
+    path = write(tmp_path, [("optimizer:\n  weight_decay: 0.0", "optimizer:\n  <<: {weight_decay: 0.1}\n"
+                                                                "  weight_decay: 0.0")])
+    assert load_recipe(path).optimizer.weight_decay == 0.0
+    with pytest.raises(RecipeError, match=r"(?s)--set.*duplicate key 'batch_size'"):
+        load_recipe(TINY_RECIPE, ("runner_config={batch_size: 2, batch_size: 3}",))
+
+
+def test_set_with_a_mapping_merges_into_the_section():
+    recipe = load_recipe(TINY_RECIPE, ("runner_config={batch_size: 2}",))
+    assert recipe.runner_config.batch_size == 2 and recipe.runner_config.stop_step == 20  # sibling kept
+    assert load_recipe(TINY_RECIPE, ("data_preparation=null",)).data_preparation is None  # a non-mapping replaces
+    with pytest.raises(RecipeError, match=r"(?s)--set.*not valid YAML"):
+        load_recipe(TINY_RECIPE, ("runner_config={batch_size: ",))
+
+
+def test_bad_base_and_non_utf8_files_are_named(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: 5\n")
+    with pytest.raises(RecipeError, match=r"base: expected a file name or a list of file names.*got 5"):
+        load_recipe(str(tmp_path / "a.yaml"))
+    path = write(tmp_path, [("# Tiny:", "# Tiny (r\u00e9sum\u00e9):")])
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    with open(path, "w", encoding="latin-1") as f:
+        f.write(text)
+    with pytest.raises(RecipeError, match=r"not UTF-8 text: byte 0xe9 on line 1(?s:.*)save it as UTF-8"):
+        load_recipe(path)
+
+
+# --- Paths: resolved once at load, against the working directory ------------------------------------------
+
+def test_relative_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe(TINY_RECIPE, ("load_checkpoint=ckpt/../weights",))
+    assert recipe.output_dir == str(tmp_path / "runs" / "tiny_cpu")
+    dataset = str(tmp_path / "datasets" / "pystdlib-sp512-s64-n60")
+    assert recipe.dataset_dir == recipe.data_preparation.output_dir == dataset
+    assert recipe.load_checkpoint == str(tmp_path / "weights")
+    # What RUN_DIR/recipe.yaml stores reads back identically from anywhere (the workers run in RUN_DIR).
+    monkeypatch.chdir(REPO_ROOT)
+    assert recipe_from_dict(yaml.safe_load(recipe.to_yaml())) == recipe
+
+
+def test_one_dataset_listed_twice_through_other_spellings_is_refused_at_load(tmp_path, monkeypatch):
+    (tmp_path / "ds" / "a").mkdir(parents=True)
+    (tmp_path / "work").mkdir()
+    os.symlink(tmp_path / "ds", tmp_path / "link")
+    monkeypatch.chdir(tmp_path / "work")
+    blend = f"train_dataset.blend=[{{dataset_dir: {tmp_path}/ds/a}}, {{dataset_dir: ../ds/a}}, " \
+            f"{{dataset_dir: {tmp_path}/link/a}}]"
+    with pytest.raises(RecipeError) as info:
+        load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tmp_path}/ds/a", blend))
+    assert f"train_dataset.blend[1].dataset_dir: {tmp_path}/ds/a is already listed as train_dataset.blend[0]" \
+        in str(info.value)
+    assert "train_dataset.blend[2].dataset_dir" in str(info.value)
+
+
+# --- The datasets a recipe reads: built only when they are its own, checked as a set -----------------------
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory, tiny_dataset):
+    """A few stdlib files with the tiny dataset's tokenizer: blendable with it, and fewer samples."""
+    from data.corpus import python_stdlib_files
+    from data.prepare import prepare_dataset
+
+    out = str(tmp_path_factory.mktemp("small") / "small")
+    prepare_dataset(out, 64, inputs=[str(p) for p in python_stdlib_files()[100:102]],
+                    tokenizer=os.path.join(tiny_dataset, "tokenizer.model"), show_progress=False, workers=0)
+    return out
+
+
+def test_a_missing_dataset_is_built_only_when_it_is_the_recipes_own(tmp_path, tiny_dataset, capsys):
+    from data.mindrecord_io import read_manifest
+    from training.errors import DataError
+    from training.launch import ensure_dataset
+
+    typo = tmp_path / "pystdlib-sp512-s64-n6O"
+    recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={typo}",
+                                       f"data_preparation.output_dir={tiny_dataset}"))
+    with pytest.raises(DataError, match=rf"(?s)train_dataset\.data_loader\.dataset_dir: dataset {typo}: "
+                                        rf"directory does not exist.*python scripts/prepare_data\.py --output {typo} "
+                                        rf"--seq-length 64 --vocab-size 512; data_preparation builds only its "
+                                        rf"output_dir {tiny_dataset}"):
+        ensure_dataset(recipe, show_progress=False)
+    assert not typo.exists()
+    # Its own dataset, even spelled through a symlink and ../, is built when missing.
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tmp_path}/real/own",
+                                       f"data_preparation.output_dir={tmp_path}/link/x/../own",
+                                       "data_preparation.max_documents=15"))
+    manifest = ensure_dataset(recipe, show_progress=False)
+    assert f"[launch] dataset {tmp_path}/real/own not found: preparing it" in capsys.readouterr().out
+    assert manifest == read_manifest(str(tmp_path / "real" / "own"))
+
+
+def test_eval_dataset_must_share_the_tokenizer_and_hold_a_batch(tmp_path, tiny_dataset, small_dataset):
+    from data.corpus import python_stdlib_files
+    from data.mindrecord_io import read_manifest
+    from data.prepare import prepare_dataset
+    from training.errors import DataError
+    from training.launch import check_datasets
+
+    def with_eval(eval_dir, *overrides):
+        return load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}", "do_eval=True",
+                                         f"eval_dataset={{data_loader: {{dataset_dir: {eval_dir}}}}}", *overrides))
+
+    samples = read_manifest(small_dataset)["samples"]
+    assert check_datasets(with_eval(small_dataset, f"runner_config.batch_size={samples}"))["warnings"] == []
+    with pytest.raises(DataError, match=rf"eval_dataset\.data_loader\.dataset_dir: {small_dataset} holds {samples} "
+                                        rf"sample\(s\), fewer than one batch \(runner_config\.batch_size "
+                                        rf"{samples + 1}\)"):
+        check_datasets(with_eval(small_dataset, f"runner_config.batch_size={samples + 1}"))
+    # Same size of vocabulary, another tokenizer: the held-out loss would be on other tokens.
+    other = str(tmp_path / "other")
+    prepare_dataset(other, 64, 512, inputs=[str(p) for p in python_stdlib_files()[:30]], show_progress=False,
+                    workers=0)
+    with pytest.raises(DataError, match=r"eval_dataset\.data_loader\.dataset_dir: .*other was tokenised with "
+                                        r"another tokenizer than train_dataset\.data_loader\.dataset_dir"):
+        check_datasets(with_eval(other))
+
+
+def test_model_vocabulary_against_the_tokenizer(tiny_dataset):
+    from training.errors import DataError
+    from training.launch import check_datasets
+
+    larger = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                       "model.model_config.vocab_size=1024"))
+    assert check_datasets(larger)["warnings"] == [
+        f"model.model_config.vocab_size 1024 is larger than the tokenizer's 512 ({tiny_dataset}): 512 embedding "
+        "rows are never trained"]
+    smaller = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                        "model.model_config.vocab_size=256"))
+    with pytest.raises(DataError, match=r"tokenizer vocab_size 512 exceeds model\.model_config\.vocab_size 256"):
+        check_datasets(smaller)
+
+
+def test_blend_members_expected_repeats_are_printed_and_warned(tiny_dataset, small_dataset, capsys):
+    from data.mindrecord_io import read_manifest
+    from training.launch import BLEND_REPEAT_WARNING, ensure_dataset
+
+    big, small = read_manifest(tiny_dataset)["samples"], read_manifest(small_dataset)["samples"]
+    recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                       f"train_dataset.blend=[{{dataset_dir: {tiny_dataset}, weight: 0.1}}, "
+                                       f"{{dataset_dir: {small_dataset}, weight: 0.9}}]"))
+    ensure_dataset(recipe, show_progress=False)
+    out = capsys.readouterr().out
+    repeats = 0.9 * (big + small) / small
+    assert repeats > BLEND_REPEAT_WARNING
+    assert f"[launch] blend: {small_dataset}: weight 90.0% of the samples, {small:,} samples, read " \
+           f"~{repeats:.2f} times per pass" in out
+    assert f"[launch] warning: train_dataset.blend[1].dataset_dir: {small_dataset} ({small:,} samples at 90.0% of " \
+           f"the blend) is read ~{repeats:.0f} times per pass" in out
+    assert "[launch] warning: train_dataset.blend[0]" not in out

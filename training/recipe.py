@@ -7,7 +7,10 @@ accumulation outside semi-auto parallel, `runner_config.stop_step`, sink mode on
 are either made to work here or refused with the reason.
 """
 
+import io
 import os
+import re
+import shlex
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -19,6 +22,27 @@ from training.errors import RecipeError
 from training.schema import load_dataclass, to_plain
 
 SEQ_ALIGN = 16  # Ascend's Cube unit works on 16x16 tiles.
+
+
+def _at_least(prefix: str, section, low, *names) -> list:
+    """A problem for each field of `section` in `names` that is below `low` (None means unset and is fine)."""
+    return [f"{_key(prefix, name)}: must be >= {low}, got {getattr(section, name)}" for name in names
+            if getattr(section, name) is not None and getattr(section, name) < low]
+
+
+def _positive(prefix: str, section, *names) -> list:
+    """A problem for each field of `section` in `names` that is not > 0."""
+    return [f"{_key(prefix, name)}: must be > 0, got {getattr(section, name)}" for name in names
+            if getattr(section, name) is not None and not getattr(section, name) > 0]
+
+
+def _key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _callback_key(recipe: "Recipe", callback) -> str:
+    """`callbacks[N]` of this callback (by identity: two callbacks may be equal)."""
+    return f"callbacks[{next(i for i, c in enumerate(recipe.callbacks) if c is callback)}]"
 
 
 @dataclass
@@ -36,6 +60,12 @@ class ContextConfig:
     max_device_memory: Optional[str] = None
     save_graphs: bool = False
 
+    def check(self, recipe: "Recipe") -> list:
+        problems = _at_least("context", self, 0, "device_id") + _at_least("context", self, 1, "max_call_depth")
+        if self.max_device_memory is not None and not re.fullmatch(r"\d+(\.\d+)?GB", self.max_device_memory):
+            problems.append(f"context.max_device_memory: {self.max_device_memory!r} is not a size like '58GB'")
+        return problems
+
 
 @dataclass
 class RunnerConfig:
@@ -47,11 +77,9 @@ class RunnerConfig:
     gradient_accumulation_steps: int = 1
 
     def check(self, recipe: "Recipe") -> list:
-        problems = []
-        if self.batch_size < 1:
-            problems.append(f"runner_config.batch_size: must be >= 1, got {self.batch_size}")
-        if self.epochs < 1:
-            problems.append(f"runner_config.epochs: must be >= 1, got {self.epochs}")
+        problems = _at_least("runner_config", self, 1, "batch_size", "epochs", "gradient_accumulation_steps")
+        if self.sink_size != -1 and self.sink_size < 1:
+            problems.append(f"runner_config.sink_size: must be -1 (the whole dataset) or >= 1, got {self.sink_size}")
         if self.stop_step < 0:
             problems.append(f"runner_config.stop_step: must be >= 0 (0 = run all epochs), got {self.stop_step}")
         if self.sink_mode and recipe.runs_on_cpu:
@@ -71,6 +99,11 @@ class DynamicLossScaleConfig:
     scale_factor: int = 2
     scale_window: int = 1000
 
+    def check(self, recipe: "Recipe") -> list:
+        p = "runner_wrapper.scale_sense"
+        return (_positive(p, self, "loss_scale_value") + _at_least(p, self, 2, "scale_factor")
+                + _at_least(p, self, 1, "scale_window"))
+
 
 @dataclass
 class RunnerWrapperConfig:
@@ -80,10 +113,16 @@ class RunnerWrapperConfig:
     max_grad_norm: float = 1.0
 
     def check(self, recipe: "Recipe") -> list:
+        problems = _positive("runner_wrapper", self, "max_grad_norm")
+        if isinstance(self.scale_sense, DynamicLossScaleConfig):
+            problems.extend(self.scale_sense.check(recipe))
+        else:
+            problems.extend(_positive("runner_wrapper", self, "scale_sense"))
         if self.type == "MFTrainOneStepCell" and recipe.runs_on_cpu:
-            return ["runner_wrapper.type: MFTrainOneStepCell checks overflow with an Ascend-only kernel and "
-                    "does not compile on CPU; use PortableTrainOneStepCell (same behaviour, portable check)"]
-        return []
+            problems.append("runner_wrapper.type: MFTrainOneStepCell checks overflow with an Ascend-only kernel "
+                            "and does not compile on CPU; use PortableTrainOneStepCell (same behaviour, portable "
+                            "check)")
+        return problems
 
 
 @dataclass
@@ -95,9 +134,10 @@ class OptimizerConfig:
     weight_decay: float = 0.1
 
     def check(self, recipe: "Recipe") -> list:
+        problems = _positive("optimizer", self, "eps") + _at_least("optimizer", self, 0, "weight_decay")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            return [f"optimizer.betas: expected two values in [0, 1), got {self.betas}"]
-        return []
+            problems.append(f"optimizer.betas: expected two values in [0, 1), got {self.betas}")
+        return problems
 
 
 @dataclass
@@ -110,9 +150,18 @@ class LRScheduleConfig:
     total_steps: int = -1  # -1: epochs x dataset size, or runner_config.stop_step when set
 
     def check(self, recipe: "Recipe") -> list:
-        problems = []
-        if self.learning_rate <= 0:
-            problems.append(f"lr_schedule.learning_rate: must be > 0, got {self.learning_rate}")
+        p = "lr_schedule"
+        problems = _positive(p, self, "learning_rate") + _at_least(p, self, 0, "lr_end", "warmup_steps")
+        if self.lr_end > self.learning_rate > 0:
+            problems.append(f"{p}.lr_end: {self.lr_end} is above learning_rate {self.learning_rate}; the schedule "
+                            "decays from learning_rate to lr_end")
+        if self.total_steps != -1 and self.total_steps < 1:
+            problems.append(f"{p}.total_steps: must be -1 (runner_config.stop_step, or the whole run) or >= 1, "
+                            f"got {self.total_steps}")
+        total = self.total_steps if self.total_steps > 0 else recipe.runner_config.stop_step
+        if self.warmup_steps is not None and total > 0 and self.warmup_steps > total:
+            problems.append(f"{p}.warmup_steps: {self.warmup_steps} exceeds the {total} steps of the schedule "
+                            "(lr_schedule.total_steps, else runner_config.stop_step)")
         if self.warmup_ratio is not None and self.warmup_steps is not None:
             problems.append("lr_schedule.warmup_ratio, lr_schedule.warmup_steps: set one of them, not both")
         if self.warmup_ratio is not None and not 0.0 <= self.warmup_ratio < 1.0:
@@ -151,6 +200,11 @@ class ModelConfig:
                                  "seq_length") if getattr(self, name) < 1]
         if problems:
             return problems
+        problems.extend(_positive(p, self, "rms_norm_eps", "rope_theta", "initializer_range"))
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                problems.append(f"{p}.{name}: {getattr(self, name)} is not a token id of the vocabulary "
+                                f"(0..{self.vocab_size - 1})")
         if self.seq_length % SEQ_ALIGN:
             problems.append(f"{p}.seq_length: {self.seq_length} is not a multiple of {SEQ_ALIGN}; Ascend pads "
                             f"such shapes inside every matmul. Use {_round_up(self.seq_length, SEQ_ALIGN)}")
@@ -218,7 +272,7 @@ class TrainDatasetConfig:
     blend: Optional[list[BlendSourceConfig]] = None  # ours: several datasets mixed by weight (data/loader.py)
 
     def check(self, recipe: "Recipe") -> list:
-        problems = []
+        problems = _at_least("train_dataset", self, 1, "num_parallel_workers", "repeat", "prefetch_size")
         if self.blend is not None:
             problems.extend(self._blend_problems())
         if self.input_columns != ["input_ids"]:
@@ -234,10 +288,13 @@ class TrainDatasetConfig:
             return ["train_dataset.blend: empty; list {dataset_dir, weight} entries or remove the key"]
         problems = [f"train_dataset.blend[{i}].weight: must be > 0, got {b.weight}"
                     for i, b in enumerate(self.blend) if b.weight <= 0]
-        dirs = [os.path.normpath(b.dataset_dir) for b in self.blend]
-        if len(set(dirs)) != len(dirs):
-            problems.append("train_dataset.blend: lists a dataset_dir more than once; give it one weight")
-        if os.path.normpath(self.data_loader.dataset_dir) not in dirs:
+        # Paths are resolved at load (resolve_paths), so two spellings of one directory compare equal.
+        dirs = [b.dataset_dir for b in self.blend]
+        for i, d in enumerate(dirs):
+            if d in dirs[:i]:
+                problems.append(f"train_dataset.blend[{i}].dataset_dir: {d} is already listed as "
+                                f"train_dataset.blend[{dirs.index(d)}]; give each dataset one entry and one weight")
+        if self.data_loader.dataset_dir not in dirs:
             problems.append(f"train_dataset.blend: does not list train_dataset.data_loader.dataset_dir "
                             f"({self.data_loader.dataset_dir}); list it with its weight (it is the dataset "
                             "data_preparation builds)")
@@ -264,6 +321,9 @@ class ParallelOptimizerConfig:
     optimizer_level: Literal["level1", "level2", "level3"] = "level1"
     parallel_optimizer_threshold: int = 64  # KB; smaller parameters are not sliced
 
+    def check(self, recipe: "Recipe") -> list:
+        return _at_least("parallel.parallel_optimizer_config", self, 0, "parallel_optimizer_threshold")
+
 
 @dataclass
 class ParallelConfig:
@@ -289,9 +349,8 @@ class ParallelDegreesConfig:
 
     def check(self, recipe: "Recipe") -> list:
         p = "parallel_config"
-        problems = [f"{p}.{n}: must be >= 1, got {getattr(self, n)}"
-                    for n in ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num")
-                    if getattr(self, n) < 1]
+        problems = _at_least(p, self, 1, "data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num",
+                             "gradient_aggregation_group")
         if problems:
             return problems
         problems.extend(layout_problems(recipe.model.model_config, self.data_parallel, self.model_parallel,
@@ -330,6 +389,9 @@ class LossMonitorConfig:
     type: Literal["MFLossMonitor"] = "MFLossMonitor"
     per_print_times: int = 1
 
+    def check(self, recipe: "Recipe") -> list:
+        return _at_least(_callback_key(recipe, self), self, 1, "per_print_times")
+
 
 @dataclass
 class CheckpointMonitorConfig:
@@ -341,14 +403,34 @@ class CheckpointMonitorConfig:
     integrated_save: bool = False
     async_save: bool = False       # copy to host, then write files in the background
 
+    def check(self, recipe: "Recipe") -> list:
+        p = _callback_key(recipe, self)
+        problems = (_at_least(p, self, 0, "save_checkpoint_steps", "keep_every")
+                    + _at_least(p, self, 1, "keep_checkpoint_max"))
+        if not self.prefix or os.sep in self.prefix:
+            problems.append(f"{p}.prefix: {self.prefix!r} must be a non-empty file name prefix (no {os.sep})")
+        return problems
+
 
 @dataclass
 class DataPreparationConfig:
-    """How to build `train_dataset.data_loader.dataset_dir` when it does not exist yet (ours)."""
+    """How to build the recipe's own dataset, `output_dir`, when it does not exist yet (ours).
 
+    Only a missing dataset directory equal to `output_dir` is built; any other missing
+    dataset (a typo, an override) is an error naming the prepare_data command to run.
+    """
+
+    output_dir: str
     source: Literal["python_stdlib"] = "python_stdlib"
     vocab_size: int = 2048
     max_documents: int = 0  # 0 = every document of the source
+
+    def check(self, recipe: "Recipe") -> list:
+        p = "data_preparation"
+        problems = _at_least(p, self, 1, "vocab_size") + _at_least(p, self, 0, "max_documents")
+        if not self.output_dir:
+            problems.append(f"{p}.output_dir: must name the dataset directory it builds")
+        return problems
 
 
 @dataclass
@@ -389,6 +471,9 @@ class HcclConfig:
     exec_timeout: Optional[int] = None     # HCCL_EXEC_TIMEOUT, seconds
     buffsize: Optional[int] = None         # HCCL_BUFFSIZE, MB
 
+    def check(self, recipe: "Recipe") -> list:
+        return _at_least("hccl", self, 1, "connect_timeout", "exec_timeout", "buffsize")
+
 
 @dataclass
 class EvalDatasetConfig:
@@ -398,6 +483,9 @@ class EvalDatasetConfig:
     input_columns: list[str] = field(default_factory=lambda: ["input_ids"])
     max_batches: int = 0  # ours: evaluate at most this many batches (0 = the whole dataset)
 
+    def check(self, recipe: "Recipe") -> list:
+        return _at_least("eval_dataset", self, 0, "max_batches")
+
 
 @dataclass
 class ProfileConfig:
@@ -405,6 +493,17 @@ class ProfileConfig:
 
     start_step: int
     stop_step: int
+
+    def check(self, recipe: "Recipe") -> list:
+        if not 1 <= self.start_step <= self.stop_step:
+            return [f"profile.start_step, profile.stop_step: need 1 <= start_step <= stop_step, got "
+                    f"{self.start_step}..{self.stop_step}"]
+        last = recipe.runner_config.stop_step
+        if last and self.stop_step > last:
+            return [f"profile.stop_step, runner_config.stop_step: the profile window "
+                    f"{self.start_step}..{self.stop_step} ends after the run's last step {last}; those steps would "
+                    "never be traced"]
+        return []
 
 
 @dataclass
@@ -423,8 +522,10 @@ class AnomalyConfig:
 
     def check(self, recipe: "Recipe") -> list:
         problems = []
-        if self.spike_factor < 0 or self.spike_window < 1:
-            problems.append("anomaly.spike_factor must be >= 0 and anomaly.spike_window >= 1")
+        if self.spike_factor < 0 or 0 < self.spike_factor <= 1 or self.spike_window < 1:
+            problems.append(f"anomaly.spike_factor, anomaly.spike_window: need spike_factor 0 (off) or > 1 (a loss "
+                            f"above that multiple of the moving mean) and spike_window >= 1, got "
+                            f"{self.spike_factor}, {self.spike_window}")
         if self.on_spike == "rollback":
             if not self.spike_factor:
                 problems.append("anomaly.on_spike: rollback needs anomaly.spike_factor > 0 (what a spike is)")
@@ -442,6 +543,9 @@ class MonitoringConfig:
 
     tensorboard: bool = True
     hang_timeout: int = 900  # seconds without a heartbeat before the launcher names the stalled rank and stops
+
+    def check(self, recipe: "Recipe") -> list:
+        return _at_least("monitoring", self, 1, "hang_timeout")
 
 
 def _default_callbacks():
@@ -514,11 +618,13 @@ class Recipe:
         return self.global_batch_size * self.model.model_config.seq_length
 
     def check(self) -> list:
-        problems = []
-        for section in (self.runner_config, self.runner_wrapper, self.optimizer, self.lr_schedule,
-                        self.model.model_config, self.train_dataset, self.parallel_config,
-                        self.recompute_config, self.hardware, self.anomaly):
-            problems.extend(section.check(self))
+        problems = _at_least("", self, 0, "seed") + _at_least("", self, 1, "eval_step_interval")
+        for section in (self.context, self.runner_config, self.runner_wrapper, self.optimizer, self.lr_schedule,
+                        self.model.model_config, self.train_dataset, self.parallel.parallel_optimizer_config,
+                        self.parallel_config, self.recompute_config, *self.callbacks, self.data_preparation,
+                        self.hardware, self.hccl, self.eval_dataset, self.profile, self.monitoring, self.anomaly):
+            if section is not None:
+                problems.extend(section.check(self))
         task_block = self.train_dataset_task.dataset_config
         if task_block is not None and not _is_subset(task_block, to_plain(self.train_dataset)):
             problems.append("train_dataset_task.dataset_config: differs from train_dataset; omit it or write "
@@ -528,13 +634,6 @@ class Recipe:
         if self.do_eval and self.eval_dataset is None:
             problems.append("do_eval: True needs an eval_dataset section (data_loader.dataset_dir of a held-out "
                             "dataset, e.g. one written by scripts/prepare_data.py --val-fraction)")
-        if self.eval_step_interval < 1:
-            problems.append(f"eval_step_interval: must be >= 1, got {self.eval_step_interval}")
-        if self.profile is not None and not 1 <= self.profile.start_step <= self.profile.stop_step:
-            problems.append(f"profile.start_step, profile.stop_step: need 1 <= start_step <= stop_step, got "
-                            f"{self.profile.start_step}..{self.profile.stop_step}")
-        if self.monitoring.hang_timeout < 1:
-            problems.append(f"monitoring.hang_timeout: must be >= 1 second, got {self.monitoring.hang_timeout}")
         return problems
 
     def to_dict(self) -> dict:
@@ -573,11 +672,23 @@ def parse_override(text: str) -> tuple:
     parts = [p for p in key.strip().split(".") if p]
     if not parts:
         raise RecipeError("--set", [f"{text!r}: empty key path"])
-    return parts, yaml.safe_load(raw) if raw.strip() else ""
+    if not raw.strip():
+        return parts, ""
+    try:
+        return parts, yaml.load(raw, Loader=StrictLoader)
+    except yaml.YAMLError as err:
+        raise RecipeError("--set", [f"{text!r}: the value is not valid YAML ({_one_line(err)})"],
+                          hint="quote the whole argument for the shell, e.g. --set 'lr_schedule={lr_end: 0.0}'") \
+            from None
 
 
 def apply_override(data: dict, parts: list, value, problems: list) -> None:
-    """Set data[parts...] = value; list items are addressed by index (callbacks.1.prefix)."""
+    """Set data[parts...] = value; list items are addressed by index (callbacks.1.prefix).
+
+    A mapping given for a key that holds a mapping is merged into it key by key, as a recipe
+    is merged over its base (`--set 'runner_config={batch_size: 2}'` keeps stop_step); any
+    other value replaces what was there (`data_preparation=null` removes the section).
+    """
     node = data
     for depth, part in enumerate(parts[:-1]):
         where = ".".join(parts[:depth + 1])
@@ -587,7 +698,9 @@ def apply_override(data: dict, parts: list, value, problems: list) -> None:
                 return
             node = node[int(part)]
         else:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
         if not isinstance(node, (dict, list)):
             problems.append(f"--set {'.'.join(parts)}: {where} is a value, not a section")
             return
@@ -596,7 +709,12 @@ def apply_override(data: dict, parts: list, value, problems: list) -> None:
         if not last.isdigit() or int(last) >= len(node):
             problems.append(f"--set {'.'.join(parts)}: {last} is not an index of a {len(node)}-item list")
             return
-        node[int(last)] = value
+        last = int(last)
+    elif last not in node:
+        node[last] = value
+        return
+    if isinstance(value, dict) and isinstance(node[last], dict):
+        node[last] = deep_merge(node[last], value)
     else:
         node[last] = value
 
@@ -612,6 +730,34 @@ def deep_merge(base: dict, override: dict) -> dict:
     return merged
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping of a YAML document gives one key twice."""
+
+
+class StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` keys may be overridden by the mapping's own keys
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise DuplicateKeyError(f"duplicate key {key!r} on line {line} (first on line {seen[key]}); "
+                                            "the last one would silently win, give it once")
+                seen[key] = line
+            except TypeError:
+                continue  # an unhashable key: the base class reports it
+        return super().construct_mapping(node, deep)
+
+
+def _one_line(err: yaml.YAMLError) -> str:
+    return " ".join(str(err).split())
+
+
 def read_recipe_file(path: str, chain: tuple = ()) -> dict:
     """The YAML mapping of `path`, with its `base:` file(s) (relative to it) merged underneath."""
     if not os.path.isfile(path):
@@ -621,15 +767,29 @@ def read_recipe_file(path: str, chain: tuple = ()) -> dict:
     if os.path.abspath(path) in chain:
         raise RecipeError(path, [f"base: circular inheritance through {' -> '.join(chain)}"])
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
+        text = io.StringIO(raw.decode("utf-8-sig"))
+        text.name = path  # YAML errors then name the file
+        data = yaml.load(text, Loader=StrictLoader)
+    except OSError as err:
+        raise RecipeError(path, [f"cannot be read: {err.strerror}"]) from None
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise RecipeError(path, [f"not UTF-8 text: byte {raw[err.start]:#04x} on line {line}"],
+                          hint=f"save it as UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > NEW.yaml") from None
     except yaml.YAMLError as err:
-        raise RecipeError(path, [f"not valid YAML: {err}"]) from None
+        raise RecipeError(path, [f"not valid YAML: {_one_line(err)}"]) from None
     if not isinstance(data, dict):
         raise RecipeError(path, ["the top level must be a mapping of sections"])
     bases = data.pop("base", [])
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
+        raise RecipeError(path, [f"base: expected a file name or a list of file names (relative to the recipe), "
+                                 f"got {bases!r}"], hint="e.g. base: base/cpu.yaml")
     merged: dict = {}
-    for base in [bases] if isinstance(bases, str) else bases:
+    for base in bases:
         base_path = os.path.join(os.path.dirname(path), base)
         merged = deep_merge(merged, read_recipe_file(base_path, chain + (os.path.abspath(path),)))
     return deep_merge(merged, data)
@@ -649,12 +809,77 @@ def load_recipe(path: str, overrides: tuple = (), planning: bool = False) -> Rec
 
 
 def recipe_from_dict(data: dict, source: str = "<dict>", problems: list = None, planning: bool = False) -> Recipe:
-    """Validate an already-parsed recipe; `problems` carries earlier findings (e.g. from --set)."""
+    """Validate an already-parsed recipe; `problems` carries earlier findings (e.g. from --set).
+
+    The launcher (load_recipe) and every worker (RUN_DIR/recipe.yaml) validate through here,
+    on paths resolved the same way, so they cannot disagree about a recipe.
+    """
     problems = list(problems or [])
+    refuse_mindformers_config(data, source)
     recipe = load_dataclass(Recipe, data, "", problems)
     recipe.planning = planning
     if not problems:
+        resolve_paths(recipe)
         problems.extend(recipe.check())
     if problems:
         raise RecipeError(source, problems)
     return recipe
+
+
+def resolve_path(path: str) -> str:
+    """A recipe path made absolute against the current working directory, symlinks followed ('' stays '')."""
+    return os.path.realpath(os.path.expanduser(path)) if path else path
+
+
+def resolve_paths(recipe: Recipe) -> None:
+    """Every path of the recipe resolved once, at load: relative paths are relative to the working directory."""
+    recipe.output_dir = resolve_path(recipe.output_dir)
+    recipe.load_checkpoint = resolve_path(recipe.load_checkpoint)
+    loaders = [recipe.train_dataset.data_loader, *(recipe.train_dataset.blend or [])]
+    if recipe.eval_dataset is not None:
+        loaders.append(recipe.eval_dataset.data_loader)
+    for loader in loaders:
+        loader.dataset_dir = resolve_path(loader.dataset_dir)
+    if recipe.data_preparation is not None:
+        recipe.data_preparation.output_dir = resolve_path(recipe.data_preparation.output_dir)
+    task = recipe.train_dataset_task
+    loader = (task.dataset_config or {}).get("data_loader")
+    if isinstance(loader, dict) and isinstance(loader.get("dataset_dir"), str):
+        # The `dataset_config: *train_dataset` copy must keep comparing equal to train_dataset.
+        loader = dict(loader, dataset_dir=resolve_path(loader["dataset_dir"]))
+        task.dataset_config = dict(task.dataset_config, data_loader=loader)
+
+
+# What only a MindFormers configuration has: sections and keys of MindFormers that recipes do not
+# use, and MindFormers' own model classes (recipes train models/llama.py's).
+MINDFORMERS_KEYS = ("processor", "metric", "eval_callbacks", "eval_dataset_task", "auto_trans_ckpt",
+                    "src_strategy_path_or_dir", "only_save_strategy", "micro_batch_interleave_num", "moe_config",
+                    "auto_tune", "filepath_prefix", "autotune_per_step", "profile_start_step", "profile_stop_step",
+                    "profile_communication", "profile_memory", "init_start_profile", "layer_scale", "layer_decay",
+                    "lr_scale_factor", "remote_save_url", "use_past", "monitor_config")
+
+
+def mindformers_markers(data: dict) -> list:
+    """The keys and model types of `data` that only a MindFormers configuration has."""
+    found = []
+    model = data.get("model")
+    if isinstance(model, dict):
+        for section, ours in (("model_config", LLAMA_CONFIG_TYPE), ("arch", LLAMA_MODEL_TYPE)):
+            block = model.get(section)
+            kind = block.get("type") if isinstance(block, dict) else None
+            if isinstance(kind, str) and kind != ours and (kind.endswith("Config") or "For" in kind):
+                found.append(f"model.{section}.type {kind}")
+    found.extend(key for key in MINDFORMERS_KEYS if key in data)
+    if isinstance(data.get("profile"), bool):
+        found.append("profile: " + str(data["profile"]))
+    return found
+
+
+def refuse_mindformers_config(data: dict, source: str) -> None:
+    """A MindFormers configuration gets one message saying so and how to import it, not a list of key errors."""
+    markers = mindformers_markers(data)
+    if len(markers) >= 2:
+        raise RecipeError(source, [f"this is a MindFormers configuration, not a recipe of this repository (it has "
+                                   f"{', '.join(markers[:6])}{', ...' if len(markers) > 6 else ''})"],
+                          hint="convert it with: python scripts/convert_recipe.py --from-mindformers "
+                               f"{shlex.quote(source)} --output recipes/NAME.yaml")

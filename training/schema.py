@@ -7,6 +7,8 @@ fixes a recipe in one pass. MindFormers silently ignores unknown keys; this does
 
 import dataclasses
 import difflib
+import functools
+import math
 import types
 import typing
 from typing import Any, Literal, Union
@@ -48,7 +50,10 @@ def _convert(annotation, value, path: str, problems: list):
             known = [t for o in tagged for t in typing.get_args(_hints(o)["type"])]
             problems.append(f"{path}.type: {value.get('type')!r} is not one of {', '.join(map(repr, known))}")
             return None
-        for option in options:
+        real = [o for o in options if o is not type(None)]  # None was handled above
+        if len(real) == 1:  # Optional[X]: X's own, precise problems
+            return _convert(real[0], value, path, problems)
+        for option in real:
             trial: list = []
             converted = _convert(option, value, path, trial)
             if not trial:
@@ -73,14 +78,20 @@ def _convert(annotation, value, path: str, problems: list):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif annotation is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        # PyYAML reads `1e-3` (no dot) as a string; accept what is unambiguously a number.
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
+            # PyYAML reads `1e-3` (no dot) as a string; accept what is unambiguously a number.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if math.isfinite(number):
+                return number
+            problems.append(f"{path}: must be a finite number, got {value!r}")
+            return None
     elif annotation is str:
         if isinstance(value, str):
             return value
@@ -88,11 +99,12 @@ def _convert(annotation, value, path: str, problems: list):
         if isinstance(value, dict):
             return value
     else:
-        raise TypeError(f"schema annotation {annotation!r} at {path} is not supported")
+        raise TypeError(f"schema annotation {annotation!r} at {path} is not supported")  # a bug in a schema
     problems.append(f"{path}: expected {_describe(annotation)}, got {value!r}")
     return None
 
 
+@functools.lru_cache(maxsize=None)  # resolving annotations is most of the loading time
 def _hints(cls) -> dict:
     return typing.get_type_hints(cls, include_extras=False)
 

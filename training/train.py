@@ -153,6 +153,9 @@ def run(run_dir: str, started: float = None) -> dict:
     started = time.time() if started is None else started
     with open(os.path.join(run_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
         recipe = recipe_from_dict(yaml.safe_load(f), os.path.join(run_dir, RESOLVED_RECIPE))
+    # The launcher's dataset checks, on the same resolved recipe: the two cannot disagree.
+    from training.launch import check_datasets
+    datasets = check_datasets(recipe)
 
     # MindFormers writes logs under LOCAL_DEFAULT_PATH (default ./output) from import time on.
     os.environ["LOCAL_DEFAULT_PATH"] = run_dir
@@ -195,6 +198,7 @@ def run(run_dir: str, started: float = None) -> dict:
     summary["preempted"] = bool(saver and saver.preempted)
     summary["checkpoint_blocked_s"] = round(saver.blocked_time, 3) if saver else 0.0
     summary["rollback"] = saver.rollback if saver else None
+    summary["blend"] = datasets["blend"]  # per member: samples, share of draws, expected repeats per pass
     if rank_id() == 0:
         with open(os.path.join(run_dir, SUMMARY), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
