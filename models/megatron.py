@@ -29,6 +29,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -189,8 +190,8 @@ class LegacyCheckpoint:
     def _model(self, state: dict, path: str) -> dict:
         if "model" not in state:
             chunks = sorted(k for k in state if re.fullmatch(r"model\d+", k))
-            raise ConversionError(f"{path}: no 'model' entry" + (f" but {chunks}: virtual pipeline chunks are not "
-                                                                  "supported" if chunks else ""))
+            extra = f" but {chunks}: virtual pipeline chunks are not supported" if chunks else ""
+            raise ConversionError(f"{path}: no 'model' entry{extra}")
         return state["model"]
 
     def _index(self, t: int, p: int, state) -> dict:
@@ -310,7 +311,8 @@ class TorchDistCheckpoint:
 
         _, name = self.find(kind, layer)
         if name is None:
-            raise ConversionError(f"{self.path}: {GLOBAL_TENSORS.get(kind) or LAYER_TENSORS.get(kind) or kind}: missing")
+            wanted = GLOBAL_TENSORS.get(kind) or LAYER_TENSORS.get(kind) or kind
+            raise ConversionError(f"{self.path}: {wanted}: missing")
         size = self.tensors[name]
         stacked = layer is not None
         shape = size[1:] if stacked else size
@@ -856,3 +858,172 @@ def _source_manifest(source: str) -> dict:
             return json.load(f)
     except (OSError, ValueError):
         return {}
+
+
+# --- A recipe continuing the run --------------------------------------------------------------
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ASCEND_BASE = os.path.join(REPO_ROOT, "recipes", "base", "ascend.yaml")
+LR_SCHEDULES = {"cosine": "CosineWithWarmUpLR", "linear": "LinearWithWarmUpLR", "constant": "ConstantWarmUpLR"}
+DATASET_PLACEHOLDER = "datasets/CHANGE_ME"
+
+
+def megatron_lr(args: dict, iteration: int) -> float:
+    """Megatron-LM's learning rate at `iteration` (OptimizerParamScheduler: linear warm-up, then decay)."""
+    peak, low = args["lr"], args.get("min_lr", 0.0)
+    warmup, decay = args.get("lr_warmup_iters", 0) or 0, args.get("lr_decay_iters") or args.get("train_iters")
+    if warmup and iteration <= warmup:
+        return peak * iteration / warmup
+    if args.get("lr_decay_style") == "constant":
+        return peak
+    if iteration > decay:
+        return low
+    ratio = (iteration - warmup) / max(1, decay - warmup)
+    coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0) if args.get("lr_decay_style") == "cosine" else 1.0 - ratio
+    return low + coeff * (peak - low)
+
+
+def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir: str = None) -> dict:
+    """A recipe on base/ascend.yaml training from converted_dir, with a Megatron run's hyper-parameters.
+
+    Validated with the strict loader (planning mode) and the planner before it appears. Returns
+    {"path", "notes", "plan"}.
+    """
+    from training.errors import RecipeError
+    from training.planner import plan, verdict
+    from training.recipe import load_recipe
+
+    converted_dir = os.path.abspath(converted_dir)
+    cfg, _ = read_model_section(os.path.join(converted_dir, MODEL_SECTION_FILE))
+    source = _source_manifest(converted_dir).get("source", {})
+    args = source.get("megatron_args") or {}
+    model_config = {k: v for k, v in to_plain(cfg).items() if k != "compute_dtype"}
+    data = {"base": os.path.relpath(ASCEND_BASE, os.path.dirname(os.path.abspath(path))),
+            "output_dir": f"runs/{os.path.splitext(os.path.basename(path))[0]}",
+            "load_checkpoint": converted_dir, "load_ckpt_format": "safetensors",
+            "model": {"model_config": model_config},
+            "train_dataset": {"data_loader": {"dataset_dir": dataset_dir or DATASET_PLACEHOLDER}}}
+    notes = [f"weights: {converted_dir} ({source.get('format', 'converted')})"]
+    if args:
+        notes += _continue_megatron_run(data, args, source.get("iteration", 0), devices, cfg)
+    else:
+        data["runner_config"] = {"batch_size": 1}
+        data["parallel_config"] = {"data_parallel": devices or 1}
+        data["use_parallel"] = True
+        notes.append("hyper-parameters: base/ascend.yaml's (the source records no training run)")
+    if not dataset_dir:
+        notes.append(f"train_dataset.data_loader.dataset_dir is {DATASET_PLACEHOLDER}: point it at a dataset made "
+                     "by scripts/prepare_data.py before launching")
+    lines = ["Continues a run from converted weights (scripts/convert_checkpoint.py --write-recipe).", *notes]
+    header = "".join(f"# {line}\n" for line in lines)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = f"{path}.partial-{os.getpid()}"
+    with open(partial, "w", encoding="utf-8") as f:
+        f.write(header + yaml.safe_dump(data, sort_keys=False))
+    try:
+        recipe = load_recipe(partial, planning=True)
+        result = plan(recipe)
+    except RecipeError as err:
+        os.remove(partial)
+        raise ConversionError(f"{path}: the proposed recipe does not validate:\n{err.message}",
+                              hint="pass --devices with a device count the run's parallel layout fits") from None
+    os.replace(partial, path)
+    return {"path": os.path.abspath(path), "notes": notes, "plan": verdict(result)}
+
+
+def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int, cfg: ModelConfig) -> list:
+    """Fill data with the Megatron run's batch, optimizer, LR schedule and parallel layout; returns notes."""
+    from models.parallel import layout_problems
+
+    notes = []
+    micro, global_batch = args.get("micro_batch_size") or 1, args.get("global_batch_size") or 1
+    tp0, pp0 = args.get("tensor_model_parallel_size", 1), args.get("pipeline_model_parallel_size", 1)
+    devices = devices or args.get("world_size") or tp0 * pp0 * (args.get("data_parallel_size") or 1)
+    layout = None
+    for tp, pp in dict.fromkeys([(tp0, pp0), (tp0, 1), (1, pp0), (1, 1)]):
+        if devices % (tp * pp) or global_batch % (micro * (devices // (tp * pp))):
+            continue
+        accumulation = global_batch // (micro * (devices // (tp * pp)))
+        if not layout_problems(cfg, devices // (tp * pp), tp, pp, accumulation if pp > 1 else 1):
+            layout = (devices // (tp * pp), tp, pp, accumulation)
+            break
+    if layout is None:
+        raise ConversionError(f"--devices {devices}: no layout keeps the run's global batch {global_batch} with "
+                              f"micro-batch {micro} (TP {tp0} x PP {pp0} tried, then smaller)",
+                              hint="pass --devices with a count that divides the global batch / micro-batch")
+    dp, tp, pp, accumulation = layout
+    data["use_parallel"] = True
+    data["parallel_config"] = {"data_parallel": dp, "model_parallel": tp, "pipeline_stage": pp,
+                               "micro_batch_num": accumulation if pp > 1 else 1}
+    data["runner_config"] = {"batch_size": micro, "gradient_accumulation_steps": 1 if pp > 1 else accumulation}
+    notes.append(f"parallel layout for {devices} devices: DP {dp} x TP {tp} x PP {pp} (Megatron ran TP {tp0} x "
+                 f"PP {pp0}); global batch {global_batch} = micro-batch {micro} x DP {dp} x {accumulation}")
+    train_iters = args.get("train_iters")
+    if train_iters:
+        data["runner_config"]["stop_step"] = max(1, train_iters - iteration)
+    data["optimizer"] = {"betas": [args.get("adam_beta1", 0.9), args.get("adam_beta2", 0.999)],
+                         "eps": args.get("adam_eps", 1e-8), "weight_decay": args.get("weight_decay", 0.01)}
+    clip = args.get("clip_grad", 1.0)
+    data["runner_wrapper"] = {"use_clip_grad": bool(clip), **({"max_grad_norm": clip} if clip else {})}
+    style = args.get("lr_decay_style", "linear")
+    if style not in LR_SCHEDULES:
+        raise ConversionError(f"lr_decay_style: {style!r} has no counterpart here ({', '.join(LR_SCHEDULES)})")
+    warmup = args.get("lr_warmup_iters", 0) or 0
+    decay = args.get("lr_decay_iters") or train_iters or iteration + 1
+    current = megatron_lr(args, iteration)
+    if iteration < warmup:
+        schedule = {"learning_rate": args["lr"], "warmup_steps": warmup - iteration}
+        notes.append(f"LR: iteration {iteration} is inside Megatron's {warmup}-step warm-up; the warm-up restarts "
+                     f"from 0 over the remaining {warmup - iteration} steps")
+    else:
+        schedule = {"learning_rate": current, "warmup_steps": 0}
+        notes.append(f"LR: Megatron's schedule is at {current:.6g} at iteration {iteration}; this schedule starts "
+                     f"there and reaches min_lr {args.get('min_lr', 0.0):g} at Megatron's iteration {decay}"
+                     + (" (exact for linear decay; the cosine tail is re-fitted as a cosine)" if style == "cosine"
+                        else ""))
+    schedule.update(type=LR_SCHEDULES[style], warmup_ratio=None, lr_end=args.get("min_lr", 0.0),
+                    total_steps=max(1, decay - iteration))
+    data["lr_schedule"] = schedule
+    notes.append(f"continues Megatron iteration {iteration}; the optimizer restarts (AdamW moments are not carried "
+                 "over)")
+    return notes
+
+
+def run_cli(parser, args) -> int:
+    """scripts/convert_checkpoint.py for --from-megatron, --from-torch, --to-megatron and --write-recipe."""
+    from models.convert import from_hf, summary
+    from training.errors import PretrainError
+
+    if args.key_map and not args.from_torch:
+        parser.error("--key-map applies to --from-torch")
+    if args.write_recipe and args.to_megatron or args.write_recipe and args.to_hf:
+        parser.error("--write-recipe applies to --from-megatron, --from-hf and --from-torch")
+    if args.verify and (args.from_torch or args.to_megatron):
+        parser.error("--verify applies to --from-hf and --from-megatron")
+    try:
+        if args.from_megatron:
+            manifest = from_megatron(args.from_megatron, args.output, iteration=args.iteration,
+                                     vocab_size=args.vocab_size, verify=args.verify, show_progress=not args.quiet)
+        elif args.from_torch:
+            manifest = from_torch(args.from_torch, args.output, args.model_config, args.key_map,
+                                  show_progress=not args.quiet)
+        elif args.to_megatron:
+            manifest = to_megatron(args.to_megatron, args.output, args.tp, args.pp, args.iteration,
+                                   args.model_config, show_progress=not args.quiet)
+            print(f"wrote Megatron-LM legacy files (TP {args.tp} x PP {args.pp}, {manifest['checkpoint']}) into "
+                  f"{os.path.abspath(args.output)} in {manifest['seconds']:.1f} s; load them with Megatron-LM's "
+                  "--load and --ckpt-format torch")
+            return 0
+        else:
+            manifest = from_hf(args.from_hf, args.output, seq_length=args.seq_length, verify=args.verify,
+                               show_progress=not args.quiet)
+        print(summary(manifest, args.output))
+        if manifest["source"].get("iteration") is not None:
+            print(f"Megatron iteration {manifest['source']['iteration']}; {manifest.get('optimizer')}.")
+        if args.write_recipe:
+            written = write_recipe(args.write_recipe, args.output, devices=args.devices)
+            print(f"recipe: {written['path']} ({written['plan']})\n" + "\n".join(f"  {n}" for n in written["notes"]))
+    except PretrainError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
