@@ -2,8 +2,9 @@
 
     torchrun --nproc-per-node 4 tests/make_megatron_fixtures.py OUT_DIR [LAYOUT ...]
 
-LAYOUT is tp1 (tied embeddings), tp2 or tp2pp2 (default: all three, in one launch so that
-megatron-core is imported once; ranks beyond TP x PP are data-parallel replicas). Run by
+LAYOUT is tp1 (tied embeddings), tp2 or tp2pp2 (default: all three, in one launch so that megatron-core
+is imported once; ranks beyond TP x PP are data-parallel replicas), or tp2_large (hidden 512, 8 layers,
+vocabulary 32000; 2 processes) to measure the converter. Run by
 tests/test_megatron.py, always under a timeout (a failed torch_dist writer hangs its parent).
 Builds megatron-core's GPTModel with the local layer spec on CPU under gloo from a Megatron-LM
 style `args` namespace, fills every parameter with seeded noise (norms around 1), and writes,
@@ -26,13 +27,16 @@ import torch.distributed as dist
 
 ITERATION = 40
 LAYOUTS = {"tp1": (1, 1, True), "tp2": (2, 1, False), "tp2pp2": (2, 2, False)}  # TP, PP, tied embeddings
+LARGE = {"tp2_large": (2, 1, False)}  # on request only: the size the README's time and memory figures use
+LARGE_SHAPE = dict(num_layers=8, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8, num_query_groups=4,
+                   kv_channels=64, vocab_size=32000)
 VOCAB = 512          # the tiny dataset's vocabulary, so a converted fixture trains on it
 TOKENS_SHAPE = (2, 16)
 
 
-def megatron_args(tp: int, pp: int, tied: bool) -> argparse.Namespace:
+def megatron_args(tp: int, pp: int, tied: bool, large: bool = False) -> argparse.Namespace:
     """The subset of Megatron-LM's arguments (its own names) that describe this model and run."""
-    return argparse.Namespace(
+    args = argparse.Namespace(
         num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, group_query_attention=True,
         num_query_groups=2, kv_channels=16, seq_length=64, max_position_embeddings=64,
         position_embedding_type="rope", rotary_base=500000, rotary_percent=1.0, rotary_interleaved=False,
@@ -45,6 +49,9 @@ def megatron_args(tp: int, pp: int, tied: bool) -> argparse.Namespace:
         adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0, optimizer="adam", use_distributed_optimizer=False,
         iteration=ITERATION, params_dtype=torch.float32, bf16=False, fp16=False,
     )
+    if large:
+        vars(args).update(LARGE_SHAPE, padded_vocab_size=_padded(LARGE_SHAPE["vocab_size"], 96 * tp))
+    return args
 
 
 def _padded(vocab: int, multiple: int) -> int:
@@ -134,7 +141,7 @@ def save_torch_dist(model, args, out_dir: str) -> None:
     dist_checkpointing.save(state, path, sharded_strategy=("torch_dist", 1))
 
 
-def make_layout(out_dir: str, tp: int, pp: int, tied: bool) -> None:
+def make_layout(out_dir: str, tp: int, pp: int, tied: bool, large: bool = False) -> None:
     """Build, run and save one parallel layout on every rank of the world."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -142,14 +149,14 @@ def make_layout(out_dir: str, tp: int, pp: int, tied: bool) -> None:
     parallel_state.initialize_model_parallel(tp, pp)
     # CPU: no CUDA RNG states to fork
     model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
-    args = megatron_args(tp, pp, tied)
+    args = megatron_args(tp, pp, tied, large)
     model = build_model(args).eval()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     first_replica = parallel_state.get_data_parallel_rank() == 0
     randomize(model, tp_rank, pp_rank)
 
-    tokens = torch.from_numpy(np.random.default_rng(0).integers(0, VOCAB, size=TOKENS_SHAPE))
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(0, args.vocab_size, size=TOKENS_SHAPE))
     logits = forward(model, args, tokens)
     for fmt in ("legacy", "torch_dist"):
         save = os.path.join(out_dir, fmt)
@@ -163,7 +170,7 @@ def make_layout(out_dir: str, tp: int, pp: int, tied: bool) -> None:
                 f.write(str(ITERATION))
     if logits is not None and tp_rank == 0 and first_replica:
         np.save(os.path.join(out_dir, "tokens.npy"), tokens.numpy())
-        np.save(os.path.join(out_dir, "logits.npy"), logits[..., :VOCAB].double().numpy())
+        np.save(os.path.join(out_dir, "logits.npy"), logits[..., :args.vocab_size].double().numpy())
     dist.barrier()
     parallel_state.destroy_model_parallel()
 
@@ -173,13 +180,13 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("layouts", nargs="*", help=f"of {', '.join(LAYOUTS)} (default: all)")
     options = parser.parse_args()
-    unknown = set(options.layouts) - set(LAYOUTS)
+    unknown = set(options.layouts) - set(LAYOUTS) - set(LARGE)
     if unknown:
         parser.error(f"unknown layout(s) {sorted(unknown)}")
     cpu_workarounds()
     dist.init_process_group("gloo")
     for name in options.layouts or LAYOUTS:
-        make_layout(os.path.join(options.out_dir, name), *LAYOUTS[name])
+        make_layout(os.path.join(options.out_dir, name), *{**LAYOUTS, **LARGE}[name], large=name in LARGE)
     dist.destroy_process_group()
 
 
