@@ -255,14 +255,14 @@ class LegacyCheckpoint:
             return np.concatenate([h[0] for h in halves] + [h[1] for h in halves], axis=0)
         return np.concatenate(shards, axis=SPLIT_DIM[kind])
 
-    def unknown_tensors(self) -> list:
+    def unknown_tensors(self, qkv_bias: bool) -> list:
         """Names in the rank files that no rule consumes (biases other than q/k/v, MoE, ...)."""
         known = set()
         for p in range(self.pp):
             known |= {GLOBAL_TENSORS["embedding"]} if p == 0 else set()
             known |= {GLOBAL_TENSORS["final_norm"], GLOBAL_TENSORS["output"]} if p == self.pp - 1 else set()
             for local in range(len(self.stage_layers[p])):
-                for suffixes in [*NORM_NAMES.values(), *[(s,) for s in LAYER_TENSORS.values()]]:
+                for suffixes in [*NORM_NAMES.values(), *[(s,) for s in _layer_tensors(qkv_bias)]]:
                     known |= {f"decoder.layers.{local}.{s}" for s in suffixes}
         return [f"{self.files[p * self.tp + t]}: {name}" for (t, p), names in self.index.items()
                 for name in names if name not in known]
@@ -353,10 +353,15 @@ class TorchDistCheckpoint:
             return np.concatenate([np.split(gate, self.tp)[tp_rank], np.split(up, self.tp)[tp_rank]])
         return np.split(full, self.tp, axis=SPLIT_DIM[kind])[tp_rank]
 
-    def unknown_tensors(self) -> list:
+    def unknown_tensors(self, qkv_bias: bool) -> list:
         known = set(GLOBAL_TENSORS.values()) | {f"decoder.layers.{s}" for v in NORM_NAMES.values() for s in v}
-        known |= {f"decoder.layers.{s}" for s in LAYER_TENSORS.values()}
+        known |= {f"decoder.layers.{s}" for s in _layer_tensors(qkv_bias)}
         return [name for name in self.tensors if name not in known]
+
+
+def _layer_tensors(qkv_bias: bool) -> list:
+    """Per-layer tensor names a model with or without q/k/v bias holds (a bias the args deny is unknown)."""
+    return [name for kind, name in LAYER_TENSORS.items() if qkv_bias or kind != "qkv_bias"]
 
 
 def _args_of(state, path: str) -> dict:
@@ -498,7 +503,7 @@ def from_megatron(ckpt_dir: str, out_dir: str, iteration: int = None, vocab_size
     """
     ckpt = open_megatron(ckpt_dir, iteration)
     cfg = model_config_from_args(ckpt.args, f"{ckpt.path} (args)", vocab_size)
-    unknown = ckpt.unknown_tensors()
+    unknown = ckpt.unknown_tensors(cfg.qkv_bias)
     if unknown:
         raise ConversionError(f"{ckpt.path}: {len(unknown)} tensor(s) this converter does not know:\n" +
                               "\n".join(f"  - {u}" for u in unknown[:20]),

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 tests/make_megatron_fixtures.py OUT_DIR [LAYOUT ...]
 
-LAYOUT is tp1 (tied embeddings), tp2 or tp2pp2 (default: all three, in one launch so that megatron-core
+LAYOUT is tp1 (tied embeddings), tp2 (q/k/v bias) or tp2pp2 (default: all three, in one launch so that megatron-core
 is imported once; ranks beyond TP x PP are data-parallel replicas), or tp2_large (hidden 512, 8 layers,
 vocabulary 32000; 2 processes) to measure the converter. Run by
 tests/test_megatron.py, always under a timeout (a failed torch_dist writer hangs its parent).
@@ -26,21 +26,22 @@ import torch
 import torch.distributed as dist
 
 ITERATION = 40
-LAYOUTS = {"tp1": (1, 1, True), "tp2": (2, 1, False), "tp2pp2": (2, 2, False)}  # TP, PP, tied embeddings
-LARGE = {"tp2_large": (2, 1, False)}  # on request only: the size the README's time and memory figures use
+# TP, PP, tied embeddings, q/k/v bias
+LAYOUTS = {"tp1": (1, 1, True, False), "tp2": (2, 1, False, True), "tp2pp2": (2, 2, False, False)}
+LARGE = {"tp2_large": (2, 1, False, False)}  # on request only: the size the README's time and memory figures use
 LARGE_SHAPE = dict(num_layers=8, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8, num_query_groups=4,
                    kv_channels=64, vocab_size=32000)
 VOCAB = 512          # the tiny dataset's vocabulary, so a converted fixture trains on it
 TOKENS_SHAPE = (2, 16)
 
 
-def megatron_args(tp: int, pp: int, tied: bool, large: bool = False) -> argparse.Namespace:
+def megatron_args(tp: int, pp: int, tied: bool, qkv_bias: bool = False, large: bool = False) -> argparse.Namespace:
     """The subset of Megatron-LM's arguments (its own names) that describe this model and run."""
     args = argparse.Namespace(
         num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, group_query_attention=True,
         num_query_groups=2, kv_channels=16, seq_length=64, max_position_embeddings=64,
         position_embedding_type="rope", rotary_base=500000, rotary_percent=1.0, rotary_interleaved=False,
-        normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+        normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, add_bias_linear=False, add_qkv_bias=qkv_bias,
         untie_embeddings_and_output_weights=not tied, num_experts=None, qk_layernorm=False,
         vocab_size=VOCAB, make_vocab_size_divisible_by=96, padded_vocab_size=_padded(VOCAB, 96 * tp),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=1,
@@ -75,7 +76,7 @@ def build_model(args):
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        add_qkv_bias=False, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        add_qkv_bias=args.add_qkv_bias, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, use_cpu_initialization=True,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         # CPU: no fused kernels
@@ -141,7 +142,7 @@ def save_torch_dist(model, args, out_dir: str) -> None:
     dist_checkpointing.save(state, path, sharded_strategy=("torch_dist", 1))
 
 
-def make_layout(out_dir: str, tp: int, pp: int, tied: bool, large: bool = False) -> None:
+def make_layout(out_dir: str, tp: int, pp: int, tied: bool, qkv_bias: bool, large: bool = False) -> None:
     """Build, run and save one parallel layout on every rank of the world."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -149,7 +150,7 @@ def make_layout(out_dir: str, tp: int, pp: int, tied: bool, large: bool = False)
     parallel_state.initialize_model_parallel(tp, pp)
     # CPU: no CUDA RNG states to fork
     model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
-    args = megatron_args(tp, pp, tied, large)
+    args = megatron_args(tp, pp, tied, qkv_bias, large)
     model = build_model(args).eval()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()

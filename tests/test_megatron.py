@@ -1,7 +1,7 @@
 """Megatron-LM and torch.save imports, proven on checkpoints written by real megatron-core.
 
 The fixtures (tests/make_megatron_fixtures.py, one torchrun launch per session) are megatron-core's
-own GPTModel at TP1 (tied embeddings), TP2 and TP2xPP2 with grouped-query attention, saved in the
+own GPTModel at TP1 (tied embeddings), TP2 (q/k/v bias) and TP2xPP2 with grouped-query attention, saved in the
 legacy and torch_dist formats, with megatron-core's forward logits on fixed tokens.
 """
 
@@ -68,7 +68,7 @@ def test_converted_and_exported_logits_equal_megatron_cores(tmp_path, megatron_d
     assert manifest["source"]["iteration"] == 40 and manifest["padded_vocab_size"] == 512  # Megatron padded to 576
     model = yaml.safe_load((tmp_path / "ours" / MODEL_SECTION_FILE).read_text())["model"]["model_config"]
     assert (model["num_layers"], model["num_kv_heads"], model["rope_theta"]) == (4, 2, 500000.0)
-    assert model["tie_word_embeddings"] == (layout == "tp1")
+    assert model["tie_word_embeddings"] == (layout == "tp1") and model["qkv_bias"] == (layout == "tp2")
     to_hf(str(tmp_path / "ours"), str(tmp_path / "hf"), show_progress=False)
     delta = max_delta_to_megatron(megatron_dir, layout, tmp_path / "hf")
     print(f"\n[parity] {layout} {fmt}: max |delta logits| vs megatron-core {delta:.2e}")
