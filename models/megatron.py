@@ -790,7 +790,7 @@ def to_megatron(source: str, out_dir: str, tp: int = 1, pp: int = 1, iteration: 
                     os.makedirs(os.path.join(work_dir, iter_name, name))
                     torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0,
                                 "iteration": iteration,
-                                "model": {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}},
+                                "model": {k: torch.from_numpy(np.array(v)) for k, v in state.items()}},
                                os.path.join(work_dir, iter_name, name, RANK_FILE))
                     del state
                     bar.update()
