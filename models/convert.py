@@ -694,10 +694,11 @@ def summary(manifest: dict, out_dir: str) -> str:
         text += f" in {manifest['seconds']:.1f} s"
     if manifest["ignored"]:
         text += f"; ignored: {', '.join(manifest['ignored'])}"
-    if manifest["direction"] == "from-hf":
+    if manifest["direction"].startswith("from-"):
         text += f". {recipe_keys(out_dir)}"
     if "verify" in manifest:
         v = manifest["verify"]
-        text += (f". Parity with transformers on {v['batch']}x{v['tokens']} random tokens: max |delta logits| "
+        reference = v.get("reference", "transformers")
+        text += (f". Parity with {reference} on {v['batch']}x{v['tokens']} random tokens: max |delta logits| "
                  f"{v['max_abs_delta']:.2e}, KL(hf || ours) {v['kl']:.2e}")
     return text + "."

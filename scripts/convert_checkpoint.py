@@ -32,7 +32,29 @@ def main(argv=None) -> int:
     parser.add_argument("--model-config", metavar="YAML",
                         help="--to-hf: recipe or model_config.yaml, when not found beside the checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    # Megatron-LM and plain PyTorch files (models/megatron.py)
+    direction.add_argument("--from-megatron", metavar="CKPT_DIR",
+                           help="Megatron-LM save directory (latest_checkpointed_iteration.txt) or iter_NNNNNNN "
+                                "directory, legacy or torch_dist, any TP/PP")
+    direction.add_argument("--from-torch", metavar="FILE",
+                           help="a torch.save'd state dict (.pt/.bin); needs --model-config (config.json, "
+                                "model_config.yaml or recipe)")
+    direction.add_argument("--to-megatron", metavar="OURS", help="converted or run directory -> Megatron-LM legacy "
+                                                                 "files for --tp x --pp")
+    parser.add_argument("--key-map", metavar="YAML", help="--from-torch: `their name: HF name` patterns ({n} = layer)")
+    parser.add_argument("--tp", type=int, default=1, help="--to-megatron: tensor-parallel degree")
+    parser.add_argument("--pp", type=int, default=1, help="--to-megatron: pipeline stages")
+    parser.add_argument("--iteration", type=int, help="--from-megatron: iteration to read (default: the latest); "
+                                                      "--to-megatron: iteration to write")
+    parser.add_argument("--vocab-size", type=int, help="--from-megatron: real vocabulary size when args lack it")
+    parser.add_argument("--write-recipe", metavar="YAML", help="--from-megatron/--from-hf/--from-torch: also write a "
+                                                               "recipe (base/ascend.yaml) continuing the run")
+    parser.add_argument("--devices", type=int, help="--write-recipe: devices to lay the run out on")
     args = parser.parse_args(argv)
+    if args.from_megatron or args.from_torch or args.to_megatron or args.write_recipe:
+        from models.megatron import run_cli
+
+        return run_cli(parser, args)
     if args.from_hf and args.model_config:
         parser.error("--model-config applies to --to-hf")
     if args.to_hf and (args.verify or args.seq_length):

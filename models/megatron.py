@@ -1,0 +1,1034 @@
+"""Megatron-LM checkpoints and plain torch.save files -> ours, and ours -> Megatron-LM (legacy format).
+
+    from_megatron(CKPT_DIR, OUT_DIR)  a Megatron save directory (latest_checkpointed_iteration.txt)
+                                      or one iter_NNNNNNN directory, legacy or torch_dist
+    from_torch(FILE, OUT_DIR, model_config, key_map)  a torch.save'd state dict
+    to_megatron(OURS, OUT_DIR, tp, pp)  legacy mp_rank_TT[_PPP]/model_optim_rng.pt files
+    write_recipe(...)                  a recipe on base/ascend.yaml continuing the Megatron run
+
+Output is what models/convert.py's --from-hf writes (weights.safetensors, model_config.yaml,
+conversion.json), through its tensor plan, writer and atomic publish: the Megatron tensors are
+presented under HuggingFace names (MegatronWeights) and everything downstream is shared.
+
+Megatron's layouts (megatron-core transformer/attention.py and mlp.py, local or TransformerEngine
+spec): `linear_qkv` rows are grouped per KV group, [q_1 .. q_{heads/groups}, k, v] x head_dim for
+each group, and each tensor-parallel rank holds whole groups, so concatenating the ranks keeps that
+layout; `linear_fc1` is [gate; up] per rank in legacy files and [gate of all ranks; up of all ranks]
+in torch_dist; `linear_proj` and `linear_fc2` are split on their input dimension; the vocabulary
+tables are split on rows and padded to make_vocab_size_divisible_by x TP. Rotary embeddings use
+the same half-split layout as ours (rotary_interleaved False), so nothing is permuted.
+
+Legacy files are pickles of argparse namespaces (Megatron loads them with weights_only=False, and so
+must this reader): convert only checkpoints you trust.
+"""
+
+import argparse
+import io
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+
+import numpy as np
+import yaml
+
+from models.checkpoint_io import CkptFile, SafetensorsFile, TorchBinFile
+from models.convert import (CHECKPOINT_FILE, FORMAT_VERSION, MANIFEST_FILE, MAX_ABS_TOLERANCE, MODEL_SECTION_FILE,
+                            TIED_HEAD, HFWeights, _check_tied_copy, _progress, _write_weights, check_tensors,
+                            compare_logits, dimensions, existing_conversion, find_our_checkpoint, fingerprint,
+                            load_our_model, model_config_from_hf, model_section_yaml, publish, read_model_section,
+                            recipe_keys, tensor_plan, work_dir_for)
+from training.errors import ConversionError
+from training.recipe import ModelConfig
+from training.schema import to_plain
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+RANK_FILE = "model_optim_rng.pt"
+EXTRA_STATE = "._extra_state"  # TransformerEngine/FP8 bookkeeping, never weights
+# Norm weights under the local spec's names, or fused into the next linear (TransformerEngine spec).
+NORM_NAMES = {"input_norm": ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+              "mlp_norm": ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")}
+LAYER_TENSORS = {"qkv": "self_attention.linear_qkv.weight", "qkv_bias": "self_attention.linear_qkv.bias",
+                 "proj": "self_attention.linear_proj.weight", "fc1": "mlp.linear_fc1.weight",
+                 "fc2": "mlp.linear_fc2.weight"}
+GLOBAL_TENSORS = {"embedding": "embedding.word_embeddings.weight", "final_norm": "decoder.final_layernorm.weight",
+                  "output": "output_layer.weight"}
+SPLIT_DIM = {"embedding": 0, "output": 0, "qkv": 0, "qkv_bias": 0, "fc1": 0, "proj": 1, "fc2": 1}  # TP split
+
+# HF name (as in convert.KEY_MAP) -> (Megatron kind, part). Parts: q/k/v of the grouped qkv, gate/up of fc1.
+HF_FROM_MEGATRON = {
+    "model.embed_tokens.weight": ("embedding", "vocab"),
+    "model.layers.{n}.input_layernorm.weight": ("input_norm", None),
+    "model.layers.{n}.self_attn.q_proj.weight": ("qkv", "q"),
+    "model.layers.{n}.self_attn.k_proj.weight": ("qkv", "k"),
+    "model.layers.{n}.self_attn.v_proj.weight": ("qkv", "v"),
+    "model.layers.{n}.self_attn.q_proj.bias": ("qkv_bias", "q"),
+    "model.layers.{n}.self_attn.k_proj.bias": ("qkv_bias", "k"),
+    "model.layers.{n}.self_attn.v_proj.bias": ("qkv_bias", "v"),
+    "model.layers.{n}.self_attn.o_proj.weight": ("proj", None),
+    "model.layers.{n}.post_attention_layernorm.weight": ("mlp_norm", None),
+    "model.layers.{n}.mlp.gate_proj.weight": ("fc1", "gate"),
+    "model.layers.{n}.mlp.up_proj.weight": ("fc1", "up"),
+    "model.layers.{n}.mlp.down_proj.weight": ("fc2", None),
+    "model.norm.weight": ("final_norm", None),
+    "lm_head.weight": ("output", "vocab"),
+}
+
+# Megatron-LM argument -> (the only supported value, why); checked before any tensor is read.
+UNSUPPORTED_ARGS = (
+    ("normalization", "RMSNorm", "the model uses RMSNorm, not LayerNorm"),
+    ("swiglu", True, "the MLP is gated (SwiGLU); a non-gated MLP has no gate_proj"),
+    ("position_embedding_type", "rope", "positions are rotary"),
+    ("rotary_percent", 1.0, "rotary embeddings cover the whole head (rotary_percent < 1 rotates part of it)"),
+    ("rotary_interleaved", False, "rotary pairs are half-split, not interleaved"),
+    ("add_bias_linear", False, "the only biases the model has are q/k/v (add_qkv_bias)"),
+    ("num_experts", None, "the MLP is dense (no mixture of experts)"),
+    ("qk_layernorm", False, "the model has no query/key norms"),
+    ("apply_layernorm_1p", False, "norm weights are used as stored (no 1 + weight)"),
+    ("virtual_pipeline_model_parallel_size", None, "the reader expects one model chunk per pipeline stage"),
+)
+REQUIRED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size")
+
+
+# --- Finding the checkpoint -------------------------------------------------------------------
+
+def iteration_dir(ckpt_dir: str, iteration: int = None) -> tuple:
+    """(iter_NNNNNNN directory, iteration) for a Megatron save directory or an iteration directory."""
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    if not os.path.isdir(ckpt_dir):
+        raise ConversionError(f"{ckpt_dir}: not a directory (expected a Megatron save directory or an "
+                              "iter_NNNNNNN directory)")
+    match = re.fullmatch(r"iter_(\d{7})", os.path.basename(ckpt_dir))
+    if match:
+        if iteration is not None and iteration != int(match.group(1)):
+            raise ConversionError(f"{ckpt_dir}: --iteration {iteration} differs from the directory's iteration")
+        return ckpt_dir, int(match.group(1))
+    if iteration is None:
+        latest = os.path.join(ckpt_dir, LATEST_FILE)
+        try:
+            with open(latest, encoding="utf-8") as f:
+                text = f.read().strip()
+        except OSError:
+            found = sorted(d for d in os.listdir(ckpt_dir) if re.fullmatch(r"iter_\d{7}", d))
+            raise ConversionError(f"{ckpt_dir}: no {LATEST_FILE} (iterations present: {found or 'none'})",
+                                  hint="pass --iteration N or the iter_NNNNNNN directory itself") from None
+        if text == "release":
+            return os.path.join(ckpt_dir, "release"), 0
+        if not text.isdigit():
+            raise ConversionError(f"{latest}: expected an iteration number or 'release', found {text[:40]!r}")
+        iteration = int(text)
+    path = os.path.join(ckpt_dir, f"iter_{iteration:07d}")
+    if not os.path.isdir(path):
+        raise ConversionError(f"{path}: missing", hint="pass --iteration with an iteration that was saved")
+    return path, iteration
+
+
+def open_megatron(ckpt_dir: str, iteration: int = None):
+    """The checkpoint of `ckpt_dir` as a LegacyCheckpoint or a TorchDistCheckpoint (indexes only, no tensors)."""
+    path, iteration = iteration_dir(ckpt_dir, iteration)
+    if os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(os.path.join(path, ".metadata")):
+        return TorchDistCheckpoint(path, iteration)
+    if any(re.fullmatch(r"mp_rank_\d\d(_\d\d\d)?", d) for d in os.listdir(path)):
+        return LegacyCheckpoint(path, iteration)
+    raise ConversionError(f"{path}: neither a torch_dist checkpoint (metadata.json, .metadata, *.distcp) nor "
+                          "legacy mp_rank_TT[_PPP]/model_optim_rng.pt files")
+
+
+def _torch_load(path: str, **kwargs):
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, **kwargs)
+    except Exception as err:  # torch raises RuntimeError, pickle, zip and import errors alike
+        raise ConversionError(f"{path}: cannot be read by torch.load ({type(err).__name__}: {err})",
+                              hint="the file may be truncated or written by another program") from None
+
+
+def _to_numpy(tensor) -> np.ndarray:
+    import torch
+
+    return tensor.detach().to(torch.float32).contiguous().numpy().copy()
+
+
+class LegacyCheckpoint:
+    """mp_rank_TT[_PPP]/model_optim_rng.pt files; tensors read one shard at a time, files re-mapped per read."""
+
+    format = "megatron-legacy"
+
+    def __init__(self, path: str, iteration: int):
+        self.path, self.iteration = path, iteration
+        first = self._file(0, 0)
+        state = _torch_load(first, mmap=True)
+        self.args = _args_of(state, first)
+        self.tp, self.pp = self.args["tensor_model_parallel_size"], self.args["pipeline_model_parallel_size"]
+        self.files = [os.path.relpath(self._file(t, p), path) for p in range(self.pp) for t in range(self.tp)]
+        missing = [f for f in self.files if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            raise ConversionError(f"{path}: missing rank file(s) {', '.join(missing)} for tensor_model_parallel_size "
+                                  f"{self.tp} x pipeline_model_parallel_size {self.pp}",
+                                  hint="copy every mp_rank_* directory of the iteration")
+        self.stage_layers = []  # per pipeline stage: its global layer numbers (stages number layers locally)
+        self.index = {}         # (tp, pp) -> {name: shape}
+        for p in range(self.pp):
+            for t in range(self.tp):
+                self.index[t, p] = self._index(t, p, state if (t, p) == (0, 0) else None)
+            local = sorted({int(m.group(1)) for name in self.index[0, p]
+                            for m in [re.match(r"decoder\.layers\.(\d+)\.", name)] if m})
+            offset = sum(len(s) for s in self.stage_layers)
+            self.stage_layers.append([offset + n for n in local])
+        del state
+
+    def _file(self, t: int, p: int) -> str:
+        name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if os.path.isdir(os.path.join(self.path, f"mp_rank_{t:02d}_000"))
+                                     else "")
+        return os.path.join(self.path, name, RANK_FILE)
+
+    def _model(self, state: dict, path: str) -> dict:
+        if "model" not in state:
+            chunks = sorted(k for k in state if re.fullmatch(r"model\d+", k))
+            extra = f" but {chunks}: virtual pipeline chunks are not supported" if chunks else ""
+            raise ConversionError(f"{path}: no 'model' entry{extra}")
+        return state["model"]
+
+    def _index(self, t: int, p: int, state) -> dict:
+        path = self._file(t, p)
+        state = state if state is not None else _torch_load(path, mmap=True)
+        found = {}
+        for name, value in self._model(state, path).items():
+            if name.endswith(EXTRA_STATE):
+                continue
+            if not hasattr(value, "shape"):
+                raise ConversionError(f"{path}: {name}: a {type(value).__name__}, not a tensor")
+            found[name] = tuple(value.shape)
+        return found
+
+    def layer_location(self, layer: int) -> tuple:
+        """(pipeline stage, local layer number) of a global layer."""
+        for p, layers in enumerate(self.stage_layers):
+            if layer in layers:
+                return p, layers.index(layer)
+        raise ConversionError(f"{self.path}: no pipeline stage holds layer {layer} (stages hold "
+                              f"{[len(s) for s in self.stage_layers]} layers)")
+
+    def names(self, kind: str, layer: int = None) -> tuple:
+        """(stage, candidate names) of one Megatron tensor in the rank files."""
+        if layer is None:
+            stage = self.pp - 1 if kind in ("final_norm", "output") else 0
+            return stage, (GLOBAL_TENSORS[kind],)
+        stage, local = self.layer_location(layer)
+        suffixes = NORM_NAMES.get(kind) or (LAYER_TENSORS[kind],)
+        return stage, tuple(f"decoder.layers.{local}.{s}" for s in suffixes)
+
+    def find(self, kind: str, layer: int = None) -> tuple:
+        stage, names = self.names(kind, layer)
+        name = next((n for n in names if n in self.index[0, stage]), None)
+        return stage, name
+
+    def shard(self, kind: str, layer: int, tp_rank: int) -> np.ndarray:
+        """One rank's tensor as stored in its file (re-mapped per read, so memory holds this tensor only)."""
+        stage, name = self.find(kind, layer)
+        path = self._file(tp_rank, stage)
+        if name is None or name not in self.index[tp_rank, stage]:
+            raise ConversionError(f"{path}: {' or '.join(self.names(kind, layer)[1])}: missing")
+        return _to_numpy(self._model(_torch_load(path, mmap=True), path)[name])
+
+    def merged(self, kind: str, layer: int = None, fc1_merge: str = "per_rank") -> np.ndarray:
+        """The global tensor in torch_dist's convention, from the TP shards read one at a time.
+
+        fc1_merge="concat" stacks the ranks' [gate; up] blocks as they are: wrong for TP > 1, kept to
+        show that only a logits comparison catches it.
+        """
+        if kind not in SPLIT_DIM:  # norms are replicated: every rank must hold the same values
+            first = self.shard(kind, layer, 0)
+            for t in range(1, self.tp):
+                if not np.array_equal(first, self.shard(kind, layer, t)):
+                    raise ConversionError(f"{self.path}: {self.find(kind, layer)[1]} differs between tensor-parallel "
+                                          f"ranks 0 and {t} (replicated weights must agree)")
+            return first
+        shards = [self.shard(kind, layer, t) for t in range(self.tp)]
+        if kind == "fc1" and fc1_merge == "per_rank":
+            halves = [np.split(s, 2, axis=0) for s in shards]
+            return np.concatenate([h[0] for h in halves] + [h[1] for h in halves], axis=0)
+        return np.concatenate(shards, axis=SPLIT_DIM[kind])
+
+    def unknown_tensors(self, qkv_bias: bool) -> list:
+        """Names in the rank files that no rule consumes (biases other than q/k/v, MoE, ...)."""
+        known = set()
+        for p in range(self.pp):
+            known |= {GLOBAL_TENSORS["embedding"]} if p == 0 else set()
+            known |= {GLOBAL_TENSORS["final_norm"], GLOBAL_TENSORS["output"]} if p == self.pp - 1 else set()
+            for local in range(len(self.stage_layers[p])):
+                for suffixes in [*NORM_NAMES.values(), *[(s,) for s in _layer_tensors(qkv_bias)]]:
+                    known |= {f"decoder.layers.{local}.{s}" for s in suffixes}
+        return [f"{self.files[p * self.tp + t]}: {name}" for (t, p), names in self.index.items()
+                for name in names if name not in known]
+
+
+class TorchDistCheckpoint:
+    """A torch_dist directory: global tensors (layers stacked on axis 0), read chunk by chunk without a process group.
+
+    Each saved chunk is a small torch.save stream inside a .distcp file (torch.distributed.checkpoint's
+    FileSystemWriter); reading only the chunks of one layer keeps memory at one layer's tensor.
+    """
+
+    format = "megatron-torch_dist"
+
+    def __init__(self, path: str, iteration: int):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.path, self.iteration = path, iteration
+        try:
+            self.reader = FileSystemReader(path)
+            self.metadata = self.reader.read_metadata()
+            self.reader.set_up_storage_reader(self.metadata, is_coordinator=True)
+        except Exception as err:
+            raise ConversionError(f"{path}: unreadable torch_dist metadata ({type(err).__name__}: {err})") from None
+        common = _torch_load(os.path.join(path, "common.pt"))
+        self.args = _args_of(common, os.path.join(path, "common.pt"))
+        self.tp, self.pp = self.args["tensor_model_parallel_size"], self.args["pipeline_model_parallel_size"]
+        self.files = sorted(f for f in os.listdir(path) if f.endswith(".distcp") or f in ("common.pt", "metadata.json"))
+        self.tensors = {}  # name -> global shape
+        for name, meta in self.metadata.state_dict_metadata.items():
+            if EXTRA_STATE + "/" in name + "/" or not hasattr(meta, "chunks"):
+                continue
+            self.tensors[name] = tuple(meta.size)
+
+    def find(self, kind: str, layer: int = None) -> tuple:
+        if layer is None:
+            names = (GLOBAL_TENSORS[kind],)
+        else:
+            names = tuple(f"decoder.layers.{s}" for s in NORM_NAMES.get(kind) or (LAYER_TENSORS[kind],))
+        return None, next((n for n in names if n in self.tensors), None)
+
+    def merged(self, kind: str, layer: int = None, fc1_merge: str = "per_rank") -> np.ndarray:
+        """The global tensor (one layer of a stacked one), assembled from its saved chunks."""
+        import torch
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        _, name = self.find(kind, layer)
+        if name is None:
+            wanted = GLOBAL_TENSORS.get(kind) or LAYER_TENSORS.get(kind) or kind
+            raise ConversionError(f"{self.path}: {wanted}: missing")
+        size = self.tensors[name]
+        stacked = layer is not None
+        shape = size[1:] if stacked else size
+        out = np.empty(shape, np.float32)
+        filled = 0
+        for chunk in self.metadata.state_dict_metadata[name].chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if stacked:
+                if not offsets[0] <= layer < offsets[0] + sizes[0]:
+                    continue
+                rows = slice(layer - offsets[0], layer - offsets[0] + 1)
+            info = self.reader.storage_data[MetadataIndex(name, torch.Size(offsets))]
+            if getattr(info, "transform_descriptors", None):
+                raise ConversionError(f"{self.path}: {name} is stored with transforms {info.transform_descriptors}; "
+                                      "only plain torch_dist files are read")
+            fd = os.open(os.path.join(self.path, info.relative_path), os.O_RDONLY)
+            try:
+                data = os.pread(fd, info.length, info.offset)
+            finally:
+                os.close(fd)
+            piece = _to_numpy(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+            if stacked:
+                piece, offsets, sizes = piece[rows][0], offsets[1:], sizes[1:]
+            out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = piece
+            filled += piece.size
+        if filled != out.size:
+            raise ConversionError(f"{self.path}: {name}" + (f" layer {layer}" if stacked else "") +
+                                  f": saved chunks cover {filled} of {out.size} values")
+        return out
+
+    def shard(self, kind: str, layer: int, tp_rank: int) -> np.ndarray:
+        """What tensor-parallel rank tp_rank held (legacy's per-rank layout), cut from the global tensor."""
+        full = self.merged(kind, layer)
+        if kind not in SPLIT_DIM:
+            return full
+        if kind == "fc1":
+            gate, up = np.split(full, 2, axis=0)
+            return np.concatenate([np.split(gate, self.tp)[tp_rank], np.split(up, self.tp)[tp_rank]])
+        return np.split(full, self.tp, axis=SPLIT_DIM[kind])[tp_rank]
+
+    def unknown_tensors(self, qkv_bias: bool) -> list:
+        known = set(GLOBAL_TENSORS.values()) | {f"decoder.layers.{s}" for v in NORM_NAMES.values() for s in v}
+        known |= {f"decoder.layers.{s}" for s in _layer_tensors(qkv_bias)}
+        return [name for name in self.tensors if name not in known]
+
+
+def _layer_tensors(qkv_bias: bool) -> list:
+    """Per-layer tensor names a model with or without q/k/v bias holds (a bias the args deny is unknown)."""
+    return [name for kind, name in LAYER_TENSORS.items() if qkv_bias or kind != "qkv_bias"]
+
+
+def _args_of(state, path: str) -> dict:
+    """The checkpoint's Megatron-LM arguments as a dict."""
+    args = state.get("args") if isinstance(state, dict) else None
+    if args is None:
+        raise ConversionError(f"{path}: no 'args' entry: the architecture cannot be read from this checkpoint",
+                              hint="Megatron-LM saves its arguments with every checkpoint; was it written by "
+                                   "another tool?")
+    return dict(vars(args)) if isinstance(args, argparse.Namespace) else dict(args)
+
+
+# --- Architecture from the arguments ----------------------------------------------------------
+
+def model_config_from_args(args: dict, where: str, vocab_size: int = None) -> ModelConfig:
+    """Megatron-LM arguments -> our model_config, refusing by name what the model cannot express."""
+    problems = [f"{key}: missing" for key in REQUIRED_ARGS if args.get(key) is None]
+    for key, supported, why in UNSUPPORTED_ARGS:
+        value = args.get(key, supported)
+        if key == "num_experts" and not value:
+            continue
+        if value != supported:
+            problems.append(f"{key}: {value!r} is not supported ({supported!r} only): {why}")
+    if problems:
+        raise ConversionError(f"{where}: {len(problems)} unsupported or missing argument(s):\n" +
+                              "\n".join(f"  - {p}" for p in problems),
+                              hint="only Llama-style Megatron models convert: RMSNorm, rotary positions, SwiGLU, "
+                                   "optional q/k/v bias")
+    hidden, heads = args["hidden_size"], args["num_attention_heads"]
+    groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
+    groups = groups or heads
+    tp = args["tensor_model_parallel_size"]
+    if args.get("kv_channels") not in (None, hidden // heads) or hidden % heads:
+        problems.append(f"kv_channels: {args.get('kv_channels')} with hidden_size {hidden} and {heads} heads is not "
+                        "supported: the model uses head_dim = hidden_size / num_attention_heads")
+    if groups < tp:
+        problems.append(f"num_query_groups: {groups} KV groups are fewer than tensor_model_parallel_size {tp} "
+                        "(replicated KV heads are not supported)")
+    padded = args.get("padded_vocab_size")
+    vocab = vocab_size or args.get("vocab_size")
+    if vocab is None:
+        problems.append(f"vocab_size: not recorded in the arguments (padded_vocab_size {padded} includes padding "
+                        "rows): pass --vocab-size with the tokenizer's vocabulary size")
+    elif padded is not None and vocab > padded:
+        problems.append(f"vocab_size: {vocab} exceeds the checkpoint's padded_vocab_size {padded}")
+    if args.get("max_position_embeddings") and args["seq_length"] > args["max_position_embeddings"]:
+        problems.append(f"seq_length: {args['seq_length']} exceeds max_position_embeddings "
+                        f"{args['max_position_embeddings']}")
+    if problems:
+        raise ConversionError(f"{where}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
+    return ModelConfig(vocab_size=vocab, hidden_size=hidden, num_layers=args["num_layers"], num_heads=heads,
+                       num_kv_heads=groups, intermediate_size=args.get("ffn_hidden_size") or 4 * hidden,
+                       seq_length=args["seq_length"], rms_norm_eps=float(args.get("norm_epsilon", 1e-5)),
+                       rope_theta=float(args.get("rotary_base", 10000)),
+                       initializer_range=float(args.get("init_method_std", 0.02)),
+                       tie_word_embeddings=not args.get("untie_embeddings_and_output_weights", False),
+                       qkv_bias=bool(args.get("add_qkv_bias", False)))
+
+
+def json_args(args: dict) -> dict:
+    """The arguments that JSON can hold (for conversion.json and the way back to Megatron)."""
+    return {k: v for k, v in args.items() if v is None or isinstance(v, (bool, int, float, str))}
+
+
+# --- Megatron tensors under HuggingFace names ------------------------------------------------
+
+class MegatronWeights(HFWeights):
+    """A Megatron checkpoint seen as HuggingFace-named tensors, so convert.py's writer consumes it.
+
+    qkv_layout="grouped" is Megatron's; "separate" (all q rows, then k, then v) is the common mistake,
+    kept so that tests can show the parity check rejects it.
+    """
+
+    def __init__(self, ckpt, cfg: ModelConfig, qkv_layout: str = "grouped", fc1_merge: str = "per_rank"):
+        self.ckpt, self.cfg, self.qkv_layout, self.fc1_merge = ckpt, cfg, qkv_layout, fc1_merge
+        self._cache = (None, None)  # the last merged tensor: q, k and v come from one qkv
+        plan = tensor_plan(cfg)
+        super().__init__(ckpt.format, ckpt.files, {p.hf: (self, "F32", p.hf_shape) for p in plan})
+        self.sources = {p.hf: self.source_of(p.hf) for p in plan}
+
+    def source_of(self, hf_name: str) -> tuple:
+        """(kind, layer, part) of the Megatron tensor behind an HF name."""
+        match = re.search(r"\.layers\.(\d+)\.", hf_name)
+        layer = int(match.group(1)) if match else None
+        pattern = hf_name.replace(f".layers.{layer}.", ".layers.{n}.") if match else hf_name
+        kind, part = HF_FROM_MEGATRON[pattern]
+        return kind, layer, part
+
+    def read(self, name: str) -> np.ndarray:
+        kind, layer, part = self.sources[name]
+        if self._cache[0] != (kind, layer):
+            self._cache = (None, None)  # drop the previous one first: one merged tensor alive at a time
+            self._cache = ((kind, layer), self.ckpt.merged(kind, layer, self.fc1_merge))
+        full = self._cache[1]
+        if part == "vocab":
+            return np.ascontiguousarray(full[:self.cfg.vocab_size])
+        if part in ("gate", "up"):
+            return np.ascontiguousarray(np.split(full, 2, axis=0)[part == "up"])
+        if part in ("q", "k", "v"):
+            return split_qkv(full, self.cfg, self.qkv_layout)[part]
+        return full
+
+
+def split_qkv(fused: np.ndarray, cfg: ModelConfig, layout: str = "grouped") -> dict:
+    """Megatron's fused qkv (weight or bias, rows first) -> q, k, v in our (= HF) row order."""
+    head_dim = cfg.hidden_size // cfg.num_heads
+    groups = cfg.num_kv_heads or cfg.num_heads
+    per_group = cfg.num_heads // groups
+    rest = fused.shape[1:]
+    if layout == "separate":
+        q, k, v = np.split(fused, [cfg.num_heads * head_dim, (cfg.num_heads + groups) * head_dim])
+        return {"q": q, "k": k, "v": v}
+    # (groups x (per_group + 2) x head_dim, ...) -> (groups, per_group + 2, head_dim, ...)
+    grouped = fused.reshape(groups, per_group + 2, head_dim, *rest)
+    return {"q": np.ascontiguousarray(grouped[:, :per_group].reshape(-1, *rest)),
+            "k": np.ascontiguousarray(grouped[:, per_group].reshape(-1, *rest)),
+            "v": np.ascontiguousarray(grouped[:, per_group + 1].reshape(-1, *rest))}
+
+
+def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """The inverse of split_qkv: HF q, k, v rows -> Megatron's grouped fused rows."""
+    head_dim = cfg.hidden_size // cfg.num_heads
+    groups = cfg.num_kv_heads or cfg.num_heads
+    rest = q.shape[1:]
+    grouped = np.concatenate([q.reshape(groups, -1, head_dim, *rest), k.reshape(groups, 1, head_dim, *rest),
+                              v.reshape(groups, 1, head_dim, *rest)], axis=1)
+    return grouped.reshape(-1, *rest)
+
+
+# --- Megatron -> ours -------------------------------------------------------------------------
+
+def from_megatron(ckpt_dir: str, out_dir: str, iteration: int = None, vocab_size: int = None,
+                  verify: bool = False, show_progress: bool = True, qkv_layout: str = "grouped",
+                  fc1_merge: str = "per_rank") -> dict:
+    """Convert a Megatron-LM checkpoint (legacy or torch_dist, any TP/PP) into OUT_DIR. Returns the manifest.
+
+    With verify, our logits are compared with a pure-torch forward of the Megatron tensors as each
+    tensor-parallel rank holds them, before OUT_DIR is published.
+    """
+    ckpt = open_megatron(ckpt_dir, iteration)
+    cfg = model_config_from_args(ckpt.args, f"{ckpt.path} (args)", vocab_size)
+    unknown = ckpt.unknown_tensors(cfg.qkv_bias)
+    if unknown:
+        raise ConversionError(f"{ckpt.path}: {len(unknown)} tensor(s) this converter does not know:\n" +
+                              "\n".join(f"  - {u}" for u in unknown[:20]),
+                              hint="only Llama-style models convert; _extra_state entries are ignored")
+    weights = MegatronWeights(ckpt, cfg, qkv_layout, fc1_merge)
+    source = {"path": ckpt.path, "format": ckpt.format, "iteration": ckpt.iteration,
+              "tensor_model_parallel_size": ckpt.tp, "pipeline_model_parallel_size": ckpt.pp,
+              "megatron_args": json_args(ckpt.args),
+              "files": [{"file": f, "bytes": os.path.getsize(os.path.join(ckpt.path, f))} for f in ckpt.files]}
+    check = (lambda work_dir: verify_against_megatron(ckpt, cfg, work_dir)) if verify else None
+    return write_conversion(weights, cfg, out_dir, "from-megatron", source,
+                            f"Converted from {ckpt.path} (Megatron {ckpt.format}, iteration {ckpt.iteration}, "
+                            f"TP {ckpt.tp} x PP {ckpt.pp})", verify=check, show_progress=show_progress,
+                            optimizer="not carried over: training restarts the optimizer (AdamW moments start "
+                                      "at zero)")
+
+
+def write_conversion(weights: HFWeights, cfg: ModelConfig, out_dir: str, direction: str, source: dict,
+                     header: str, verify=None, ignored=(), show_progress: bool = True, **extra) -> dict:
+    """convert.py's output (weights.safetensors, model_config.yaml, conversion.json) for HF-named weights."""
+    start = time.perf_counter()
+    plan = tensor_plan(cfg)
+    model = to_plain(cfg)
+    existing = existing_conversion(out_dir, model)
+    work_dir = work_dir_for(out_dir)
+    try:
+        tensors = _write_weights(weights, plan, os.path.join(work_dir, CHECKPOINT_FILE), show_progress)
+        if TIED_HEAD in ignored:
+            _check_tied_copy(weights, tensors)
+        with open(os.path.join(work_dir, MODEL_SECTION_FILE), "w", encoding="utf-8") as f:
+            f.write(model_section_yaml(cfg, f"{header} by scripts/convert_checkpoint.py.\n{recipe_keys(out_dir)}"))
+        manifest = {"format_version": FORMAT_VERSION, "direction": direction,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "source": source,
+                    "checkpoint": CHECKPOINT_FILE, "dtype": "float32", "model": model,
+                    "padded_vocab_size": dimensions(cfg)["padded_vocab"], "tensors": tensors,
+                    "ignored": list(ignored), "fingerprint": fingerprint(model, tensors), **extra}
+        if verify:
+            manifest["verify"] = verify(work_dir)
+        manifest["seconds"] = round(time.perf_counter() - start, 2)
+        published = publish(work_dir, out_dir, manifest, existing)
+        return {**published, "verify": manifest["verify"]} if verify else published
+    finally:
+        if os.path.isdir(work_dir):
+            shutil.rmtree(work_dir)
+
+
+# --- Parity with a pure-torch forward of the Megatron tensors ---------------------------------
+
+def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.ndarray:
+    """Logits (batch, seq, vocab) of a pure-torch Megatron forward, tensor-parallel ranks simulated.
+
+    Each rank computes with the shards it holds in Megatron's own layouts (grouped qkv, [gate; up]
+    fc1) and the partial outputs of linear_proj and linear_fc2 are summed, as their all-reduce does;
+    so the merge into our separate tensors is checked, not assumed.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    def t(array):
+        return torch.from_numpy(array).double()
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * weight
+
+    head_dim, groups, tp = cfg.hidden_size // cfg.num_heads, cfg.num_kv_heads or cfg.num_heads, ckpt.tp
+    per_group = cfg.num_heads // groups
+    batch, seq = tokens.shape
+    ids = torch.from_numpy(tokens).long()
+    x = torch.cat([t(ckpt.shard("embedding", None, r)) for r in range(tp)])[ids]  # (B, S, H)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+    def rotate(v):  # (B, heads, S, head_dim), half-split pairs
+        half = v.shape[-1] // 2
+        return v * cos + torch.cat([-v[..., half:], v[..., :half]], -1) * sin
+
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)
+    for layer in range(cfg.num_layers):
+        h = rms(x, t(ckpt.merged("input_norm", layer)))
+        attn = 0
+        for r in range(tp):
+            qkv = h @ t(ckpt.shard("qkv", layer, r)).T
+            if cfg.qkv_bias:
+                qkv = qkv + t(ckpt.shard("qkv_bias", layer, r))
+            # (B, S, local groups x (per_group + 2) x head_dim) -> (B, S, local groups, per_group + 2, head_dim)
+            qkv = qkv.view(batch, seq, groups // tp, per_group + 2, head_dim)
+            q = qkv[:, :, :, :per_group].reshape(batch, seq, -1, head_dim).transpose(1, 2)
+            k = qkv[:, :, :, per_group].transpose(1, 2).repeat_interleave(per_group, 1)
+            v = qkv[:, :, :, per_group + 1].transpose(1, 2).repeat_interleave(per_group, 1)
+            scores = rotate(q) @ rotate(k).transpose(-1, -2) / math.sqrt(head_dim)
+            context = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v  # (B, local heads, S, head_dim)
+            attn = attn + context.transpose(1, 2).reshape(batch, seq, -1) @ t(ckpt.shard("proj", layer, r)).T
+        x = x + attn
+        h = rms(x, t(ckpt.merged("mlp_norm", layer)))
+        mlp = 0
+        for r in range(tp):
+            gate, up = (h @ t(ckpt.shard("fc1", layer, r)).T).chunk(2, -1)
+            mlp = mlp + (F.silu(gate) * up) @ t(ckpt.shard("fc2", layer, r)).T
+        x = x + mlp
+    x = rms(x, t(ckpt.merged("final_norm")))
+    head = "embedding" if cfg.tie_word_embeddings else "output"
+    weight = torch.cat([t(ckpt.shard(head, None, r)) for r in range(tp)])
+    return (x @ weight.T)[..., :cfg.vocab_size].numpy()
+
+
+def verify_against_megatron(ckpt, cfg: ModelConfig, converted_dir: str, batch: int = 2, max_tokens: int = 64,
+                            seed: int = 0) -> dict:
+    """Our logits against megatron_reference_logits on random tokens; raises outside tolerance."""
+    import mindspore as ms
+
+    net, _ = load_our_model(converted_dir)
+    length = min(cfg.seq_length, max_tokens)
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, length))
+    ours = net.logits(ms.Tensor(tokens.astype(np.int32))).asnumpy().astype(np.float64)[..., :cfg.vocab_size]
+    del net
+    result = compare_logits(megatron_reference_logits(ckpt, cfg, tokens), ours)
+    result.update(batch=batch, tokens=length, reference="a pure-torch Megatron forward")
+    if not result["max_abs_delta"] <= MAX_ABS_TOLERANCE:
+        raise ConversionError(f"{ckpt.path}: converted logits differ from the Megatron reference forward: max "
+                              f"|delta| {result['max_abs_delta']:.3e} (tolerance {MAX_ABS_TOLERANCE:.0e})",
+                              hint="nothing was written; the tensor layouts (qkv groups, fc1 halves) do not match "
+                                   "this checkpoint: report its args")
+    return result
+
+
+# --- Plain torch.save files -------------------------------------------------------------------
+
+STATE_DICT_KEYS = ("model", "model_state_dict", "state_dict", "module")
+
+
+class TorchStateFile(TorchBinFile):
+    """A torch.save'd state dict, or a dict holding one under model / model_state_dict / state_dict / module."""
+
+    def _load(self) -> dict:
+        state = super()._load()
+        for key in STATE_DICT_KEYS:
+            if isinstance(state.get(key), dict):
+                return state[key]
+        return state
+
+
+def read_key_map(path: str) -> list:
+    """(compiled source pattern, target template) pairs of a --key-map YAML; target None = ignore."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as err:
+        raise ConversionError(f"{path}: cannot read the key map ({err})") from None
+    if not isinstance(data, dict) or not data:
+        raise ConversionError(f"{path}: expected a mapping `their name pattern: HF name pattern` ({{n}} = a layer "
+                              "number, {name} = any text; null = ignore)")
+    rules = []
+    for theirs, ours in data.items():
+        parts = re.split(r"(\{\w+\})", str(theirs))
+        regex = "".join(f"(?P<{p[1:-1]}>\\d+)" if p == "{n}" else f"(?P<{p[1:-1]}>.+?)" if p.startswith("{")
+                        else re.escape(p) for p in parts if p)
+        rules.append((re.compile(regex + r"\Z"), ours, theirs))
+    return rules
+
+
+def apply_key_map(names, rules: list, where: str) -> tuple:
+    """({HF name: their name}, [ignored]) for the names of a state dict."""
+    mapped, ignored, problems = {}, [], []
+    for name in names:
+        for regex, target, pattern in rules:
+            match = regex.match(name)
+            if match:
+                if target is None:
+                    ignored.append(name)
+                else:
+                    new = target.format(**match.groupdict())
+                    if new in mapped:
+                        problems.append(f"{name}: maps to {new}, as {mapped[new]} does")
+                    mapped[new] = name
+                break
+        else:
+            mapped.setdefault(name, name)  # unmapped names are taken as HF names (checked against the plan)
+    if problems:
+        raise ConversionError(f"{where}: key map collisions:\n" + "\n".join(f"  - {p}" for p in problems))
+    return mapped, ignored
+
+
+def from_torch(path: str, out_dir: str, model_config: str, key_map: str = None, show_progress: bool = True) -> dict:
+    """Convert a torch.save'd state dict (HF names, or others through a key map) into OUT_DIR."""
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise ConversionError(f"{path}: no such file (expected a torch.save'd state dict)")
+    if model_config is None:
+        raise ConversionError(f"{path}: a state dict does not say which model it holds",
+                              hint="pass --model-config with a HuggingFace config.json, a model_config.yaml or "
+                                   "a recipe")
+    if model_config.endswith(".json"):
+        try:
+            with open(model_config, encoding="utf-8") as f:
+                cfg = model_config_from_hf(json.load(f), model_config)
+        except (OSError, ValueError) as err:
+            raise ConversionError(f"{model_config}: cannot read the model config ({err})") from None
+    else:
+        cfg, _ = read_model_section(model_config)
+    reader = TorchStateFile(path)
+    rules = read_key_map(key_map) if key_map else []
+    mapped, ignored = apply_key_map(reader.tensors, rules, key_map or path)
+    weights = HFWeights("torch", [os.path.basename(path)],
+                        {hf: (_Renamed(reader, theirs), *reader.tensors[theirs]) for hf, theirs in mapped.items()})
+    plan = tensor_plan(cfg)
+    found = {name: info[2] for name, info in weights.tensors.items()}
+    tied_copy = (TIED_HEAD,) if cfg.tie_word_embeddings else ()
+    ignored += check_tensors(found, {p.hf: p.hf_shape for p in plan}, (), path + (f" (through {key_map})"
+                                                                                  if key_map else ""),
+                             extra_ok=tied_copy)
+    source = {"path": path, "format": "torch", "model_config": os.path.abspath(model_config),
+              "key_map": os.path.abspath(key_map) if key_map else None,
+              "files": [{"file": os.path.basename(path), "bytes": os.path.getsize(path)}]}
+    return write_conversion(weights, cfg, out_dir, "from-torch", source, f"Converted from {path}",
+                            ignored=ignored, show_progress=show_progress)
+
+
+class _Renamed:
+    """Reads an HF-named tensor under the name the file uses."""
+
+    def __init__(self, reader, name: str):
+        self.reader, self.name = reader, name
+
+    def read(self, _hf_name: str) -> np.ndarray:
+        return self.reader.read(self.name)
+
+
+# --- ours -> Megatron (legacy) ----------------------------------------------------------------
+
+def to_megatron(source: str, out_dir: str, tp: int = 1, pp: int = 1, iteration: int = None,
+                model_config: str = None, show_progress: bool = True) -> dict:
+    """Write Megatron-LM legacy files (mp_rank_TT[_PPP]/model_optim_rng.pt) for TP x PP, one rank file at a time."""
+    import torch
+
+    start = time.perf_counter()
+    ckpt_path, section_path = find_our_checkpoint(source, model_config)
+    cfg, _ = read_model_section(section_path)
+    ckpt = CkptFile(ckpt_path) if ckpt_path.endswith(".ckpt") else SafetensorsFile(ckpt_path)
+    plan = {p.hf: p for p in tensor_plan(cfg)}
+    problems = [f"{p.ours}: missing" for p in plan.values() if p.ours not in ckpt.tensors]
+    groups = cfg.num_kv_heads or cfg.num_heads
+    for what, value in (("num_kv_heads", groups), ("intermediate_size", cfg.intermediate_size)):
+        if value % tp:
+            problems.append(f"--tp {tp} does not divide {what} ({value})")
+    if cfg.num_layers % pp:
+        problems.append(f"--pp {pp} does not divide num_layers ({cfg.num_layers})")
+    if problems:
+        raise ConversionError(f"{ckpt_path}: cannot write TP {tp} x PP {pp}:\n" +
+                              "\n".join(f"  - {p}" for p in problems))
+    args = _megatron_args_for(cfg, tp, pp, source, iteration)
+    iteration = args["iteration"]
+    padded = args["padded_vocab_size"]
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise ConversionError(f"output {out_dir} exists and is not empty", hint="choose another --output")
+    work_dir = work_dir_for(out_dir)
+    iter_name = f"iter_{iteration:07d}" if iteration else "release"
+
+    def ours(hf_name):
+        return ckpt.read(plan[hf_name].ours)
+
+    def vocab_table(hf_name):
+        table = np.zeros((padded, cfg.hidden_size), np.float32)
+        table[:cfg.vocab_size] = ours(hf_name)[:cfg.vocab_size]
+        return table
+
+    try:
+        layers_per_stage = cfg.num_layers // pp
+        with _progress(tp * pp, "write rank files", show_progress) as bar:
+            for p in range(pp):
+                for t in range(tp):
+                    state = {}
+                    if p == 0:
+                        state["embedding.word_embeddings.weight"] = np.split(
+                            vocab_table("model.embed_tokens.weight"), tp)[t]
+                    for local in range(layers_per_stage):
+                        n = p * layers_per_stage + local
+                        state.update(_megatron_layer(ours, cfg, n, local, t, tp))
+                    if p == pp - 1:
+                        state["decoder.final_layernorm.weight"] = ours("model.norm.weight")
+                        if not cfg.tie_word_embeddings:
+                            state["output_layer.weight"] = np.split(vocab_table("lm_head.weight"), tp)[t]
+                    name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+                    os.makedirs(os.path.join(work_dir, iter_name, name))
+                    torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0,
+                                "iteration": iteration,
+                                "model": {k: torch.from_numpy(np.array(v)) for k, v in state.items()}},
+                               os.path.join(work_dir, iter_name, name, RANK_FILE))
+                    del state
+                    bar.update()
+        with open(os.path.join(work_dir, LATEST_FILE), "w", encoding="utf-8") as f:
+            f.write(str(iteration) if iteration else "release")
+        manifest = {"format_version": FORMAT_VERSION, "direction": "to-megatron",
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "source": {"path": ckpt_path, "model_section": section_path}, "checkpoint": iter_name,
+                    "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                    "model": json_args(args), "tensors": [], "ignored": [],
+                    "seconds": round(time.perf_counter() - start, 2)}
+        with open(os.path.join(work_dir, MANIFEST_FILE), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=2)
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)
+        os.rename(work_dir, out_dir)
+        return manifest
+    finally:
+        if os.path.isdir(work_dir):
+            shutil.rmtree(work_dir)
+
+
+def _megatron_layer(ours, cfg: ModelConfig, n: int, local: int, t: int, tp: int) -> dict:
+    """One layer's tensors as tensor-parallel rank t holds them (local spec names)."""
+    prefix, hf = f"decoder.layers.{local}.", f"model.layers.{n}."
+    layer = {prefix + "input_layernorm.weight": ours(hf + "input_layernorm.weight"),
+             prefix + "pre_mlp_layernorm.weight": ours(hf + "post_attention_layernorm.weight")}
+    for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+        q, k, v = (ours(f"{hf}self_attn.{x}_proj.{kind}") for x in "qkv")
+        # whole KV groups per rank: split q, k and v by group, then fuse each rank's groups
+        q, k, v = (np.split(x, tp)[t] for x in (q, k, v))
+        local_cfg = ModelConfig(vocab_size=1, hidden_size=cfg.hidden_size // tp, num_layers=1,
+                                num_heads=cfg.num_heads // tp, num_kv_heads=(cfg.num_kv_heads or cfg.num_heads) // tp,
+                                intermediate_size=1, seq_length=1)
+        layer[prefix + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, local_cfg)
+    layer[prefix + "self_attention.linear_proj.weight"] = np.split(ours(hf + "self_attn.o_proj.weight"), tp, 1)[t]
+    gate, up = (np.split(ours(f"{hf}mlp.{x}_proj.weight"), tp)[t] for x in ("gate", "up"))
+    layer[prefix + "mlp.linear_fc1.weight"] = np.concatenate([gate, up])
+    layer[prefix + "mlp.linear_fc2.weight"] = np.split(ours(hf + "mlp.down_proj.weight"), tp, 1)[t]
+    return layer
+
+
+def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteration: int = None) -> dict:
+    """Megatron-LM arguments for cfg at TP x PP, starting from the original run's when it came from Megatron."""
+    original = _source_manifest(source).get("source", {})
+    args = dict(original.get("megatron_args") or {})
+    divisible = args.get("make_vocab_size_divisible_by", 128)
+    groups = cfg.num_kv_heads or cfg.num_heads
+    args.update(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads,
+                group_query_attention=groups != cfg.num_heads, num_query_groups=groups,
+                kv_channels=cfg.hidden_size // cfg.num_heads, ffn_hidden_size=cfg.intermediate_size,
+                seq_length=cfg.seq_length, max_position_embeddings=max(cfg.seq_length,
+                                                                       args.get("max_position_embeddings") or 0),
+                position_embedding_type="rope", rotary_base=cfg.rope_theta, rotary_percent=1.0,
+                rotary_interleaved=False, normalization="RMSNorm", norm_epsilon=cfg.rms_norm_eps, swiglu=True,
+                add_bias_linear=False, add_qkv_bias=cfg.qkv_bias,
+                untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
+                vocab_size=cfg.vocab_size, make_vocab_size_divisible_by=divisible,
+                padded_vocab_size=-(-cfg.vocab_size // (divisible * tp)) * divisible * tp,
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                iteration=iteration if iteration is not None else original.get("iteration", 0),
+                init_method_std=cfg.initializer_range)
+    return args
+
+
+def _source_manifest(source: str) -> dict:
+    path = os.path.join(source, MANIFEST_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+# --- A recipe continuing the run --------------------------------------------------------------
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ASCEND_BASE = os.path.join(REPO_ROOT, "recipes", "base", "ascend.yaml")
+LR_SCHEDULES = {"cosine": "CosineWithWarmUpLR", "linear": "LinearWithWarmUpLR", "constant": "ConstantWarmUpLR"}
+DATASET_PLACEHOLDER = "datasets/CHANGE_ME"
+
+
+def megatron_lr(args: dict, iteration: int) -> float:
+    """Megatron-LM's learning rate at `iteration` (OptimizerParamScheduler: linear warm-up, then decay)."""
+    peak, low = args["lr"], args.get("min_lr", 0.0)
+    warmup, decay = args.get("lr_warmup_iters", 0) or 0, args.get("lr_decay_iters") or args.get("train_iters")
+    if warmup and iteration <= warmup:
+        return peak * iteration / warmup
+    if args.get("lr_decay_style") == "constant":
+        return peak
+    if iteration > decay:
+        return low
+    ratio = (iteration - warmup) / max(1, decay - warmup)
+    coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0) if args.get("lr_decay_style") == "cosine" else 1.0 - ratio
+    return low + coeff * (peak - low)
+
+
+def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir: str = None) -> dict:
+    """A recipe on base/ascend.yaml training from converted_dir, with a Megatron run's hyper-parameters.
+
+    Validated with the strict loader (planning mode) and the planner before it appears. Returns
+    {"path", "notes", "plan"}.
+    """
+    from training.errors import RecipeError
+    from training.planner import plan, verdict
+    from training.recipe import load_recipe
+
+    converted_dir = os.path.abspath(converted_dir)
+    cfg, _ = read_model_section(os.path.join(converted_dir, MODEL_SECTION_FILE))
+    source = _source_manifest(converted_dir).get("source", {})
+    args = source.get("megatron_args") or {}
+    model_config = {k: v for k, v in to_plain(cfg).items() if k != "compute_dtype"}
+    data = {"base": os.path.relpath(ASCEND_BASE, os.path.dirname(os.path.abspath(path))),
+            "output_dir": f"runs/{os.path.splitext(os.path.basename(path))[0]}",
+            "load_checkpoint": converted_dir, "load_ckpt_format": "safetensors",
+            "model": {"model_config": model_config},
+            "train_dataset": {"data_loader": {"dataset_dir": dataset_dir or DATASET_PLACEHOLDER}}}
+    notes = [f"weights: {converted_dir} ({source.get('format', 'converted')})"]
+    if args:
+        notes += _continue_megatron_run(data, args, source.get("iteration", 0), devices, cfg)
+    else:
+        data["runner_config"] = {"batch_size": 1}
+        data["parallel_config"] = {"data_parallel": devices or 1}
+        data["use_parallel"] = True
+        notes.append("hyper-parameters: base/ascend.yaml's (the source records no training run)")
+    if not dataset_dir:
+        notes.append(f"train_dataset.data_loader.dataset_dir is {DATASET_PLACEHOLDER}: point it at a dataset made "
+                     "by scripts/prepare_data.py before launching")
+    lines = ["Continues a run from converted weights (scripts/convert_checkpoint.py --write-recipe).", *notes]
+    header = "".join(f"# {line}\n" for line in lines)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = f"{path}.partial-{os.getpid()}"
+    with open(partial, "w", encoding="utf-8") as f:
+        f.write(header + yaml.safe_dump(data, sort_keys=False))
+    try:
+        recipe = load_recipe(partial, planning=True)
+        result = plan(recipe)
+    except RecipeError as err:
+        os.remove(partial)
+        raise ConversionError(f"{path}: the proposed recipe does not validate:\n{err.message}",
+                              hint="pass --devices with a device count the run's parallel layout fits") from None
+    os.replace(partial, path)
+    return {"path": os.path.abspath(path), "notes": notes, "plan": verdict(result)}
+
+
+def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int, cfg: ModelConfig) -> list:
+    """Fill data with the Megatron run's batch, optimizer, LR schedule and parallel layout; returns notes."""
+    from models.parallel import layout_problems
+
+    notes = []
+    micro, global_batch = args.get("micro_batch_size") or 1, args.get("global_batch_size") or 1
+    tp0, pp0 = args.get("tensor_model_parallel_size", 1), args.get("pipeline_model_parallel_size", 1)
+    devices = devices or args.get("world_size") or tp0 * pp0 * (args.get("data_parallel_size") or 1)
+    layout = None
+    for tp, pp in dict.fromkeys([(tp0, pp0), (tp0, 1), (1, pp0), (1, 1)]):
+        if devices % (tp * pp) or global_batch % (micro * (devices // (tp * pp))):
+            continue
+        accumulation = global_batch // (micro * (devices // (tp * pp)))
+        if not layout_problems(cfg, devices // (tp * pp), tp, pp, accumulation if pp > 1 else 1):
+            layout = (devices // (tp * pp), tp, pp, accumulation)
+            break
+    if layout is None:
+        raise ConversionError(f"--devices {devices}: no layout keeps the run's global batch {global_batch} with "
+                              f"micro-batch {micro} (TP {tp0} x PP {pp0} tried, then smaller)",
+                              hint="pass --devices with a count that divides the global batch / micro-batch")
+    dp, tp, pp, accumulation = layout
+    data["use_parallel"] = True
+    data["parallel_config"] = {"data_parallel": dp, "model_parallel": tp, "pipeline_stage": pp,
+                               "micro_batch_num": accumulation if pp > 1 else 1}
+    data["runner_config"] = {"batch_size": micro, "gradient_accumulation_steps": 1 if pp > 1 else accumulation}
+    notes.append(f"parallel layout for {devices} devices: DP {dp} x TP {tp} x PP {pp} (Megatron ran TP {tp0} x "
+                 f"PP {pp0}); global batch {global_batch} = micro-batch {micro} x DP {dp} x {accumulation}")
+    train_iters = args.get("train_iters")
+    if train_iters:
+        data["runner_config"]["stop_step"] = max(1, train_iters - iteration)
+    data["optimizer"] = {"betas": [args.get("adam_beta1", 0.9), args.get("adam_beta2", 0.999)],
+                         "eps": args.get("adam_eps", 1e-8), "weight_decay": args.get("weight_decay", 0.01)}
+    clip = args.get("clip_grad", 1.0)
+    data["runner_wrapper"] = {"use_clip_grad": bool(clip), **({"max_grad_norm": clip} if clip else {})}
+    style = args.get("lr_decay_style", "linear")
+    if style not in LR_SCHEDULES:
+        raise ConversionError(f"lr_decay_style: {style!r} has no counterpart here ({', '.join(LR_SCHEDULES)})")
+    warmup = args.get("lr_warmup_iters", 0) or 0
+    decay = args.get("lr_decay_iters") or train_iters or iteration + 1
+    current = megatron_lr(args, iteration)
+    if iteration < warmup:
+        schedule = {"learning_rate": args["lr"], "warmup_steps": warmup - iteration}
+        notes.append(f"LR: iteration {iteration} is inside Megatron's {warmup}-step warm-up; the warm-up restarts "
+                     f"from 0 over the remaining {warmup - iteration} steps")
+    else:
+        schedule = {"learning_rate": current, "warmup_steps": 0}
+        notes.append(f"LR: Megatron's schedule is at {current:.6g} at iteration {iteration}; this schedule starts "
+                     f"there and reaches min_lr {args.get('min_lr', 0.0):g} at Megatron's iteration {decay}"
+                     + (" (exact for linear decay; the cosine tail is re-fitted as a cosine)" if style == "cosine"
+                        else ""))
+    schedule.update(type=LR_SCHEDULES[style], warmup_ratio=None, lr_end=args.get("min_lr", 0.0),
+                    total_steps=max(1, decay - iteration))
+    data["lr_schedule"] = schedule
+    notes.append(f"continues Megatron iteration {iteration}; the optimizer restarts (AdamW moments are not carried "
+                 "over)")
+    return notes
+
+
+def run_cli(parser, args) -> int:
+    """scripts/convert_checkpoint.py for --from-megatron, --from-torch, --to-megatron and --write-recipe."""
+    from models.convert import from_hf, summary
+    from training.errors import PretrainError
+
+    if args.key_map and not args.from_torch:
+        parser.error("--key-map applies to --from-torch")
+    if args.write_recipe and args.to_megatron or args.write_recipe and args.to_hf:
+        parser.error("--write-recipe applies to --from-megatron, --from-hf and --from-torch")
+    if args.verify and (args.from_torch or args.to_megatron):
+        parser.error("--verify applies to --from-hf and --from-megatron")
+    try:
+        if args.from_megatron:
+            manifest = from_megatron(args.from_megatron, args.output, iteration=args.iteration,
+                                     vocab_size=args.vocab_size, verify=args.verify, show_progress=not args.quiet)
+        elif args.from_torch:
+            manifest = from_torch(args.from_torch, args.output, args.model_config, args.key_map,
+                                  show_progress=not args.quiet)
+        elif args.to_megatron:
+            manifest = to_megatron(args.to_megatron, args.output, args.tp, args.pp, args.iteration,
+                                   args.model_config, show_progress=not args.quiet)
+            print(f"wrote Megatron-LM legacy files (TP {args.tp} x PP {args.pp}, {manifest['checkpoint']}) into "
+                  f"{os.path.abspath(args.output)} in {manifest['seconds']:.1f} s; load them with Megatron-LM's "
+                  "--load and --ckpt-format torch")
+            return 0
+        else:
+            manifest = from_hf(args.from_hf, args.output, seq_length=args.seq_length, verify=args.verify,
+                               show_progress=not args.quiet)
+        print(summary(manifest, args.output))
+        if manifest["source"].get("iteration") is not None:
+            print(f"Megatron iteration {manifest['source']['iteration']}; {manifest.get('optimizer')}.")
+        if args.write_recipe:
+            written = write_recipe(args.write_recipe, args.output, devices=args.devices)
+            print(f"recipe: {written['path']} ({written['plan']})\n" + "\n".join(f"  {n}" for n in written["notes"]))
+    except PretrainError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,195 @@
+"""Write a real Megatron checkpoint (legacy and torch_dist) with megatron-core, plus its own logits.
+
+    torchrun --nproc-per-node 4 tests/make_megatron_fixtures.py OUT_DIR [LAYOUT ...]
+
+LAYOUT is tp1 (tied embeddings), tp2 (q/k/v bias) or tp2pp2 (default: all three, in one launch so that megatron-core
+is imported once; ranks beyond TP x PP are data-parallel replicas), or tp2_large (hidden 512, 8 layers,
+vocabulary 32000; 2 processes) to measure the converter. Run by
+tests/test_megatron.py, always under a timeout (a failed torch_dist writer hangs its parent).
+Builds megatron-core's GPTModel with the local layer spec on CPU under gloo from a Megatron-LM
+style `args` namespace, fills every parameter with seeded noise (norms around 1), and writes,
+as Megatron-LM's training loop does, for each LAYOUT:
+
+    OUT_DIR/LAYOUT/legacy/latest_checkpointed_iteration.txt, iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt
+    OUT_DIR/LAYOUT/torch_dist/latest_checkpointed_iteration.txt, iter_NNNNNNN/ (*.distcp, metadata.json, common.pt)
+    OUT_DIR/LAYOUT/tokens.npy, logits.npy  (megatron-core's forward, real vocabulary columns only)
+
+megatron-core 0.16.1 on CPU needs a few workarounds, marked "CPU:" below.
+"""
+
+import argparse
+import os
+import zlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+ITERATION = 40
+# TP, PP, tied embeddings, q/k/v bias
+LAYOUTS = {"tp1": (1, 1, True, False), "tp2": (2, 1, False, True), "tp2pp2": (2, 2, False, False)}
+LARGE = {"tp2_large": (2, 1, False, False)}  # on request only: the size the README's time and memory figures use
+LARGE_SHAPE = dict(num_layers=8, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8, num_query_groups=4,
+                   kv_channels=64, vocab_size=32000)
+VOCAB = 512          # the tiny dataset's vocabulary, so a converted fixture trains on it
+TOKENS_SHAPE = (2, 16)
+
+
+def megatron_args(tp: int, pp: int, tied: bool, qkv_bias: bool = False, large: bool = False) -> argparse.Namespace:
+    """The subset of Megatron-LM's arguments (its own names) that describe this model and run."""
+    args = argparse.Namespace(
+        num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, group_query_attention=True,
+        num_query_groups=2, kv_channels=16, seq_length=64, max_position_embeddings=64,
+        position_embedding_type="rope", rotary_base=500000, rotary_percent=1.0, rotary_interleaved=False,
+        normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, add_bias_linear=False, add_qkv_bias=qkv_bias,
+        untie_embeddings_and_output_weights=not tied, num_experts=None, qk_layernorm=False,
+        vocab_size=VOCAB, make_vocab_size_divisible_by=96, padded_vocab_size=_padded(VOCAB, 96 * tp),
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=1,
+        micro_batch_size=2, global_batch_size=16, lr=3e-4, min_lr=3e-5, lr_decay_style="cosine",
+        lr_warmup_iters=10, lr_decay_iters=1000, train_iters=1000, weight_decay=0.05, adam_beta1=0.9,
+        adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0, optimizer="adam", use_distributed_optimizer=False,
+        iteration=ITERATION, params_dtype=torch.float32, bf16=False, fp16=False,
+    )
+    if large:
+        vars(args).update(LARGE_SHAPE, padded_vocab_size=_padded(LARGE_SHAPE["vocab_size"], 96 * tp))
+    return args
+
+
+def _padded(vocab: int, multiple: int) -> int:
+    return -(-vocab // multiple) * multiple
+
+
+def cpu_workarounds() -> None:
+    # CPU: rotary tables are moved to torch.cuda.current_device(); the torch_dist writer synchronizes CUDA.
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+def build_model(args):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        add_qkv_bias=args.add_qkv_bias, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, use_cpu_initialization=True,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        # CPU: no fused kernels
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    )
+    return GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=False, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="rope", rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+    )
+
+
+def randomize(model, tp_rank: int, pp_rank: int) -> None:
+    """Seeded noise in every parameter: TP shards differ per rank, replicated ones (norms) agree."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            sharded = getattr(param, "tensor_model_parallel", False)
+            key = f"{name}|{pp_rank}|{tp_rank if sharded else 'all'}"
+            generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            noise = torch.randn(param.shape, generator=generator) * 0.05
+            param.copy_(noise + (1.0 if "layernorm" in name or "norm" in name.split(".")[-2] else 0.0))
+
+
+def forward(model, args, tokens: torch.Tensor):
+    """Logits (batch, seq, padded vocab) on the last stage, None elsewhere; pipeline by send/recv."""
+    from megatron.core import parallel_state
+
+    batch, seq = tokens.shape
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)  # CPU: True = masked
+    if not parallel_state.is_pipeline_first_stage():
+        hidden = torch.empty(seq, batch, args.hidden_size)
+        dist.recv(hidden, parallel_state.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
+    with torch.no_grad():
+        out = model(tokens, positions, mask)
+    if not parallel_state.is_pipeline_last_stage():
+        dist.send(out.contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
+        return None
+    return out
+
+
+def save_legacy(model, args, out_dir: str, tp_rank: int, pp_rank: int) -> None:
+    """Megatron-LM's legacy layout: one torch.save per model-parallel rank."""
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if args.pipeline_model_parallel_size > 1 else "")
+    path = os.path.join(out_dir, f"iter_{ITERATION:07d}", name, "model_optim_rng.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                "model": model.state_dict_for_save_checkpoint()}, path)
+
+
+def save_torch_dist(model, args, out_dir: str) -> None:
+    """Megatron-LM's torch_dist layout: global tensors through megatron.core.dist_checkpointing."""
+    from megatron.core import dist_checkpointing
+
+    path = os.path.join(out_dir, f"iter_{ITERATION:07d}")
+    os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model.sharded_state_dict()}
+    dist_checkpointing.save(state, path, sharded_strategy=("torch_dist", 1))
+
+
+def make_layout(out_dir: str, tp: int, pp: int, tied: bool, qkv_bias: bool, large: bool = False) -> None:
+    """Build, run and save one parallel layout on every rank of the world."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(tp, pp)
+    # CPU: no CUDA RNG states to fork
+    model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
+    args = megatron_args(tp, pp, tied, qkv_bias, large)
+    model = build_model(args).eval()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    first_replica = parallel_state.get_data_parallel_rank() == 0
+    randomize(model, tp_rank, pp_rank)
+
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(0, args.vocab_size, size=TOKENS_SHAPE))
+    logits = forward(model, args, tokens)
+    for fmt in ("legacy", "torch_dist"):
+        save = os.path.join(out_dir, fmt)
+        if fmt == "torch_dist":
+            save_torch_dist(model, args, save)
+        elif first_replica:
+            save_legacy(model, args, save, tp_rank, pp_rank)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(ITERATION))
+    if logits is not None and tp_rank == 0 and first_replica:
+        np.save(os.path.join(out_dir, "tokens.npy"), tokens.numpy())
+        np.save(os.path.join(out_dir, "logits.npy"), logits[..., :args.vocab_size].double().numpy())
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("layouts", nargs="*", help=f"of {', '.join(LAYOUTS)} (default: all)")
+    options = parser.parse_args()
+    unknown = set(options.layouts) - set(LAYOUTS) - set(LARGE)
+    if unknown:
+        parser.error(f"unknown layout(s) {sorted(unknown)}")
+    cpu_workarounds()
+    dist.init_process_group("gloo")
+    for name in options.layouts or LAYOUTS:
+        make_layout(os.path.join(options.out_dir, name), *{**LAYOUTS, **LARGE}[name], large=name in LARGE)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # CPU: the torch_dist writer re-imports __main__ in its worker processes
+    main()

@@ -1,0 +1,237 @@
+"""Megatron-LM and torch.save imports, proven on checkpoints written by real megatron-core.
+
+The fixtures (tests/make_megatron_fixtures.py, one torchrun launch per session) are megatron-core's
+own GPTModel at TP1 (tied embeddings), TP2 (q/k/v bias) and TP2xPP2 with grouped-query attention, saved in the
+legacy and torch_dist formats, with megatron-core's forward logits on fixed tokens.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+import yaml
+from safetensors.torch import load_file
+
+from conftest import REPO_ROOT, TINY_RECIPE
+from models.convert import HF_WEIGHTS_FILE, MODEL_SECTION_FILE, to_hf
+from models.megatron import from_megatron, from_torch, to_megatron, write_recipe
+from test_convert import assert_nothing_written, make_hf_model
+from training.errors import ConversionError
+from training.launch import launch
+from training.planner import plan
+from training.recipe import load_recipe
+
+GENERATOR = os.path.join(REPO_ROOT, "tests", "make_megatron_fixtures.py")
+LAYOUTS = ("tp1", "tp2", "tp2pp2")
+FORMATS = ("legacy", "torch_dist")
+PARITY = 1e-4  # max |delta logits| against megatron-core's own forward
+
+
+@pytest.fixture(scope="session")
+def megatron_dir(tmp_path_factory):
+    """All six fixtures, written once per session by megatron-core under torchrun (4 local processes)."""
+    out = tmp_path_factory.mktemp("megatron")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               GENERATOR, str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:  # a failed torch_dist writer hangs its parent instead of exiting
+        result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"megatron fixture generation timed out after 240 s:\n{(err.stderr or b'')[-3000:]}")
+    assert result.returncode == 0, result.stderr[-5000:]
+    return out
+
+
+def transformers_logits(hf_dir, tokens: np.ndarray) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                              attn_implementation="eager")
+    with torch.no_grad():
+        return model.eval()(torch.from_numpy(tokens)).logits.double().numpy()
+
+
+def max_delta_to_megatron(megatron_dir, layout, hf_dir) -> float:
+    tokens = np.load(megatron_dir / layout / "tokens.npy")
+    return float(np.abs(transformers_logits(hf_dir, tokens) - np.load(megatron_dir / layout / "logits.npy")).max())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_converted_and_exported_logits_equal_megatron_cores(tmp_path, megatron_dir, layout, fmt):
+    """Megatron -> ours -> --to-hf -> transformers gives megatron-core's logits on the same tokens."""
+    manifest = from_megatron(str(megatron_dir / layout / fmt), str(tmp_path / "ours"), show_progress=False)
+    assert manifest["source"]["iteration"] == 40 and manifest["padded_vocab_size"] == 512  # Megatron padded to 576
+    model = yaml.safe_load((tmp_path / "ours" / MODEL_SECTION_FILE).read_text())["model"]["model_config"]
+    assert (model["num_layers"], model["num_kv_heads"], model["rope_theta"]) == (4, 2, 500000.0)
+    assert model["tie_word_embeddings"] == (layout == "tp1") and model["qkv_bias"] == (layout == "tp2")
+    to_hf(str(tmp_path / "ours"), str(tmp_path / "hf"), show_progress=False)
+    delta = max_delta_to_megatron(megatron_dir, layout, tmp_path / "hf")
+    print(f"\n[parity] {layout} {fmt}: max |delta logits| vs megatron-core {delta:.2e}")
+    assert delta < PARITY
+
+
+def test_verify_accepts_the_right_layouts_and_rejects_wrong_ones(tmp_path, megatron_dir):
+    """A wrong qkv layout or fc1 merge converts without complaint; only the logits check catches it."""
+    legacy = str(megatron_dir / "tp2pp2" / "legacy")
+    manifest = from_megatron(legacy, str(tmp_path / "ok"), verify=True, show_progress=False)
+    assert manifest["verify"]["max_abs_delta"] < PARITY
+
+    for wrong in (dict(qkv_layout="separate"), dict(fc1_merge="concat")):
+        out = tmp_path / f"wrong_{next(iter(wrong.values()))}"
+        with pytest.raises(ConversionError, match="differ from the Megatron reference forward"):
+            from_megatron(legacy, str(out), verify=True, show_progress=False, **wrong)
+        assert_nothing_written(out)
+        # and against megatron-core's own logits, the same wrong merge is far off
+        from_megatron(legacy, str(out), show_progress=False, **wrong)
+        to_hf(str(out), str(tmp_path / "hf_wrong"), show_progress=False)
+        assert max_delta_to_megatron(megatron_dir, "tp2pp2", tmp_path / "hf_wrong") > 100 * PARITY
+        shutil.rmtree(tmp_path / "hf_wrong")
+
+
+def test_round_trip_to_megatron_legacy_is_exact(tmp_path, megatron_dir):
+    source = megatron_dir / "tp2pp2" / "legacy"
+    from_megatron(str(source), str(tmp_path / "ours"), show_progress=False)
+    to_megatron(str(tmp_path / "ours"), str(tmp_path / "back"), tp=2, pp=2, show_progress=False)
+    assert (tmp_path / "back" / "latest_checkpointed_iteration.txt").read_text() == "40"
+    rank_dirs = sorted(os.listdir(source / "iter_0000040"))
+    assert sorted(os.listdir(tmp_path / "back" / "iter_0000040")) == rank_dirs
+    for rank in rank_dirs:
+        original = torch.load(source / "iter_0000040" / rank / "model_optim_rng.pt", weights_only=False)
+        back = torch.load(tmp_path / "back" / "iter_0000040" / rank / "model_optim_rng.pt", weights_only=False)
+        weights = {k: v for k, v in original["model"].items() if not k.endswith("_extra_state")}
+        assert sorted(back["model"]) == sorted(weights)
+        for name, tensor in weights.items():
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight") and rank.startswith("mp_rank_01"):
+                # rows 288..575 of 576: real tokens up to 511, then Megatron's padding (written as zeros)
+                real = 512 - 288
+                assert torch.equal(back["model"][name][:real], tensor[:real]), name
+                assert not back["model"][name][real:].any(), name
+            else:
+                assert torch.equal(back["model"][name], tensor), f"{rank}: {name}"
+        assert back["args"].padded_vocab_size == 576 and back["iteration"] == 40
+
+
+def test_from_torch_with_hf_names_and_with_a_key_map(tmp_path):
+    model = make_hf_model(tmp_path / "hf")
+    state = model.state_dict()
+    torch.save({"model": state, "iteration": 7}, tmp_path / "hf_names.pt")
+    from_torch(str(tmp_path / "hf_names.pt"), str(tmp_path / "a"), str(tmp_path / "hf" / "config.json"),
+               show_progress=False)
+    to_hf(str(tmp_path / "a"), str(tmp_path / "a_hf"), show_progress=False)
+    restored = load_file(str(tmp_path / "a_hf" / HF_WEIGHTS_FILE))
+    assert all(torch.equal(restored[k], v) for k, v in state.items())
+
+    # Meta-style names (the seeds' torch.save'd GPU weights) through a key map
+    meta = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+            "lm_head.weight": "output.weight",
+            "model.layers.{n}.self_attn.q_proj.weight": "layers.{n}.attention.wq.weight",
+            "model.layers.{n}.self_attn.k_proj.weight": "layers.{n}.attention.wk.weight",
+            "model.layers.{n}.self_attn.v_proj.weight": "layers.{n}.attention.wv.weight",
+            "model.layers.{n}.self_attn.o_proj.weight": "layers.{n}.attention.wo.weight",
+            "model.layers.{n}.mlp.gate_proj.weight": "layers.{n}.feed_forward.w1.weight",
+            "model.layers.{n}.mlp.down_proj.weight": "layers.{n}.feed_forward.w2.weight",
+            "model.layers.{n}.mlp.up_proj.weight": "layers.{n}.feed_forward.w3.weight",
+            "model.layers.{n}.input_layernorm.weight": "layers.{n}.attention_norm.weight",
+            "model.layers.{n}.post_attention_layernorm.weight": "layers.{n}.ffn_norm.weight"}
+    renamed = {}
+    for hf_name, tensor in state.items():
+        for ours, theirs in meta.items():
+            parts = ours.split("{n}")
+            if len(parts) == 2 and hf_name.startswith(parts[0]) and hf_name.endswith(parts[1]):
+                renamed[theirs.format(n=hf_name[len(parts[0]):-len(parts[1])])] = tensor
+            elif hf_name == ours:
+                renamed[theirs] = tensor
+    renamed["rope.freqs"] = torch.zeros(8)
+    torch.save({"state_dict": renamed}, tmp_path / "meta.pt")
+    key_map = {theirs: ours for ours, theirs in meta.items()}
+    with pytest.raises(ConversionError, match=r"rope\.freqs: unknown tensor"):
+        (tmp_path / "map.yaml").write_text(yaml.safe_dump(key_map))
+        from_torch(str(tmp_path / "meta.pt"), str(tmp_path / "b"), str(tmp_path / "hf" / "config.json"),
+                   str(tmp_path / "map.yaml"), show_progress=False)
+    assert_nothing_written(tmp_path / "b")
+    (tmp_path / "map.yaml").write_text(yaml.safe_dump({**key_map, "rope.freqs": None}))
+    manifest = from_torch(str(tmp_path / "meta.pt"), str(tmp_path / "b"), str(tmp_path / "a" / MODEL_SECTION_FILE),
+                          str(tmp_path / "map.yaml"), show_progress=False)
+    assert manifest["ignored"] == ["rope.freqs"]
+    assert json.loads((tmp_path / "b" / "conversion.json").read_text())["fingerprint"] == \
+        json.loads((tmp_path / "a" / "conversion.json").read_text())["fingerprint"]
+
+
+def _rewrite_args(src, dst, **changes):
+    """A copy of a legacy TP1 checkpoint whose saved args say something else."""
+    state = torch.load(src / "iter_0000040" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    for key, value in changes.items():
+        if value is None:
+            delattr(state["args"], key)
+        else:
+            setattr(state["args"], key, value)
+    os.makedirs(dst / "iter_0000040" / "mp_rank_00")
+    torch.save(state, dst / "iter_0000040" / "mp_rank_00" / "model_optim_rng.pt")
+    return dst / "iter_0000040"
+
+
+@pytest.mark.parametrize("arg, value", [("rotary_percent", 0.5), ("normalization", "LayerNorm"), ("swiglu", False),
+                                        ("num_experts", 8), ("add_bias_linear", True)])
+def test_unsupported_args_are_refused_by_name(tmp_path, megatron_dir, arg, value):
+    ckpt = _rewrite_args(megatron_dir / "tp1" / "legacy", tmp_path / "ckpt", **{arg: value})
+    with pytest.raises(ConversionError, match=f"{arg}: {value!r} is not supported"):
+        from_megatron(str(ckpt), str(tmp_path / "out"), show_progress=False)
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_vocabulary_size_comes_from_args_or_the_command_line(tmp_path, megatron_dir):
+    ckpt = _rewrite_args(megatron_dir / "tp1" / "legacy", tmp_path / "ckpt", vocab_size=None)
+    with pytest.raises(ConversionError, match="vocab_size: not recorded.*pass --vocab-size"):
+        from_megatron(str(ckpt), str(tmp_path / "out"), show_progress=False)
+    assert from_megatron(str(ckpt), str(tmp_path / "out"), vocab_size=500,
+                         show_progress=False)["model"]["vocab_size"] == 500
+
+
+def test_write_recipe_continues_the_run_and_plans(tmp_path, megatron_dir):
+    from_megatron(str(megatron_dir / "tp2pp2" / "torch_dist"), str(tmp_path / "ours"), show_progress=False)
+    written = write_recipe(str(tmp_path / "recipes" / "continued.yaml"), str(tmp_path / "ours"), devices=8)
+    recipe = load_recipe(written["path"], planning=True)  # the strict loader, as --plan uses it
+    p = recipe.parallel_config
+    assert (p.data_parallel, p.model_parallel, p.pipeline_stage, p.micro_batch_num) == (2, 2, 2, 4)
+    assert recipe.global_batch_size == 16 and recipe.runner_config.batch_size == 2
+    assert recipe.runner_config.stop_step == 1000 - 40
+    assert (recipe.optimizer.betas, recipe.optimizer.weight_decay) == ([0.9, 0.95], 0.05)
+    assert recipe.lr_schedule.type == "CosineWithWarmUpLR" and recipe.lr_schedule.lr_end == 3e-5
+    assert recipe.lr_schedule.learning_rate == pytest.approx(3e-5 + 0.5 * (1 + np.cos(np.pi * 30 / 990)) * 2.7e-4)
+    assert recipe.model.model_config.num_kv_heads == 2 and recipe.load_checkpoint == str(tmp_path / "ours")
+    assert plan(recipe).fits
+    with pytest.raises(ConversionError, match="--devices 3: no layout keeps the run's global batch 16"):
+        write_recipe(str(tmp_path / "recipes" / "three.yaml"), str(tmp_path / "ours"), devices=3)
+    assert not (tmp_path / "recipes" / "three.yaml").exists()
+
+
+def test_converted_fixture_trains_and_exports(tmp_path, megatron_dir, tiny_dataset, capsys):
+    """Done-when, for TP2xPP2 torch_dist: convert (CLI), train 2 steps with the tiny recipe, export --to-hf."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
+    try:
+        import convert_checkpoint
+    finally:
+        sys.path.pop(0)
+    ours, run_dir = tmp_path / "ours", tmp_path / "run"
+    assert convert_checkpoint.main(["--from-megatron", str(megatron_dir / "tp2pp2" / "torch_dist"),
+                                    "--output", str(ours), "--quiet"]) == 0
+    assert "Megatron iteration 40" in capsys.readouterr().out
+    assert convert_checkpoint.main(["--from-megatron", str(tmp_path / "nowhere"), "--output", str(tmp_path / "x")]) == 2
+    assert "nowhere: not a directory" in capsys.readouterr().err
+
+    model_config = yaml.safe_load((ours / MODEL_SECTION_FILE).read_text())["model"]["model_config"]
+    overrides = [f"model.model_config.{key}={json.dumps(value)}" for key, value in model_config.items()]
+    code = launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                f"load_checkpoint={ours}", "load_ckpt_format=safetensors",
+                                "runner_config.stop_step=2", *overrides], show_progress=False)
+    assert code == 0
+    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    to_hf(str(run_dir), str(tmp_path / "hf"), show_progress=False)
+    assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).config.num_hidden_layers == 4
