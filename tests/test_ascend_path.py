@@ -1,0 +1,114 @@
+"""The Ascend path's contracts, checked on CPU with the real MindSpore/MindFormers code that decides them.
+
+Issue 18: data contract vs the parallel context MindFormers builds (full_batch), recipe keys that
+MindFormers/MindSpore would silently ignore, tied embeddings with pipeline stages.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import REPO_ROOT
+from training.errors import RecipeError
+from training.recipe import load_recipe
+
+TINY_ASCEND = os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml")
+LAYOUTS = {  # the acceptance kit's layouts, all at a global batch of 8 sequences
+    "dp8": ["parallel_config.data_parallel=8"],
+    "dp2_tp2_pp2": ["parallel_config.data_parallel=2", "parallel_config.model_parallel=2",
+                    "parallel_config.pipeline_stage=2", "parallel_config.micro_batch_num=4"],
+    "dp2_tp4": ["parallel_config.data_parallel=2", "parallel_config.model_parallel=4",
+                "runner_config.gradient_accumulation_steps=4"],
+}
+
+
+def ascend_recipe(tmp_path, dataset, *overrides):
+    return load_recipe(TINY_ASCEND, [f"train_dataset.data_loader.dataset_dir={dataset}",
+                                     f"output_dir={tmp_path}", *overrides], planning=True)
+
+
+def test_full_batch_agrees_with_the_context_mindformers_builds(tmp_path, tiny_dataset):
+    """MindFormers' own dataset-strategy code, run on our config, leaves full_batch as the loader assumes."""
+    import mindspore as ms
+    from mindformers import MindFormerConfig
+    from mindformers.trainer.base_trainer import BaseTrainer
+    from training.train import mindformers_config
+
+    recipe = ascend_recipe(tmp_path, tiny_dataset, *LAYOUTS["dp2_tp2_pp2"])
+    config = MindFormerConfig(**mindformers_config(recipe, str(tmp_path)))
+    try:
+        config, strategy, _, _ = BaseTrainer._get_columns_with_strategy(
+            config, config.train_dataset.data_loader, config.train_dataset.data_loader.type)
+        BaseTrainer._set_full_batch_with_strategy(config, strategy)
+        assert ms.get_auto_parallel_context("full_batch") is True
+        assert recipe.parallel.full_batch is True
+    finally:
+        ms.reset_auto_parallel_context()
+
+
+def test_every_rank_reads_the_global_batch_under_semi_auto(tmp_path, tiny_dataset):
+    from data.loader import rank_samples, training_order
+
+    global_batches = {}
+    for name, overrides in LAYOUTS.items():
+        recipe = ascend_recipe(tmp_path, tiny_dataset, *overrides)
+        assert recipe.global_batch_size == 8
+        per_rank = [rank_samples(recipe, rank)[1] for rank in range(recipe.world_size)]
+        for rank, ids in enumerate(per_rank):
+            np.testing.assert_array_equal(ids, per_rank[0], err_msg=f"{name} rank {rank}")
+        assert rank_samples(recipe, 0)[2] == 8  # batches of the global batch
+        global_batches[name] = per_rank[0]
+    order = training_order(recipe)[1]
+    for name, ids in global_batches.items():  # the same samples per step at every layout
+        np.testing.assert_array_equal(ids, order[:len(ids)], err_msg=name)
+
+
+def test_data_parallel_mode_ranks_read_disjoint_slices(tmp_path, tiny_dataset):
+    from data.loader import rank_samples, training_order
+
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml"),
+                         [f"train_dataset.data_loader.dataset_dir={tiny_dataset}", f"output_dir={tmp_path}"])
+    a, b = (rank_samples(recipe, r)[1].reshape(-1, 2) for r in (0, 1))
+    order = training_order(recipe)[1]
+    np.testing.assert_array_equal(np.concatenate([a, b], 1).reshape(-1), order[:2 * a.size])
+
+
+@pytest.mark.parametrize("override,match", [
+    ("parallel.full_batch=False", r"parallel\.full_batch: False is reset to True by MindFormers"),
+    ("parallel.gradients_mean=True", r"parallel\.gradients_mean: True divides semi-auto parallel gradients"),
+    ("parallel_config.use_seq_parallel=True", r"parallel_config\.use_seq_parallel: sequence parallelism is not"),
+    ("parallel_config.gradient_aggregation_group=0", r"parallel_config\.gradient_aggregation_group: must be >= 1"),
+    ("recompute_config.parallel_optimizer_comm_recompute=True",
+     r"recompute_config\.parallel_optimizer_comm_recompute: .*has no effect without|is ignored by MindSpore 2\.9"),
+    ("recompute_config.recompute_slice_activation=True",
+     r"recompute_config\.recompute_slice_activation: has no effect without recompute_config\.recompute"),
+    ("model.model_config.tie_word_embeddings=True",
+     r"tie_word_embeddings: True with parallel_config\.pipeline_stage 2 leaves the output projection"),
+])
+def test_ignored_keys_are_refused_by_name(tmp_path, override, match):
+    overrides = [f"output_dir={tmp_path}", *LAYOUTS["dp2_tp2_pp2"], override]
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(TINY_ASCEND, overrides, planning=True)
+
+
+def test_recompute_options_and_fusion_groups_reach_the_cells():
+    """recompute_config's Cell.recompute options and gradient_aggregation_group are applied per layer."""
+    from mindformers.modules.transformer.transformer import TransformerOpParallelConfig, TransformerRecomputeConfig
+    from models.llama import LlamaConfig, LlamaForCausalLM
+
+    def build(pp, **recompute):
+        parallel = TransformerOpParallelConfig(
+            data_parallel=1, model_parallel=2, pipeline_stage=pp, micro_batch_num=8, gradient_aggregation_group=2,
+            recompute=TransformerRecomputeConfig(recompute=True, **recompute))
+        return LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, num_layers=5, num_heads=8,
+                                            num_kv_heads=4, intermediate_size=160, seq_length=32,
+                                            parallel_config=parallel))
+
+    net = build(1, recompute_slice_activation=True, mp_comm_recompute=False)
+    for layer in net.model.layers:
+        matmul = layer.self_attn.q_proj.matmul
+        assert matmul.attrs["slice_activation"] is True and matmul.attrs["recompute_comm_op"] is False
+    # MindFormers' spacing: (layers + 1) // groups = 3 layers per fusion group, numbered from 1.
+    assert [layer.trainable_params()[0].comm_fusion for layer in net.model.layers] == [1, 1, 1, 2, 2]
+    assert {layer.trainable_params()[0].comm_fusion for layer in build(5).model.layers} == {2}
