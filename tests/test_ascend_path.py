@@ -112,3 +112,43 @@ def test_recompute_options_and_fusion_groups_reach_the_cells():
     # MindFormers' spacing: (layers + 1) // groups = 3 layers per fusion group, numbered from 1.
     assert [layer.trainable_params()[0].comm_fusion for layer in net.model.layers] == [1, 1, 1, 2, 2]
     assert {layer.trainable_params()[0].comm_fusion for layer in build(5).model.layers} == {2}
+
+
+SELF_TEST_WORKER = """
+import os, sys
+sys.path.insert(0, {root!r})
+import mindspore as ms
+from mindspore.communication import init
+ms.set_context(mode=0, device_target="CPU")
+init()
+if os.environ.get("MS_ROLE") == "MS_SCHED":
+    sys.exit(0)
+# The context training.train builds for an Ascend recipe before its collective self-test.
+ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", full_batch=True)
+from training.collectives import all_reduce_sum
+got = all_reduce_sum([1.0, 2.0]).tolist()
+print("RESULT", got, ms.get_auto_parallel_context("parallel_mode"), ms.get_auto_parallel_context("full_batch"))
+"""
+
+
+def test_collective_self_test_runs_inside_a_semi_auto_context(tmp_path):
+    """The all-reduce shared by the self-test, the CPU barrier and spike decisions compiles in its own DP context."""
+    import glob
+    import shutil
+    import socket
+    import subprocess
+
+    script = tmp_path / "worker.py"
+    script.write_text(SELF_TEST_WORKER.format(root=REPO_ROOT))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logs = tmp_path / "logs"
+    result = subprocess.run([shutil.which("msrun") or "msrun", "--worker_num=2", "--local_worker_num=2",
+                             f"--master_port={port}", f"--log_dir={logs}", "--join=True", "python", str(script)],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    lines = [line for path in sorted(glob.glob(str(logs / "worker_*.log")))
+             for line in open(path, encoding="utf-8") if line.startswith("RESULT")]
+    assert result.returncode == 0, result.stdout[-2000:] + "".join(open(p).read()[-1500:] for p in
+                                                                    glob.glob(str(logs / "worker_*.log")))
+    assert lines == ["RESULT [2.0, 4.0] semi_auto_parallel True\n"] * 2  # summed, and the context restored
