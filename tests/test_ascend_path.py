@@ -152,3 +152,54 @@ def test_collective_self_test_runs_inside_a_semi_auto_context(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + "".join(open(p).read()[-1500:] for p in
                                                                     glob.glob(str(logs / "worker_*.log")))
     assert lines == ["RESULT [2.0, 4.0] semi_auto_parallel True\n"] * 2  # summed, and the context restored
+
+
+ASCEND_RECIPES = {"llama2_7b_8dev": 8, "llama2_13b_8dev": 16, "llama2_70b_32dev": 16, "dense_100b_32dev": 16}
+
+
+@pytest.mark.parametrize("name,summed", ASCEND_RECIPES.items())
+def test_shipped_ascend_recipes_run_the_pipeline_wrapper_and_divide_its_loss(name, summed):
+    from training.train_step import PIPELINE_WRAPPER_TYPE, summed_micro_batches, train_step_wrapper
+
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), planning=True)
+    assert train_step_wrapper(recipe) == PIPELINE_WRAPPER_TYPE
+    assert summed_micro_batches(recipe) == summed
+
+
+def tiny_net():
+    from models.llama import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
+                                        intermediate_size=64, seq_length=16))
+
+
+@pytest.mark.parametrize("layout", ["dp2_tp2_pp2", "dp2_tp4"])
+def test_logged_loss_is_the_mean_of_the_summing_wrappers_output(tmp_path, tiny_dataset, layout):
+    """MindSpore's GradAccumulationCell / PipelineCell on CPU sum 4 micro-batch losses; the record divides by 4."""
+    import mindspore as ms
+    from mindspore import nn
+    from training.callbacks import StepRecorder
+    from training.heartbeat import Heartbeat
+
+    recipe = ascend_recipe(tmp_path, tiny_dataset, *LAYOUTS[layout])
+    net = tiny_net()
+    rows = ms.Tensor(np.random.default_rng(0).integers(4, 64, (8, 17)), ms.int32)  # no pad labels
+    summing = (nn.PipelineCell(net, 4) if recipe.parallel_config.pipeline_stage > 1
+               else nn.GradAccumulationCell(net, 4))
+    summed = summing(rows)
+    mean = float(net(rows).asnumpy())
+    assert float(summed.asnumpy()) == pytest.approx(4 * mean, rel=1e-5)  # the raw output: 4x too high
+    recorder = StepRecorder(recipe, str(tmp_path / "metrics.jsonl"), Heartbeat(str(tmp_path), 0), 1)
+    one = ms.Tensor(1.0, ms.float32)
+    record = recorder.record(1, (summed, ms.Tensor(False), one, one, one), 1.0, 0.0, True)
+    assert record["loss"] == pytest.approx(mean, rel=1e-5)
+
+
+def test_portable_wrapper_refuses_a_network_that_sums_micro_batches():
+    from mindspore import nn
+    from training.errors import LaunchError
+    from training.train_step import PortableTrainOneStepCell
+
+    net = tiny_net()
+    with pytest.raises(LaunchError, match="GradAccumulationCell, whose loss is a sum over micro-batches"):
+        PortableTrainOneStepCell(nn.GradAccumulationCell(net, 2), nn.AdamWeightDecay(net.trainable_params()))
