@@ -154,7 +154,7 @@ def test_collective_self_test_runs_inside_a_semi_auto_context(tmp_path):
     assert lines == ["RESULT [2.0, 4.0] semi_auto_parallel True\n"] * 2  # summed, and the context restored
 
 
-ASCEND_RECIPES = {"llama2_7b_8dev": 8, "llama2_13b_8dev": 16, "llama2_70b_32dev": 16, "dense_100b_32dev": 16}
+ASCEND_RECIPES = {"llama2_7b_8dev": 8, "llama2_13b_8dev": 16, "llama2_70b_32dev": 16, "dense_100b_64dev": 8}
 
 
 @pytest.mark.parametrize("name,summed", ASCEND_RECIPES.items())
@@ -203,3 +203,16 @@ def test_portable_wrapper_refuses_a_network_that_sums_micro_batches():
     net = tiny_net()
     with pytest.raises(LaunchError, match="GradAccumulationCell, whose loss is a sum over micro-batches"):
         PortableTrainOneStepCell(nn.GradAccumulationCell(net, 2), nn.AdamWeightDecay(net.trainable_params()))
+
+
+@pytest.mark.parametrize("name", ASCEND_RECIPES)
+def test_shipped_layouts_fit_and_state_the_planned_figure(name):
+    """Each Ascend recipe's header states the corrected planner's per-device figure, and it fits the cap."""
+    import re
+    from training.planner import GB, plan
+
+    path = os.path.join(REPO_ROOT, "recipes", f"{name}.yaml")
+    header = open(path, encoding="utf-8").read()
+    stated = float(re.search(r"capped at 58 GB\): ([0-9.]+) GB", header).group(1))
+    p = plan(load_recipe(path, planning=True))
+    assert p.fits and stated == round(p.total_bytes / GB, 2)
