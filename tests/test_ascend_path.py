@@ -149,8 +149,8 @@ def test_collective_self_test_runs_inside_a_semi_auto_context(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
     lines = [line for path in sorted(glob.glob(str(logs / "worker_*.log")))
              for line in open(path, encoding="utf-8") if line.startswith("RESULT")]
-    assert result.returncode == 0, result.stdout[-2000:] + "".join(open(p).read()[-1500:] for p in
-                                                                    glob.glob(str(logs / "worker_*.log")))
+    worker_logs = "".join(open(p).read()[-1500:] for p in glob.glob(str(logs / "worker_*.log")))
+    assert result.returncode == 0, result.stdout[-2000:] + worker_logs
     assert lines == ["RESULT [2.0, 4.0] semi_auto_parallel True\n"] * 2  # summed, and the context restored
 
 
@@ -216,3 +216,32 @@ def test_shipped_layouts_fit_and_state_the_planned_figure(name):
     stated = float(re.search(r"capped at 58 GB\): ([0-9.]+) GB", header).group(1))
     p = plan(load_recipe(path, planning=True))
     assert p.fits and stated == round(p.total_bytes / GB, 2)
+
+
+def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
+    import subprocess
+    from training.acceptance import LAYOUTS, MULTI_NODE_RECIPES, NODE_RECIPES, NOT_RUN
+
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "ascend_acceptance.sh"), str(out)],
+                            env=dict(os.environ, DRY_RUN="1"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    expected = ([f"[startup_{n}]" for n in NODE_RECIPES + MULTI_NODE_RECIPES] + [f"[layout_{n}]" for n in LAYOUTS]
+                + ["[bf16_vs_fp32] train 50 steps float32", "[bf16_vs_fp32] train 50 steps bfloat16",
+                   "[kill_resume_tp_pp] train, kill -9", "[kill_resume_tp_pp] rerun the same command",
+                   "[memory_llama2_7b_8dev] --plan"] + [f"[{n}] NOT RUN" for n in NOT_RUN])
+    for line in expected:
+        assert line in result.stdout, line
+    assert "--check --dry-run" in result.stdout and "tiny_ascend.yaml" in result.stdout
+    assert not out.exists()
+
+
+def test_check_dry_run_says_in_one_line_that_it_needs_cann(tmp_path):
+    import subprocess
+
+    result = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "run_distributed.sh"),
+                             os.path.join(REPO_ROOT, "recipes", "llama2_70b_32dev.yaml"), "--check", "--dry-run"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("dry-run:")]
+    assert result.returncode == 2 and len(lines) == 1
+    assert "DryRun (MS_SIMULATION_LEVEL) needs CANN and none is installed here" in lines[0]

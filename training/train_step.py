@@ -49,8 +49,8 @@ def summed_micro_batches(recipe) -> int:
 def train_step_wrapper(recipe) -> str:
     """The wrapper class MindFormers builds: it replaces runner_wrapper.type by MFPipelineWithLossScaleCell
     whenever micro-batches are summed (base_trainer.py:236,267 and 343-348)."""
-    if recipe.parallel.parallel_mode in (1, 2) and (recipe.parallel_config.pipeline_stage > 1
-                                                     or recipe.runner_config.gradient_accumulation_steps > 1):
+    summed = recipe.parallel_config.pipeline_stage > 1 or recipe.runner_config.gradient_accumulation_steps > 1
+    if recipe.parallel.parallel_mode in (1, 2) and summed:
         return PIPELINE_WRAPPER_TYPE
     return recipe.runner_wrapper.type
 
