@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from models.arithmetic import VOCAB_ALIGN, padded_vocab_size
 
 RECOMPUTE_MODES = ("none", "full", "selective")
+# recompute_config keys MindSpore's Cell.recompute acts on (mindspore/nn/cell.py:3685-3692); its third,
+# parallel_optimizer_comm_recompute, only logs a warning in 2.9 and is refused by the recipe check.
+RECOMPUTE_OPTIONS = ("mp_comm_recompute", "recompute_slice_activation")
 
 
 @dataclass
@@ -28,6 +31,9 @@ class LlamaLayout:
     stage_of_layer: list
     recompute: str = "none"        # none | full (whole decoder layer) | selective (core attention)
     strategies: dict = field(default_factory=dict)  # role -> in_strategy
+    # Cell.recompute's keyword options (RECOMPUTE_OPTIONS), as recompute_config sets them.
+    recompute_options: dict = field(default_factory=dict)
+    gradient_aggregation_group: int = 4   # gradient all-reduce fusion groups without pipelining
 
     @property
     def layers_per_stage(self) -> list:
@@ -69,11 +75,19 @@ def layout_problems(cfg, dp: int, tp: int, pp: int, micro_batches: int = 1, stag
                             f"entries, each >= 1, summing to num_layers ({cfg.num_layers})")
     if recompute not in RECOMPUTE_MODES:
         problems.append(f"recompute: {recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    if pp > 1 and getattr(cfg, "tie_word_embeddings", False):
+        # The tied output projection reads the embedding table, which lives on stage 0, while the
+        # logits belong to the last stage: no stage owns it. MindFormers 1.9's Llama shares the
+        # Parameter the same way (mindformers/models/llama/llama.py:521-522) with no stage rule.
+        problems.append(f"model.model_config.tie_word_embeddings: True with parallel_config.pipeline_stage {pp} "
+                        "leaves the output projection without a pipeline stage (the table is on stage 0, the "
+                        "logits on the last); untie the embeddings or use pipeline_stage 1")
     return problems
 
 
 def plan_layout(cfg, dp: int = 1, tp: int = 1, pp: int = 1, micro_batches: int = 1, stage_layers=None,
-                recompute: str = "none", vocab_emb_dp: bool = True) -> LlamaLayout:
+                recompute: str = "none", vocab_emb_dp: bool = True, recompute_options: dict = None,
+                gradient_aggregation_group: int = 4) -> LlamaLayout:
     """The layout for `cfg` at the given degrees; ValueError listing every problem otherwise."""
     problems = layout_problems(cfg, dp, tp, pp, micro_batches, stage_layers, recompute)
     if problems:
@@ -88,7 +102,8 @@ def plan_layout(cfg, dp: int = 1, tp: int = 1, pp: int = 1, micro_batches: int =
         "embedding": ((1, 1), (dp, 1)) if vocab_emb_dp else ((tp, 1), (dp, 1)),
         "attention_scores": heads, "attention_softmax": ((dp, tp, 1, 1),), "attention_values": heads,
     }
-    return LlamaLayout(dp, tp, pp, micro_batches, stage_of_layer, recompute, strategies)
+    return LlamaLayout(dp, tp, pp, micro_batches, stage_of_layer, recompute, strategies,
+                       dict(recompute_options or {}), gradient_aggregation_group)
 
 
 def plan_layout_from_mindformers(cfg, parallel_config) -> LlamaLayout:
@@ -99,9 +114,13 @@ def plan_layout_from_mindformers(cfg, parallel_config) -> LlamaLayout:
         recompute = "full"
     elif recompute_config is not None and recompute_config.select_recompute:
         recompute = "selective"
+    options = {}
+    if recompute_config is not None:
+        options = {name: getattr(recompute_config, name) for name in RECOMPUTE_OPTIONS}
     return plan_layout(cfg, parallel_config.data_parallel, parallel_config.model_parallel,
                        parallel_config.pipeline_stage, parallel_config.micro_batch_num,
-                       getattr(cfg, "pipeline_stage_layers", None), recompute, parallel_config.vocab_emb_dp)
+                       getattr(cfg, "pipeline_stage_layers", None), recompute, parallel_config.vocab_emb_dp,
+                       options, parallel_config.gradient_aggregation_group)
 
 
 def apply_layout(net, layout: LlamaLayout) -> None:
@@ -129,7 +148,16 @@ def apply_layout(net, layout: LlamaLayout) -> None:
             attn.core.softmax.shard(s["attention_softmax"])
             attn.core.pv_matmul.shard(s["attention_values"])
         layer.pipeline_stage = layout.stage_of_layer[index]
+        # Gradient all-reduce fusion groups, as MindFormers' LayerSetting.set_communication_fusion
+        # (mindformers/parallel_core/training_graph/transformer/utils.py:419-425).
+        if layout.pipeline_stages > 1:
+            layer.set_comm_fusion(2)
+        else:
+            spacing = max((len(model.layers) + 1) // layout.gradient_aggregation_group, 1)
+            layer.set_comm_fusion(index // spacing + 1)
+        # MindFormers passes recompute_slice_activation to Cell.recompute per layer (utils.py:393);
+        # mp_comm_recompute is Cell.recompute's too (mindspore/nn/cell.py:3685-3686).
         if layout.recompute == "full":
-            layer.recompute()
+            layer.recompute(**layout.recompute_options)
         elif layout.recompute == "selective":
-            attn.core.recompute()
+            attn.core.recompute(**layout.recompute_options)

@@ -131,7 +131,7 @@ def test_dry_run_prints_the_msrun_command(tmp_path):
     assert not os.path.exists(tmp_path / "run")  # nothing prepared, nothing started
 
 
-@pytest.mark.parametrize("name", ["llama2_7b_8dev", "llama2_13b_8dev", "llama2_70b_32dev", "dense_100b_32dev",
+@pytest.mark.parametrize("name", ["llama2_7b_8dev", "llama2_13b_8dev", "llama2_70b_32dev", "dense_100b_64dev",
                                   "demo_cpu", "tiny_dp2_cpu"])
 def test_plan_works_for_every_shipped_recipe_on_cpu(name):
     result = run_launcher(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), "--plan")

@@ -11,7 +11,8 @@ from training.recipe import load_recipe
 SMALL = ("model.model_config.vocab_size=100", "model.model_config.hidden_size=64",
          "model.model_config.num_layers=2", "model.model_config.num_heads=4", "model.model_config.num_kv_heads=2",
          "model.model_config.intermediate_size=64", "model.model_config.seq_length=32", "runner_config.batch_size=2")
-ASCEND = ("context.device_target=Ascend", "use_parallel=True", "parallel.parallel_mode=1")
+ASCEND = ("context.device_target=Ascend", "use_parallel=True", "parallel.parallel_mode=1", "parallel.full_batch=True",
+          "parallel.gradients_mean=False")
 LLAMA2_7B = ASCEND + (
     "model.model_config.vocab_size=32000", "model.model_config.hidden_size=4096", "model.model_config.num_layers=32",
     "model.model_config.num_heads=32", "model.model_config.num_kv_heads=32",
@@ -32,15 +33,17 @@ def test_hand_computed_small_model():
     assert p.weight_bytes == 4 * params == 255_232
     assert p.gradient_bytes == 255_232
     assert p.optimizer_bytes == p.optimizer_bytes_unsharded == 8 * params == 510_464
-    # fp32 activations (e = 4), s 32, b 2, h 64, f 64, 4 heads: s*b*h = 4,096, s*b*f = 4,096.
-    # none: 4e sbh (norm and projection inputs) + 4e sbh (Q, K, V, o input) + 4e sbf (SwiGLU)
-    #       + 4 a s^2 b (fp32 softmax) = 65,536 + 65,536 + 65,536 + 32,768 per layer.
-    assert p.activation_bytes_none == 2 * 229_376
-    assert p.activation_bytes_selective == 2 * 196_608
-    assert p.activation_bytes_full == 2 * 4 * 4_096
-    assert p.logits_bytes == 2 * 32 * 112 * 4
+    # fp32 activations (e = 4), s 32, b 2, h 64, f 64, 4 heads, KV width 32: sbh = sbf = 4,096, a s^2 b = 8,192.
+    # Kept per layer (activation_terms): norm inputs fp32 32,768 + norm outputs 32,768 + q/k/v outputs 32,768
+    # + rotary fp32 24,576 + KV broadcast 32,768 + Q/K/V 49,152 + attention output 32,768 + gate/up 32,768
+    # + silu input/output/product 49,152 = 319,488; softmax output 32,768; working S x S scores 65,536.
+    assert p.activation_bytes_none == 2 * (319_488 + 32_768) + 65_536
+    assert p.activation_bytes_selective == 2 * 319_488 + 65_536 + 32_768   # one layer's core attention rebuilt
+    assert p.activation_bytes_full == 2 * 4 * 4_096 + 65_536 + 319_488 + 32_768  # one whole layer rebuilt
+    # The lm_head output (vocabulary padded to 112) + full-vocabulary fp32 logits, log_softmax, gradient.
+    assert p.logits_bytes == 4 * 64 * 112 + 3 * 4 * 64 * 100
     assert p.recompute == "none" and p.in_flight == 1
-    assert p.total_bytes == 255_232 * 2 + 510_464 + 2 * 229_376 + 28_672
+    assert p.total_bytes == 255_232 * 2 + 510_464 + p.activation_bytes_none + p.logits_bytes
 
 
 @pytest.mark.parametrize("extra", [(), SMALL + ("model.model_config.tie_word_embeddings=True",
@@ -74,12 +77,45 @@ def test_recompute_modes_order_and_layer_formula():
     assert p.activation_bytes_full < p.activation_bytes_selective < p.activation_bytes_none
     cfg = recipe(*LLAMA2_7B).model.model_config
     sbh = 4096 * 4096
-    # Korthikanti's s*b*h*(34 + 5as/h) adapted (see layer_activation_bytes); bf16, no TP:
-    # 8 sbh + 8 sbh + 8 s*b*f + (4 + 2) a s^2 b.
-    assert layer_activation_bytes(cfg, 1, 1, "none") == 16 * sbh + 8 * 4096 * 11008 + 6 * 32 * 4096 ** 2
+    # bf16, MHA (no KV broadcast), no TP: norms 8 + 4 sbh, q/k/v 6, rotary fp32 8, Q/K/V 6, attention output
+    # 2 + 2; SwiGLU 4 + 6 sbf; softmax fp32 4 a s^2 b and its bf16 cast 2 a s^2 b.
+    assert layer_activation_bytes(cfg, 1, 1, "none") == 36 * sbh + 10 * 4096 * 11008 + 6 * 32 * 4096 ** 2
     assert layer_activation_bytes(cfg, 1, 1, "full") == 2 * sbh
-    # TP splits everything except the norm/projection inputs (no sequence parallelism).
-    assert layer_activation_bytes(cfg, 1, 8, "selective") == 8 * sbh + (8 * sbh + 8 * 4096 * 11008) // 8
+    # TP splits only what a strategy splits: q/k/v outputs, Q/K/V, the PV output, gate/up.
+    sbf = 4096 * 11008
+    split = 6 * sbh // 8 + 6 * sbh // 8 + 2 * sbh // 8 + 4 * sbf // 8
+    assert layer_activation_bytes(cfg, 1, 8, "selective") == 22 * sbh + split + 6 * sbf
+
+
+def test_planner_terms_match_the_real_tensors_on_cpu():
+    """Each counted term is the size of the tensor models/llama.py really makes (TP 1, fp32, CPU)."""
+    import mindspore as ms
+    import numpy as np
+    from models.llama import LlamaConfig, LlamaForCausalLM
+    from training.planner import activation_terms, logits_bytes
+
+    r = recipe(*SMALL)
+    c = r.model.model_config
+    net = LlamaForCausalLM(LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=1,
+                                       num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                                       intermediate_size=c.intermediate_size, seq_length=c.seq_length))
+    b, s, layer = 2, c.seq_length, net.model.layers[0]
+    tokens = ms.Tensor(np.random.default_rng(0).integers(4, 100, (b, s)), ms.int32)
+    x = net.model.embed_tokens(tokens)
+    normed = layer.input_layernorm(x)
+    q = layer.self_attn.q_proj(normed).reshape(b, s, c.num_heads, -1).transpose(0, 2, 1, 3)
+    qk = layer.self_attn.core.qk_matmul(q, q)
+    scores = qk.astype(ms.float32) + net.model.causal_mask
+    gate = layer.mlp.gate_proj(normed)
+    head = net.lm_head(net.model.norm(x))
+    logits = net.logits(tokens)
+    terms = activation_terms(c, b, 1)
+    assert terms["scores_at_mask_add"][0] == scores.nbytes + qk.nbytes
+    assert terms["softmax_fp32"][0] == ms.ops.softmax(scores, -1).nbytes
+    assert terms["norm_outputs"][0] == 2 * normed.nbytes
+    assert terms["swiglu_split"][0] == 2 * gate.nbytes and terms["swiglu_replicated"][0] == 3 * gate.nbytes
+    assert logits_bytes(c, b, 1) == head.nbytes + 3 * logits.nbytes
+    assert logits.shape == (b, s, 100) and logits.dtype == ms.float32
 
 
 def test_optimizer_sharding_divides_by_data_parallel():
@@ -163,7 +199,8 @@ def test_llama2_7b_on_one_64gb_device_does_not_fit_but_tp8_with_recompute_does()
                device="Ascend910B2")
     assert tp8.fits and tp8.recompute == "full" and tp8.activation_bytes == tp8.activation_bytes_full
     text = format_plan(tp8)
-    assert text.count("<- recipe") == 1 and "full recompute (layer inputs only)" in text.split("<- recipe")[0][-80:]
+    assert text.count("<- recipe") == 1
+    assert "full recompute (layer inputs + one layer rebuilt)" in text.split("<- recipe")[0][-80:]
     assert "fits: " in text and "WILL NOT FIT" not in text
 
 

@@ -43,6 +43,8 @@ class StepRecorder(Callback):
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.tensorboard_dir = tensorboard_dir
+        from training.train_step import summed_micro_batches
+        self.loss_divisor = summed_micro_batches(recipe)  # the wrapper's loss sums micro-batches
         self.records: list = []
         self._step_start = 0.0
         self._last_end = 0.0
@@ -87,7 +89,7 @@ class StepRecorder(Callback):
         mfu, flag = model_flops_utilisation(self.flops_per_token, tokens_per_s, self.peak_flops, self.devices)
         record = {
             "step": step,
-            "loss": _scalar(outputs[0]),
+            "loss": _scalar(outputs[0]) / self.loss_divisor,
             "lr": _scalar(outputs[3]),
             "grad_norm": _scalar(outputs[4]) if len(outputs) > 4 else None,
             "loss_scale": _scalar(outputs[2]),

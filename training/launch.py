@@ -543,6 +543,9 @@ def main(argv=None) -> int:
                         help="print per-device memory and step time, then exit (works for Ascend recipes on CPU)")
     parser.add_argument("--device", help="with --plan: device from the planner's table (default hardware.device)")
     parser.add_argument("--check", action="store_true", help="run the preflight checks only")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="with --check: also compile one rank per pipeline stage under MindSpore's DryRun "
+                             "(needs CANN)")
     parser.add_argument("--nodes", type=int, help="number of nodes (default: SLURM_NNODES or 1)")
     parser.add_argument("--node-rank", type=int, help="this node's index (default: SLURM_NODEID or 0)")
     parser.add_argument("--master-addr", help="node 0's address (default: first Slurm host or 127.0.0.1)")
@@ -554,6 +557,9 @@ def main(argv=None) -> int:
             return 0
         if args.check:
             from training.preflight import has_errors
+            if args.dry_run:
+                from training.acceptance import dry_run_compile
+                return dry_run_compile(load_recipe(args.recipe, tuple(args.overrides), planning=True), args.recipe)
             recipe = load_recipe(args.recipe, tuple(args.overrides))
             return 2 if has_errors(preflight(recipe, master_port=args.master_port)) else 0
         return launch(args.recipe, args.overrides, nodes=args.nodes, node_rank=args.node_rank,

@@ -606,15 +606,20 @@ class _Importer:
             self.carry(p + "parallel_optimizer_config.optimizer_level", default="level1",
                        reason="MindSpore's default (level1)")
         if self.has(p + "full_batch"):
-            self.carry(p + "full_batch", convert=lambda _: False,
-                       reason="each data-parallel rank reads its slice of the same global batch (data/loader.py) "
-                              "instead of reading the whole batch and slicing it")
+            # MindFormers sets full_batch True in semi-auto parallel whatever the config says
+            # (trainer/base_trainer.py:904,924); data/loader.py then gives every rank the global batch.
+            self.carry(p + "full_batch", convert=lambda _: self.get(p + "parallel_mode", 0) in (1, 2),
+                       reason="True in semi-auto/auto parallel (every rank reads the global batch), else False")
         c = "parallel_config."
         d = MF_DEFAULTS["parallel_config"]
         pipeline = self.get(c + "pipeline_stage", 1) > 1
-        for key in ("data_parallel", "model_parallel", "pipeline_stage", "use_seq_parallel", "vocab_emb_dp",
-                    "gradient_aggregation_group"):
+        for key in ("data_parallel", "model_parallel", "pipeline_stage", "vocab_emb_dp", "gradient_aggregation_group"):
             self.carry(c + key, default=d[key])
+        if self.get(c + "use_seq_parallel"):
+            self.drop(c + "use_seq_parallel", "sequence parallelism is not implemented by models/parallel.py: memory "
+                                              "only (same math), check --plan")
+        else:
+            self.carry(c + "use_seq_parallel", default=d["use_seq_parallel"])
         if not pipeline and self.get(c + "micro_batch_num", 1) > 1:
             self.put(c + "micro_batch_num", 1)
             self.drop(c + "micro_batch_num",
@@ -640,7 +645,12 @@ class _Importer:
                 self.drop(r + key, f"per-stage layer counts {value}: memory only (same math); ours recomputes "
                                    "all layers or none, check --plan")
         for key in ("parallel_optimizer_comm_recompute", "mp_comm_recompute", "recompute_slice_activation"):
-            self.carry(r + key)
+            if key == "parallel_optimizer_comm_recompute" and self.get(r + key):
+                self.drop(r + key, "MindSpore 2.9 ignores it (mindspore/nn/cell.py:3687-3690)")
+            elif self.out.get("recompute_config", {}).get("recompute"):
+                self.carry(r + key)
+            elif self.has(r + key):
+                self.drop(r + key, "acts only on recomputed layers and recompute is off")
 
     def callbacks(self):
         items = []

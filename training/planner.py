@@ -9,11 +9,12 @@ the device's memory. It also turns FLOPs per step into a step time at a stated M
 GB means 2**30 bytes throughout, the unit of npu-smi's HBM figures and of MindSpore's
 `context.max_device_memory`. Import-light: no MindSpore.
 
-Not counted (each small next to the rows counted, or dependent on the compiler): the
-runtime's and HCCL's reserved memory (recipes cap the budget with
-`context.max_device_memory`), communication buffers, kernel workspaces, fragmentation,
-the 16-bit weight copies that each Linear casts per use, and, under full recompute, the
-one layer whose activations are rebuilt during its backward.
+Counted as a bound: tensors of operators without a shard strategy are whole on every TP
+rank, the layer being computed or recomputed adds its own activations, and the last stage
+holds the full-vocabulary fp32 logits of the loss. Not counted (each small next to the rows
+counted, or dependent on the compiler): the runtime's and HCCL's reserved memory (recipes cap
+the budget with `context.max_device_memory`), communication buffers, kernel workspaces,
+fragmentation, and the 16-bit weight copies that each Linear casts per use.
 """
 
 import os
@@ -175,51 +176,83 @@ class Plan:
     notes: list = field(default_factory=list)
 
 
+def activation_terms(cfg, micro_batch: int, tensor_parallel: int = 1) -> dict:
+    """Bytes of each tensor one decoder layer of models/llama.py holds, per micro-batch on one TP rank.
+
+    name -> (bytes, kind). kind "kept": saved for backward; "score": saved for backward and
+    recomputed under selective recompute (the S x S terms); "working": alive only while the
+    layer computes (one layer at a time). e = bytes of the compute dtype, f = intermediate_size,
+    a = heads, kv = KV width (kv heads x head_dim), t = tensor parallel.
+
+    Only the operators models/parallel.py gives a strategy (the matmuls, the embedding gather
+    and the attention softmax) are split by TP. In semi-auto parallel an operator without a
+    strategy gets a data-parallel one, so its tensors stay whole on every TP rank: the norms
+    and their fp32 copies, rotary embedding (computed in fp32), the KV-head broadcast, the
+    additive mask (the S x S fp32 scores), SwiGLU's silu and product, the reshaped attention
+    output. Korthikanti et al. 2022 (sec. 4) count the same kinds of tensors for GPT.
+    """
+    e = DTYPE_BYTES[getattr(cfg, "compute_dtype", "float32")]
+    s, b, h, t, a = cfg.seq_length, micro_batch, cfg.hidden_size, tensor_parallel, cfg.num_heads
+    kv = (cfg.num_kv_heads or a) * (h // a)
+    sb, sbf, scores = s * b, s * b * cfg.intermediate_size, a * s * s * b
+    return {
+        "norm_inputs_fp32": (2 * 4 * sb * h, "kept"),             # RMSNorm computes in fp32 (both norms)
+        "norm_outputs": (2 * e * sb * h, "kept"),                 # inputs of q/k/v and of gate/up
+        "qkv_projections": (e * sb * (h + 2 * kv) // t, "kept"),   # column-split matmul outputs
+        "rotary_fp32": (4 * sb * (h + kv), "kept"),               # q and k rotated in fp32, no strategy
+        "kv_broadcast": (2 * e * sb * h if kv < h else 0, "kept"),  # K, V repeated to every head (GQA)
+        "attention_qkv": (3 * e * sb * h // t, "kept"),           # Q, K, V at the head-split matmuls
+        "attention_output": (e * sb * h // t + e * sb * h, "kept"),  # PV output, then reshaped whole for o_proj
+        "swiglu_split": (2 * e * sbf // t, "kept"),               # gate and up (column-split)
+        "swiglu_replicated": (3 * e * sbf, "kept"),               # gathered gate, silu(gate), silu x up
+        "softmax_fp32": (4 * scores // t, "score"),               # the softmax has a head-split strategy
+        "probs_cast": ((e * scores // t) if e != 4 else 0, "score"),  # cast for the PV matmul
+        "scores_at_mask_add": (4 * scores + e * scores // t, "working"),  # QK^T, then + mask whole (fp32)
+    }
+
+
 def layer_activation_bytes(cfg, micro_batch: int, tensor_parallel: int = 1, recompute: str = "none") -> int:
     """Activation bytes one decoder layer keeps for backward, per micro-batch, on one TP rank.
 
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-    Models", sec. 4) count s*b*h*(34 + 5*a*s/h) bytes per layer for 16-bit activations;
-    without sequence parallelism, TP t splits only part of it: s*b*h*(10 + 24/t + 5*a*s/(h*t)).
-    Counted here term by term for models/llama.py, with e = bytes of the compute dtype
-    (2 for bf16/fp16; fp32 compute doubles every e term), f = intermediate_size:
-
-    ==========================================  ===================  ==================
-    tensor kept for backward                    paper (16-bit)       here
-    ==========================================  ===================  ==================
-    the two norm inputs                         4 sbh                2e sbh
-    q/k/v input, MLP input (norm outputs)       4 sbh                2e sbh
-    dropout masks (attention, MLP)              2 sbh                none (no dropout)
-    -- split by TP --
-    Q, K (K broadcast to all heads for GQA)     4 sbh                2e sbh
-    V, o_proj input                             4 sbh                2e sbh
-    MLP: GeLU in/out, 4h wide                   16 sbh               -
-    MLP: SwiGLU gate, up, silu(gate), product   -                    4e sbf
-    softmax output                              2 a s^2 b (16-bit)   4 a s^2 b (fp32 here)
-    softmax cast for the PV matmul              -                    e a s^2 b (if e != 4)
-    attention dropout mask + output             3 a s^2 b            none
-    ==========================================  ===================  ==================
-
-    Selective recompute (core attention recomputed, as `models/parallel.py` marks it) drops
-    the s^2 terms; full recompute keeps only the layer input, e sbh, replicated across TP
-    (paper, table 2). Sequence parallelism is not implemented by models/parallel.py, so the
-    replicated terms stay whole on every TP rank, and operators without a shard strategy
-    (norms, SwiGLU product) are assumed to keep their input's layout.
+    none: every "kept" and "score" term of activation_terms; selective (core attention
+    recomputed, as models/parallel.py marks it): without the "score" terms; full: only the
+    layer input, e sbh, whole on every TP rank (no sequence parallelism). What a layer holds
+    while it computes or is recomputed is recompute_working_bytes.
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute: {recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
-    e = DTYPE_BYTES[getattr(cfg, "compute_dtype", "float32")]
-    s, b, h, t = cfg.seq_length, micro_batch, cfg.hidden_size, tensor_parallel
-    sbh, sbf = s * b * h, s * b * cfg.intermediate_size
     if recompute == "full":
-        return e * sbh
-    replicated = 4 * e * sbh
-    split = (4 * e * sbh + 4 * e * sbf) // t
+        return DTYPE_BYTES[getattr(cfg, "compute_dtype", "float32")] * cfg.seq_length * micro_batch * cfg.hidden_size
+    kinds = ("kept",) if recompute == "selective" else ("kept", "score")
+    return sum(n for n, kind in activation_terms(cfg, micro_batch, tensor_parallel).values() if kind in kinds)
+
+
+def recompute_working_bytes(cfg, micro_batch: int, tensor_parallel: int = 1, recompute: str = "none") -> int:
+    """Bytes one layer adds on top of what every layer keeps, at the peak of its forward or backward.
+
+    Always the transient S x S scores; under full recompute also the layer's own activations,
+    rebuilt for its backward; under selective recompute its core attention's.
+    """
+    terms = activation_terms(cfg, micro_batch, tensor_parallel)
+    working = sum(n for n, kind in terms.values() if kind == "working")
+    if recompute == "full":
+        return working + layer_activation_bytes(cfg, micro_batch, tensor_parallel, "none")
     if recompute == "selective":
-        return replicated + split
-    softmax_bytes = 4 + (e if e != 4 else 0)
-    scores = softmax_bytes * cfg.num_heads * s * s * b // t
-    return replicated + split + scores
+        return working + sum(n for n, kind in terms.values() if kind == "score")
+    return working
+
+
+def logits_bytes(cfg, micro_batch: int, tensor_parallel: int = 1) -> int:
+    """What the last stage holds for the loss of one micro-batch (1F1B: one at a time there).
+
+    The output projection's vocabulary-split output (compute dtype), then, because the loss's
+    log_softmax has no strategy, the full-vocabulary fp32 logits, their log_softmax (kept for
+    backward) and, in backward, the gradient of the logits: three (B, S, vocab) fp32 tensors.
+    """
+    e = DTYPE_BYTES[getattr(cfg, "compute_dtype", "float32")]
+    sb, t = cfg.seq_length * micro_batch, tensor_parallel
+    padded = padded_vocab_size(cfg.vocab_size, getattr(cfg, "vocab_pad_multiple", VOCAB_ALIGN), t)
+    return e * sb * padded // t + 3 * 4 * sb * cfg.vocab_size
 
 
 def stage_parameters(cfg, stage: int, layers: int, pipeline_stages: int, tensor_parallel: int = 1,
@@ -230,8 +263,7 @@ def stage_parameters(cfg, stage: int, layers: int, pipeline_stages: int, tensor_
     norms and q/k/v biases are replicated. The embedding table sits on the first stage,
     replicated across TP when vocab_emb_dp (the recipe's default), else split by vocabulary;
     the last stage holds the final norm and the output projection (split by vocabulary).
-    With tied embeddings and pipelining, the last stage is assumed to hold a vocabulary-split
-    copy of the table (as Megatron-LM does; its gradient is reduced across the two stages).
+    Tied embeddings with pipelining are refused (models/parallel.py layout_problems).
     """
     t, h = tensor_parallel, cfg.hidden_size
     vocab = padded_vocab_size(cfg.vocab_size, getattr(cfg, "vocab_pad_multiple", VOCAB_ALIGN), t)
@@ -243,7 +275,7 @@ def stage_parameters(cfg, stage: int, layers: int, pipeline_stages: int, tensor_
         count += table if vocab_emb_dp else table // t
     if stage == last:
         count += h
-        if not getattr(cfg, "tie_word_embeddings", False) or pipeline_stages > 1:
+        if not getattr(cfg, "tie_word_embeddings", False):
             count += table // t
     return count
 
@@ -256,7 +288,7 @@ def stage_memory(recipe) -> list:
     b = recipe.runner_config.batch_size
     counts = list(p.stage_layers) if p.stage_layers else balanced_stages(cfg.num_layers, pp)
     per_layer = {mode: layer_activation_bytes(cfg, b, tp, mode) for mode in RECOMPUTE_MODES}
-    vocab = padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple, tp)
+    working = {mode: recompute_working_bytes(cfg, b, tp, mode) for mode in RECOMPUTE_MODES}
     stages = []
     for stage, layers in enumerate(counts):
         params = stage_parameters(cfg, stage, layers, pp, tp, p.vocab_emb_dp)
@@ -279,8 +311,8 @@ def stage_memory(recipe) -> list:
             gradient_bytes=gradients,
             optimizer_bytes_unsharded=optimizer,
             optimizer_bytes_sharded=_ceil_div(optimizer, dp),
-            activation_bytes={mode: layers * per_layer[mode] * in_flight for mode in RECOMPUTE_MODES},
-            logits_bytes=b * cfg.seq_length * (vocab // tp) * 4 if stage == pp - 1 else 0))
+            activation_bytes={mode: layers * per_layer[mode] * in_flight + working[mode] for mode in RECOMPUTE_MODES},
+            logits_bytes=logits_bytes(cfg, b, tp) if stage == pp - 1 else 0))
     return stages
 
 
@@ -447,12 +479,12 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  ({'without' if plan.optimizer_sharded else 'with'} sharding over DP {plan.data_parallel}: "
                      f"{_gb(other)} GB)")
     for mode, label in (("none", "no recompute"), ("selective", "selective recompute (core attention)"),
-                        ("full", "full recompute (layer inputs only)")):
+                        ("full", "full recompute (layer inputs + one layer rebuilt)")):
         chosen = mode == plan.recompute
         row(f"activations, {label}", getattr(plan, f"activation_bytes_{mode}"),
             "  <- recipe" if chosen else "")
     if plan.logits_bytes:
-        row("logits buffer (fp32, last stage)", plan.logits_bytes)
+        row("logits and loss (full-vocabulary fp32, last stage)", plan.logits_bytes)
     lines.append("-" * 67)
     row("total", plan.total_bytes)
     if pp > 1:

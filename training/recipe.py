@@ -335,6 +335,23 @@ class ParallelConfig:
     search_mode: Literal["sharding_propagation", "recursive_programming", "dynamic_programming"] = \
         "sharding_propagation"
 
+    def check(self, recipe: "Recipe") -> list:
+        if self.parallel_mode not in (1, 2):
+            return []
+        problems = []
+        # MindFormers' trainer passes dataset_strategy='full_batch' unless one is given
+        # (mindformers/trainer/base_trainer.py:904,924) and MindSpore then sets full_batch True
+        # (mindspore/parallel/_auto_parallel_context.py:581): every rank reads the global batch.
+        if not self.full_batch:
+            problems.append("parallel.full_batch: False is reset to True by MindFormers in semi-auto/auto parallel "
+                            "(every rank reads the global batch and the graph slices it); set it to True")
+        # The semi-auto graph computes the global-batch mean loss, so its gradients are already
+        # means; MindFormers' own configs all set gradients_mean: False.
+        if self.gradients_mean:
+            problems.append("parallel.gradients_mean: True divides semi-auto parallel gradients by the data-parallel "
+                            "degree a second time; set it to False (as MindFormers' configs do)")
+        return problems
+
 
 @dataclass
 class ParallelDegreesConfig:
@@ -351,6 +368,9 @@ class ParallelDegreesConfig:
         p = "parallel_config"
         problems = _at_least(p, self, 1, "data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num",
                              "gradient_aggregation_group")
+        if self.use_seq_parallel:
+            problems.append(f"{p}.use_seq_parallel: sequence parallelism is not implemented by models/parallel.py "
+                            "(MindFormers applies it inside its own layers); set it to False")
         if problems:
             return problems
         problems.extend(layout_problems(recipe.model.model_config, self.data_parallel, self.model_parallel,
@@ -375,9 +395,23 @@ class RecomputeConfig:
     select_recompute: bool = False
     parallel_optimizer_comm_recompute: bool = False
     mp_comm_recompute: bool = True
-    recompute_slice_activation: bool = True
+    # MindFormers' default (mindformers/modules/transformer/transformer.py:386); models/parallel.py
+    # passes these three to Cell.recompute per layer, as MindFormers does.
+    recompute_slice_activation: bool = False
 
     def check(self, recipe: "Recipe") -> list:
+        if not self.recompute and not self.select_recompute:
+            # Cell.recompute's options act only on recomputed cells: without recompute they are ignored.
+            changed = [f"recompute_config.{name}" for name, default in (
+                ("parallel_optimizer_comm_recompute", False), ("mp_comm_recompute", True),
+                ("recompute_slice_activation", False)) if getattr(self, name) != default]
+            if changed:
+                return [f"{', '.join(changed)}: has no effect without recompute_config.recompute; remove it or "
+                        "set recompute: True"]
+        if self.parallel_optimizer_comm_recompute:
+            # MindSpore 2.9's Cell.recompute only logs a warning for it (mindspore/nn/cell.py:3687-3690).
+            return ["recompute_config.parallel_optimizer_comm_recompute: True is ignored by MindSpore 2.9 (optimizer "
+                    "parallel level3 re-gathers weights instead); set it to False"]
         if self.select_recompute:
             return ["recompute_config.select_recompute: selective recompute is not implemented by "
                     "models/llama.py yet; use recompute: True (full recompute per layer)"]
@@ -620,7 +654,8 @@ class Recipe:
     def check(self) -> list:
         problems = _at_least("", self, 0, "seed") + _at_least("", self, 1, "eval_step_interval")
         for section in (self.context, self.runner_config, self.runner_wrapper, self.optimizer, self.lr_schedule,
-                        self.model.model_config, self.train_dataset, self.parallel.parallel_optimizer_config,
+                        self.model.model_config, self.train_dataset, self.parallel,
+                        self.parallel.parallel_optimizer_config,
                         self.parallel_config, self.recompute_config, *self.callbacks, self.data_preparation,
                         self.hardware, self.hccl, self.eval_dataset, self.profile, self.monitoring, self.anomaly):
             if section is not None:

@@ -14,21 +14,62 @@ ClipGradNorm, so graph compilation merges the two (common subexpressions) and th
 IsFinite/ReduceAll pass over every gradient disappears.
 """
 
-from mindspore import context, ops
+from mindspore import context, nn, ops
 from mindspore.common import dtype as mstype
+from mindspore.nn.wrap.cell_wrapper import _VirtualDatasetCell
 from mindspore.nn.wrap.loss_scale import _ascend_grad_overflow
 from mindformers.core.clip_grad import get_square_sum
 from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 from mindformers.wrapper import MFTrainOneStepCell
 
+from training.errors import LaunchError
+
 WRAPPER_TYPE = "PortableTrainOneStepCell"
+PIPELINE_WRAPPER_TYPE = "MFPipelineWithLossScaleCell"
+
+
+def summed_micro_batches(recipe) -> int:
+    """How many micro-batch losses the train step adds up into its loss output (1: it is a mean already).
+
+    In semi-auto/auto parallel with pipeline stages, MindFormers wraps the network in a
+    PipelineCell of micro_batch_num micro-batches; without stages but with gradient
+    accumulation, in a GradAccumulationCell of gradient_accumulation_steps
+    (mindformers/trainer/base_trainer.py:510-529). Both return the SUM of the micro-batch
+    losses (mindspore/nn/wrap/cell_wrapper.py:631-640 and 994-1003), and MindFormers' own
+    MFLossMonitor divides it back (mindformers/core/callback/callback.py:557-564).
+    Outside semi-auto parallel MindFormers resets accumulation to 1 (base_trainer.py:321-327).
+    """
+    if recipe.parallel.parallel_mode not in (1, 2):
+        return 1
+    if recipe.parallel_config.pipeline_stage > 1:
+        return recipe.parallel_config.micro_batch_num  # accumulation is reset to 1 (base_trainer.py:313-319)
+    return recipe.runner_config.gradient_accumulation_steps
+
+
+def train_step_wrapper(recipe) -> str:
+    """The wrapper class MindFormers builds: it replaces runner_wrapper.type by MFPipelineWithLossScaleCell
+    whenever micro-batches are summed (base_trainer.py:236,267 and 343-348)."""
+    summed = recipe.parallel_config.pipeline_stage > 1 or recipe.runner_config.gradient_accumulation_steps > 1
+    if recipe.parallel.parallel_mode in (1, 2) and summed:
+        return PIPELINE_WRAPPER_TYPE
+    return recipe.runner_wrapper.type
 
 
 @MindFormerRegister.register(MindFormerModuleType.WRAPPER, alias=WRAPPER_TYPE)
 class PortableTrainOneStepCell(MFTrainOneStepCell):
-    """`MFTrainOneStepCell` (loss scale, clipping, grad norm) that also compiles on CPU."""
+    """`MFTrainOneStepCell` (loss scale, clipping, grad norm) that also compiles on CPU.
+
+    It serves one micro-batch per step (no pipeline stages, no gradient accumulation): for those
+    MindFormers builds MFPipelineWithLossScaleCell instead (see train_step_wrapper), and a network
+    that sums micro-batch losses is refused here, since this wrapper treats its loss as a mean.
+    """
 
     def __init__(self, network, optimizer, **kwargs):
+        inner = network.network if isinstance(network, _VirtualDatasetCell) else network
+        if isinstance(inner, (nn.GradAccumulationCell, nn.PipelineCell)):
+            raise LaunchError(f"{WRAPPER_TYPE} got a {type(inner).__name__}, whose loss is a sum over micro-batches",
+                              hint=f"with gradient accumulation or pipeline stages use {PIPELINE_WRAPPER_TYPE} "
+                                   "(MindFormers selects it itself in semi-auto parallel)")
         super().__init__(network, optimizer, **kwargs)
         self.cpu_target = context.get_context("device_target") == "CPU"
 

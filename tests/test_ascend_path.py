@@ -1,0 +1,247 @@
+"""The Ascend path's contracts, checked on CPU with the real MindSpore/MindFormers code that decides them.
+
+Issue 18: data contract vs the parallel context MindFormers builds (full_batch), recipe keys that
+MindFormers/MindSpore would silently ignore, tied embeddings with pipeline stages.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import REPO_ROOT
+from training.errors import RecipeError
+from training.recipe import load_recipe
+
+TINY_ASCEND = os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml")
+LAYOUTS = {  # the acceptance kit's layouts, all at a global batch of 8 sequences
+    "dp8": ["parallel_config.data_parallel=8"],
+    "dp2_tp2_pp2": ["parallel_config.data_parallel=2", "parallel_config.model_parallel=2",
+                    "parallel_config.pipeline_stage=2", "parallel_config.micro_batch_num=4"],
+    "dp2_tp4": ["parallel_config.data_parallel=2", "parallel_config.model_parallel=4",
+                "runner_config.gradient_accumulation_steps=4"],
+}
+
+
+def ascend_recipe(tmp_path, dataset, *overrides):
+    return load_recipe(TINY_ASCEND, [f"train_dataset.data_loader.dataset_dir={dataset}",
+                                     f"output_dir={tmp_path}", *overrides], planning=True)
+
+
+def test_full_batch_agrees_with_the_context_mindformers_builds(tmp_path, tiny_dataset):
+    """MindFormers' own dataset-strategy code, run on our config, leaves full_batch as the loader assumes."""
+    import mindspore as ms
+    from mindformers import MindFormerConfig
+    from mindformers.trainer.base_trainer import BaseTrainer
+    from training.train import mindformers_config
+
+    recipe = ascend_recipe(tmp_path, tiny_dataset, *LAYOUTS["dp2_tp2_pp2"])
+    config = MindFormerConfig(**mindformers_config(recipe, str(tmp_path)))
+    try:
+        config, strategy, _, _ = BaseTrainer._get_columns_with_strategy(
+            config, config.train_dataset.data_loader, config.train_dataset.data_loader.type)
+        BaseTrainer._set_full_batch_with_strategy(config, strategy)
+        assert ms.get_auto_parallel_context("full_batch") is True
+        assert recipe.parallel.full_batch is True
+    finally:
+        ms.reset_auto_parallel_context()
+
+
+def test_every_rank_reads_the_global_batch_under_semi_auto(tmp_path, tiny_dataset):
+    from data.loader import rank_samples, training_order
+
+    global_batches = {}
+    for name, overrides in LAYOUTS.items():
+        recipe = ascend_recipe(tmp_path, tiny_dataset, *overrides)
+        assert recipe.global_batch_size == 8
+        per_rank = [rank_samples(recipe, rank)[1] for rank in range(recipe.world_size)]
+        for rank, ids in enumerate(per_rank):
+            np.testing.assert_array_equal(ids, per_rank[0], err_msg=f"{name} rank {rank}")
+        assert rank_samples(recipe, 0)[2] == 8  # batches of the global batch
+        global_batches[name] = per_rank[0]
+    order = training_order(recipe)[1]
+    for name, ids in global_batches.items():  # the same samples per step at every layout
+        np.testing.assert_array_equal(ids, order[:len(ids)], err_msg=name)
+
+
+def test_data_parallel_mode_ranks_read_disjoint_slices(tmp_path, tiny_dataset):
+    from data.loader import rank_samples, training_order
+
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml"),
+                         [f"train_dataset.data_loader.dataset_dir={tiny_dataset}", f"output_dir={tmp_path}"])
+    a, b = (rank_samples(recipe, r)[1].reshape(-1, 2) for r in (0, 1))
+    order = training_order(recipe)[1]
+    np.testing.assert_array_equal(np.concatenate([a, b], 1).reshape(-1), order[:2 * a.size])
+
+
+@pytest.mark.parametrize("override,match", [
+    ("parallel.full_batch=False", r"parallel\.full_batch: False is reset to True by MindFormers"),
+    ("parallel.gradients_mean=True", r"parallel\.gradients_mean: True divides semi-auto parallel gradients"),
+    ("parallel_config.use_seq_parallel=True", r"parallel_config\.use_seq_parallel: sequence parallelism is not"),
+    ("parallel_config.gradient_aggregation_group=0", r"parallel_config\.gradient_aggregation_group: must be >= 1"),
+    ("recompute_config.parallel_optimizer_comm_recompute=True",
+     r"recompute_config\.parallel_optimizer_comm_recompute: .*has no effect without|is ignored by MindSpore 2\.9"),
+    ("recompute_config.recompute_slice_activation=True",
+     r"recompute_config\.recompute_slice_activation: has no effect without recompute_config\.recompute"),
+    ("model.model_config.tie_word_embeddings=True",
+     r"tie_word_embeddings: True with parallel_config\.pipeline_stage 2 leaves the output projection"),
+])
+def test_ignored_keys_are_refused_by_name(tmp_path, override, match):
+    overrides = [f"output_dir={tmp_path}", *LAYOUTS["dp2_tp2_pp2"], override]
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(TINY_ASCEND, overrides, planning=True)
+
+
+def test_recompute_options_and_fusion_groups_reach_the_cells():
+    """recompute_config's Cell.recompute options and gradient_aggregation_group are applied per layer."""
+    from mindformers.modules.transformer.transformer import TransformerOpParallelConfig, TransformerRecomputeConfig
+    from models.llama import LlamaConfig, LlamaForCausalLM
+
+    def build(pp, **recompute):
+        parallel = TransformerOpParallelConfig(
+            data_parallel=1, model_parallel=2, pipeline_stage=pp, micro_batch_num=8, gradient_aggregation_group=2,
+            recompute=TransformerRecomputeConfig(recompute=True, **recompute))
+        return LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, num_layers=5, num_heads=8,
+                                            num_kv_heads=4, intermediate_size=160, seq_length=32,
+                                            parallel_config=parallel))
+
+    net = build(1, recompute_slice_activation=True, mp_comm_recompute=False)
+    for layer in net.model.layers:
+        matmul = layer.self_attn.q_proj.matmul
+        assert matmul.attrs["slice_activation"] is True and matmul.attrs["recompute_comm_op"] is False
+    # MindFormers' spacing: (layers + 1) // groups = 3 layers per fusion group, numbered from 1.
+    assert [layer.trainable_params()[0].comm_fusion for layer in net.model.layers] == [1, 1, 1, 2, 2]
+    assert {layer.trainable_params()[0].comm_fusion for layer in build(5).model.layers} == {2}
+
+
+SELF_TEST_WORKER = """
+import os, sys
+sys.path.insert(0, {root!r})
+import mindspore as ms
+from mindspore.communication import init
+ms.set_context(mode=0, device_target="CPU")
+init()
+if os.environ.get("MS_ROLE") == "MS_SCHED":
+    sys.exit(0)
+# The context training.train builds for an Ascend recipe before its collective self-test.
+ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", full_batch=True)
+from training.collectives import all_reduce_sum
+got = all_reduce_sum([1.0, 2.0]).tolist()
+print("RESULT", got, ms.get_auto_parallel_context("parallel_mode"), ms.get_auto_parallel_context("full_batch"))
+"""
+
+
+def test_collective_self_test_runs_inside_a_semi_auto_context(tmp_path):
+    """The all-reduce shared by the self-test, the CPU barrier and spike decisions compiles in its own DP context."""
+    import glob
+    import shutil
+    import socket
+    import subprocess
+
+    script = tmp_path / "worker.py"
+    script.write_text(SELF_TEST_WORKER.format(root=REPO_ROOT))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logs = tmp_path / "logs"
+    result = subprocess.run([shutil.which("msrun") or "msrun", "--worker_num=2", "--local_worker_num=2",
+                             f"--master_port={port}", f"--log_dir={logs}", "--join=True", "python", str(script)],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    lines = [line for path in sorted(glob.glob(str(logs / "worker_*.log")))
+             for line in open(path, encoding="utf-8") if line.startswith("RESULT")]
+    worker_logs = "".join(open(p).read()[-1500:] for p in glob.glob(str(logs / "worker_*.log")))
+    assert result.returncode == 0, result.stdout[-2000:] + worker_logs
+    assert lines == ["RESULT [2.0, 4.0] semi_auto_parallel True\n"] * 2  # summed, and the context restored
+
+
+ASCEND_RECIPES = {"llama2_7b_8dev": 8, "llama2_13b_8dev": 16, "llama2_70b_32dev": 16, "dense_100b_64dev": 8}
+
+
+@pytest.mark.parametrize("name,summed", ASCEND_RECIPES.items())
+def test_shipped_ascend_recipes_run_the_pipeline_wrapper_and_divide_its_loss(name, summed):
+    from training.train_step import PIPELINE_WRAPPER_TYPE, summed_micro_batches, train_step_wrapper
+
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), planning=True)
+    assert train_step_wrapper(recipe) == PIPELINE_WRAPPER_TYPE
+    assert summed_micro_batches(recipe) == summed
+
+
+def tiny_net():
+    from models.llama import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
+                                        intermediate_size=64, seq_length=16))
+
+
+@pytest.mark.parametrize("layout", ["dp2_tp2_pp2", "dp2_tp4"])
+def test_logged_loss_is_the_mean_of_the_summing_wrappers_output(tmp_path, tiny_dataset, layout):
+    """MindSpore's GradAccumulationCell / PipelineCell on CPU sum 4 micro-batch losses; the record divides by 4."""
+    import mindspore as ms
+    from mindspore import nn
+    from training.callbacks import StepRecorder
+    from training.heartbeat import Heartbeat
+
+    recipe = ascend_recipe(tmp_path, tiny_dataset, *LAYOUTS[layout])
+    net = tiny_net()
+    rows = ms.Tensor(np.random.default_rng(0).integers(4, 64, (8, 17)), ms.int32)  # no pad labels
+    summing = (nn.PipelineCell(net, 4) if recipe.parallel_config.pipeline_stage > 1
+               else nn.GradAccumulationCell(net, 4))
+    summed = summing(rows)
+    mean = float(net(rows).asnumpy())
+    assert float(summed.asnumpy()) == pytest.approx(4 * mean, rel=1e-5)  # the raw output: 4x too high
+    recorder = StepRecorder(recipe, str(tmp_path / "metrics.jsonl"), Heartbeat(str(tmp_path), 0), 1)
+    one = ms.Tensor(1.0, ms.float32)
+    record = recorder.record(1, (summed, ms.Tensor(False), one, one, one), 1.0, 0.0, True)
+    assert record["loss"] == pytest.approx(mean, rel=1e-5)
+
+
+def test_portable_wrapper_refuses_a_network_that_sums_micro_batches():
+    from mindspore import nn
+    from training.errors import LaunchError
+    from training.train_step import PortableTrainOneStepCell
+
+    net = tiny_net()
+    with pytest.raises(LaunchError, match="GradAccumulationCell, whose loss is a sum over micro-batches"):
+        PortableTrainOneStepCell(nn.GradAccumulationCell(net, 2), nn.AdamWeightDecay(net.trainable_params()))
+
+
+@pytest.mark.parametrize("name", ASCEND_RECIPES)
+def test_shipped_layouts_fit_and_state_the_planned_figure(name):
+    """Each Ascend recipe's header states the corrected planner's per-device figure, and it fits the cap."""
+    import re
+    from training.planner import GB, plan
+
+    path = os.path.join(REPO_ROOT, "recipes", f"{name}.yaml")
+    header = open(path, encoding="utf-8").read()
+    stated = float(re.search(r"capped at 58 GB\): ([0-9.]+) GB", header).group(1))
+    p = plan(load_recipe(path, planning=True))
+    assert p.fits and stated == round(p.total_bytes / GB, 2)
+
+
+def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
+    import subprocess
+    from training.acceptance import LAYOUTS, MULTI_NODE_RECIPES, NODE_RECIPES, NOT_RUN
+
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "ascend_acceptance.sh"), str(out)],
+                            env=dict(os.environ, DRY_RUN="1"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    expected = ([f"[startup_{n}]" for n in NODE_RECIPES + MULTI_NODE_RECIPES] + [f"[layout_{n}]" for n in LAYOUTS]
+                + ["[bf16_vs_fp32] train 50 steps float32", "[bf16_vs_fp32] train 50 steps bfloat16",
+                   "[kill_resume_tp_pp] train, kill -9", "[kill_resume_tp_pp] rerun the same command",
+                   "[memory_llama2_7b_8dev] --plan"] + [f"[{n}] NOT RUN" for n in NOT_RUN])
+    for line in expected:
+        assert line in result.stdout, line
+    assert "--check --dry-run" in result.stdout and "tiny_ascend.yaml" in result.stdout
+    assert not out.exists()
+
+
+def test_check_dry_run_says_in_one_line_that_it_needs_cann(tmp_path):
+    import subprocess
+
+    result = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "run_distributed.sh"),
+                             os.path.join(REPO_ROOT, "recipes", "llama2_70b_32dev.yaml"), "--check", "--dry-run"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("dry-run:")]
+    assert result.returncode == 2 and len(lines) == 1
+    assert "DryRun (MS_SIMULATION_LEVEL) needs CANN and none is installed here" in lines[0]
