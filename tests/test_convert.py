@@ -25,7 +25,7 @@ from models.convert import (CHECKPOINT_FILE, HF_WEIGHTS_FILE, KL_TOLERANCE, MODE
                             to_hf, verify_logits)
 from training.checkpoint import MANIFEST, read_json, step_dir, write_rank
 from training.errors import ConversionError, LaunchError
-from training.launch import launch
+from training.launch import check_load_checkpoint, launch
 from training.recipe import load_recipe
 from training.train import check_checkpoint_parameters
 
@@ -159,6 +159,12 @@ def test_converted_checkpoint_trains_from_a_recipe_with_the_transformers_loss(co
                       transformers.AutoTokenizer.from_pretrained(str(back))):
         assert tokenizer.encode(sample) == sp.encode(sample), type(tokenizer).__name__
     assert "tokenizer copied from" in text
+
+    # A step of this run (weights, AdamW moments, counters) passes the load checks for another run's resume.
+    recipe = load_recipe(TINY_RECIPE, (f"load_checkpoint={step_dir(str(converted_run.run_dir), 2)}",
+                                       "resume_training=true", *recipe_model_overrides(converted_run.ours)))
+    check_load_checkpoint(recipe)
+    check_checkpoint_parameters(recipe, 0)
 
 
 def test_missing_shard_is_refused(tmp_path):
@@ -442,3 +448,14 @@ def test_to_hf_of_a_run_takes_its_newest_verified_step(converted_run, tmp_path, 
     assert "step 2, the run's newest verified checkpoint (newer ones skipped:" in printed
     assert "step_00000005/rank_0" in printed and "sha256 differs" in printed
     assert read_json(str(out / "conversion.json"))["source"]["step"] == 2
+
+
+def test_non_finite_hf_weights_are_refused(tmp_path):
+    hf_dir, out = tmp_path / "hf", tmp_path / "out"
+    model = make_hf_model(hf_dir)
+    with torch.no_grad():
+        model.model.norm.weight[3] = float("nan")
+    model.save_pretrained(hf_dir)
+    with pytest.raises(ConversionError, match=r"non-finite values in 1 tensor\(s\): model\.norm\.weight \(1 NaN"):
+        from_hf(str(hf_dir), str(out), show_progress=False)
+    assert_nothing_written(out)
