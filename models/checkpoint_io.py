@@ -47,6 +47,12 @@ class SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
+        try:
+            self._read_header(path)
+        except OSError as err:
+            raise ConversionError(f"{path}: cannot be read ({err.strerror or err})") from None
+
+    def _read_header(self, path: str) -> None:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             prefix = f.read(8)
@@ -59,14 +65,20 @@ class SafetensorsFile:
                                       hint="download or copy the file again")
             try:
                 header = json.loads(f.read(header_len))
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                if not isinstance(header, dict):
+                    raise ValueError(f"a JSON {type(header).__name__}, not an object")
+            except (UnicodeDecodeError, ValueError) as err:
                 raise ConversionError(f"{path}: unreadable safetensors header ({err})") from None
         self.metadata = header.pop("__metadata__", None) or {}
         self.data_start = 8 + header_len
         self.tensors = {}  # name -> (dtype code, shape, begin, end), offsets relative to data_start
         data_end = 0
         for name, info in header.items():
-            code, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            try:
+                code, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise ConversionError(f"{path}: tensor {name}: malformed header entry {info!r} (corrupt header)",
+                                      hint="download or copy the file again") from None
             if code not in SAFETENSORS_SIZES:
                 raise ConversionError(f"{path}: tensor {name} has unknown dtype {code} (corrupt header?)")
             if end - begin != int(np.prod(shape, dtype=np.int64)) * SAFETENSORS_SIZES[code]:
@@ -181,6 +193,12 @@ class CkptFile:
         self.path = path
         self.tensors = {}  # name -> (tensor_type, shape, [(offset, length), ...])
         self._last_tag = None
+        try:
+            self._index(path)
+        except OSError as err:
+            raise ConversionError(f"{path}: cannot be read ({err.strerror or err})") from None
+
+    def _index(self, path: str) -> None:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             f.seek(max(0, size - 17))
@@ -278,3 +296,9 @@ class SafetensorsWriter:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
+
+
+def tensor_shapes(path: str) -> dict:
+    """{tensor name: shape} of a .ckpt or .safetensors file, from its framing or header alone."""
+    reader = CkptFile(path) if path.endswith(".ckpt") else SafetensorsFile(path)
+    return {name: tuple(info[1]) for name, info in reader.tensors.items()}

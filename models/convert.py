@@ -4,8 +4,9 @@
                               -> OUT_DIR/weights.safetensors (what the MindFormers Trainer loads
                                  through a recipe's `load_checkpoint: OUT_DIR`), model_config.yaml
                                  (the recipe's `model:` section) and conversion.json (the manifest)
-    to_hf(OURS, OUT_DIR)      a converted directory, a run directory, a .ckpt or .safetensors file
-                              -> OUT_DIR/config.json + model.safetensors for transformers
+    to_hf(OURS, OUT_DIR)      a converted directory, a run directory (its newest verified step), a .ckpt or
+                              .safetensors file -> OUT_DIR/config.json + model.safetensors for transformers
+                              (+ tokenizer.model and tokenizer_config.json when the run's dataset names one)
 
 How the Trainer reads OUT_DIR (recipe keys `load_checkpoint: OUT_DIR`, `load_ckpt_format:
 safetensors`): training/train.py runs MindFormers 1.9 with `use_legacy_format: True`, whose
@@ -19,8 +20,9 @@ Everything is driven by two tables: CONFIG_MAP (config.json keys <-> model_confi
 the options each family must leave at their supported value) and KEY_MAP (one row per tensor:
 names, shape from the config, transform). Conversion is strict: every source tensor is converted
 or named in an ignore list, every shape is checked against the config before any data is read,
-and unknown tensors are errors. Output is built in a hidden sibling directory and renamed into
-place when complete, so a failed or interrupted conversion leaves nothing behind.
+unknown tensors are errors, and so is any NaN or inf value. Output is built in a hidden sibling
+directory and renamed into place when complete, so a failed or interrupted conversion leaves
+nothing behind.
 """
 
 import hashlib
@@ -38,8 +40,10 @@ import yaml
 from models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from models.arithmetic import padded_vocab_size
 from models.checkpoint_io import CkptFile, SafetensorsFile, SafetensorsWriter, TorchBinFile
-from training.errors import ConversionError
+from training.checkpoint import CHECKPOINTS
+from training.errors import ConversionError, PretrainError
 from training.recipe import ModelConfig, ModelSection, load_recipe
+from training.train import RESOLVED_RECIPE as RUN_RECIPE
 from training.schema import load_dataclass, to_plain
 
 FORMAT_VERSION = 1
@@ -48,7 +52,9 @@ MODEL_SECTION_FILE = "model_config.yaml"
 MANIFEST_FILE = "conversion.json"
 HF_WEIGHTS_FILE = "model.safetensors"
 DEFAULT_MAX_SEQ_LENGTH = 4096  # the rotary table and causal mask are seq_length-sized; long contexts opt in
-MAX_ABS_TOLERANCE = 1e-4       # --verify bounds for float32 weights (bf16 sources are widened exactly)
+# --verify bounds for float32 weights (bf16 sources are widened exactly). Rounding error grows with the
+# logits' magnitude, so max |delta| is bounded relative to the reference's largest |logit| (at least 1).
+LOGIT_TOLERANCE = 1e-4
 KL_TOLERANCE = 1e-6
 
 
@@ -102,6 +108,10 @@ CONFIG_MAP = (
     ("eos_token_id", "eos_token_id"),
     ("pad_token_id", "pad_token_id"),
 )
+# model_config fields a checkpoint's weights depend on: a recipe loading them must agree on each.
+# seq_length, token ids, document_attention, initializer_range and compute_dtype are training choices.
+ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                       "rms_norm_eps", "rope_theta", "tie_word_embeddings", "qkv_bias", "vocab_pad_multiple")
 REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 NO_TOKEN = -1  # a token id HF leaves unset (null); no label equals it, so nothing is masked
@@ -124,6 +134,11 @@ def model_config_from_hf(hf_config: dict, where: str, seq_length: int = None) ->
     family = family_of(hf_config, where)
     hf = {**family.defaults, **hf_config}
     problems = [f"{key}: missing" for key in REQUIRED_HF_KEYS if key not in hf]
+    problems += [f"{key}: {hf[key]!r} is not a positive integer" for key in
+                 REQUIRED_HF_KEYS + ("num_key_value_heads", "max_position_embeddings")
+                 if key in hf and hf[key] is not None and (type(hf[key]) is not int or hf[key] < 1)]
+    problems += [f"{key}: {hf[key]!r} is not a positive number" for key in ("rms_norm_eps", "rope_theta")
+                 if type(hf[key]) not in (int, float) or not hf[key] > 0]
     if problems:
         raise ConversionError(f"{where}: {'; '.join(problems)}")
     hf.setdefault("num_key_value_heads", hf["num_attention_heads"])
@@ -238,17 +253,28 @@ KEY_MAP = (
     ("lm_head.weight", "lm_head.weight", ("vocab", "hidden"), "pad_vocab_rows", "untied"),
 )
 
-# Source tensors that hold no weights, consumed by being named here.
+# Source tensors that hold no weights, consumed by being named here: (pattern, kind for the summary).
 IGNORED_HF = (
-    r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",  # rotary frequencies, recomputed from rope_theta
-    r"model\.rotary_emb\.inv_freq",
+    (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", "rotary frequencies (recomputed from rope_theta)"),
+    (r"model\.rotary_emb\.inv_freq", "rotary frequencies (recomputed from rope_theta)"),
 )
 IGNORED_OURS = (
-    r"adam_[mv]\..+",  # AdamW moments of a training checkpoint
-    r"global_step|epoch_num|step_num|loss_scale|scale_sense|global_batch_size",  # training counters
-    r"current_iterator_step|last_overflow_iterator_step",
+    (r"adam_[mv]\..+", "AdamW moments"),
+    (r"global_step|epoch_num|step_num|loss_scale|scale_sense|global_batch_size", "training counters"),
+    (r"current_iterator_step|last_overflow_iterator_step", "training counters"),
 )
 TIED_HEAD = "lm_head.weight"  # in a tied HF checkpoint, a copy of the embedding when present at all
+TIED_COPY_KIND = "copy of the tied embedding"
+
+
+def ignored_kinds(names: list) -> dict:
+    """{kind: count} of ignored tensor names, for a one-line summary instead of the list."""
+    counts: dict = {}
+    for name in names:
+        kind = next((k for pattern, k in IGNORED_HF + IGNORED_OURS if re.fullmatch(pattern, name)),
+                    TIED_COPY_KIND if name == TIED_HEAD else "other")
+        counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
 
 
 def identity(x: np.ndarray, shape: tuple) -> np.ndarray:
@@ -314,7 +340,7 @@ def check_tensors(found: dict, expected: dict, ignored: tuple, where: str, extra
             if tuple(shape) != tuple(expected[name]):
                 problems.append(f"{name}: expected shape {tuple(expected[name])} from the config, found "
                                 f"{tuple(shape)}")
-        elif name in extra_ok or any(re.fullmatch(pattern, name) for pattern in ignored):
+        elif name in extra_ok or any(re.fullmatch(pattern, name) for pattern, _ in ignored):
             skipped.append(name)
         else:
             problems.append(f"{name}: unknown tensor (not in the key map for this config)")
@@ -358,7 +384,9 @@ def open_hf_weights(hf_dir: str) -> HFWeights:
     try:
         with open(path, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
-    except (OSError, ValueError, KeyError) as err:
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError("weight_map is not an object of tensor name -> shard file name")
+    except (OSError, ValueError, KeyError, TypeError) as err:
         raise ConversionError(f"{path}: unreadable index ({type(err).__name__}: {err})") from None
     shards = sorted(set(weight_map.values()))
     missing = [s for s in shards if not os.path.isfile(os.path.join(hf_dir, s))]
@@ -382,13 +410,20 @@ def read_hf_config(hf_dir: str) -> tuple:
     """(config dict, sha256 of config.json)."""
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isdir(hf_dir):
-        raise ConversionError(f"{hf_dir}: not a directory (expected a HuggingFace model directory)")
+        raise ConversionError(f"{hf_dir}: {'not a directory' if os.path.exists(hf_dir) else 'does not exist'} "
+                              "(expected a HuggingFace model directory: config.json + weights)")
+    if not os.path.isfile(path):
+        raise ConversionError(f"{hf_dir}: no config.json, so not a HuggingFace model directory",
+                              hint="pass the directory save_pretrained wrote (config.json + weights)")
     try:
         with open(path, "rb") as f:
             raw = f.read()
-        return json.loads(raw), hashlib.sha256(raw).hexdigest()
+        config = json.loads(raw)
     except (OSError, ValueError) as err:
         raise ConversionError(f"{path}: cannot read the model config ({err})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: holds a JSON {type(config).__name__}, not a model config object")
+    return config, hashlib.sha256(raw).hexdigest()
 
 
 # --- Output directories -----------------------------------------------------------------------
@@ -443,11 +478,22 @@ def publish(work_dir: str, out_dir: str, manifest: dict, existing: dict) -> dict
     return manifest
 
 
+def _io_error(err: OSError, out_dir: str) -> ConversionError:
+    return ConversionError(f"{err.filename or out_dir}: {err.strerror or err} while converting into {out_dir}; "
+                           "nothing was written", hint="check that the input is readable and that the output's "
+                                                       "disk has space, then run the same command again")
+
+
 def work_dir_for(out_dir: str) -> str:
     """A hidden sibling of out_dir (same file system, so the final rename is atomic)."""
     parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.partial-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.partial-", dir=parent)
+    except OSError as err:  # a file in the way, a read-only mount, no permission
+        raise ConversionError(f"output {out_dir}: cannot create it in {parent} ({err.strerror or err}"
+                              + (f": {err.filename}" if err.filename else "") + ")",
+                              hint="choose an --output in a writable directory") from None
 
 
 def _progress(total: int, desc: str, show: bool):
@@ -484,7 +530,7 @@ def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = Fa
 
     work_dir = work_dir_for(out_dir)
     try:
-        tensors = _write_weights(weights, plan, os.path.join(work_dir, CHECKPOINT_FILE), show_progress)
+        tensors = _write_weights(weights, plan, os.path.join(work_dir, CHECKPOINT_FILE), show_progress, hf_dir)
         if TIED_HEAD in ignored:
             _check_tied_copy(weights, tensors)
         family = family_of(hf_config, where)
@@ -513,25 +559,29 @@ def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = Fa
         manifest["seconds"] = round(time.perf_counter() - start, 2)
         published = publish(work_dir, out_dir, manifest, existing)
         return {**published, "verify": manifest["verify"]} if verify else published
+    except OSError as err:  # a full disk, an unreadable input, a vanished output: nothing is published
+        raise _io_error(err, out_dir) from None
     finally:
         if os.path.isdir(work_dir):
             shutil.rmtree(work_dir)
 
 
-def _write_weights(weights: HFWeights, plan: list, path: str, show_progress: bool) -> list:
+def _write_weights(weights: HFWeights, plan: list, path: str, show_progress: bool, where: str) -> list:
     # MindSpore's save_checkpoint(format="safetensors") marks its files the same way.
     writer = SafetensorsWriter(path, {p.ours: p.our_shape for p in plan}, metadata={"format": "ms"})
-    records = []
+    records, non_finite = [], []
     with _progress(len(plan), "convert", show_progress) as bar:
         for item in plan:
             source = weights.read(item.hf)
             tensor = TRANSFORMS[item.transform][0](source, item.our_shape)
+            non_finite += _non_finite(item.hf, tensor)
             writer.write(item.ours, tensor)
             records.append({"name": item.ours, "source": item.hf, "source_dtype": weights.tensors[item.hf][1],
                             "transform": item.transform, "shape": list(tensor.shape), "sha256": _sha256(tensor)})
             del source, tensor  # keep one tensor alive at a time
             bar.update()
     writer.close()
+    _refuse_non_finite(non_finite, where)
     return records
 
 
@@ -547,81 +597,198 @@ def _check_tied_copy(weights: HFWeights, records: list) -> None:
 
 # --- ours -> HF -------------------------------------------------------------------------------
 
+def recorded_model_section(path: str):
+    """The model section a checkpoint was made with, found beside or above `path`; None when there is none.
+
+    A conversion keeps model_config.yaml beside its weights; a run keeps recipe.yaml in RUN_DIR,
+    above RUN_DIR/checkpoints/step_N/rank_R/<file>.ckpt.
+    """
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    for _ in range(4):
+        if os.path.isfile(os.path.join(directory, MODEL_SECTION_FILE)):
+            return os.path.join(directory, MODEL_SECTION_FILE)
+        if os.path.isfile(os.path.join(directory, RUN_RECIPE)) and os.path.isdir(os.path.join(directory, CHECKPOINTS)):
+            return os.path.join(directory, RUN_RECIPE)
+        directory = os.path.dirname(directory)
+    return None
+
+
+def architecture_differences(recorded: ModelConfig, wanted: ModelConfig) -> list:
+    """'key: checkpoint X, recipe Y' for every architecture field that differs (training choices may differ)."""
+    def value(cfg, name):
+        return (cfg.num_kv_heads or cfg.num_heads) if name == "num_kv_heads" else getattr(cfg, name)
+
+    return [f"model.model_config.{name}: checkpoint {value(recorded, name)!r}, recipe {value(wanted, name)!r}"
+            for name in ARCHITECTURE_FIELDS if value(recorded, name) != value(wanted, name)]
+
+
+def _run_recipe(run_dir: str):
+    from training.recipe import recipe_from_dict
+
+    path = os.path.join(run_dir, RUN_RECIPE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return recipe_from_dict(yaml.safe_load(f), path)
+    except (OSError, yaml.YAMLError) as err:
+        raise ConversionError(f"{path}: cannot read the run's recipe ({err})") from None
+
+
+def _newest_valid_checkpoint(run_dir: str, model_config: str = None) -> tuple:
+    """(rank 0's file, model section, notes) of a run's newest verified step, by the resume rule."""
+    from models.shapes import parameter_shapes
+    from training.checkpoint import MANIFEST, newest_valid_step, read_json
+
+    recipe = _run_recipe(run_dir)
+    section = model_config or os.path.join(run_dir, RUN_RECIPE)
+    cfg, tensor_parallel = read_model_section(section)
+    notes = []
+    step, directory = newest_valid_step(run_dir, recipe.world_size, parameter_shapes(cfg, tensor_parallel),
+                                        log=notes.append)
+    if step is None:
+        others = sorted(e for e in os.listdir(os.path.join(run_dir, CHECKPOINTS)) if not e.startswith("step_"))
+        raise ConversionError(f"{run_dir}: no complete, verified checkpoint step"
+                              + (f" ({'; '.join(notes)})" if notes else "")
+                              + (f"; post-mortem snapshots are never taken implicitly: {', '.join(others)}"
+                                 if others else ""),
+                              hint="name a checkpoint file (.ckpt) explicitly to export it anyway")
+    file = os.path.join(directory, "rank_0", read_json(os.path.join(directory, "rank_0", MANIFEST))["file"])
+    return file, section, {"step": step, "skipped": notes}
+
+
 def find_our_checkpoint(source: str, model_config: str = None) -> tuple:
-    """(checkpoint file, model section file) for a converted dir, a run dir or a checkpoint file."""
+    """(checkpoint file, model section file, notes) for a converted dir, a run dir or a checkpoint file.
+
+    A run directory (or its checkpoints/ folder) gives its newest complete step whose manifests
+    verify, the rule resume uses: never a half-written `.partial-` file nor a nan_/spike_
+    post-mortem snapshot. Those are exported only when named as a file.
+    """
     source = os.path.abspath(source)
-    if os.path.isdir(source):
-        if os.path.isfile(os.path.join(source, CHECKPOINT_FILE)):
-            ckpt = os.path.join(source, CHECKPOINT_FILE)
-        else:
-            ckpts = [os.path.join(d, f) for d, _, files in os.walk(source) if os.path.basename(d) == "rank_0"
-                     for f in files if f.endswith(".ckpt")]
-            if not ckpts:
-                raise ConversionError(f"{source}: neither {CHECKPOINT_FILE} nor a rank_0/*.ckpt training "
-                                      "checkpoint found")
-            ckpt = max(ckpts, key=os.path.getmtime)  # the run's last checkpoint
+    notes: dict = {}
+    if os.path.isdir(source) and os.path.basename(source) == CHECKPOINTS \
+            and os.path.isfile(os.path.join(os.path.dirname(source), RUN_RECIPE)):
+        source = os.path.dirname(source)
+    if os.path.isdir(source) and os.path.isfile(os.path.join(source, CHECKPOINT_FILE)):
+        ckpt = os.path.join(source, CHECKPOINT_FILE)
+    elif os.path.isdir(os.path.join(source, CHECKPOINTS)) and os.path.isfile(os.path.join(source, RUN_RECIPE)):
+        return _newest_valid_checkpoint(source, model_config)
     elif os.path.isfile(source) and source.endswith((".ckpt", ".safetensors")):
         ckpt = source
+    elif not os.path.exists(source):
+        raise ConversionError(f"{source}: does not exist")
     else:
-        raise ConversionError(f"{source}: expected a converted directory, a run directory, or a .ckpt or "
-                              ".safetensors checkpoint file")
-    if model_config:
-        return ckpt, model_config
-    directory = os.path.dirname(ckpt)
-    for _ in range(5):  # a run keeps its checkpoints in RUN_DIR/checkpoint/checkpoint/rank_0/
-        for name in (MODEL_SECTION_FILE, "recipe.yaml"):
-            if os.path.isfile(os.path.join(directory, name)):
-                return ckpt, os.path.join(directory, name)
-        directory = os.path.dirname(directory)
-    raise ConversionError(f"{ckpt}: no {MODEL_SECTION_FILE} or recipe.yaml found beside it or above it",
-                          hint="pass --model-config with the recipe (or model_config.yaml) it was trained with")
+        raise ConversionError(f"{source}: neither a converted directory (with {CHECKPOINT_FILE}), a run directory "
+                              f"(with {RUN_RECIPE} and {CHECKPOINTS}/), nor a .ckpt or .safetensors file",
+                              hint="pass one of those; for another checkpoint, name its file")
+    section = model_config or recorded_model_section(ckpt)
+    if section is None:
+        raise ConversionError(f"{ckpt}: no {MODEL_SECTION_FILE} or run {RUN_RECIPE} found beside it or above it",
+                              hint="pass --model-config with the recipe (or model_config.yaml) it was trained with")
+    return ckpt, section, notes
 
 
 def to_hf(source: str, out_dir: str, model_config: str = None, show_progress: bool = True) -> dict:
     """Convert one of our checkpoints to OUT_DIR/config.json + model.safetensors (float32). Returns the manifest."""
     start = time.perf_counter()
-    ckpt_path, section_path = find_our_checkpoint(source, model_config)
+    ckpt_path, section_path, notes = find_our_checkpoint(source, model_config)
     cfg, tensor_parallel = read_model_section(section_path)
     ckpt = CkptFile(ckpt_path) if ckpt_path.endswith(".ckpt") else SafetensorsFile(ckpt_path)
     plan = tensor_plan(cfg, tensor_parallel)
     found = {name: info[1] for name, info in ckpt.tensors.items()}
     ignored = check_tensors(found, {p.ours: p.our_shape for p in plan}, IGNORED_OURS, ckpt_path)
     hf_config = hf_config_from_model(cfg)
+    tokenizer, tokenizer_note = run_tokenizer(section_path)
     existing = existing_conversion(out_dir, hf_config)
 
     work_dir = work_dir_for(out_dir)
     try:
         writer = SafetensorsWriter(os.path.join(work_dir, HF_WEIGHTS_FILE), {p.hf: p.hf_shape for p in plan},
                                    metadata={"format": "pt"})  # transformers refuses files without it
-        records = []
+        records, non_finite = [], []
         with _progress(len(plan), "convert", show_progress) as bar:
             for item in plan:
                 tensor = TRANSFORMS[item.transform][1](ckpt.read(item.ours), item.hf_shape)
+                non_finite += _non_finite(item.ours, tensor)
                 writer.write(item.hf, tensor)
                 records.append({"name": item.hf, "source": item.ours, "transform": item.transform,
                                 "shape": list(tensor.shape), "sha256": _sha256(tensor)})
                 del tensor
                 bar.update()
         writer.close()
+        _refuse_non_finite(non_finite, ckpt_path)
         with open(os.path.join(work_dir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_config, f, indent=2)
+        if tokenizer:
+            write_hf_tokenizer(tokenizer, work_dir)
         manifest = {
             "format_version": FORMAT_VERSION,
             "direction": "to-hf",
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "source": {"path": ckpt_path, "model_section": section_path},
+            "source": {"path": ckpt_path, "model_section": section_path, **notes},
             "checkpoint": HF_WEIGHTS_FILE,
             "dtype": "float32",
             "model": hf_config,
             "tensors": records,
             "ignored": ignored,
+            "tokenizer": tokenizer_note,
             "fingerprint": fingerprint(hf_config, records),
             "seconds": round(time.perf_counter() - start, 2),
         }
         return publish(work_dir, out_dir, manifest, existing)
+    except OSError as err:  # a full disk, an unreadable input, a vanished output: nothing is published
+        raise _io_error(err, out_dir) from None
     finally:
         if os.path.isdir(work_dir):
             shutil.rmtree(work_dir)
+
+
+def _non_finite(name: str, tensor: np.ndarray) -> list:
+    """['name (N NaN, M inf)'] when the tensor holds non-finite values, else []."""
+    if np.isfinite(tensor).all():
+        return []
+    nan = int(np.isnan(tensor).sum())
+    return [f"{name} ({nan} NaN, {int(tensor.size - np.isfinite(tensor).sum()) - nan} inf)"]
+
+
+def _refuse_non_finite(problems: list, where: str) -> None:
+    if problems:
+        raise ConversionError(f"{where}: non-finite values in {len(problems)} tensor(s): {', '.join(problems[:10])}"
+                              + (f" and {len(problems) - 10} more" if len(problems) > 10 else "")
+                              + "; nothing was written",
+                              hint="export an earlier checkpoint (name its .ckpt file); a NaN or inf weight "
+                                   "makes every prediction NaN")
+
+
+HF_TOKENIZER_CONFIG = {  # what transformers' LlamaTokenizer needs for data/tokenizer.py's sentencepiece models
+    "tokenizer_class": "LlamaTokenizer",
+    "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+    "add_bos_token": False, "add_eos_token": False,  # the packed data holds documents + EOD, no BOS
+    "legacy": True,  # encode exactly as sentencepiece does, like data preparation
+}
+
+
+def run_tokenizer(section_path: str) -> tuple:
+    """(tokenizer.model to copy or None, a note for the manifest) from a run's training dataset manifest."""
+    from data.mindrecord_io import MANIFEST as DATA_MANIFEST
+    from data.tokenizer import file_sha256
+
+    if os.path.basename(section_path) != RUN_RECIPE:
+        return None, "not copied: the source is not a training run (no dataset names a tokenizer)"
+    try:
+        dataset_dir = _run_recipe(os.path.dirname(section_path)).dataset_dir
+        with open(os.path.join(dataset_dir, DATA_MANIFEST), encoding="utf-8") as f:
+            entry = json.load(f)["tokenizer"]
+    except (OSError, ValueError, KeyError, PretrainError) as err:
+        return None, f"not copied: the run's dataset manifest cannot be read ({err})"
+    path = os.path.join(dataset_dir, entry.get("file", "tokenizer.model"))
+    if not os.path.isfile(path) or file_sha256(path) != entry.get("sha256"):
+        return None, f"not copied: {path} is missing or differs from its dataset manifest"
+    return path, f"copied from {path}"
+
+
+def write_hf_tokenizer(path: str, out_dir: str) -> None:
+    shutil.copyfile(path, os.path.join(out_dir, "tokenizer.model"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(HF_TOKENIZER_CONFIG, f, indent=2)
 
 
 # --- Parity -----------------------------------------------------------------------------------
@@ -665,23 +832,35 @@ def verify_logits(hf_dir: str, converted_dir: str, batch: int = 2, max_tokens: i
         theirs = reference.eval()(torch.from_numpy(tokens)).logits.double().numpy()
     result = compare_logits(theirs, ours)
     result.update(batch=batch, tokens=length)
-    if not (result["max_abs_delta"] <= MAX_ABS_TOLERANCE and result["kl"] <= KL_TOLERANCE):
-        raise ConversionError(f"{hf_dir}: converted logits differ from transformers': max |delta| "
-                              f"{result['max_abs_delta']:.3e} (tolerance {MAX_ABS_TOLERANCE:.0e}), KL(hf || ours) "
-                              f"{result['kl']:.3e} (tolerance {KL_TOLERANCE:.0e})",
-                              hint="nothing was written; report the model's config.json")
+    check_parity(result, hf_dir)
     return result
 
 
 def compare_logits(reference: np.ndarray, ours: np.ndarray) -> dict:
-    """max |delta| and mean KL(reference || ours) over positions, in float64."""
+    """max |delta|, its tolerance (relative to the reference's largest |logit|) and mean KL(reference || ours)."""
     def log_softmax(x):
         x = x - x.max(-1, keepdims=True)
         return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
     log_p, log_q = log_softmax(reference), log_softmax(ours)
     kl = float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean())
-    return {"max_abs_delta": float(np.abs(reference - ours).max()), "kl": kl}
+    scale = float(np.abs(reference).max())
+    return {"max_abs_delta": float(np.abs(reference - ours).max()), "logit_scale": scale,
+            "max_abs_tolerance": LOGIT_TOLERANCE * max(1.0, scale), "kl": kl}
+
+
+PARITY_RULE = (f"max |delta| <= {LOGIT_TOLERANCE:g} x max(1, largest |logit|), "
+               f"KL(hf || ours) <= {KL_TOLERANCE:g}")
+
+
+def check_parity(result: dict, where: str) -> None:
+    """Refuse logits outside PARITY_RULE (float32 rounding scales with the logits; a wrong tensor does not)."""
+    if not (result["max_abs_delta"] <= result["max_abs_tolerance"] and result["kl"] <= KL_TOLERANCE):
+        raise ConversionError(f"{where}: converted logits differ from transformers': max |delta| "
+                              f"{result['max_abs_delta']:.3e} (tolerance {result['max_abs_tolerance']:.2e} = "
+                              f"{LOGIT_TOLERANCE:g} x largest |logit| {result['logit_scale']:.3g}, at least "
+                              f"{LOGIT_TOLERANCE:g}), KL(hf || ours) {result['kl']:.3e} (tolerance {KL_TOLERANCE:.0e})",
+                              hint="nothing was written; report the model's config.json")
 
 
 def summary(manifest: dict, out_dir: str) -> str:
@@ -692,13 +871,24 @@ def summary(manifest: dict, out_dir: str) -> str:
             f"into {os.path.abspath(out_dir)}/{manifest['checkpoint']}")
     if manifest.get("seconds") is not None and not manifest.get("already_converted"):
         text += f" in {manifest['seconds']:.1f} s"
+    source = manifest["source"]
+    if source.get("step") is not None:
+        text += f"; step {source['step']}, the run's newest verified checkpoint"
+    if source.get("skipped"):
+        text += f" (newer ones skipped: {'; '.join(source['skipped'])})"
     if manifest["ignored"]:
-        text += f"; ignored: {', '.join(manifest['ignored'])}"
+        kinds = ", ".join(f"{count} {kind}" for kind, count in ignored_kinds(manifest["ignored"]).items())
+        text += f"; ignored {len(manifest['ignored'])} tensors that are not weights ({kinds}; named in {MANIFEST_FILE})"
+    if manifest.get("tokenizer"):
+        text += f"; tokenizer {manifest['tokenizer']}"
     if manifest["direction"].startswith("from-"):
         text += f". {recipe_keys(out_dir)}"
     if "verify" in manifest:
         v = manifest["verify"]
         reference = v.get("reference", "transformers")
         text += (f". Parity with {reference} on {v['batch']}x{v['tokens']} random tokens: max |delta logits| "
-                 f"{v['max_abs_delta']:.2e}, KL(hf || ours) {v['kl']:.2e}")
+                 f"{v['max_abs_delta']:.2e} (largest |logit| {v['logit_scale']:.3g}), KL(reference || ours) "
+                 f"{v['kl']:.2e}")
+        if reference == "transformers":
+            text += f"; passes {PARITY_RULE}"
     return text + "."

@@ -1,17 +1,22 @@
 """Convert checkpoints between HuggingFace (transformers) and this repository's Llama model.
 
     python scripts/convert_checkpoint.py --from-hf HF_DIR --output OUT_DIR [--verify] [--seq-length N]
-    python scripts/convert_checkpoint.py --to-hf OUR_DIR_OR_CKPT --output HF_DIR [--model-config YAML]
+    python scripts/convert_checkpoint.py --to-hf OURS --output HF_DIR [--model-config YAML]
 
---from-hf writes OUT_DIR/model.ckpt, model_config.yaml (a recipe's model: section) and
-conversion.json; train from it with the recipe keys `load_checkpoint: OUT_DIR` and that model
-section. --verify compares logits with transformers before anything is written.
---to-hf reads a converted directory, a run directory (its last checkpoint) or a .ckpt file.
+--from-hf writes OUT_DIR/weights.safetensors, model_config.yaml (a recipe's model: section) and
+conversion.json; train from it with that model section and the recipe keys
+`load_checkpoint: OUT_DIR`, `load_ckpt_format: safetensors`. --verify compares logits with
+transformers before anything is written.
+--to-hf reads a converted directory, a run directory (its newest verified checkpoint step, as a
+resume would take) or a .ckpt / .safetensors file, and writes config.json + model.safetensors
+(plus the run's tokenizer when its dataset names one).
+Exit codes: 0 converted, 2 bad input (the message says what to fix), 1 internal error, 130 interrupted.
 """
 
 import argparse
 import os
 import sys
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,7 +28,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="HF_DIR", help="HuggingFace model directory (config.json + weights)")
-    direction.add_argument("--to-hf", metavar="OURS", help="converted directory, run directory or .ckpt file")
+    direction.add_argument("--to-hf", metavar="OURS",
+                           help="converted directory, run directory, or .ckpt/.safetensors file")
     parser.add_argument("--output", required=True, help="directory to create")
     parser.add_argument("--verify", action="store_true",
                         help="--from-hf: compare logits with transformers (float32, CPU) before writing")
@@ -68,6 +74,14 @@ def main(argv=None) -> int:
     except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written (a conversion appears only when complete)", file=sys.stderr)
+        return 130
+    except Exception:  # bad input is a PretrainError; anything else is a bug to report
+        traceback.print_exc()
+        print("internal error in the converter (not a problem with your input); please report it with the "
+              "traceback above. Nothing was written.", file=sys.stderr)
+        return 1
     print(summary(manifest, args.output))
     return 0
 

@@ -7,10 +7,13 @@ norms and biases randomised too so that a swapped or dropped tensor changes the 
 import itertools
 import json
 import os
+import shutil
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 import torch
 import transformers
 import yaml
@@ -18,10 +21,13 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO_ROOT, TINY_RECIPE
 from data.mindrecord_io import read_manifest, read_samples
-from models.convert import (CHECKPOINT_FILE, HF_WEIGHTS_FILE, KL_TOLERANCE, MAX_ABS_TOLERANCE, MODEL_SECTION_FILE,
-                            from_hf, to_hf)
-from training.errors import ConversionError
-from training.launch import launch
+from models.convert import (CHECKPOINT_FILE, HF_WEIGHTS_FILE, KL_TOLERANCE, MODEL_SECTION_FILE, from_hf, summary,
+                            to_hf, verify_logits)
+from training.checkpoint import MANIFEST, read_json, step_dir, write_rank
+from training.errors import ConversionError, LaunchError
+from training.launch import check_load_checkpoint, launch
+from training.recipe import load_recipe
+from training.train import check_checkpoint_parameters
 
 PAD = 3  # the tiny dataset's pad id (labels equal to it are not trained on)
 
@@ -80,7 +86,7 @@ def test_logits_match_transformers_and_round_trip_is_exact(tmp_path, case):
     manifest = from_hf(str(hf_dir), str(ours), verify=True, show_progress=False)
     parity = manifest["verify"]
     print(f"\n[parity] {case}: max |delta logits| {parity['max_abs_delta']:.3e}, KL(hf || ours) {parity['kl']:.3e}")
-    assert parity["max_abs_delta"] <= MAX_ABS_TOLERANCE and parity["kl"] <= KL_TOLERANCE
+    assert parity["max_abs_delta"] <= parity["max_abs_tolerance"] and parity["kl"] <= KL_TOLERANCE
     assert manifest["padded_vocab_size"] == 512  # 500 real tokens, tables padded to a multiple of 16
     assert sorted(os.listdir(ours)) == sorted([CHECKPOINT_FILE, MODEL_SECTION_FILE, "conversion.json"])
 
@@ -95,27 +101,41 @@ def test_logits_match_transformers_and_round_trip_is_exact(tmp_path, case):
         assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
 
 
-def test_converted_checkpoint_trains_from_a_recipe_with_the_transformers_loss(tmp_path, tiny_dataset):
-    """load_checkpoint: the first training step's loss is the HF model's loss on the same batch."""
-    hf_dir, ours, run_dir = tmp_path / "hf", tmp_path / "ours", tmp_path / "run"
-    model = make_hf_model(hf_dir, vocab_size=512, intermediate_size=176, bos_token_id=1, eos_token_id=2,
-                          pad_token_id=PAD)
+def recipe_model_overrides(converted_dir, **changes):
+    """--set overrides giving the recipe the converted model section (with `changes` on top)."""
+    with open(os.path.join(converted_dir, MODEL_SECTION_FILE), encoding="utf-8") as f:
+        model_config = {**yaml.safe_load(f)["model"]["model_config"], **changes}
+    return [f"model.model_config.{key}={json.dumps(value)}" for key, value in model_config.items()]
+
+
+TINY_RECIPE_MODEL = dict(vocab_size=512, intermediate_size=176, bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
+
+
+@pytest.fixture(scope="module")
+def converted_run(tmp_path_factory, tiny_dataset):
+    """A HF model converted, then trained 2 steps from it with the tiny recipe (a checkpoint each step)."""
+    root = tmp_path_factory.mktemp("converted_run")
+    hf_dir, ours, run_dir = root / "hf", root / "ours", root / "run"
+    model = make_hf_model(hf_dir, **TINY_RECIPE_MODEL)
     from_hf(str(hf_dir), str(ours), show_progress=False)
-    with open(ours / MODEL_SECTION_FILE, encoding="utf-8") as f:
-        model_config = yaml.safe_load(f)["model"]["model_config"]
-    overrides = [f"model.model_config.{key}={json.dumps(value)}" for key, value in model_config.items()]
     code = launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
                                 "train_dataset.data_loader.shuffle=False", f"load_checkpoint={ours}",
-                                "load_ckpt_format=safetensors", "runner_config.stop_step=1",
-                                "lr_schedule.learning_rate=1e-6", *overrides], show_progress=False)
+                                "load_ckpt_format=safetensors", "runner_config.stop_step=2",
+                                "callbacks.1.save_checkpoint_steps=1", "lr_schedule.learning_rate=1e-6",
+                                *recipe_model_overrides(ours)], show_progress=False)
     assert code == 0
-    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+    return SimpleNamespace(model=model, ours=ours, run_dir=run_dir)
+
+
+def test_converted_checkpoint_trains_from_a_recipe_with_the_transformers_loss(converted_run, tiny_dataset, tmp_path):
+    """load_checkpoint: the first training step's loss is the HF model's loss on the same batch."""
+    with open(converted_run.run_dir / "metrics.jsonl", encoding="utf-8") as f:
         first_loss = json.loads(f.readline())["loss"]
 
     batch = np.stack(list(itertools.islice(read_samples(tiny_dataset, read_manifest(tiny_dataset)), 4)))
     ids = torch.from_numpy(batch).long()
     with torch.no_grad():
-        logits = model.eval()(ids[:, :-1]).logits.double()
+        logits = converted_run.model.eval()(ids[:, :-1]).logits.double()
     labels = ids[:, 1:].reshape(-1)
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels, reduction="none")
     mask = (labels != PAD).double()
@@ -123,11 +143,28 @@ def test_converted_checkpoint_trains_from_a_recipe_with_the_transformers_loss(tm
     print(f"\n[train] first-step loss {first_loss:.7f}, transformers {hf_loss:.7f}")
     assert first_loss == pytest.approx(hf_loss, rel=1e-5)
 
-    # The run's own checkpoint (weights after one step, AdamW moments, counters) converts back.
+    # The run's own checkpoint (weights after two steps, AdamW moments, counters) converts back, with
+    # the optimizer tensors summarised and the dataset's tokenizer alongside.
     back = tmp_path / "back"
-    manifest = to_hf(str(run_dir), str(back), show_progress=False)
+    manifest = to_hf(str(converted_run.run_dir), str(back), show_progress=False)
+    assert manifest["source"]["step"] == 2
     assert any(name.startswith("adam_m.") for name in manifest["ignored"])
+    text = summary(manifest, str(back))
+    assert "ignored 48 tensors that are not weights (42 AdamW moments, 6 training counters;" in text
+    assert "adam_m." not in text
     assert transformers.AutoModelForCausalLM.from_pretrained(str(back)).config.vocab_size == 512
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(tiny_dataset, "tokenizer.model"))
+    sample = "def mean(values):\n    return sum(values) / len(values)  # 平均，不是中位数\n"
+    for tokenizer in (transformers.LlamaTokenizer.from_pretrained(str(back)),
+                      transformers.AutoTokenizer.from_pretrained(str(back))):
+        assert tokenizer.encode(sample) == sp.encode(sample), type(tokenizer).__name__
+    assert "tokenizer copied from" in text
+
+    # A step of this run (weights, AdamW moments, counters) passes the load checks for another run's resume.
+    recipe = load_recipe(TINY_RECIPE, (f"load_checkpoint={step_dir(str(converted_run.run_dir), 2)}",
+                                       "resume_training=true", *recipe_model_overrides(converted_run.ours)))
+    check_load_checkpoint(recipe)
+    check_checkpoint_parameters(recipe, 0)
 
 
 def test_missing_shard_is_refused(tmp_path):
@@ -238,12 +275,17 @@ def test_output_holding_a_different_model_is_refused(tmp_path):
     assert os.listdir(stranger) == ["notes.txt"]
 
 
-def test_cli_converts_and_reports_errors_with_exit_code_2(tmp_path, capsys):
+def cli():
     sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
     try:
         import convert_checkpoint
     finally:
         sys.path.pop(0)
+    return convert_checkpoint
+
+
+def test_cli_converts_and_reports_errors_with_exit_code_2(tmp_path, capsys):
+    convert_checkpoint = cli()
     hf_dir, out = tmp_path / "hf", tmp_path / "out"
     make_hf_model(hf_dir)
     assert convert_checkpoint.main(["--from-hf", str(hf_dir), "--output", str(out), "--seq-length", "32",
@@ -257,3 +299,163 @@ def test_cli_converts_and_reports_errors_with_exit_code_2(tmp_path, capsys):
     os.remove(hf_dir / "model.safetensors")
     assert convert_checkpoint.main(["--from-hf", str(hf_dir), "--output", str(tmp_path / "none")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {hf_dir}: no weights found")
+
+
+def test_cli_bad_input_gets_a_message_not_a_traceback(tmp_path, capsys):
+    convert_checkpoint = cli()
+    hf_dir, empty, listed, garbage = (tmp_path / n for n in ("hf", "empty", "listed", "garbage"))
+    make_hf_model(hf_dir)
+    empty.mkdir()
+    listed.mkdir()
+    (listed / "config.json").write_text("[1, 2]")
+    shutil.copytree(hf_dir, garbage)
+    (garbage / "model.safetensors").write_text("not a tensor file, just some text\n" * 4)
+    (tmp_path / "notes.txt").write_text("mine")
+    cases = [
+        (["--from-hf", str(tmp_path / "nope")], "does not exist"),
+        (["--from-hf", str(empty)], "no config.json, so not a HuggingFace model directory"),
+        (["--from-hf", str(listed)], "holds a JSON list, not a model config object"),
+        (["--from-hf", str(garbage)], "model.safetensors: truncated"),
+        (["--from-hf", str(hf_dir), "--output", str(tmp_path / "notes.txt" / "out")], "cannot create it"),
+        (["--to-hf", str(tmp_path / "nope")], "does not exist"),
+        (["--to-hf", str(tmp_path / "notes.txt")], "neither a converted directory"),
+        (["--to-hf", str(hf_dir)], "neither a converted directory"),
+    ]
+    for args, message in cases:
+        if "--output" not in args:
+            args = args + ["--output", str(tmp_path / "out")]
+        assert convert_checkpoint.main(args + ["--quiet"]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and "Traceback" not in err, (args, err)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_verify_tolerance_scales_with_the_logits(tmp_path):
+    """A correct conversion with large logits passes --verify; a wrong rope_theta still fails it."""
+    hf_dir, out = tmp_path / "hf", tmp_path / "out"
+    model = make_hf_model(hf_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)  # logits up to ~100: float32 rounding grows with them
+    model.save_pretrained(hf_dir)
+    manifest = from_hf(str(hf_dir), str(out), verify=True, show_progress=False)
+    parity = manifest["verify"]
+    assert parity["logit_scale"] > 50 and parity["max_abs_delta"] > 1e-4  # beyond the former absolute limit
+    assert "passes max |delta| <= 0.0001 x max(1, largest |logit|), KL(hf || ours) <= 1e-06" in \
+        summary(manifest, str(out))
+
+    section = out / MODEL_SECTION_FILE
+    section.write_text(section.read_text().replace("rope_theta: 10000.0", "rope_theta: 20000.0"))
+    with pytest.raises(ConversionError, match=r"converted logits differ from transformers'.*tolerance .* = 0\.0001 "
+                                              r"x largest \|logit\|"):
+        verify_logits(str(hf_dir), str(out))
+
+
+def test_load_checkpoint_of_another_architecture_is_refused_before_launch(tmp_path, tiny_dataset):
+    hf_dir, ours, run_dir = tmp_path / "hf", tmp_path / "ours", tmp_path / "run"
+    make_hf_model(hf_dir, rope_theta=500000.0, rms_norm_eps=1e-6, **TINY_RECIPE_MODEL)
+    from_hf(str(hf_dir), str(ours), show_progress=False)
+    # The tiny recipe has this model's sizes, with its own rope_theta 10000 and rms_norm_eps 1e-5.
+    with pytest.raises(LaunchError, match=r"(?s)another architecture.*rms_norm_eps: checkpoint 1e-06, recipe 1e-05"
+                                          r".*rope_theta: checkpoint 500000.0, recipe 10000.0"):
+        launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                             f"load_checkpoint={ours}", "load_ckpt_format=safetensors"], show_progress=False)
+    assert not run_dir.exists()
+
+
+def test_tied_checkpoint_into_an_untied_model_is_refused(tmp_path, tiny_dataset, converted_run):
+    hf_dir, tied, bare, run_dir = tmp_path / "hf", tmp_path / "tied", tmp_path / "bare", tmp_path / "run"
+    make_hf_model(hf_dir, tie_word_embeddings=True, **TINY_RECIPE_MODEL)
+    from_hf(str(hf_dir), str(tied), show_progress=False)
+    common = [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+              "load_ckpt_format=safetensors"]
+    with pytest.raises(LaunchError, match="tie_word_embeddings: checkpoint True, recipe False"):
+        launch(TINY_RECIPE, [*common, f"load_checkpoint={tied}"], show_progress=False)
+
+    # Weights without their recorded config: the parameter check names what would not be loaded,
+    # at launch and in the worker (the same check, before MindFormers loads anything).
+    bare.mkdir()
+    shutil.copyfile(tied / CHECKPOINT_FILE, bare / CHECKPOINT_FILE)
+    with pytest.raises(LaunchError, match=r"lm_head\.weight: not in the checkpoint \(would train from its random"):
+        launch(TINY_RECIPE, [*common, f"load_checkpoint={bare}"], show_progress=False)
+    assert not run_dir.exists()
+    recipe = load_recipe(TINY_RECIPE, (f"load_checkpoint={bare}", "load_ckpt_format=safetensors"))
+    with pytest.raises(LaunchError, match=r"1 parameter problem\(s\):\n  - lm_head\.weight: not in the checkpoint"):
+        check_checkpoint_parameters(recipe, 0)
+
+    # The other way round: an untied checkpoint's lm_head would be dropped by a tied model.
+    shutil.copyfile(converted_run.ours / CHECKPOINT_FILE, bare / CHECKPOINT_FILE)
+    recipe.model.model_config.tie_word_embeddings = True
+    with pytest.raises(LaunchError, match=r"lm_head\.weight: in the checkpoint but not a parameter"):
+        check_checkpoint_parameters(recipe, 0)
+
+
+def test_to_hf_of_a_run_takes_its_newest_verified_step(converted_run, tmp_path, capsys):
+    """Never a NaN post-mortem snapshot, a half-written save or a corrupt step; never a non-finite weight."""
+    import mindspore as ms
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    shutil.copytree(converted_run.run_dir, run)
+    rank0 = os.path.join(step_dir(str(run), 2), "rank_0")
+    name = read_json(os.path.join(rank0, MANIFEST))["file"]
+    params = ms.load_checkpoint(os.path.join(rank0, name))
+
+    def write_step(step, kind, poison):
+        """A checkpoint written by the trainer's own writer (file, then manifest): step 2's tensors, poisoned."""
+        directory = os.path.join(step_dir(str(run), step, kind), "rank_0")
+        tensors = [{"name": k, "data": ms.Tensor(poison(k, v.asnumpy()))} for k, v in params.items()]
+        meta = {"step": step, "epoch": 1, "rank": 0, "world_size": 1, "kind": kind}
+        return write_rank(directory, name.replace("_2.ckpt", f"_{step}.ckpt"), tensors, {}, meta)
+
+    def nan(key, array):
+        return np.full_like(array, np.nan) if array.dtype == np.float32 else array
+
+    def inf_head(key, array):
+        array = array.copy()
+        if key == "lm_head.weight":
+            array[0] = np.inf
+        return array
+
+    snapshot = write_step(3, "nan", nan)
+    crashed = os.path.join(step_dir(str(run), 4), "rank_0")  # a save killed before its manifest
+    os.makedirs(crashed)
+    with open(os.path.join(rank0, name), "rb") as f, \
+            open(os.path.join(crashed, ".partial-" + name.replace("_2.ckpt", "_4.ckpt")), "wb") as partial:
+        partial.write(f.read()[:5000])
+    manifest = to_hf(str(run), str(out), show_progress=False)
+    assert manifest["source"]["step"] == 2 and manifest["source"]["path"] == os.path.join(rank0, name)
+    assert torch.equal(load_file(str(out / HF_WEIGHTS_FILE))["lm_head.weight"],
+                       torch.from_numpy(params["lm_head.weight"].asnumpy()))
+    shutil.rmtree(out)
+
+    # Named explicitly, the snapshot is read, and refused for its NaN weights.
+    with pytest.raises(ConversionError, match=r"non-finite values in \d+ tensor\(s\): model\.embed_tokens\.weight "
+                                              r"\(32768 NaN, 0 inf\)"):
+        to_hf(snapshot, str(out), show_progress=False)
+    assert_nothing_written(out)
+
+    # A newest step that verifies but holds +inf in lm_head: refused, naming the tensor.
+    diverged = write_step(5, "step", inf_head)
+    with pytest.raises(ConversionError, match=r"non-finite values in 1 tensor\(s\): lm_head\.weight \(0 NaN, 64 inf\)"):
+        to_hf(str(run / "checkpoints"), str(out), show_progress=False)
+    assert_nothing_written(out)
+
+    # The same step damaged on disk no longer verifies: skipped with a note, step 2 taken.
+    with open(diverged, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        f.write(b"\xff" * 50)
+    assert cli().main(["--to-hf", str(run), "--output", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "step 2, the run's newest verified checkpoint (newer ones skipped:" in printed
+    assert "step_00000005/rank_0" in printed and "sha256 differs" in printed
+    assert read_json(str(out / "conversion.json"))["source"]["step"] == 2
+
+
+def test_non_finite_hf_weights_are_refused(tmp_path):
+    hf_dir, out = tmp_path / "hf", tmp_path / "out"
+    model = make_hf_model(hf_dir)
+    with torch.no_grad():
+        model.model.norm.weight[3] = float("nan")
+    model.save_pretrained(hf_dir)
+    with pytest.raises(ConversionError, match=r"non-finite values in 1 tensor\(s\): model\.norm\.weight \(1 NaN"):
+        from_hf(str(hf_dir), str(out), show_progress=False)
+    assert_nothing_written(out)

@@ -213,7 +213,14 @@ def check_blend(recipe: Recipe) -> list:
 
 
 def check_load_checkpoint(recipe: Recipe) -> None:
-    """A `load_checkpoint` that is set must exist (MindFormers would fail only inside the workers)."""
+    """A `load_checkpoint` that is set must exist and fit the recipe's model (MindFormers would load it anyway).
+
+    The architecture the checkpoint recorded (a conversion's model_config.yaml, a run's recipe.yaml)
+    must equal the recipe's, key by key, and every parameter must be in the checkpoint.
+    """
+    from models.convert import architecture_differences, read_model_section, recorded_model_section
+    from training.train import check_checkpoint_parameters
+
     if not recipe.load_checkpoint:
         return
     path = os.path.abspath(recipe.load_checkpoint)
@@ -222,6 +229,19 @@ def check_load_checkpoint(recipe: Recipe) -> None:
                           hint="fix the path, or convert a HuggingFace model first: python "
                                "scripts/convert_checkpoint.py --from-hf HF_DIR --output DIR")
     recipe.load_checkpoint = path  # workers run inside the run directory
+    section = recorded_model_section(path)
+    if section is not None:
+        try:
+            recorded, _ = read_model_section(section)
+        except PretrainError as err:
+            raise LaunchError(f"load_checkpoint {path}: its recorded model cannot be read: {err}") from None
+        differences = architecture_differences(recorded, recipe.model.model_config)
+        if differences:
+            raise LaunchError(f"load_checkpoint {path} was made for another architecture than the recipe's model "
+                              f"(recorded in {section}):\n" + "\n".join(f"  - {d}" for d in differences),
+                              hint=f"use the model: section of {section} in the recipe (or --set those keys to "
+                                   "the checkpoint's values)")
+    check_checkpoint_parameters(recipe, 0)
 
 
 def prepare_run_dir(recipe: Recipe, recipe_path: str) -> str:

@@ -88,6 +88,72 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
     return cfg
 
 
+def loaded_checkpoint_files(recipe: Recipe, rank: int) -> tuple:
+    """(files, per_rank) MindFormers 1.9 loads for `load_checkpoint` on `rank`, by its own rule.
+
+    A file is loaded as it is; a directory with rank_N folders gives rank N's checkpoint (the
+    one resume_training names, else the one its manifest.json names, else the newest); a
+    directory of files gives all of them (complete weights, loaded into every rank).
+    """
+    from training.checkpoint import MANIFEST, read_json
+
+    path, suffix = recipe.load_checkpoint, "." + recipe.load_ckpt_format
+    if os.path.isfile(path):
+        return [path], os.path.basename(os.path.dirname(path)).startswith("rank_")
+    flat = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(suffix))
+    rank_dir = os.path.join(path, f"rank_{rank}")
+    if any(f.startswith("rank_") for f in os.listdir(path)) and not (flat and suffix == ".ckpt"):
+        if isinstance(recipe.resume_training, str):
+            return [os.path.join(rank_dir, recipe.resume_training)], True
+        if os.path.isfile(os.path.join(rank_dir, MANIFEST)):
+            return [os.path.join(rank_dir, read_json(os.path.join(rank_dir, MANIFEST))["file"])], True
+        found = glob.glob(os.path.join(rank_dir, "*" + suffix))
+        return [max(found, key=os.path.getmtime)] if found else [], True
+    return flat, False
+
+
+def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
+    """Every parameter of the model must come from load_checkpoint, and every weight in it must be used.
+
+    MindFormers loads by name and only logs the parameters it did not find ("not loaded"), which
+    then train from their random initialisation (e.g. lm_head of a tied-embedding checkpoint
+    loaded into an untied model); weights it does not use are dropped without a word.
+    """
+    from models.checkpoint_io import tensor_shapes
+    from models.shapes import parameter_shapes
+    from training.errors import ConversionError
+
+    if not recipe.load_checkpoint:
+        return
+    parallel = recipe.parallel_config
+    files, per_rank = loaded_checkpoint_files(recipe, rank)
+    if per_rank and (parallel.model_parallel > 1 or parallel.pipeline_stage > 1):
+        return  # a rank's file holds its slice or stage only; MindSpore's loader checks those layouts
+    where = f"load_checkpoint {recipe.load_checkpoint}"
+    if not files:
+        raise LaunchError(f"{where}: no {recipe.load_ckpt_format} checkpoint file for rank {rank} in it",
+                          hint="point load_checkpoint at a converted directory or a run's step directory, and "
+                               "set load_ckpt_format to the format of its files")
+    found = {}
+    try:
+        for path in files:
+            found.update(tensor_shapes(path))
+    except (OSError, ConversionError) as err:
+        raise LaunchError(f"{where}: {err}") from None
+    model = parameter_shapes(recipe.model.model_config, parallel.model_parallel)
+    problems = [f"{name}: not in the checkpoint (would train from its random initialisation)"
+                for name in model if name not in found]
+    problems += [f"{name}: checkpoint shape {found[name]}, the recipe's model needs {tuple(shape)}"
+                 for name, shape in model.items() if name in found and found[name] != tuple(shape)]
+    problems += [f"{name}: in the checkpoint but not a parameter of the recipe's model (would be dropped)"
+                 for name in found if name not in model and name.startswith(("model.", "lm_head."))]
+    if problems:
+        raise LaunchError(f"{where} ({', '.join(os.path.basename(f) for f in files)}) does not fit the recipe's "
+                          f"model: {len(problems)} parameter problem(s):\n" + "\n".join(f"  - {p}" for p in problems),
+                          hint="use the model: section the checkpoint was made with (model_config.yaml of a "
+                               "conversion, recipe.yaml of a run), e.g. the same tie_word_embeddings")
+
+
 def resume_step(recipe: Recipe) -> int:
     """The step a resumed run continues after (0 for a fresh run), with its data position checked."""
     from training.checkpoint import MANIFEST, STATE, read_json, resumed_steps
@@ -178,6 +244,7 @@ def run(run_dir: str, started: float = None) -> dict:
         init()
     if recipe.world_size > 1:
         collective_self_test()
+    check_checkpoint_parameters(recipe, rank_id())
     initial_step = resume_step(recipe)
     recorder, saver, callbacks = build_callbacks(recipe, run_dir, heartbeat, initial_step)
     if saver is not None:
