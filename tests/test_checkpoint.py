@@ -175,6 +175,9 @@ def corrupt_bytes(step_directory):
 def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_dataset, tmp_path):
     """Newest step corrupt, the one before it with a truncated state.json, metrics.jsonl torn: amended to stop at 12."""
     from scripts.verify_checkpoint import main as verify
+    from training.errors import LaunchError
+    from training.launch import prepare_run_dir
+    from training.recipe import load_recipe
 
     run_dir = str(tmp_path / "run")
     shutil.copytree(baseline, run_dir)
@@ -185,8 +188,10 @@ def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_da
     with open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
         f.write('{"step": 21, "loss": 3.1')  # a line torn by a crash
     assert verify([run_dir]) == 1  # what a resume would find, reported
-    code, output = rerun(run_dir, tiny_dataset, "--set", "runner_config.stop_step=12")
-    assert code == 2 and "this launch changes runner_config.stop_step (20 -> 12)" in output
+    with pytest.raises(LaunchError, match=r"this launch changes runner_config.stop_step \(20 -> 12\)\n"):
+        prepare_run_dir(load_recipe(TINY_RECIPE, (f"output_dir={run_dir}", "runner_config.stop_step=12",
+                                                  f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                                  *[a for a in SAVE if a != "--set"])), TINY_RECIPE)
     code, output = rerun(run_dir, tiny_dataset, "--set", "runner_config.stop_step=12", "--amend")
     assert code == 0, output
     assert f"{state}: unreadable (JSONDecodeError: truncated or corrupt)" in output
