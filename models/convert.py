@@ -853,14 +853,15 @@ PARITY_RULE = (f"max |delta| <= {LOGIT_TOLERANCE:g} x max(1, largest |logit|), "
                f"KL(hf || ours) <= {KL_TOLERANCE:g}")
 
 
-def check_parity(result: dict, where: str) -> None:
+def check_parity(result: dict, where: str, reference: str = "transformers'",
+                 hint: str = "nothing was written; report the model's config.json") -> None:
     """Refuse logits outside PARITY_RULE (float32 rounding scales with the logits; a wrong tensor does not)."""
     if not (result["max_abs_delta"] <= result["max_abs_tolerance"] and result["kl"] <= KL_TOLERANCE):
-        raise ConversionError(f"{where}: converted logits differ from transformers': max |delta| "
+        raise ConversionError(f"{where}: converted logits differ from {reference}: max |delta| "
                               f"{result['max_abs_delta']:.3e} (tolerance {result['max_abs_tolerance']:.2e} = "
                               f"{LOGIT_TOLERANCE:g} x largest |logit| {result['logit_scale']:.3g}, at least "
-                              f"{LOGIT_TOLERANCE:g}), KL(hf || ours) {result['kl']:.3e} (tolerance {KL_TOLERANCE:.0e})",
-                              hint="nothing was written; report the model's config.json")
+                              f"{LOGIT_TOLERANCE:g}), KL(reference || ours) {result['kl']:.3e} (tolerance {KL_TOLERANCE:.0e})",
+                              hint=hint)
 
 
 def summary(manifest: dict, out_dir: str) -> str:

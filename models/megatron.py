@@ -36,9 +36,9 @@ import numpy as np
 import yaml
 
 from models.checkpoint_io import CkptFile, SafetensorsFile, TorchBinFile
-from models.convert import (CHECKPOINT_FILE, FORMAT_VERSION, MANIFEST_FILE, MAX_ABS_TOLERANCE, MODEL_SECTION_FILE,
+from models.convert import (CHECKPOINT_FILE, FORMAT_VERSION, MANIFEST_FILE, MODEL_SECTION_FILE,
                             TIED_HEAD, HFWeights, _check_tied_copy, _progress, _write_weights, check_tensors,
-                            compare_logits, dimensions, existing_conversion, find_our_checkpoint, fingerprint,
+                            check_parity, compare_logits, dimensions, existing_conversion, find_our_checkpoint, fingerprint,
                             load_our_model, model_config_from_hf, model_section_yaml, publish, read_model_section,
                             recipe_keys, tensor_plan, work_dir_for)
 from training.errors import ConversionError
@@ -622,11 +622,9 @@ def verify_against_megatron(ckpt, cfg: ModelConfig, converted_dir: str, batch: i
     del net
     result = compare_logits(megatron_reference_logits(ckpt, cfg, tokens), ours)
     result.update(batch=batch, tokens=length, reference="a pure-torch Megatron forward")
-    if not result["max_abs_delta"] <= MAX_ABS_TOLERANCE:
-        raise ConversionError(f"{ckpt.path}: converted logits differ from the Megatron reference forward: max "
-                              f"|delta| {result['max_abs_delta']:.3e} (tolerance {MAX_ABS_TOLERANCE:.0e})",
-                              hint="nothing was written; the tensor layouts (qkv groups, fc1 halves) do not match "
-                                   "this checkpoint: report its args")
+    check_parity(result, ckpt.path, reference="the Megatron reference forward",
+                 hint="nothing was written; the tensor layouts (qkv groups, fc1 halves) do not match this "
+                      "checkpoint: report its args")
     return result
 
 

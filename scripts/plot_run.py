@@ -11,6 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from training.errors import PretrainError  # noqa: E402
 from training.plots import plot_runs  # noqa: E402
 
 
@@ -21,8 +22,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         written = plot_runs(args.run_dirs, args.output or os.path.join(args.run_dirs[0], "plots"))
-    except FileNotFoundError as err:
+    except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # e.g. an output directory that cannot be written
+        print(f"error: {err.filename or args.output}: {err.strerror}", file=sys.stderr)
         return 2
     print("\n".join(written))
     return 0

@@ -1,8 +1,15 @@
 """Check checkpoints the way a resume does: files against their manifests, tensors against a recipe.
 
-    python scripts/verify_checkpoint.py RUN_DIR_OR_STEP_DIR [--recipe recipes/x.yaml] [--set key=value ...]
+    python scripts/verify_checkpoint.py PATH [--recipe recipes/x.yaml] [--set key=value ...]
 
-Exit code 0 when every checked step is valid, 1 otherwise (each problem names its file/tensor).
+PATH is a run directory (every step in RUN_DIR/checkpoints/), one step directory, or a rank's
+.ckpt (or rank_N folder) inside a step directory, which verifies that whole step: a .ckpt is
+checked against the manifest.json written beside it, so one without it is refused.
+Each verified step is named with its ranks, tensors and data position; each problem names its
+file or tensor. Steps set aside by a launch (checkpoints/invalid/) are listed with their reason.
+
+Exit code: 0 when at least one complete checkpoint was verified and none is bad; 1 when a step
+is bad or none verified; 2 when PATH (or the recipe) is not something to verify.
 """
 
 import argparse
@@ -11,20 +18,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.checkpoint import CHECKPOINTS, MANIFEST, read_json, verify_step  # noqa: E402
+from training.checkpoint import (CHECKPOINTS, INVALID, REASON, describe_step, step_world_size,  # noqa: E402
+                                 steps_to_verify, verify_step)
 from training.errors import PretrainError  # noqa: E402
-
-
-def step_dirs(path: str) -> list:
-    root = os.path.join(path, CHECKPOINTS)
-    if os.path.isdir(root):
-        return [os.path.join(root, e) for e in sorted(os.listdir(root))]
-    return [path]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", help="a run directory or one checkpoint step directory")
+    parser.add_argument("path", help="a run directory, one checkpoint step directory, or a rank's .ckpt in one")
     parser.add_argument("--recipe", help="also check tensor names and shapes against this recipe's model")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args(argv)
@@ -35,19 +36,28 @@ def main(argv=None) -> int:
             from training.recipe import load_recipe
             recipe = load_recipe(args.recipe, tuple(args.overrides), planning=True)
             shapes = parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
+        directories = steps_to_verify(args.path)
     except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    bad = 0
-    for directory in step_dirs(args.path):
-        ranks = sorted(e for e in os.listdir(directory) if e.startswith("rank_")) if os.path.isdir(directory) else []
-        manifests = [os.path.join(directory, r, MANIFEST) for r in ranks]
-        world = next((read_json(m)["world_size"] for m in manifests if os.path.isfile(m)), len(ranks))
-        problems = verify_step(directory, world, shapes, need_optimizer=not os.path.basename(directory).startswith(
-            ("nan_", "spike_")))
-        bad += bool(problems)
-        print(f"{'OK  ' if not problems else 'BAD '} {directory}" + "".join(f"\n     - {p}" for p in problems))
-    return 1 if bad else 0
+    if os.path.isfile(args.path) or os.path.basename(os.path.normpath(args.path)).startswith("rank_"):
+        print(f"{args.path} is one rank's part of {directories[0]}: verifying that whole step")
+    good, bad = [], []
+    for directory in directories:
+        world = step_world_size(directory)
+        resumable = not os.path.basename(directory).startswith(("nan_", "spike_"))  # post-mortem snapshots
+        problems = verify_step(directory, world, shapes, need_optimizer=resumable)
+        (bad if problems else good).append(directory)
+        print(f"BAD  {directory}" + "".join(f"\n     - {p}" for p in problems) if problems
+              else f"OK   {directory}: {describe_step(directory, world)}")
+    invalid = os.path.join(os.path.dirname(directories[0]), INVALID)
+    if os.path.basename(os.path.dirname(directories[0])) == CHECKPOINTS and os.path.isdir(invalid):
+        for entry in sorted(os.listdir(invalid)):
+            print(f"SET ASIDE {os.path.join(invalid, entry)} by a launch (reasons in its {REASON})")
+    resumable = [d for d in good if os.path.basename(d).startswith("step_")]
+    print(f"verified {len(good)} complete checkpoint(s), {len(bad)} bad"
+          + (f"; a resume continues from {resumable[-1]}" if resumable else "; none to resume from"))
+    return 0 if good and not bad else 1
 
 
 if __name__ == "__main__":

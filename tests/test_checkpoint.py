@@ -26,13 +26,15 @@ def metrics(run_dir):
         return [json.loads(line) for line in f if "val_loss" not in line]
 
 
-def start_and_signal(run_dir, dataset, after_steps, sig):
+def start_and_signal(run_dir, dataset, after_steps, sig, *extra):
     """Launch like a user, wait until `after_steps` steps are recorded, send `sig` to the worker."""
-    proc = subprocess.Popen(command(run_dir, dataset), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(command(run_dir, dataset, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     path = os.path.join(run_dir, "metrics.jsonl")
     deadline = time.time() + 240
     while time.time() < deadline:
-        if os.path.exists(path) and len(open(path, encoding="utf-8").read().splitlines()) >= after_steps:
+        if os.path.exists(path) and sum("val_loss" not in line for line in
+                                        open(path, encoding="utf-8").read().splitlines()) >= after_steps:
             break
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.1)
@@ -83,9 +85,12 @@ def test_resume_with_another_data_order_is_refused(baseline, tiny_dataset):
     assert code == 2
     assert "resume from step 20: the training data order changed: after sample 80" in output
     assert "(changed: seed)" in output and "a resume must not replay or skip data" in output
-    code, output = rerun(baseline, tiny_dataset, "--set", "runner_config.batch_size=3")
+    # Half the global batch divides the position (80 samples = 40 steps of 2), but would renumber the steps.
+    code, output = rerun(baseline, tiny_dataset, "--set", "runner_config.batch_size=2")
     assert code == 2
-    assert "consumed 80 samples (global batch 4), not a whole number of this recipe's global batch 3" in output
+    assert ("resume from step 20: the checkpoint was trained at global batch 4 (80 samples consumed), this recipe's "
+            "global batch is 2 (changed: runner_config.batch_size); changing the global batch on resume is not "
+            "supported") in output
     assert metrics(baseline) == before  # refused before anything was touched
 
 
@@ -115,22 +120,112 @@ def test_kill9_then_corrupt_newest_and_crash_during_save(baseline, tiny_dataset,
 
 
 def test_sigterm_saves_then_resume_continues_exactly(baseline, tiny_dataset, tmp_path):
+    """Also held-out evaluation every 6 steps: each launch ends (at 7+ and at 20) with its final evaluation."""
     run_dir = str(tmp_path / "run")
-    code, output = start_and_signal(run_dir, tiny_dataset, 7, signal.SIGTERM)
+    held_out = ("--set", "do_eval=True", "--set", "eval_step_interval=6",
+                "--set", f"eval_dataset={{data_loader: {{dataset_dir: {tiny_dataset}}}, max_batches: 2}}")
+    code, output = start_and_signal(run_dir, tiny_dataset, 7, signal.SIGTERM, *held_out)
     assert code == 4, output
     saved = [int(e.split("_")[1]) for e in os.listdir(os.path.join(run_dir, "checkpoints"))]
     preempted_at = max(saved)
     assert preempted_at not in (5, 10, 15, 20) and preempted_at >= 7  # saved because of the signal
-    code, output = rerun(run_dir, tiny_dataset)
+    code, output = rerun(run_dir, tiny_dataset, *held_out)
     assert code == 0 and f"from step {preempted_at}" in output, output
     same_trajectory(run_dir, baseline)
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        evals = [r["step"] for r in map(json.loads, f) if "val_loss" in r]
+    assert evals == sorted({6, preempted_at, 12, 18, 20})  # each once; the last one at the final step
+
+
+def files_and_bytes(directory):
+    found = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                found[os.path.join(root, name)] = (os.stat(f.fileno()).st_mtime_ns, f.read())
+    return found
 
 
 def test_rerun_of_a_complete_run_does_nothing(baseline, tiny_dataset):
-    before = metrics(baseline)
+    from training.errors import LaunchError
+    from training.launch import launch
+
+    before = files_and_bytes(baseline)
     code, output = rerun(baseline, tiny_dataset)
     assert code == 0 and "already complete (step 20" in output
-    assert metrics(baseline) == before
+    assert files_and_bytes(baseline) == before  # not even recipe.yaml or the status files rewritten
+    # Other settings on a finished run: refused, naming each key, and still nothing rewritten.
+    with pytest.raises(LaunchError, match=r"holds a run trained with other settings; this launch changes "
+                                          r"lr_schedule.learning_rate \(0.005 -> 0.001\), "
+                                          r"optimizer.weight_decay \(0.0 -> 0.1\)\n(?s:.)*pass --amend"):
+        launch(TINY_RECIPE, [f"output_dir={baseline}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                             *[a for a in SAVE if a != "--set"], "lr_schedule.learning_rate=0.001",
+                             "optimizer.weight_decay=0.1"], show_progress=False)
+    assert files_and_bytes(baseline) == before
+
+
+def corrupt_bytes(step_directory):
+    rank_dir = os.path.join(step_directory, "rank_0")
+    path = os.path.join(rank_dir, read_json(os.path.join(rank_dir, MANIFEST))["file"])
+    with open(path, "r+b") as f:  # same size, different bytes
+        f.seek(os.path.getsize(path) // 2)
+        f.write(b"\xde\xad\xbe\xef")
+
+
+def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_dataset, tmp_path):
+    """Newest step corrupt, the one before it with a truncated state.json, metrics.jsonl torn: amended to stop at 12."""
+    from scripts.verify_checkpoint import main as verify
+    from training.errors import LaunchError
+    from training.launch import prepare_run_dir
+    from training.recipe import load_recipe
+
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(baseline, run_dir)
+    corrupt_bytes(step_dir(run_dir, 20))
+    state = os.path.join(step_dir(run_dir, 15), "state.json")
+    with open(state, "r+b") as f:
+        f.truncate(50)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
+        f.write('{"step": 21, "loss": 3.1')  # a line torn by a crash
+    assert verify([run_dir]) == 1  # what a resume would find, reported
+    with pytest.raises(LaunchError, match=r"this launch changes runner_config.stop_step \(20 -> 12\)\n"):
+        prepare_run_dir(load_recipe(TINY_RECIPE, (f"output_dir={run_dir}", "runner_config.stop_step=12",
+                                                  f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                                  *[a for a in SAVE if a != "--set"])), TINY_RECIPE)
+    code, output = rerun(run_dir, tiny_dataset, "--set", "runner_config.stop_step=12", "--amend")
+    assert code == 0, output
+    assert f"{state}: unreadable (JSONDecodeError: truncated or corrupt)" in output
+    assert "sha256 differs from manifest.json (corrupt)" in output and "from step 10" in output
+    assert "metrics.jsonl:21: not a JSON record (torn by a crash?), dropped" in output
+    assert "this run's recipe was amended" in output and "from step 10: runner_config.stop_step 20 -> 12" in output
+    # The corrupt steps were moved aside with their reasons; retention kept the valid 10 and the new 12.
+    root = os.path.join(run_dir, "checkpoints")
+    assert sorted(os.listdir(root)) == ["invalid", "step_00000010", "step_00000012"]
+    assert sorted(os.listdir(os.path.join(root, "invalid"))) == ["step_00000015", "step_00000020"]
+    with open(os.path.join(root, "invalid", "step_00000015", "REASON.txt"), encoding="utf-8") as f:
+        assert "state.json: unreadable" in f.read()
+    assert verify_step(step_dir(run_dir, 10), 1) == [] and verify_step(step_dir(run_dir, 12), 1) == []
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 13))
+    amendments = [json.loads(line) for line in open(os.path.join(run_dir, "amendments.jsonl"), encoding="utf-8")]
+    assert [(a["step"], a["key"], a["old"], a["new"]) for a in amendments] == [(10, "runner_config.stop_step", 20, 12)]
+    with open(os.path.join(run_dir, "recipe.yaml"), encoding="utf-8") as f:
+        assert "stop_step: 12" in f.read()  # recipe.yaml describes what was trained last; the history the rest
+
+
+def test_deleted_state_json_falls_back_to_the_previous_step(baseline, tiny_dataset, tmp_path):
+    from training.launch import prepare_run_dir
+    from training.recipe import load_recipe
+
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(baseline, run_dir)
+    os.remove(os.path.join(step_dir(run_dir, 20), "state.json"))
+    recipe = load_recipe(TINY_RECIPE, (f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                       *[a for a in SAVE if a != "--set"]))
+    prepare_run_dir(recipe, TINY_RECIPE)
+    assert recipe.load_checkpoint == step_dir(run_dir, 15)
+    with open(os.path.join(run_dir, "checkpoints", "invalid", "step_00000020", "REASON.txt"), encoding="utf-8") as f:
+        assert "state.json: missing (the data position of this step is unknown)" in f.read()
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 16))
 
 
 def test_recipe_change_that_alters_shapes_is_refused(baseline, tiny_dataset):
@@ -170,7 +265,8 @@ def test_missing_optimizer_state_is_refused_for_resume(tmp_path):
     weights = [{"name": n, "data": ms.Tensor(np.zeros(s, np.float32))} for n, s in shapes.items()]
     write_rank(str(tmp_path / "rank_0"), "w_rank_0-1_5.ckpt", weights, {}, {"step": 5, "world_size": 1})
     problems = verify_step(str(tmp_path), 1, shapes)
-    assert len(problems) == 1 and "no AdamW state" in problems[0] and "set load_checkpoint without" in problems[0]
+    assert "no AdamW state" in problems[0] and "set load_checkpoint without" in problems[0]
+    assert "state.json: missing" in problems[1]  # nor a data position to resume from
     assert verify_step(str(tmp_path), 1, shapes, need_optimizer=False) == []
 
 
@@ -182,6 +278,49 @@ def test_verify_checkpoint_script(baseline):
                           "--set", "model.model_config.intermediate_size=192"], capture_output=True, text=True)
     assert bad.returncode == 1 and "mlp.up_proj.weight has shape (176, 64), the recipe's model needs (192, 64)" \
         in bad.stdout
+
+
+def test_verify_checkpoint_says_what_it_verified_and_refuses_the_rest(baseline, tmp_path, capsys):
+    from scripts.verify_checkpoint import main as verify
+
+    step = step_dir(baseline, 20)
+    ckpt = os.path.join(step, "rank_0", read_json(os.path.join(step, "rank_0", MANIFEST))["file"])
+    assert verify([ckpt]) == 0  # a rank's file, checked with its whole step against the manifests
+    out = capsys.readouterr().out
+    assert f"one rank's part of {step}" in out and f"OK   {step}: step 20, 1 rank(s), 65 tensors per rank, 80 " \
+        "samples consumed (global batch 4)" in out and "verified 1 complete checkpoint(s), 0 bad" in out
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("hello")
+    shutil.copyfile(ckpt, tmp_path / "bare.ckpt")
+    refused = {str(tmp_path / "missing"): "does not exist", str(tmp_path / "empty"): "an empty folder",
+               str(tmp_path / "notes.txt"): "a file, not a checkpoint",
+               os.path.join(baseline, "checkpoints"): "the checkpoints folder itself",
+               str(tmp_path / "bare.ckpt"): "no manifest.json beside it naming this file"}
+    for path, message in refused.items():
+        assert verify([path]) == 2, path
+        err = capsys.readouterr().err
+        assert f"error: {path}: {message}" in err and "HINT: pass" in err
+    incomplete = tmp_path / "step_00000005"
+    shutil.copytree(step, incomplete)
+    os.remove(incomplete / "rank_0" / MANIFEST)
+    assert verify([str(incomplete)]) == 1
+    assert "no readable manifest.json" in capsys.readouterr().out
+
+
+def test_plot_run_drops_a_torn_line_and_refuses_bad_input(baseline, tmp_path, capsys):
+    from scripts.plot_run import main as plot
+
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    shutil.copyfile(os.path.join(baseline, "metrics.jsonl"), os.path.join(run_dir, "metrics.jsonl"))
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
+        f.write('{"step": 21, "lo')
+    assert plot([run_dir]) == 0
+    captured = capsys.readouterr()
+    assert "metrics.jsonl:21: not a JSON record (torn by a crash?), dropped" in captured.err
+    assert captured.out.count(".png") == 5
+    assert plot([str(tmp_path / "missing")]) == 2
+    assert "no metrics file" in capsys.readouterr().err
 
 
 NAN = ["--set", "lr_schedule.learning_rate=1e30", "--set", "lr_schedule.warmup_steps=0",

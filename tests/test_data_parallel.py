@@ -39,15 +39,26 @@ def runs(tmp_path_factory, tiny_dataset):
     return one, two
 
 
+def records(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
 def test_dp2_loss_trajectory_matches_dp1(runs):
     one, two = runs
     single = losses(os.path.join(one, "metrics.jsonl"))
-    # Each rank reports the mean over its half of the global batch; equal token counts -> global = average.
-    rank0 = losses(os.path.join(two, "metrics.jsonl"))
-    rank1 = losses(os.path.join(two, "metrics_rank_1.jsonl"))
-    assert len(single) == len(rank0) == len(rank1) == STEPS
-    assert np.allclose((np.array(rank0) + np.array(rank1)) / 2, single, rtol=2e-5, atol=2e-5)
+    # The run's loss is the global mean (all ranks); each rank's own half-batch loss stays in rank_loss.
+    run = records(os.path.join(two, "metrics.jsonl"))
+    other = records(os.path.join(two, "metrics_rank_1.jsonl"))
+    assert len(single) == len(run) == len(other) == STEPS
+    assert np.allclose([r["loss"] for r in run], single, rtol=2e-5, atol=2e-5)
+    assert [r["loss"] for r in other] == [r["loss"] for r in run]  # every rank records (and acts on) the same
+    rank0, rank1 = np.array([r["rank_loss"] for r in run]), np.array([r["rank_loss"] for r in other])
+    assert np.allclose((rank0 + rank1) / 2, [r["loss"] for r in run], rtol=1e-6, atol=1e-6)
     assert not np.allclose(rank0, rank1)  # the ranks really saw different samples
+    with open(os.path.join(two, "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    assert (summary["first_loss"], summary["last_loss"]) == (run[0]["loss"], run[-1]["loss"])
 
 
 def test_dp2_ranks_end_with_identical_weights(runs):
@@ -80,7 +91,11 @@ def test_resume_at_dp1_from_a_dp2_checkpoint_continues_with_the_right_samples(ru
               "train_dataset.data_loader.shuffle=False", "callbacks.1.save_checkpoint_steps=4",
               f"lr_schedule.total_steps={STEPS}"]
     assert launch(DP2_RECIPE, [*common, "runner_config.stop_step=4"], show_progress=False) == 0
-    assert launch(TINY_RECIPE, [*common, f"runner_config.stop_step={STEPS}"], show_progress=False) == 0
+    # Another layout and stop_step: accepted as a recorded amendment (the global batch stays 4).
+    assert launch(TINY_RECIPE, [*common, f"runner_config.stop_step={STEPS}"], show_progress=False, amend=True) == 0
+    with open(os.path.join(run_dir, "amendments.jsonl"), encoding="utf-8") as f:
+        changed = {a["key"]: (a["step"], a["old"], a["new"]) for a in map(json.loads, f)}
+    assert changed["parallel_config.data_parallel"] == (4, 2, 1) and changed["runner_config.batch_size"] == (4, 2, 4)
     resumed = losses(os.path.join(run_dir, "metrics.jsonl"))[4:]
     assert len(resumed) == STEPS - 4
     assert np.allclose(resumed, losses(os.path.join(one, "metrics.jsonl"))[4:], rtol=2e-5, atol=2e-5)
@@ -94,6 +109,6 @@ def test_dp2_run_interrupted_after_a_save_resumes_bitwise_on_both_ranks(runs, ti
               "train_dataset.data_loader.shuffle=False", "callbacks.1.save_checkpoint_steps=4",
               f"lr_schedule.total_steps={STEPS}"]
     assert launch(DP2_RECIPE, [*common, "runner_config.stop_step=4"], show_progress=False) == 0
-    assert launch(DP2_RECIPE, [*common, f"runner_config.stop_step={STEPS}"], show_progress=False) == 0
+    assert launch(DP2_RECIPE, [*common, f"runner_config.stop_step={STEPS}"], show_progress=False, amend=True) == 0
     for name in ("metrics.jsonl", "metrics_rank_1.jsonl"):
         assert losses(os.path.join(run_dir, name)) == losses(os.path.join(two, name))

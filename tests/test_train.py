@@ -29,12 +29,15 @@ def run_tiny(tmp_path_factory, tiny_dataset, name, *extra):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, tiny_dataset):
-    """One real 20-step run of the tiny recipe (cwd set to an empty directory)."""
+    """One real 20-step run of the tiny recipe (cwd set to an empty directory).
+
+    Held-out evaluation every 6 steps: 20 is not a multiple, so the run ends with an extra final evaluation.
+    """
     cwd = tmp_path_factory.mktemp("cwd")
     old = os.getcwd()
     os.chdir(cwd)
     try:
-        run_dir = run_tiny(tmp_path_factory, tiny_dataset, "baseline", "do_eval=True", "eval_step_interval=5",
+        run_dir = run_tiny(tmp_path_factory, tiny_dataset, "baseline", "do_eval=True", "eval_step_interval=6",
                            f"eval_dataset={{data_loader: {{dataset_dir: {tiny_dataset}}}, max_batches: 4}}",
                            "profile={start_step: 3, stop_step: 4}")
     finally:
@@ -113,7 +116,7 @@ def test_metrics_lines_have_every_field_with_plausible_values(tiny_run):
 
 def test_held_out_loss_at_the_configured_interval(tiny_run):
     held_out = read_metrics(tiny_run[0], held_out=True)
-    assert [r["step"] for r in held_out] == [5, 10, 15, 20]
+    assert [r["step"] for r in held_out] == [6, 12, 18, 20]
     assert all(r["val_batches"] == 4 and r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in held_out)
     assert held_out[-1]["val_loss"] < held_out[0]["val_loss"]
 

@@ -27,6 +27,12 @@ class StepRecorder(Callback):
     first one includes graph compilation); `iteration_gap` from the previous step's end to
     this step's begin (waiting for the next batch, plus other callbacks such as checkpoint
     saves); `data_wait` is the gap's share of the whole iteration.
+
+    Under data parallel (DATA_PARALLEL mode) each rank's loss is the mean over its slice of
+    the batch; `loss` is the mean over every rank (all-reduced, so all ranks record and act on
+    the same value) and `rank_loss` this rank's own. In semi-auto parallel the graph's loss
+    is already global. Files stay open until close(): held-out results of the final step are
+    written after the other callbacks' on_train_end.
     """
 
     def __init__(self, recipe, metrics_path: str, heartbeat: Heartbeat, flops_per_token: int,
@@ -45,6 +51,7 @@ class StepRecorder(Callback):
         self.tensorboard_dir = tensorboard_dir
         from training.train_step import summed_micro_batches
         self.loss_divisor = summed_micro_batches(recipe)  # the wrapper's loss sums micro-batches
+        self.reduce_loss = recipe.use_parallel and recipe.parallel.parallel_mode == 0 and recipe.world_size > 1
         self.records: list = []
         self._step_start = 0.0
         self._last_end = 0.0
@@ -108,6 +115,10 @@ class StepRecorder(Callback):
         }
         if flag and self.peak_flops:
             record["mfu_flag"] = flag
+        if self.reduce_loss:
+            from training.collectives import all_reduce_sum
+            record["rank_loss"] = record["loss"]
+            record["loss"] = float(all_reduce_sum([record["loss"]])[0]) / self.devices
         return record
 
     def log(self, record: dict) -> None:
@@ -145,13 +156,15 @@ class StepRecorder(Callback):
             self._writer.add_scalar("eval/loss", record["val_loss"], record["step"])
             self._writer.add_scalar("eval/perplexity", record["val_ppl"], record["step"])
 
-    def on_train_end(self, run_context):
+    def close(self) -> None:
+        """End of the run, after every callback's on_train_end (the final evaluation writes here too)."""
         self.heartbeat.beat("done", self.records[-1]["step"] if self.records else 0)
         if self._file:
             self._file.close()
             self._file = None
         if self._writer is not None:
             self._writer.close()
+            self._writer = None
 
     def summary(self, run_dir: str, checkpoints: list) -> dict:
         """Steps, tokens, first/last loss, steady throughput; the compile step reported on its own."""

@@ -16,6 +16,7 @@ moment leaves the previous complete step usable.
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 
@@ -25,6 +26,8 @@ from training.errors import PretrainError
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 STATE = "state.json"
+INVALID = "invalid"  # checkpoints/invalid/: step directories that failed verification, with REASON.txt
+REASON = "REASON.txt"
 FORMAT_VERSION = 1
 
 
@@ -102,28 +105,33 @@ def complete_steps(run_dir: str, world_size: int, kind: str = "step") -> list:
     return steps
 
 
-def verify_step(directory: str, world_size: int, expected_shapes: dict = None, need_optimizer: bool = True) -> list:
-    """Every problem with one step directory: missing/corrupt files, wrong shapes, missing optimizer state."""
+def verify_step(directory: str, world_size: int, expected_shapes: dict = None, need_optimizer: bool = True,
+                deep: bool = True) -> list:
+    """Every problem with one step directory: missing/corrupt files, wrong shapes, missing optimizer or data state.
+
+    `need_optimizer`: the step must be resumable (AdamW moments and a readable state.json).
+    `deep=False` skips the file hashes (sizes are still compared): a cheap check for older steps.
+    """
     problems = []
     for rank in range(world_size):
         rank_dir = os.path.join(directory, f"rank_{rank}")
         try:
-            with open(os.path.join(rank_dir, MANIFEST), encoding="utf-8") as f:
-                manifest = json.load(f)
-        except (OSError, json.JSONDecodeError) as err:
+            manifest = read_json(os.path.join(rank_dir, MANIFEST))
+            file_name, size, sha256 = manifest["file"], manifest["bytes"], manifest["sha256"]
+            tensors = manifest["tensors"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
             problems.append(f"{rank_dir}: no readable {MANIFEST} ({err.__class__.__name__}): incomplete save")
             continue
-        path = os.path.join(rank_dir, manifest["file"])
+        path = os.path.join(rank_dir, file_name)
         if not os.path.isfile(path):
             problems.append(f"{path}: listed in {MANIFEST} but missing")
             continue
-        if os.path.getsize(path) != manifest["bytes"]:
-            problems.append(f"{path}: {os.path.getsize(path)} bytes, {MANIFEST} says {manifest['bytes']} (truncated?)")
+        if os.path.getsize(path) != size:
+            problems.append(f"{path}: {os.path.getsize(path)} bytes, {MANIFEST} says {size} (truncated?)")
             continue
-        if file_sha256(path) != manifest["sha256"]:
+        if deep and file_sha256(path) != sha256:
             problems.append(f"{path}: sha256 differs from {MANIFEST} (corrupt)")
             continue
-        tensors = manifest["tensors"]
         for name, shape in (expected_shapes or {}).items():
             if name not in tensors:
                 problems.append(f"{path}: tensor {name} missing (checkpoint of another model?)")
@@ -136,21 +144,131 @@ def verify_step(directory: str, world_size: int, expected_shapes: dict = None, n
                 problems.append(f"{path}: no AdamW state for {len(missing)} tensors (e.g. {missing[0]}); resuming "
                                 "needs it. To start from these weights only, set load_checkpoint without "
                                 "resume_training")
+    if need_optimizer:
+        problems.extend(state_problems(directory))
     return problems
 
 
-def newest_valid_step(run_dir: str, world_size: int, expected_shapes: dict = None, log=print):
-    """(step, directory) of the newest complete, verified step, warning about each newer one skipped."""
+def state_problems(directory: str) -> list:
+    """What is wrong with a step's state.json (the data position a resume continues from); [] when usable."""
+    path = os.path.join(directory, STATE)
+    try:
+        state = read_json(path)
+        missing = [k for k in ("step", "global_batch_size", "data_position") if not isinstance(state.get(k), int)]
+    except FileNotFoundError:
+        return [f"{path}: missing (the data position of this step is unknown)"]
+    except (OSError, ValueError, AttributeError) as err:
+        return [f"{path}: unreadable ({err.__class__.__name__}: truncated or corrupt)"]
+    return [f"{path}: no integer {', '.join(missing)} (corrupt)"] if missing else []
+
+
+def step_entries(run_dir: str, kind: str = "step") -> list:
+    """Names of the run's `kind` step directories (step_N, nan_N, spike_N), newest first."""
     root = os.path.join(run_dir, CHECKPOINTS)
-    candidates = sorted((e for e in (os.listdir(root) if os.path.isdir(root) else []) if e.startswith("step_")),
-                        reverse=True)
-    for entry in candidates:
-        directory = os.path.join(root, entry)
-        problems = verify_step(directory, world_size, expected_shapes)
-        if not problems:
-            return int(entry.split("_")[1]), directory
+    entries = os.listdir(root) if os.path.isdir(root) else []
+    return sorted((e for e in entries if re.fullmatch(kind + r"_\d+", e)), reverse=True)
+
+
+def scan_steps(run_dir: str, world_size: int, expected_shapes: dict = None) -> tuple:
+    """((step, directory) of the newest valid step or (None, None), [(directory, problems)] of invalid ones).
+
+    Steps newer than the one found are fully verified (file hashes); older ones get the cheap
+    check (manifests, sizes, state.json), so a launch hashes one checkpoint, not all of them.
+    """
+    found, invalid = (None, None), []
+    for entry in step_entries(run_dir):
+        directory = os.path.join(run_dir, CHECKPOINTS, entry)
+        problems = verify_step(directory, world_size, expected_shapes, deep=found[0] is None)
+        if problems:
+            invalid.append((directory, problems))
+        elif found[0] is None:
+            found = (int(entry.split("_")[1]), directory)
+    return found, invalid
+
+
+def newest_valid_step(run_dir: str, world_size: int, expected_shapes: dict = None, log=print):
+    """(step, directory) of the newest complete, verified step, warning about each invalid one."""
+    found, invalid = scan_steps(run_dir, world_size, expected_shapes)
+    for directory, problems in invalid:
         log(f"[checkpoint] skipping {directory}: " + "; ".join(problems))
-    return None, None
+    return found
+
+
+def set_aside(directory: str, problems: list) -> str:
+    """Move an invalid step directory to checkpoints/invalid/ with a REASON.txt; returns where it went."""
+    target = os.path.join(os.path.dirname(directory), INVALID, os.path.basename(directory))
+    base, n = target, 1
+    while os.path.exists(target):
+        n += 1
+        target = f"{base}.{n}"
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.replace(directory, target)
+    write_atomic(os.path.join(target, REASON), f"set aside {time.strftime('%Y-%m-%dT%H:%M:%S%z')} from "
+                 f"{directory}:\n" + "".join(f"- {p}\n" for p in problems))
+    return target
+
+
+STEP_DIR = re.compile(r"(step|nan|spike)_\d+")
+
+
+def steps_to_verify(path: str) -> list:
+    """The step directories a user's path stands for: a run directory's, one step's, or the step of a rank's file.
+
+    Anything else (missing, empty, a text file, the checkpoints folder itself, a .ckpt
+    without its manifest) is refused with what to pass instead.
+    """
+    hint = "pass a run directory (RUN_DIR, holding checkpoints/) or one step directory (RUN_DIR/checkpoints/step_N)"
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: does not exist", hint=hint)
+    path = os.path.abspath(path)
+    if os.path.isfile(path) or os.path.basename(path).startswith("rank_"):
+        rank_dir = path if os.path.isdir(path) else os.path.dirname(path)
+        try:
+            listed = read_json(os.path.join(rank_dir, MANIFEST)).get("file")
+        except (OSError, ValueError, AttributeError):
+            listed = None
+        if not path.endswith(".ckpt") and os.path.isfile(path):
+            raise CheckpointError(f"{path}: a file, not a checkpoint", hint=hint)
+        if listed is None or (os.path.isfile(path) and listed != os.path.basename(path)):
+            raise CheckpointError(f"{path}: no {MANIFEST} beside it naming this file, so there is nothing to verify "
+                                  "it against (a bare .ckpt, or an incomplete save)", hint=hint)
+        return [os.path.dirname(rank_dir)]  # a rank's file is verified with its whole step
+    root = os.path.join(path, CHECKPOINTS)
+    if os.path.isdir(root):
+        entries = [os.path.join(root, e) for e in sorted(os.listdir(root)) if STEP_DIR.fullmatch(e)]
+        if not entries:
+            raise CheckpointError(f"{root}: no checkpoint step directories (nothing saved yet?)", hint=hint)
+        return entries
+    names = os.listdir(path)
+    if os.path.basename(path) == CHECKPOINTS or any(STEP_DIR.fullmatch(n) for n in names):
+        raise CheckpointError(f"{path}: the checkpoints folder itself", hint=f"pass the run directory "
+                              f"{os.path.dirname(path)}, or one step directory such as {os.path.join(path, 'step_N')}")
+    if STEP_DIR.fullmatch(os.path.basename(path)) or any(n.startswith("rank_") for n in names) or STATE in names:
+        return [path]
+    raise CheckpointError(f"{path}: {'an empty folder' if not names else 'no checkpoint here'}", hint=hint)
+
+
+def step_world_size(directory: str) -> int:
+    """Ranks a step was saved by, from its manifests (at least 1, so a step without any is reported incomplete)."""
+    ranks = sorted(e for e in os.listdir(directory) if e.startswith("rank_")) if os.path.isdir(directory) else []
+    for rank in ranks:
+        try:
+            return int(read_json(os.path.join(directory, rank, MANIFEST))["world_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return max(len(ranks), 1)
+
+
+def describe_step(directory: str, world_size: int) -> str:
+    """One line on what a verified step holds: step, ranks, tensors, data position."""
+    manifest = read_json(os.path.join(directory, "rank_0", MANIFEST))
+    text = f"step {manifest.get('step')}, {world_size} rank(s), {len(manifest['tensors'])} tensors per rank"
+    try:
+        state = read_json(os.path.join(directory, STATE))
+        text += f", {state['data_position']} samples consumed (global batch {state['global_batch_size']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return text
 
 
 def read_json(path: str) -> dict:
@@ -159,7 +277,11 @@ def read_json(path: str) -> dict:
 
 
 def prune(run_dir: str, rank: int, keep_last: int, keep_every: int) -> None:
-    """Keep this rank's newest `keep_last` steps (and every `keep_every`-th); never an incomplete newest."""
+    """Keep this rank's newest `keep_last` complete steps (and every `keep_every`-th).
+
+    Only complete steps count, and the launcher has moved invalid ones to checkpoints/invalid/
+    (scan_steps, set_aside) before training, so the newest valid step is never deleted.
+    """
     root = os.path.join(run_dir, CHECKPOINTS)
     steps = sorted(int(e.split("_")[1]) for e in os.listdir(root) if e.startswith("step_")
                    and os.path.isfile(os.path.join(root, e, f"rank_{rank}", MANIFEST)))

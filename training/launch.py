@@ -244,8 +244,11 @@ def check_load_checkpoint(recipe: Recipe) -> None:
     check_checkpoint_parameters(recipe, 0)
 
 
-def prepare_run_dir(recipe: Recipe, recipe_path: str) -> str:
-    """Create the run directory (or continue the run it holds) and save the resolved recipe in it."""
+def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> str:
+    """Create the run directory (or continue the run it holds) and save the resolved recipe in it.
+
+    A finished run is left exactly as it is (nothing rewritten); see continue_run for resumes.
+    """
     run_dir = os.path.abspath(recipe.output_dir)
     recipe.output_dir = run_dir
     recipe.train_dataset.data_loader.dataset_dir = os.path.abspath(recipe.dataset_dir)
@@ -254,24 +257,34 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str) -> str:
     if recipe.eval_dataset is not None:
         loader = recipe.eval_dataset.data_loader
         loader.dataset_dir = os.path.abspath(loader.dataset_dir)
-    if os.path.exists(os.path.join(run_dir, RESOLVED_RECIPE)):
-        continue_run(recipe, run_dir)
+    if os.path.exists(os.path.join(run_dir, RESOLVED_RECIPE)) and not continue_run(recipe, run_dir, amend):
+        return run_dir
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, RESOLVED_RECIPE), "w", encoding="utf-8") as f:
-        f.write(f"# resolved from {os.path.abspath(recipe_path)}\n")
-        f.write(recipe.to_yaml())
+    from training.checkpoint import write_atomic
+    write_atomic(os.path.join(run_dir, RESOLVED_RECIPE),
+                 f"# resolved from {os.path.abspath(recipe_path)}\n" + recipe.to_yaml())
     return run_dir
 
 
-def continue_run(recipe: Recipe, run_dir: str) -> None:
-    """The same launch command again: resume from the newest valid checkpoint, never mix two models."""
-    import yaml
-    from models.shapes import parameter_shapes
-    from training.checkpoint import MANIFEST, newest_valid_step, read_json
-    from training.recipe import recipe_from_dict
+AMENDMENTS = "amendments.jsonl"  # RUN_DIR: recipe changes accepted on resume with --amend, one per line
+# Not training settings: where the run lives (a run directory may be moved) and the checkpoint
+# the launcher itself sets on resume.
+NOT_SETTINGS = ("output_dir", "load_checkpoint", "resume_training")
 
-    with open(os.path.join(run_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
-        previous = recipe_from_dict(yaml.safe_load(f), os.path.join(run_dir, RESOLVED_RECIPE))
+
+def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
+    """The same launch command again: resume from the newest valid checkpoint, never mix two models.
+
+    Returns False when the run is already complete (then nothing in run_dir was touched).
+    A resolved recipe that differs from RUN_DIR/recipe.yaml is refused naming the keys, or
+    with `amend` recorded in RUN_DIR/amendments.jsonl. Everything is checked before anything
+    is written; then invalid step directories are moved to checkpoints/invalid/ (so retention
+    counts valid checkpoints only) and the metrics are cut back to the resumed step.
+    """
+    from models.shapes import parameter_shapes
+    from training.checkpoint import MANIFEST, read_json, scan_steps, set_aside
+
+    previous = saved_recipe(run_dir)
     if previous.model != recipe.model:
         changed = [k for k, v in vars(recipe.model.model_config).items()
                    if getattr(previous.model.model_config, k) != v]
@@ -279,39 +292,128 @@ def continue_run(recipe: Recipe, run_dir: str) -> None:
                           f"{', '.join('model.model_config.' + k for k in changed) or 'model'})",
                           hint="a changed model cannot resume these checkpoints; choose a new output_dir")
     shapes = parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
-    step, directory = newest_valid_step(run_dir, recipe.world_size, shapes,
-                                        log=lambda m: print("[launch] warning: " + m, flush=True))
-    if step is None:
-        print(f"[launch] {run_dir} holds a run but no valid checkpoint: starting it over", flush=True)
-    else:
+    (step, directory), invalid = scan_steps(run_dir, recipe.world_size, shapes)
+    if step is not None:
         recipe.load_checkpoint = directory
         recipe.resume_training = read_json(os.path.join(directory, "rank_0", MANIFEST))["file"]
         check_data_position(recipe, run_dir, previous)
+    changes = recipe_changes(previous, recipe)
+    if changes and not amend:
+        raise LaunchError(f"output_dir {run_dir} holds a run trained with other settings; this launch changes "
+                          + ", ".join(f"{key} ({old!r} -> {new!r})" for key, old, new in changes),
+                          hint="restore those settings to continue the run, or pass --amend to continue it with the "
+                               f"change recorded in {os.path.join(run_dir, AMENDMENTS)}, or choose a new output_dir")
+    if step is not None and recipe.runner_config.stop_step and step >= recipe.runner_config.stop_step:
+        return False  # already complete: the launcher says so, and the run's record stays as it is
+    record_amendments(run_dir, step or 0, changes)
+    for bad, problems in invalid:
+        print(f"[launch] warning: skipping invalid checkpoint {bad} (set aside as {set_aside(bad, problems)}): "
+              + "; ".join(problems), flush=True)
+    if step is None:
+        print(f"[launch] {run_dir} holds a run but no valid checkpoint: starting it over", flush=True)
+    else:
         print(f"[launch] resuming {run_dir} from step {step} ({directory})", flush=True)
     truncate_metrics(run_dir, step or 0)
     for stale in ("status", "heartbeat"):
         shutil.rmtree(os.path.join(run_dir, stale), ignore_errors=True)
+    return True
+
+
+def saved_recipe(run_dir: str) -> Recipe:
+    """RUN_DIR/recipe.yaml, the recipe the run was trained with."""
+    import yaml
+    from training.recipe import recipe_from_dict
+
+    path = os.path.join(run_dir, RESOLVED_RECIPE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return recipe_from_dict(yaml.safe_load(f), path)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise LaunchError(f"{path}: unreadable ({err.__class__.__name__}); the run's record is damaged",
+                          hint="restore it from a checkpoint's recipe (state.json names its sha256), or choose "
+                               "a new output_dir") from None
+
+
+def recipe_changes(previous: Recipe, recipe: Recipe) -> list:
+    """(dotted key, old, new) for every value that differs between two resolved recipes."""
+    old, new = _flatten(previous.to_dict()), _flatten(recipe.to_dict())
+    keys = [k for k in new if k not in old] + list(old)
+    return [(k, old.get(k), new.get(k)) for k in keys
+            if old.get(k) != new.get(k) and k.split(".")[0] not in NOT_SETTINGS]
+
+
+def _flatten(value, prefix: str = "") -> dict:
+    """{'a.b.0.c': leaf}: the dotted paths `--set` uses, list items by index."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list) and value:
+        items = enumerate(value)
+    else:
+        return {prefix: value}
+    flat = {}
+    for key, item in items:
+        flat.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def record_amendments(run_dir: str, step: int, changes: list) -> None:
+    """Append accepted recipe changes to RUN_DIR/amendments.jsonl, then show the run's whole amendment history."""
+    path = os.path.join(run_dir, AMENDMENTS)
+    if changes:
+        when = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        with open(path, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps({"time": when, "step": step, "key": key, "old": old, "new": new}) + "\n"
+                         for key, old, new in changes)
+            f.flush()
+            os.fsync(f.fileno())
+    from training.metrics import read_jsonl
+
+    history = read_jsonl(path, log=lambda m: print("[launch] warning: " + m, flush=True)) \
+        if os.path.isfile(path) else []
+    if history:
+        print(f"[launch] this run's recipe was amended ({path}):\n" + "\n".join(
+            f"  from step {a['step']}: {a['key']} {a['old']!r} -> {a['new']!r} ({a['time']})" for a in history),
+            flush=True)
 
 
 DATA_ORDER_KEYS = ("seed", "train_dataset.data_loader.shuffle", "train_dataset.blend", "runner_config.epochs",
                    "train_dataset.repeat")
+# What makes up the global batch (Recipe.global_batch_size): a resume must keep their product.
+GLOBAL_BATCH_KEYS = ("runner_config.batch_size", "parallel_config.data_parallel",
+                     "runner_config.gradient_accumulation_steps", "parallel_config.micro_batch_num",
+                     "parallel_config.pipeline_stage")
 
 
 def check_data_position(recipe: Recipe, run_dir: str, previous: Recipe = None) -> None:
     """A resume must continue the training order where the checkpoint left it (data/loader.py).
 
     The checkpoint's state.json names its data position and the ids and hash of the samples
-    that come next; the resumed recipe must give the same ones (with the same skips), and the
-    position must be a whole number of its global batches.
+    that come next; the resumed recipe must give the same ones (with the same skips), at the
+    same global batch (another one would renumber the steps: not supported).
     """
     from data.loader import SKIPS_FILE, next_samples, read_skips, skip_ranges
-    from training.checkpoint import STATE, read_json, resumed_steps
+    from training.checkpoint import STATE, CheckpointError, read_json, resumed_steps, state_problems
 
     state_path = os.path.join(recipe.load_checkpoint, STATE)
     if not os.path.isfile(state_path):
         return  # not one of ours (e.g. converted weights): MindFormers resumes it as it is
+    problems = state_problems(recipe.load_checkpoint)
+    if problems:
+        raise CheckpointError("; ".join(problems), hint="resume from another step directory (its state.json is "
+                                                        "intact), or start a new output_dir")
     state = read_json(state_path)
     position, step, saved = state["data_position"], state["step"], state.get("next_samples")
+    if state["global_batch_size"] != recipe.global_batch_size:
+        changed = [key for key in GLOBAL_BATCH_KEYS
+                   if previous is not None and _get(previous, key) != _get(recipe, key)]
+        raise LaunchError(f"resume from step {step}: the checkpoint was trained at global batch "
+                          f"{state['global_batch_size']} ({position} samples consumed), this recipe's global batch is "
+                          f"{recipe.global_batch_size} (changed: "
+                          f"{', '.join(changed) or ' x '.join(GLOBAL_BATCH_KEYS[:3])}); changing the global batch "
+                          "on resume is not supported (steps, LR schedule and checkpoints are numbered in batches)",
+                          hint="restore those settings (data_parallel may change when batch_size x data_parallel "
+                               "stays the same), or start a new output_dir from these weights (load_checkpoint "
+                               "without resume_training)")
     resumed_steps(state, recipe.global_batch_size)
     if saved is None:
         return
@@ -351,15 +453,15 @@ def resumed_step(recipe: Recipe) -> int:
 
 
 def truncate_metrics(run_dir: str, step: int) -> None:
-    """Drop per-step records after `step`: the resumed run writes them again, exactly once."""
-    for name in os.listdir(run_dir):
+    """Drop per-step records after `step` (and torn lines, with a warning): the resumed run writes them again."""
+    from training.checkpoint import write_atomic
+    from training.metrics import read_jsonl
+
+    for name in sorted(os.listdir(run_dir)):
         if name.startswith("metrics") and name.endswith(".jsonl"):
             path = os.path.join(run_dir, name)
-            with open(path, encoding="utf-8") as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                f.writelines(kept)
-            os.replace(path + ".tmp", path)
+            records = read_jsonl(path, log=lambda m: print("[launch] warning: " + m, flush=True))
+            write_atomic(path, "".join(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= step))
 
 
 def msrun_command(cluster: Cluster, run_dir: str) -> list:
@@ -491,8 +593,11 @@ def plan_report(recipe: Recipe, device: str = None) -> str:
 
 
 def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: int = None, node_rank: int = None,
-           master_addr: str = None, master_port: int = None, dry_run: bool = False) -> int:
-    """Validate, check, prepare, then run msrun on this node; returns the exit code."""
+           master_addr: str = None, master_port: int = None, dry_run: bool = False, amend: bool = False) -> int:
+    """Validate, check, prepare, then run msrun on this node; returns the exit code.
+
+    `amend`: continue a run whose recipe changed, recording the change (continue_run).
+    """
     from training.preflight import has_errors, hccl_env, write_findings
 
     recipe = load_recipe(recipe_path, tuple(overrides))
@@ -508,7 +613,7 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
                           hint="fix them, or see `bash scripts/run_distributed.sh RECIPE --check`")
     ensure_dataset(recipe, show_progress)
     check_load_checkpoint(recipe)
-    run_dir = prepare_run_dir(recipe, recipe_path)
+    run_dir = prepare_run_dir(recipe, recipe_path, amend)
     if recipe.resume_training and recipe.load_checkpoint and \
             not os.path.abspath(recipe.load_checkpoint).startswith(run_dir + os.sep):
         check_data_position(recipe, run_dir)  # resuming another run's checkpoint in a new run directory
@@ -541,7 +646,7 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
               f"{rollback['rolled_back_to']} and skipping {rollback['skipped_samples']} samples (steps "
               f"{rollback['skipped_steps'][0]}-{rollback['skipped_steps'][1]}); see "
               f"{os.path.join(run_dir, 'data_skips.json')}", flush=True)
-        run_dir = prepare_run_dir(recipe, recipe_path)
+        run_dir = prepare_run_dir(recipe, recipe_path, amend)
     if cluster.node_rank == 0:
         with open(os.path.join(run_dir, SUMMARY), encoding="utf-8") as f:
             summary = json.load(f)
@@ -570,6 +675,8 @@ def main(argv=None) -> int:
     parser.add_argument("--node-rank", type=int, help="this node's index (default: SLURM_NODEID or 0)")
     parser.add_argument("--master-addr", help="node 0's address (default: first Slurm host or 127.0.0.1)")
     parser.add_argument("--master-port", type=int, help=f"default {DEFAULT_MULTINODE_PORT} on several nodes")
+    parser.add_argument("--amend", action="store_true",
+                        help="continue a run with a changed recipe; the change is recorded in RUN_DIR/amendments.jsonl")
     args = parser.parse_args(argv)
     try:
         if args.plan:
@@ -584,7 +691,7 @@ def main(argv=None) -> int:
             return 2 if has_errors(preflight(recipe, master_port=args.master_port)) else 0
         return launch(args.recipe, args.overrides, nodes=args.nodes, node_rank=args.node_rank,
                       master_addr=args.master_addr, master_port=args.master_port,
-                      dry_run=os.environ.get("DRY_RUN", "") not in ("", "0"))
+                      dry_run=os.environ.get("DRY_RUN", "") not in ("", "0"), amend=args.amend)
     except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """Numbers a run reports about itself: device peak FLOP/s, MFU, host and device memory."""
 
+import json
 import time
 
 import numpy as np
@@ -83,3 +84,21 @@ def device_memory_bytes(target: str):
         return int(ms.runtime.max_memory_allocated())
     except (RuntimeError, AttributeError):
         return None
+
+
+def read_jsonl(path: str, log=print) -> list:
+    """The JSON objects of a .jsonl file; a torn or garbled line (a crash mid-write) is dropped with a warning."""
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                records.append(record)
+            else:
+                log(f"{path}:{number}: not a JSON record (torn by a crash?), dropped: {line.strip()[:80]!r}")
+    return records

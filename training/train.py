@@ -259,6 +259,7 @@ def run(run_dir: str, started: float = None) -> dict:
     trainer = Trainer(args=config, callbacks=callbacks, train_dataset=train_dataset)
     setup_done = time.time()
     trainer.train()
+    recorder.close()
     summary = recorder.summary(run_dir, find_checkpoints(run_dir))
     summary["startup"] = startup_phases(started, imported, setup_done, recorder.records, data_seconds)
     summary["resumed_from_step"] = initial_step
