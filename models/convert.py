@@ -860,7 +860,8 @@ def check_parity(result: dict, where: str, reference: str = "transformers'",
         raise ConversionError(f"{where}: converted logits differ from {reference}: max |delta| "
                               f"{result['max_abs_delta']:.3e} (tolerance {result['max_abs_tolerance']:.2e} = "
                               f"{LOGIT_TOLERANCE:g} x largest |logit| {result['logit_scale']:.3g}, at least "
-                              f"{LOGIT_TOLERANCE:g}), KL(reference || ours) {result['kl']:.3e} (tolerance {KL_TOLERANCE:.0e})",
+                              f"{LOGIT_TOLERANCE:g}), KL(reference || ours) {result['kl']:.3e} "
+                              f"(tolerance {KL_TOLERANCE:.0e})",
                               hint=hint)
 
 
