@@ -39,8 +39,8 @@ from models.checkpoint_io import CkptFile, SafetensorsFile, TorchBinFile
 from models.convert import (CHECKPOINT_FILE, FORMAT_VERSION, MANIFEST_FILE, MODEL_SECTION_FILE,
                             TIED_HEAD, HFWeights, _check_tied_copy, _progress, _write_weights, check_tensors,
                             check_parity, compare_logits, dimensions, existing_conversion, find_our_checkpoint,
-                            fingerprint, load_our_model, model_config_from_hf, model_section_yaml, publish, read_model_section,
-                            recipe_keys, tensor_plan, work_dir_for)
+                            fingerprint, load_our_model, model_config_from_hf, model_section_yaml, publish,
+                            read_model_section, recipe_keys, tensor_plan, work_dir_for)
 from training.errors import ConversionError
 from training.recipe import ModelConfig
 from training.schema import to_plain
