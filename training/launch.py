@@ -120,6 +120,8 @@ def ensure_dataset(recipe: Recipe, show_progress: bool = True) -> dict:
                              model.eos_token_id)
     if recipe.train_dataset.blend:
         check_blend(recipe)
+    from data.loader import verify_recipe_datasets  # shard contents: full sha256 on first use, then cached
+    print("\n".join(f"[launch] {line}" for line in verify_recipe_datasets(recipe)), flush=True)
     return manifest
 
 
