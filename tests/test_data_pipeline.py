@@ -472,24 +472,27 @@ def test_output_that_cannot_be_written_is_an_error_not_a_traceback(tmp_path, doc
 
 
 def test_a_huge_single_line_is_tokenized_in_bounded_memory_to_the_same_tokens(tmp_path, tokenizer):
-    """A 4M-character line: sentencepiece on the whole line grew the worker by ~45 MB (2.4 GB for 50 MB)."""
+    """A 4M-character line: encoded whole it grew the worker by 172 MB (2.4 GB for a 50 MB line), in pieces ~25 MB."""
     script = tmp_path / "measure.py"
     script.write_text(f"""
-import json, resource, sys
+import json, sys
 sys.path.insert(0, {REPO_ROOT!r})
 import sentencepiece as spm
 from data.corpus import Piece, python_stdlib_files
 from data.clean import CleanOptions, clean_text
 from data.workers import WorkerConfig, init_worker, process_chunk
-text = " ".join(f.read_text(encoding="utf-8").replace("\\n", " ") for f in python_stdlib_files()[:200])
-text = clean_text(text[:4_000_000]).strip()
+text = " ".join(f.read_text(encoding="utf-8").replace("\\n", " ") for f in python_stdlib_files()[:400])
+text = clean_text((text * (1 + 4_000_000 // len(text)))[:4_000_000]).strip()
 line = text.encode("utf-8")
 init_worker(WorkerConfig(CleanOptions(), tokenizer_path={tokenizer!r}))
 copy = bytearray(line) * 3  # the peak before: the text and a few copies, as reading and cleaning make
 del copy
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def peak_mb():  # VmHWM: this process's own peak (ru_maxrss starts at the forking parent's)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) // 1024
+before = peak_mb()
 result = process_chunk([Piece("lines", 0, 1, line)])
-growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024
+growth = peak_mb() - before
 whole = spm.SentencePieceProcessor(model_file={tokenizer!r}).encode(text) + [2]
 print(json.dumps({{"growth_mb": growth, "documents": len(result.lengths), "same": result.tokens.tolist() == whole}}))
 """)
@@ -497,7 +500,7 @@ print(json.dumps({{"growth_mb": growth, "documents": len(result.lengths), "same"
     assert out.returncode == 0, out.stderr
     measured = json.loads(out.stdout.splitlines()[-1])
     assert measured["documents"] == 1 and measured["same"]
-    assert measured["growth_mb"] < 20, f"tokenizing one 4M-character line grew memory by {measured['growth_mb']} MB"
+    assert measured["growth_mb"] < 80, f"tokenizing one 4M-character line grew memory by {measured['growth_mb']} MB"
 
 
 def test_near_dedup_confirms_candidates_by_jaccard_and_lists_what_it_dropped(tmp_path, tokenizer):
