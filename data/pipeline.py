@@ -613,6 +613,9 @@ class Run:
 
     def _publish(self, manifest: dict) -> dict:
         shutil.rmtree(self.state, ignore_errors=True)
+        for name in os.listdir(self.work):  # temporaries of writes a kill interrupted
+            if name.endswith(".tmp"):
+                os.remove(os.path.join(self.work, name))
         os.rename(self.work, self.output_dir)
         return manifest
 

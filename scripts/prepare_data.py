@@ -18,6 +18,7 @@ Hangul, full-width forms) as 3 characters, so the default 32 keeps a Chinese sen
 """
 
 import argparse
+import errno
 import os
 import shlex
 import sys
@@ -26,6 +27,11 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training.errors import PretrainError  # noqa: E402
+
+
+# Errors from paths the user gave (permissions, read-only disks, a file where a directory belongs, a full disk).
+USER_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENOSPC,
+               errno.EDQUOT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +106,10 @@ def main(argv=None) -> int:
         print("interrupted; rerun the same command to continue", file=sys.stderr, flush=True)
         return 130
     except Exception as err:  # noqa: BLE001 - anything else is our bug, and must say so
+        if isinstance(err, OSError) and err.errno in USER_ERRNOS:
+            print(f"error: {err.filename or ''}: {err.strerror}\n---> HINT: check the path and its permissions",
+                  file=sys.stderr)
+            return 2
         traceback.print_exc()
         print(f"internal error in prepare_data ({err.__class__.__name__}): a bug, not a problem with your input; "
               "please report it with the traceback above", file=sys.stderr)

@@ -20,7 +20,7 @@ import sentencepiece as spm
 from conftest import REPO_ROOT
 from data.clean import clean_text
 from data.corpus import python_stdlib_files
-from data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_files
+from data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_cached, verify_files
 from data.prepare import prepare_dataset
 from data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
 from training.errors import DataError
@@ -531,12 +531,16 @@ def test_corrupt_index_file_is_a_clear_error_and_index_files_are_hashed(tmp_path
     db.write_bytes(bytes(data))
     code, _, stderr = run_script(capsys, "--validate", copy)
     assert code == 2 and "train-00000.mindrecord.db (its MindRecord index) does not match its sha256" in stderr
+    with pytest.raises(DataError, match=r"train-00000\.mindrecord\.db does not match its sha256"):
+        verify_cached(str(copy), manifest)  # what the launcher runs
     for shard in manifest["shards"]:  # a manifest written before the index files were hashed
         del shard["db_sha256"]
     (copy / "manifest.json").write_text(json.dumps(manifest))
     code, _, stderr = run_script(capsys, "--validate", copy)
     assert code == 2 and "Traceback" not in stderr
     assert "train-00000.mindrecord: MindRecord cannot open it with its index train-00000.mindrecord.db" in stderr
+    with pytest.raises(DataError, match=r"train-00000\.mindrecord: MindRecord cannot open it with its index"):
+        verify_cached(str(copy), manifest)
     shutil.copyfile(os.path.join(tiny_dataset, db.name), db)
     code, stdout, _ = run_script(capsys, "--validate", copy)
     assert code == 0 and "the .db index files were opened but are not covered by hashes" in stdout
