@@ -63,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="drop longer documents, counted like --min-chars (0: no limit)")
     build.add_argument("--invalid-utf8", default="drop", choices=["drop", "replace"],
                        help="documents with invalid UTF-8: drop them, or keep them with U+FFFD")
-    build.add_argument("--near-dedup", action="store_true", help="also remove near-duplicates (MinHash LSH)")
+    build.add_argument("--near-dedup", action="store_true",
+                       help="also remove near-duplicates: MinHash LSH candidates whose character 5-gram Jaccard "
+                            "similarity is >= 0.8 (documents of 56+ distinct 5-grams), listed in "
+                            "OUTPUT/near_duplicates.jsonl")
     build.add_argument("--packing", default="stream", choices=["stream", "best_fit"],
                        help="stream: documents continue across samples (no padding but the tail); "
                             "best_fit: whole documents per sample, padded")
