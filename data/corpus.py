@@ -211,7 +211,7 @@ class ChunkReader:
                     cut = len(buffer)  # the last line may lack its newline
                 if cut:
                     disk = raw_file.tell()
-                    piece = Piece(kind, file_index, line, bytes(buffer[:cut]), disk - last_disk)
+                    piece = Piece(kind, file_index, line, bytes(memoryview(buffer)[:cut]), disk - last_disk)
                     del buffer[:cut]
                     offset += cut
                     line += piece.data.count(b"\n")

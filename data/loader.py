@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.mindrecord_io import read_manifest, shard_files
+from data.mindrecord_io import read_manifest, shard_files, verify_cached
 from training.errors import DataError
 
 SKIPS_FILE = "data_skips.json"
@@ -131,6 +131,14 @@ def recipe_sources(recipe) -> list:
         return [(b.dataset_dir, b.weight, f"train_dataset.blend[{i}].dataset_dir")
                 for i, b in enumerate(recipe.train_dataset.blend)]
     return [(recipe.dataset_dir, 1.0, "train_dataset.data_loader.dataset_dir")]
+
+
+def verify_recipe_datasets(recipe) -> list:
+    """Verify the files of every dataset the recipe reads (train or blend, eval) before training; one line each."""
+    dirs = [d for d, _, _ in recipe_sources(recipe)]
+    if recipe.do_eval and recipe.eval_dataset is not None:
+        dirs.append(recipe.eval_dataset.data_loader.dataset_dir)
+    return [f"dataset {d}: {verify_cached(d, read_manifest(d))}" for d in dict.fromkeys(dirs)]
 
 
 def training_order(recipe, skips=()) -> tuple:

@@ -11,7 +11,7 @@ worker are in flight, so memory does not grow with the corpus (only the dedup ke
 ~60 bytes per distinct document).
 
 The run lives in OUTPUT.partial/, its scratch state in state/: run.json (fingerprint of the
-arguments), seen.u64 / bands.u64 (dedup keys, append-only) and snapshot.json with
+arguments), seen.u64 and near_* (dedup keys and 5-gram sets, append-only) and snapshot.json with
 snapshot-N.npz, rewritten whenever a shard completes. A snapshot holds the state at the
 start of the chunk in which the shard completed (reading position, counts, packer leftovers,
 samples not yet in a shard). A rerun with the same arguments restores it, reads on from
@@ -20,6 +20,7 @@ anything written after the snapshot is deleted first. Same inputs and options, s
 """
 
 import collections
+import errno
 import hashlib
 import heapq
 import json
@@ -36,13 +37,14 @@ from tqdm import tqdm
 from data.clean import INVALID_UTF8, INVALID_UTF8_POLICIES, KEPT, NORMALIZATIONS, TOO_LONG, TOO_SHORT, \
     CleanOptions
 from data.corpus import ChunkReader, Position, input_format
-from data.dedup import KeyIndex
-from data.mindrecord_io import MANIFEST, ShardWriter, write_json_atomic, write_manifest
+from data.dedup import JACCARD_THRESHOLD, MIN_SHINGLES, NEAR_DUPLICATES, SHINGLE, KeyIndex, NearDuplicateIndex
+from data.mindrecord_io import MANIFEST, MINDRECORD_MIN_FREE, ShardWriter, partial_dir, write_json_atomic, \
+    write_manifest
 from data.packing import PACKINGS, TAILS, make_packer
 from data.tokenizer import EOD_ID, PAD_ID, check_vocab_size, describe, file_sha256, load_tokenizer, \
     train_tokenizer
 from data.workers import BAD_STATUSES, MALFORMED_JSON, MISSING_FIELD, STATUS_NAMES, WorkerConfig, \
-    default_workers, init_worker, pin_mmap_threshold, process_chunk
+    default_workers, init_pool_worker, init_worker, pin_mmap_threshold, process_chunk
 from training.errors import DataError
 
 STATE = "state"
@@ -50,6 +52,10 @@ TOKENIZER = "tokenizer.model"
 LENGTH_BINS = 32  # document lengths (tokens) bucketed by powers of two: bin k holds [2^k, 2^(k+1))
 DOCUMENT_COUNTS = ("read", "kept", "invalid_utf8", "too_short", "too_long", "malformed_json", "missing_field",
                    "duplicates", "near_duplicates", "validation")
+# Output bytes (shards, index files) per input byte, on the high side: measured 0.9 for Python source with
+# 2,048 pieces and 0.5 for Chinese text with 8,192 (int32 tokens; smaller vocabularies give more of them).
+# The disk-full estimate uses it only before the main pass has written anything to measure.
+OUTPUT_PER_INPUT_BYTE = 1.5
 BAD_KINDS = ("unreadable", "empty_file", "binary_file", "malformed_json", "missing_field", "invalid_utf8")
 
 
@@ -59,8 +65,8 @@ class PrepareOptions:
 
     text_field: str = "text"          # [--text-field] .jsonl key and .parquet column holding the text
     lines: bool = False               # [--lines] .txt files hold one document per line
-    normalization: str = "NFKC"       # [--normalize] NFKC | NFC | none
-    min_chars: int = 32               # [--min-chars]
+    normalization: str = "NFC"        # [--normalize] NFC | NFKC | none
+    min_chars: int = 32               # [--min-chars] a CJK character counts 3 (data.clean.text_length)
     max_chars: int = 0                # [--max-chars] 0 = no limit
     invalid_utf8: str = "drop"        # [--invalid-utf8] drop | replace
     near_dedup: bool = False          # [--near-dedup] MinHash near-duplicate removal
@@ -104,6 +110,7 @@ class Tallies:
         self.documents = dict.fromkeys(DOCUMENT_COUNTS, 0)
         self.bad = dict.fromkeys(BAD_KINDS, 0)
         self.first: dict = {}                        # kind -> "path:line: what"
+        self.filtered: dict = {}                     # too_short / too_long -> [count, "path:line"] (messages)
         self.file_docs = np.zeros(files, np.int64)   # kept documents per input file
         self.file_tokens = np.zeros(files, np.int64)
         self.lengths = np.zeros(LENGTH_BINS, np.int64)
@@ -111,18 +118,20 @@ class Tallies:
     def copy(self) -> "Tallies":
         other = Tallies(0)
         other.documents, other.bad, other.first = dict(self.documents), dict(self.bad), dict(self.first)
+        other.filtered = {k: list(v) for k, v in self.filtered.items()}
         other.file_docs, other.file_tokens, other.lengths = \
             self.file_docs.copy(), self.file_tokens.copy(), self.lengths.copy()
         return other
 
     def meta(self) -> dict:
-        return {"documents": self.documents, "bad": self.bad, "first": self.first}
+        return {"documents": self.documents, "bad": self.bad, "first": self.first, "filtered": self.filtered}
 
     def arrays(self) -> dict:
         return {"file_docs": self.file_docs, "file_tokens": self.file_tokens, "lengths": self.lengths}
 
     def restore(self, meta: dict, arrays: dict) -> None:
         self.documents, self.bad, self.first = dict(meta["documents"]), dict(meta["bad"]), dict(meta["first"])
+        self.filtered = {k: list(v) for k, v in meta.get("filtered", {}).items()}
         self.file_docs, self.file_tokens, self.lengths = \
             arrays["file_docs"], arrays["file_tokens"], arrays["lengths"]
 
@@ -163,7 +172,8 @@ class Run:
         self.source, self.patterns, self.files, self.missing = source, patterns, files, missing
         self.max_documents, self.tokenizer_source = max_documents, tokenizer
         self.samples_per_shard, self.show_progress, self.opts = samples_per_shard, show_progress, opts
-        self.work = output_dir.rstrip("/") + ".partial"
+        self.work = partial_dir(output_dir)
+        self.consumed = 0  # input bytes the main pass has read (estimates the space a full disk lacks)
         self.state = os.path.join(self.work, STATE)
         self.val_output = opts.val_output or output_dir.rstrip("/") + "-val"
         self.sizes = [_size(f) for f in files]
@@ -175,21 +185,58 @@ class Run:
     def execute(self) -> dict:
         pin_mmap_threshold()
         self._check_outputs()
-        finished = self._finished_manifest()
-        if finished is not None:
-            return self._publish(finished)
-        snapshot = self._open_work()
+        try:
+            finished = self._finished_manifest()
+            if finished is not None:
+                return self._publish(finished)
+            snapshot = self._open_work()
+        except OSError as err:
+            raise self._write_error(err) from None
         try:
             tokenizer_path, trained_on = self._tokenizer()
             manifest = self._main_pass(tokenizer_path, trained_on, snapshot)
         except DataError:
             shutil.rmtree(self.work, ignore_errors=True)
             raise
+        except KeyboardInterrupt:
+            raise  # everything completed is kept; the caller says so in one line
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT) and not _under(err.filename, self._outputs()):
+                raise
+            raise self._write_error(err) from None  # completed shards and the saved state are kept
         except BaseException:
             print(f"\nprepare: stopped; {self.work} keeps every completed shard: rerun the same command to "
                   "continue from there", file=sys.stderr, flush=True)
             raise
         return manifest
+
+    def _outputs(self) -> tuple:
+        return self.output_dir, self.work, self.val_output
+
+    def _write_error(self, err: OSError) -> DataError:
+        """A DataError naming the output for an OSError met while writing it (disk full: with the space needed)."""
+        rerun = "rerun the same command: it continues from the last completed shard"
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return DataError(f"cannot write dataset {self.output_dir}: {err.strerror or err} "
+                             f"({err.filename or self.work})",
+                             hint="choose an --output (and --val-output) where you can write"
+                                  + (f", or fix it and {rerun}" if os.path.isdir(self.state) else ""))
+        free = _free_bytes(self.work if os.path.isdir(self.work) else os.path.dirname(self.work) or ".")
+        written = _disk_usage(self.work) + (_disk_usage(self.val_output) if self.opts.val_fraction else 0)
+        total_input = max(1, sum(self.sizes))
+        if self.consumed > total_input // 100:
+            expected = written * total_input // self.consumed
+            basis = f"{_mb(written)} written for {self.consumed / total_input:.0%} of the input"
+        else:
+            expected = int(total_input * OUTPUT_PER_INPUT_BYTE)
+            basis = f"about {OUTPUT_PER_INPUT_BYTE}x the {_mb(total_input)} of input"
+        remaining = max(0, expected - written)
+        needed = remaining + MINDRECORD_MIN_FREE + (1 << 20)  # 1 MB for the state files
+        return DataError(f"disk full while writing dataset {self.output_dir}: {_mb(free)} free, {_mb(needed)} needed "
+                         f"to finish ({_mb(remaining)} more output, estimated from {basis}, plus the "
+                         f"{_mb(MINDRECORD_MIN_FREE)} MindRecord insists on keeping free)",
+                         hint=f"free at least {_mb(max(needed - free, 1 << 20))} more on that disk, then {rerun} "
+                              f"(kept in {self.work})")
 
     def _fingerprint(self) -> str:
         identity = {"seq_length": self.seq_length, "vocab_size": self.vocab_size, "source": self.source,
@@ -244,7 +291,11 @@ class Run:
             if previous is not None:
                 if self._ours(self.val_output):  # stopped while moving the validation dataset out
                     os.rename(self.val_output, os.path.join(self.work, "val"))
-                return _read_snapshot(self.state)
+                try:
+                    return _read_snapshot(self.state)
+                except (OSError, ValueError, KeyError) as err:
+                    raise DataError(f"{self.work} holds an interrupted run whose saved state is damaged ({err})",
+                                    hint=f"delete {self.work} and rerun the command to start over") from None
             shutil.rmtree(self.work)
         os.makedirs(self.state)
         write_json_atomic(run_file, {"fingerprint": self.fingerprint, "identity": self._identity()})
@@ -263,20 +314,21 @@ class Run:
         path = os.path.join(self.work, TOKENIZER)
         record = os.path.join(self.state, "tokenizer.json")
         if self.tokenizer_source:
-            if not os.path.isfile(path):
-                shutil.copyfile(self.tokenizer_source, path)
-            sp = load_tokenizer(path)
+            sp = load_tokenizer(self.tokenizer_source)  # messages name the user's file, not the work copy
             check_vocab_size(self.tokenizer_source, sp.get_piece_size(), self.opts.model_vocab_size,
                              "model.model_config.vocab_size")
+            if not os.path.isfile(path):
+                shutil.copyfile(self.tokenizer_source, path + ".tmp")  # a half-copied model must not look complete
+                os.replace(path + ".tmp", path)
             return path, None
         if os.path.isfile(record):
             with open(record, encoding="utf-8") as f:
                 return path, json.load(f)
-        docs = self._sample()
+        docs, tallies = self._sample()
         if not docs:
-            raise DataError(f"no usable document among {len(self.files)} input files", hint="check the inputs")
+            raise self._no_usable_document(tallies)
         prefix = os.path.join(self.state, "tokenizer")
-        shutil.move(train_tokenizer(docs, self.vocab_size, prefix), path)
+        shutil.move(train_tokenizer(docs, self.vocab_size, prefix, corpus=self._corpus()), path)
         trained_on = {"documents": len(docs), "chars": sum(len(d) for d in docs)}
         write_json_atomic(record, trained_on)
         return path, trained_on
@@ -300,6 +352,7 @@ class Run:
         self._record_missing(tallies)
         for chunk, result, count in self._results(config, Position(), 0, "sample for tokenizer", tallies, workers):
             self._record_bad(chunk, result, count, tallies)  # counts are the main pass's; this is for --strict
+            self._record_filtered(result, count, tallies)     # and these for a message if nothing is usable
             kept_before = int((result.status[:count] == KEPT).sum())
             for kept_index, digest, text in result.texts:
                 if kept_index >= kept_before or digest in digests:
@@ -312,7 +365,7 @@ class Run:
                     digests.discard(-neg)
                     chars -= len(dropped)
             order += kept_before
-        return [text for _, _, text in sorted(heap, key=lambda item: item[1])]
+        return [text for _, _, text in sorted(heap, key=lambda item: item[1])], tallies
 
     # ---- the main pass ---------------------------------------------------------------------------
 
@@ -323,13 +376,13 @@ class Run:
         if self.opts.val_fraction:
             splits["val"] = Split("val", os.path.join(self.work, "val"), self.seq_length, self.samples_per_shard,
                                   self.opts)
-        position, chunk_index, seen_count, bands_count = Position(), 0, 0, 0
+        position, chunk_index, seen_count, near_mark = Position(), 0, 0, None
         if snapshot is None:
             self._record_missing(tallies)
         else:
             meta, arrays = snapshot
             position, chunk_index = Position(**meta["position"]), meta["chunk"]
-            seen_count, bands_count = meta["seen"], meta["bands"]
+            seen_count, near_mark = meta["seen"], meta.get("near")
             tallies.restore(meta, arrays)
             for name, split in splits.items():
                 state = meta["splits"][name]
@@ -344,28 +397,32 @@ class Run:
         for split in splits.values():
             split.writer.remove_strays()
         seen = KeyIndex(os.path.join(self.state, "seen.u64"), seen_count)
-        bands = KeyIndex(os.path.join(self.state, "bands.u64"), bands_count) if self.opts.near_dedup else None
+        near = NearDuplicateIndex(self.state, os.path.join(self.work, NEAR_DUPLICATES),
+                                  [os.path.abspath(f) for f in self.files], near_mark) if self.opts.near_dedup else None
         val_below = int(self.opts.val_fraction * (1 << 64))
         config = WorkerConfig(self.opts.clean(), self.opts.text_field, tokenizer_path, EOD_ID, self.opts.near_dedup,
                               threads=1 if self.workers else (os.cpu_count() or 1))
         snapshots = _Snapshots(self.state)
+        self.consumed = sum(self.sizes[:position.file])
         for chunk, result, count in self._results(config, position, chunk_index, "prepare", tallies, self.workers):
-            mark = (chunk, tallies.copy(), seen.count, bands.count if bands else 0,
+            self.consumed += chunk.disk_bytes
+            mark = (chunk, tallies.copy(), seen.count, near.mark() if near else None,
                     {name: split.mark() for name, split in splits.items()})
             self._record_bad(chunk, result, count, tallies)
-            written = self._consume(result, count, tallies, splits, seen, bands, val_below)
+            self._record_filtered(result, count, tallies)
+            written = self._consume(result, count, tallies, splits, seen, near, val_below)
             if written:
-                for index in (seen, bands):
+                for index in (seen, near):
                     if index is not None:
                         index.sync()
                 snapshots.save(mark, splits)
         if tallies.documents["kept"] == 0:
-            raise DataError(f"no usable document among {len(self.files)} input files", hint="check the inputs")
+            raise self._no_usable_document(tallies)
         for split in splits.values():
             split.finish()
         seen.close()
-        if bands:
-            bands.close()
+        if near:
+            near.close()
         return self._write_manifests(sp, tokenizer_path, trained_on, tallies, splits)
 
     def _results(self, config: WorkerConfig, start: Position, chunk_index: int, desc: str, tallies: Tallies,
@@ -403,7 +460,7 @@ class Run:
                 yield chunk, process_chunk(chunk.pieces)
             return
         # spawn, not fork: this process may hold MindSpore's threads, which fork does not copy safely.
-        with multiprocessing.get_context("spawn").Pool(workers, init_worker, (config,)) as pool:
+        with multiprocessing.get_context("spawn").Pool(workers, init_pool_worker, (config,)) as pool:
             queued = collections.deque()
             for chunk in chunks:
                 queued.append((chunk, pool.apply_async(process_chunk, (chunk.pieces,))))
@@ -433,6 +490,41 @@ class Run:
             where = self.files[file] + (f":{line}" if line else "")
             self._bad(tallies, kind, where, detail)
 
+    def _record_filtered(self, result, count: int, tallies: Tallies) -> None:
+        """Count documents the length filters drop, with the first one's file:line."""
+        status = result.status[:count]
+        for code in (TOO_SHORT, TOO_LONG):
+            hits = np.flatnonzero(status == code)
+            if len(hits):
+                entry = tallies.filtered.setdefault(STATUS_NAMES[code], [0, ""])
+                entry[0] += len(hits)
+                entry[1] = entry[1] or f"{self.files[int(result.file[hits[0]])]}:{int(result.line[hits[0]])}"
+
+    def _no_usable_document(self, tallies: Tallies) -> DataError:
+        """Why every document was dropped: each reason with its count and first file:line."""
+        opts = self.opts
+        reasons = [f"{n} {kind.replace('_', ' ')} (first: {tallies.first.get(kind, '?')})"
+                   for kind, n in tallies.bad.items() if n]
+        limits = {"too_short": f"under --min-chars {opts.min_chars}", "too_long": f"over --max-chars {opts.max_chars}"}
+        reasons += [f"{n} {kind.replace('_', ' ')} ({limits[kind]}; first: {first})"
+                    for kind, (n, first) in tallies.filtered.items() if n]
+        hints = {"too_short": "lower --min-chars (a CJK character counts 3)", "too_long": "raise --max-chars",
+                 "missing_field": "name the text field with --text-field", "malformed_json": "fix the JSON lines",
+                 "invalid_utf8": "convert the files to UTF-8 (or --invalid-utf8 replace)",
+                 "empty_file": "check the --input paths", "binary_file": "check the --input paths",
+                 "unreadable": "check the --input paths"}
+        found = [kind for kind, n in tallies.bad.items() if n] + [k for k, (n, _) in tallies.filtered.items() if n]
+        hint = "; ".join(dict.fromkeys(hints[kind] for kind in found)) or "check the inputs"
+        return DataError(f"no usable document among {len(self.files)} input files of {self._corpus()}: "
+                         + ("; ".join(reasons) if reasons else "nothing was read"), hint=hint + "; nothing was written")
+
+    def _corpus(self) -> str:
+        """The user's input, for messages."""
+        if not self.patterns:
+            return f"the {self.source} corpus"
+        shown = " ".join(self.patterns[:3]) + (f" ... ({len(self.patterns)} in all)" if len(self.patterns) > 3 else "")
+        return f"--input {shown}"
+
     def _bad(self, tallies: Tallies, kind: str, where: str, detail: str) -> None:
         message = f"{where}: {detail}"
         if self.opts.strict:
@@ -441,7 +533,7 @@ class Run:
         tallies.bad[kind] += 1
         tallies.first.setdefault(kind, message)
 
-    def _consume(self, result, count: int, tallies: Tallies, splits: dict, seen: KeyIndex, bands,
+    def _consume(self, result, count: int, tallies: Tallies, splits: dict, seen: KeyIndex, near,
                  val_below: int) -> int:
         """Dedup, split and pack one chunk's documents; returns the number of shards this completed."""
         status = result.status[:count]
@@ -464,14 +556,14 @@ class Run:
                 fresh.add(digest)
         d["duplicates"] += kept - len(fresh)
         seen.add_many(digests[keep])
-        if bands is not None:
+        if near is not None:
+            files, lines = result.file[:count][is_kept], result.line[:count][is_kept]
+            ends = np.cumsum(result.shingle_counts)
             for i in np.flatnonzero(keep):
-                keys = result.bands[i]
-                if any(k in bands for k in keys.tolist()):
+                shingles = result.shingles[ends[i] - result.shingle_counts[i]:ends[i]]
+                if near.check(result.bands[i], shingles, int(files[i]), int(lines[i]), int(digests[i])):
                     keep[i] = False
                     d["near_duplicates"] += 1
-                else:
-                    bands.add_many(keys)
         held_out = keep & (digests < np.uint64(val_below)) if val_below else np.zeros(kept, bool)
         d["kept"] += int(keep.sum())
         d["validation"] += int(held_out.sum())
@@ -513,11 +605,18 @@ class Run:
             common["validation"] = {"dataset_dir": os.path.relpath(self.val_output, self.output_dir),
                                     "documents": tallies.documents["validation"],
                                     "samples": val_manifest["samples"], "tokens": val_manifest["tokens"]}
+        if self.opts.near_dedup:  # the audit trail of what near-dedup dropped (data/dedup.py)
+            common["near_duplicates"] = {"file": NEAR_DUPLICATES, "documents": tallies.documents["near_duplicates"],
+                                         "jaccard_threshold": JACCARD_THRESHOLD, "shingle_chars": SHINGLE,
+                                         "min_shingles": MIN_SHINGLES}
         manifest = write_manifest(self.work, {**common, "split": "train", **_dataset(splits["train"])})
         return self._publish(manifest)
 
     def _publish(self, manifest: dict) -> dict:
         shutil.rmtree(self.state, ignore_errors=True)
+        for name in os.listdir(self.work):  # temporaries of writes a kill interrupted
+            if name.endswith(".tmp"):
+                os.remove(os.path.join(self.work, name))
         os.rename(self.work, self.output_dir)
         return manifest
 
@@ -538,7 +637,7 @@ class _Snapshots:
         self.serial = 0
 
     def save(self, mark: tuple, splits: dict) -> None:
-        chunk, tallies, seen_count, bands_count, split_marks = mark
+        chunk, tallies, seen_count, near_mark, split_marks = mark
         arrays = dict(tallies.arrays())
         split_meta = {}
         for name, split in splits.items():
@@ -555,7 +654,7 @@ class _Snapshots:
             os.fsync(f.fileno())
         write_json_atomic(os.path.join(self.state, "snapshot.json"),
                           {"chunk": chunk.index, "position": chunk.start.as_dict(), "seen": seen_count,
-                           "bands": bands_count, "splits": split_meta, "arrays": name, **tallies.meta()})
+                           "near": near_mark, "splits": split_meta, "arrays": name, **tallies.meta()})
         for old in os.listdir(self.state):
             if old.startswith("snapshot-") and old != name:
                 os.remove(os.path.join(self.state, old))
@@ -583,6 +682,34 @@ def _read_snapshot(state: str):
 def _differences(before: dict, now: dict) -> list:
     return [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
             if before.get(k) != now.get(k)]
+
+
+def _under(path, roots: tuple) -> bool:
+    path = os.path.abspath(os.fsdecode(path)) if path else ""
+    return any(path == os.path.abspath(r) or path.startswith(os.path.abspath(r) + os.sep) for r in roots if r)
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+def _disk_usage(directory: str) -> int:
+    """Bytes of disk the files below `directory` occupy (sparse MindRecord pages count as written)."""
+    total = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _mb(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MB"
 
 
 def _size(path: str) -> int:

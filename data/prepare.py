@@ -64,6 +64,8 @@ def prepare_dataset(output_dir: str, seq_length: int, vocab_size: int = 2048, so
     """
     opts = PrepareOptions(**options)
     problems = opts.problems()
+    if seq_length <= 0:
+        raise DataError(f"seq_length {seq_length} must be positive", hint="pass --seq-length, e.g. 2048")
     if seq_length % SEQ_ALIGN:
         raise DataError(f"seq_length {seq_length} is not a multiple of {SEQ_ALIGN}",
                         hint=f"use {-(-seq_length // SEQ_ALIGN) * SEQ_ALIGN}")

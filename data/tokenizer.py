@@ -4,6 +4,7 @@ import hashlib
 import io
 import os
 import random
+import re
 
 import sentencepiece as spm
 
@@ -12,10 +13,14 @@ from training.errors import DataError
 # Llama's layout for the first ids, plus a dedicated padding id that is never a real token.
 UNK_ID, BOS_ID, EOD_ID, PAD_ID = 0, 1, 2, 3
 VOCAB_MULTIPLE = 16
+# A document longer than this is encoded piece by piece: sentencepiece needs ~45 bytes per character
+# of its input (a 50 MB line took 2.4 GB), so memory is bounded by the piece, not by the document.
+ENCODE_PIECE_CHARS = 1 << 18
+_WORD_START = " \u2581"  # sentencepiece's whitespace (a space, or its escape U+2581 written as text)
 
 
 def train_tokenizer(documents: list, vocab_size: int, model_prefix: str, sample_lines: int = 200_000,
-                    seed: int = 0) -> str:
+                    seed: int = 0, corpus: str = "the corpus") -> str:
     """Train a byte-fallback BPE model on a deterministic sample of lines; returns the .model path.
 
     Normalisation is off and whitespace is kept as-is so that decoding gives back the
@@ -23,7 +28,7 @@ def train_tokenizer(documents: list, vocab_size: int, model_prefix: str, sample_
     sentencepiece's setting for CJK-sized alphabets; byte fallback spells out the rarest
     characters as UTF-8 bytes, so no text ever becomes <unk>. Training reads from memory
     and writes to memory, so the model records no scratch paths: the same documents give
-    a byte-identical model wherever it is built.
+    a byte-identical model wherever it is built. `corpus` names the user's input in messages.
     """
     if vocab_size % VOCAB_MULTIPLE:
         raise DataError(f"tokenizer vocab_size {vocab_size} is not a multiple of {VOCAB_MULTIPLE}",
@@ -34,13 +39,30 @@ def train_tokenizer(documents: list, vocab_size: int, model_prefix: str, sample_
     try:
         _train(lines[:sample_lines], vocab_size, model)
     except RuntimeError as err:  # sentencepiece reports bad settings for this corpus as RuntimeError
-        raise DataError(f"tokenizer training failed: {str(err).splitlines()[0]}",
-                        hint="a byte-fallback vocabulary needs the 256 bytes plus the corpus' frequent characters: "
-                             "raise --vocab-size (or pass a trained --tokenizer)") from None
+        raise _training_error(str(err), vocab_size, len(documents), corpus) from None
     path = model_prefix + ".model"
     with open(path, "wb") as f:
         f.write(model.getvalue())
     return path
+
+
+def _training_error(reason: str, vocab_size: int, documents: int, corpus: str) -> DataError:
+    """sentencepiece's complaint about --vocab-size, turned into the value to use."""
+    where = f"a tokenizer of {vocab_size} pieces cannot be trained on {corpus} ({documents} documents)"
+    too_high = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", reason)
+    if too_high:
+        limit = int(too_high.group(1))
+        fit = limit // VOCAB_MULTIPLE * VOCAB_MULTIPLE
+        return DataError(f"{where}: the text holds enough distinct pieces for at most {limit}",
+                         hint=f"lower --vocab-size to at most {fit}, give more text, or pass a trained --tokenizer")
+    too_low = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", reason)
+    if too_low:
+        needed = int(too_low.group(1))
+        return DataError(f"{where}: sentencepiece needs {needed} pieces for its special and byte pieces and every "
+                         "character it must cover (CJK text has thousands)",
+                         hint=f"raise --vocab-size to at least {-(-needed // VOCAB_MULTIPLE) * VOCAB_MULTIPLE}, or "
+                              "pass a trained --tokenizer")
+    return DataError(f"{where}: {reason.splitlines()[0]}", hint="change --vocab-size, or pass a trained --tokenizer")
 
 
 def _train(lines: list, vocab_size: int, model: io.BytesIO) -> None:
@@ -78,6 +100,45 @@ def check_vocab_size(path: str, vocab_size: int, model_vocab_size: int = 0, mode
                         f"{model_vocab_size}: token ids up to {vocab_size - 1} would index past the embedding table",
                         hint=f"use a tokenizer of at most {model_vocab_size} pieces (--vocab-size "
                              f"{model_vocab_size}), or raise {model_key}")
+
+
+def continuation_processor(sp: spm.SentencePieceProcessor) -> spm.SentencePieceProcessor:
+    """The same model without the dummy prefix, to encode text that continues a document."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(sp.serialized_model_proto())
+    proto.normalizer_spec.add_dummy_prefix = False
+    return spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+
+
+def encode_long(sp: spm.SentencePieceProcessor, continuation: spm.SentencePieceProcessor, text: str,
+                piece_chars: int = ENCODE_PIECE_CHARS):
+    """Yield the token ids of `text`, encoded in pieces of at most `piece_chars` characters.
+
+    Pieces are cut before a space that follows a non-space: there a new sentencepiece word
+    begins (our models split by whitespace), and no piece spans two words, so the ids are
+    those of encoding the whole text. A stretch of `piece_chars` without such a space (e.g.
+    unspaced CJK text) is cut where it ends; only the tokens at that cut may differ.
+    """
+    start, processor = 0, sp
+    while start < len(text):
+        end = min(start + piece_chars, len(text))
+        if end < len(text):
+            end = _word_start(text, start, end) or end
+        yield processor.encode(text[start:end])
+        start, processor = end, continuation
+
+
+def _word_start(text: str, start: int, end: int) -> int:
+    """The last position in (start, end] where a sentencepiece word begins, or 0."""
+    pos = end + 1
+    while True:
+        pos = max(text.rfind(" ", start + 1, pos), text.rfind("\u2581", start + 1, pos))
+        if pos < 0:
+            return 0
+        if text[pos - 1] not in _WORD_START:
+            return pos
 
 
 def describe(sp: spm.SentencePieceProcessor, path: str) -> dict:

@@ -11,6 +11,7 @@ import ctypes
 import itertools
 import json
 import os
+import signal
 from array import array
 from dataclasses import dataclass, field
 from typing import Optional
@@ -19,7 +20,8 @@ import numpy as np
 
 from data.clean import INVALID_UTF8, KEPT, TOO_LONG, TOO_SHORT, CleanOptions, clean_document, decode_utf8, \
     doc_digest
-from data.dedup import BANDS, band_keys
+from data.dedup import BANDS, band_keys, shingle_hashes, shingle_set
+from data.tokenizer import ENCODE_PIECE_CHARS, continuation_processor, encode_long
 
 # Statuses beyond data.clean's: problems with the input itself rather than its text.
 MALFORMED_JSON, MISSING_FIELD = 4, 5
@@ -51,11 +53,14 @@ class ChunkResult:
     lengths: np.ndarray = None  # int64 per KEPT document: tokens including the EOD
     tokens: np.ndarray = None   # int32: the KEPT documents' tokens, each followed by EOD
     bands: np.ndarray = None    # uint64 (KEPT, BANDS) when near_dedup
+    shingles: np.ndarray = None  # uint32: each KEPT document's 5-gram set (data.dedup.shingle_set), concatenated
+    shingle_counts: np.ndarray = None  # int64 per KEPT document
     texts: list = field(default_factory=list)   # sample pass: (kept index, digest, text) below sample_below
 
 
 _config: Optional[WorkerConfig] = None
 _sp = None
+_sp_continue = None  # the model without its dummy prefix: encodes the later pieces of a long document
 
 
 def pin_mmap_threshold() -> None:
@@ -74,13 +79,20 @@ def pin_mmap_threshold() -> None:
 
 def init_worker(config: WorkerConfig) -> None:
     """Pool initializer (and inline setup): remember the options, load the tokenizer once."""
-    global _config, _sp
+    global _config, _sp, _sp_continue
     pin_mmap_threshold()
     _config = config
-    _sp = None
+    _sp = _sp_continue = None
     if config.tokenizer_path:
         import sentencepiece as spm
         _sp = spm.SentencePieceProcessor(model_file=config.tokenizer_path)
+        _sp_continue = continuation_processor(_sp)
+
+
+def init_pool_worker(config: WorkerConfig) -> None:
+    """Pool initializer: Ctrl-C reaches the whole process group; only the main process answers it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    init_worker(config)
 
 
 def process_chunk(pieces: list) -> ChunkResult:
@@ -105,10 +117,24 @@ def process_chunk(pieces: list) -> ChunkResult:
         result.texts = [(i, d, t) for i, (d, t) in enumerate(zip(digests.tolist(), texts)) if d < config.sample_below]
         return result
     if config.near_dedup:
-        result.bands = np.array([band_keys(t) for t in texts], dtype=np.uint64).reshape(len(texts), BANDS)
+        bands, sets = [], []
+        for text in texts:
+            hashes = shingle_hashes(text)
+            bands.append(band_keys(text, hashes))
+            sets.append(shingle_set(hashes))
+        result.bands = np.array(bands, dtype=np.uint64).reshape(len(texts), BANDS)
+        result.shingle_counts = np.array([len(s) for s in sets], np.int64)
+        result.shingles = np.concatenate(sets) if sets else np.zeros(0, np.uint32)
     tokens, lengths = array("i"), array("q")
-    for start in range(0, len(texts), ENCODE_BATCH):  # batches keep the Python lists of ids small
-        ids = _sp.encode(texts[start:start + ENCODE_BATCH], num_threads=config.threads)
+    for batch in _batches(texts):  # batches keep the Python lists of ids small
+        if len(batch) == 1 and len(batch[0]) > ENCODE_PIECE_CHARS:
+            before = len(tokens)
+            for ids in encode_long(_sp, _sp_continue, batch[0]):
+                tokens.extend(ids)
+            tokens.append(config.eod_id)
+            lengths.append(len(tokens) - before)
+            continue
+        ids = _sp.encode(batch, num_threads=config.threads)
         for doc in ids:
             doc.append(config.eod_id)
             lengths.append(len(doc))
@@ -116,6 +142,19 @@ def process_chunk(pieces: list) -> ChunkResult:
     result.lengths = np.frombuffer(lengths, dtype=np.int64)
     result.tokens = np.frombuffer(tokens, dtype=np.int32)
     return result
+
+
+def _batches(texts: list):
+    """Up to ENCODE_BATCH documents and about ENCODE_PIECE_CHARS characters at a time; a longer document alone."""
+    batch, chars = [], 0
+    for text in texts:
+        if batch and (len(batch) == ENCODE_BATCH or chars + len(text) > ENCODE_PIECE_CHARS):
+            yield batch
+            batch, chars = [], 0
+        batch.append(text)
+        chars += len(text)
+    if batch:
+        yield batch
 
 
 def _documents(piece, config: WorkerConfig):

@@ -8,18 +8,30 @@
     python scripts/prepare_data.py --show DIR --sample 12
 
 Inputs: .txt (one document per file; --lines: per line), .jsonl (--text-field), .parquet,
-.txt.gz/.jsonl.gz; any other suffix is read as text. An interrupted run, repeated with the
-same arguments, keeps its completed shards and finishes the rest.
+.txt.gz/.jsonl.gz; any other suffix is read as text. An interrupted run (Ctrl-C exits 130, a
+full disk exits 2), repeated with the same arguments, keeps its completed shards and
+finishes the rest.
+
+Text is normalised to NFC (CJK punctuation stays as written; --normalize NFKC folds
+full-width forms to ASCII). --min-chars/--max-chars count a CJK character (Han, kana,
+Hangul, full-width forms) as 3 characters, so the default 32 keeps a Chinese sentence of 11.
 """
 
 import argparse
+import errno
 import os
 import shlex
 import sys
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training.errors import PretrainError  # noqa: E402
+
+
+# Errors from paths the user gave (permissions, read-only disks, a file where a directory belongs, a full disk).
+USER_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENOSPC,
+               errno.EDQUOT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,18 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
                                         "--seq-length from it and refuse a tokenizer that does not fit its model")
     build.add_argument("--text-field", default="text", help=".jsonl key / .parquet column holding the text")
     build.add_argument("--lines", action="store_true", help=".txt files hold one document per line")
-    build.add_argument("--normalize", default="NFKC", choices=["NFKC", "NFC", "none"], help="Unicode normalisation")
-    build.add_argument("--min-chars", type=int, default=32, help="drop shorter documents")
-    build.add_argument("--max-chars", type=int, default=0, help="drop longer documents (0: no limit)")
+    build.add_argument("--normalize", default="NFC", choices=["NFC", "NFKC", "none"],
+                       help="Unicode normalisation (default NFC keeps CJK text as written; NFKC folds full-width "
+                            "punctuation such as '，' to ASCII)")
+    build.add_argument("--min-chars", type=int, default=32,
+                       help="drop shorter documents; a CJK character counts as 3 characters")
+    build.add_argument("--max-chars", type=int, default=0,
+                       help="drop longer documents, counted like --min-chars (0: no limit)")
     build.add_argument("--invalid-utf8", default="drop", choices=["drop", "replace"],
                        help="documents with invalid UTF-8: drop them, or keep them with U+FFFD")
-    build.add_argument("--near-dedup", action="store_true", help="also remove near-duplicates (MinHash LSH)")
+    build.add_argument("--near-dedup", action="store_true",
+                       help="also remove near-duplicates: MinHash LSH candidates whose character 5-gram Jaccard "
+                            "similarity is >= 0.8 (documents of 56+ distinct 5-grams), listed in "
+                            "OUTPUT/near_duplicates.jsonl")
     build.add_argument("--packing", default="stream", choices=["stream", "best_fit"],
                        help="stream: documents continue across samples (no padding but the tail); "
                             "best_fit: whole documents per sample, padded")
     build.add_argument("--tail", default="pad", choices=["pad", "drop"], help="the last partial sample")
     build.add_argument("--val-fraction", type=float, default=0.0,
-                       help="hold out this fraction of documents (by hash) into a validation dataset")
+                       help="hold out this fraction of documents (by hash) into a validation dataset; "
+                            "0 <= F < 0.5")
     build.add_argument("--val-output", help="validation dataset directory (default: OUTPUT-val)")
     build.add_argument("--max-documents", type=int, default=0, help="use only the first N documents")
     build.add_argument("--samples-per-shard", type=int, default=4096)
@@ -85,6 +105,18 @@ def main(argv=None) -> int:
     except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to continue", file=sys.stderr, flush=True)
+        return 130
+    except Exception as err:  # noqa: BLE001 - anything else is our bug, and must say so
+        if isinstance(err, OSError) and err.errno in USER_ERRNOS:
+            print(f"error: {err.filename or ''}: {err.strerror}\n---> HINT: check the path and its permissions",
+                  file=sys.stderr)
+            return 2
+        traceback.print_exc()
+        print(f"internal error in prepare_data ({err.__class__.__name__}): a bug, not a problem with your input; "
+              "please report it with the traceback above", file=sys.stderr)
+        return 1
     return 0
 
 

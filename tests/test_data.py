@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ from training.errors import DataError
 
 def test_clean_text_keeps_cjk_and_drops_controls():
     text = "print('你好，世界')\r\n\x1b[31mred\x1b[0m\x00 カタカナ\tx"
-    assert clean_text(text) == "print('你好,世界')\nred カタカナ\tx"  # NFKC folds the full-width comma
+    assert clean_text(text) == "print('你好，世界')\nred カタカナ\tx"  # NFC (the default) keeps it as written
+    assert clean_text(text, "NFKC") == "print('你好,世界')\nred カタカナ\tx"  # NFKC folds the full-width comma
 
 
 def test_clean_documents_counts_what_it_drops():
@@ -136,3 +138,57 @@ def test_manifest_describes_the_data(tiny_dataset):
     assert manifest["documents"]["kept"] <= manifest["documents"]["read"] == 60
     assert len(manifest["tokenizer"]["sha256"]) == 64
     assert {"eod_id", "pad_id", "bos_id", "unk_id"} <= set(manifest["tokenizer"])
+
+
+def test_launch_verifies_shard_contents_before_training(tiny_dataset, tmp_path):
+    """ensure_dataset: full sha256 on first use, then size + mtime + sampled hash from the cache; one changed
+    byte is refused with the --validate command, also when the file keeps its size and mtime."""
+    import shutil
+
+    from conftest import TINY_RECIPE
+    from data.mindrecord_io import VERIFY_CACHE
+    from training.launch import ensure_dataset
+    from training.recipe import load_recipe
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(tiny_dataset, copy)
+    shutil.rmtree(os.path.join(copy, VERIFY_CACHE), ignore_errors=True)
+    recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={copy}",))
+    manifest = read_manifest(copy)
+    files = 2 * len(manifest["shards"]) + 1  # shards, their .db index files, the tokenizer
+    ensure_dataset(recipe, show_progress=False)
+    with open(os.path.join(copy, VERIFY_CACHE), encoding="utf-8") as f:
+        assert len(json.load(f)) == files
+    shard = os.path.join(copy, manifest["shards"][0]["file"])
+    st = os.stat(shard)
+    with open(shard, "r+b") as f:  # one byte, inside the first sampled block; size and mtime kept
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(DataError, match=rf"train-00000\.mindrecord does not match its sha256 .*training on it is "
+                                        rf"refused\n---> HINT: run python scripts/prepare_data\.py --validate "
+                                        rf"{re.escape(copy)}"):
+        ensure_dataset(recipe, show_progress=False)
+    os.utime(shard)  # a new mtime: checked in full again
+    with pytest.raises(DataError, match=r"train-00000\.mindrecord does not match its sha256"):
+        ensure_dataset(recipe, show_progress=False)
+    with open(shard, "r+b") as f:
+        f.seek(100)
+        f.write(byte)
+    ensure_dataset(recipe, show_progress=False)
+
+
+def test_launch_names_what_it_verified(tiny_dataset, capsys):
+    from conftest import TINY_RECIPE
+    from training.launch import ensure_dataset
+    from training.recipe import load_recipe
+
+    recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",))
+    ensure_dataset(recipe, show_progress=False)
+    ensure_dataset(recipe, show_progress=False)
+    out = capsys.readouterr().out.splitlines()
+    files = 2 * len(read_manifest(tiny_dataset)["shards"]) + 1
+    assert f"[launch] dataset {tiny_dataset}: {files} file(s) verified: 0 by full sha256, {files} by size, mtime " \
+           "and sampled hash" in out

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import sentencepiece as spm
 from conftest import REPO_ROOT
 from data.clean import clean_text
 from data.corpus import python_stdlib_files
-from data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_files
+from data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_cached, verify_files
 from data.prepare import prepare_dataset
 from data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
 from training.errors import DataError
@@ -108,7 +109,7 @@ def test_cjk_and_mixed_scripts_come_through_intact(tmp_path, tokenizer):
     decoded = decoded_documents(str(tmp_path / "ds"))
     assert decoded == [clean_text(d) for d in CJK_DOCS]
     assert "漢字がすべて正しく" in decoded[1] and "한국어 and Ελληνικά" in decoded[2]
-    assert decoded[0].startswith("中文测试:")  # NFKC folds the full-width colon, nothing else changes
+    assert decoded[0].startswith("中文测试：")  # NFC (the default) keeps the full-width colon
 
 
 def test_samples_are_16_aligned_and_padding_stays_below_a_thousandth(tmp_path, docs, tokenizer):
@@ -188,17 +189,27 @@ def test_worker_processes_write_the_same_shards_as_one_process(tmp_path, docs, t
     assert one["shards"] == two["shards"] and shard_bytes(str(tmp_path / "one")) == shard_bytes(str(tmp_path / "two"))
 
 
-def test_killed_run_resumes_with_its_shards_and_ends_byte_identical(tmp_path, tokenizer):
+@pytest.fixture(scope="module")
+def restart_corpus(tmp_path_factory, tokenizer):
+    """(~3 MB JSONL of stdlib sources with malformed lines, its dataset built in one go) for the restart tests."""
+    root = tmp_path_factory.mktemp("restart")
     texts = [f.read_text(encoding="utf-8") for f in python_stdlib_files()[100:220]]
-    path = write_jsonl(tmp_path / "corpus.jsonl", texts)  # ~3 MB: a few 1 MB chunks
+    path = write_jsonl(root / "corpus.jsonl", texts)  # ~3 MB: a few 1 MB chunks
     lines = path.read_text().splitlines(keepends=True)
     path.write_text("".join(line + ('{"text": broken\n' if i % 10 == 5 else "") for i, line in enumerate(lines)))
-    reference = prepare(tmp_path / "reference", tokenizer, [path], samples_per_shard=256)
-    out = tmp_path / "ds"
-    command = [sys.executable, SCRIPT, "--input", str(path), "--output", str(out), "--seq-length", "64",
-               "--tokenizer", tokenizer, "--samples-per-shard", "256", "--workers", "0", "--no-progress"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    snapshot = out.parent / "ds.partial" / "state" / "snapshot.json"
+    reference = prepare(root / "reference", tokenizer, [path], samples_per_shard=256)
+    return path, reference, str(root / "reference")
+
+
+def build_command(path, out, tokenizer, workers=0):
+    return [sys.executable, SCRIPT, "--input", str(path), "--output", str(out), "--seq-length", "64",
+            "--tokenizer", tokenizer, "--samples-per-shard", "256", "--workers", str(workers), "--no-progress"]
+
+
+def stop_when_saved(proc, out, stop, mid_file=True):
+    """Wait until the run saved a snapshot (mid-file: the rerun must seek into the input), then stop(proc);
+    returns the shards the snapshot lists."""
+    snapshot = out.parent / (out.name + ".partial") / "state" / "snapshot.json"
     kept = None
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -206,12 +217,21 @@ def test_killed_run_resumes_with_its_shards_and_ends_byte_identical(tmp_path, to
             state = json.loads(snapshot.read_text())
         except (OSError, ValueError):
             state = None
-        if state and state["position"]["offset"] > 0:  # saved mid-file: the rerun must seek into the input
+        if state and (state["position"]["offset"] > 0 or not mid_file):
             kept = state["splits"]["train"]["shards"]
-            proc.send_signal(signal.SIGKILL)
+            stop(proc)
             break
         time.sleep(0.01)
     proc.wait()
+    return kept
+
+
+def test_killed_run_resumes_with_its_shards_and_ends_byte_identical(tmp_path, tokenizer, restart_corpus):
+    path, reference, reference_dir = restart_corpus
+    out = tmp_path / "ds"
+    command = build_command(path, out, tokenizer)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    kept = stop_when_saved(proc, out, lambda p: p.send_signal(signal.SIGKILL))
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be interrupted"
     assert not out.exists() and os.path.isdir(partial_dir(str(out)))
     before = {s["file"]: os.stat(os.path.join(partial_dir(str(out)), s["file"])).st_ino for s in kept}
@@ -227,8 +247,62 @@ def test_killed_run_resumes_with_its_shards_and_ends_byte_identical(tmp_path, to
     manifest = read_manifest(str(out))
     assert manifest["shards"] == reference["shards"] and manifest["documents"] == reference["documents"]
     assert manifest["bad_input"] == reference["bad_input"] and reference["bad_input"]["counts"]["malformed_json"] == 12
-    assert shard_bytes(str(out)) == shard_bytes(str(tmp_path / "reference"))
+    assert shard_bytes(str(out)) == shard_bytes(reference_dir)
     assert not os.path.exists(partial_dir(str(out))) and not os.path.exists(out / "state")
+
+
+def test_ctrl_c_says_one_line_exits_130_and_a_rerun_continues(tmp_path, tokenizer, restart_corpus):
+    """SIGINT to the whole process group, as a terminal sends it (worker processes included)."""
+    path, reference, reference_dir = restart_corpus
+    out = tmp_path / "ds"
+    command = build_command(path, out, tokenizer, workers=2)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    kept = stop_when_saved(proc, out, lambda p: os.killpg(p.pid, signal.SIGINT), mid_file=False)
+    stderr = proc.stderr.read()
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines() == ["interrupted; rerun the same command to continue"]
+    assert kept and not out.exists() and not os.path.exists(os.path.join(partial_dir(str(out)), "manifest.json"))
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming {partial_dir(str(out))} at shard" in resumed.stderr
+    assert read_manifest(str(out))["shards"] == reference["shards"]
+    assert shard_bytes(str(out)) == shard_bytes(reference_dir)
+
+
+def test_full_disk_names_the_output_and_space_needed_and_a_rerun_continues(tmp_path, tokenizer, restart_corpus):
+    """A real full disk: a tmpfs 10 MB (MindRecord keeps that free) larger than 3/4 of the dataset, so the run
+    fails in its last chunk with a snapshot saved; then the disk is grown and the command rerun."""
+    path, reference, reference_dir = restart_corpus
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    used = sum(os.lstat(os.path.join(reference_dir, n)).st_blocks * 512 for n in os.listdir(reference_dir))
+    size = f"size={(10 << 10) + used * 3 // 4 // 1024}k"
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(disk)], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        out = disk / "ds"
+        command = build_command(path, out, tokenizer)
+        full = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert full.returncode == 2, full.stderr
+        assert "Traceback" not in full.stderr
+        assert re.search(rf"error: disk full while writing dataset {re.escape(str(out))}: [\d.]+ MB free, [\d.,]+ MB "
+                         r"needed to finish", full.stderr), full.stderr
+        assert re.search(r"HINT: free at least [\d.,]+ MB more on that disk, then rerun the same command",
+                         full.stderr), full.stderr
+        assert not out.exists()
+        written = [os.path.join(d, n) for d, _, names in os.walk(disk) for n in names]
+        assert not any(n.endswith("manifest.json") for n in written)  # nothing looks complete
+        assert os.path.isfile(os.path.join(partial_dir(str(out)), "state", "snapshot.json"))
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr
+        assert f"resuming {partial_dir(str(out))} at shard" in resumed.stderr
+        assert shard_bytes(str(out)) == shard_bytes(reference_dir)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 @pytest.mark.parametrize("case", ["empty", "binary", "malformed_json", "missing_field", "unreadable",
@@ -322,3 +396,161 @@ def test_command_line_builds_validates_reports_and_shows(tmp_path, docs, capsys)
     code, _, stderr = run_script(capsys, "--validate", out)
     assert code == 2 and "train-00000.mindrecord does not match its sha256" in stderr
     assert "rebuild it with: python scripts/prepare_data.py" in stderr
+
+
+# Real Chinese text: classical poems (public domain) and Debian's fortunes-zh (Eric S. Raymond's Unix principles).
+POEMS = ["床前明月光，疑是地上霜。举头望明月，低头思故乡。", "春眠不觉晓，处处闻啼鸟。", "白日依山尽，黄河入海流。",
+         "千山鸟飞绝，万径人踪灭。孤舟蓑笠翁，独钓寒江雪。", "红豆生南国，春来发几枝。愿君多采撷，此物最相思。"]
+RAYMOND = "    -- Eric S. Raymond, UNIX哲学基础第{}条，《UNIX编程艺术》"
+PRINCIPLES = ["模块原则：使用简洁的接口拼合简单的部件。", "清晰原则：清晰胜于技巧。", "组合原则：设计时考虑拼接组合。",
+              "分离原则：策略同机制分离，接口同引擎分离。", "简洁原则：设计要简洁，复杂度能低则低。",
+              "吝啬原则：除非别无他法，不要编写庞大的程序。", "透明性原则：设计要可见，以便审查和调试。",
+              "健壮原则：健壮源于透明与简洁。", "表示原则：将知识叠入数据，以求逻辑质朴而健壮。"]
+CONTRACT = ("我们明白，某些我们的用户需要使用不符合 Debian 自由软件指导方针的作品。我们为这些作品，在我们的 FTP 库中"
+            "留出了 contrib 以及 non-free 目录。在这些目录下的软件包，并不属于 Debian 系统，尽管它们已被配置成可以在 "
+            "Debian 下使用。我们鼓励光盘制造商阅读这些目录下的软件的许可证，以判断他们是否可以在光盘中发行这些软件。"
+            "\n    -- Debian 《社会契约》第五条")
+
+
+def test_chinese_text_is_kept_as_written_and_its_length_measured_fairly(tmp_path, tokenizer):
+    """NFC by default (full-width punctuation stays), and --min-chars 32 keeps 12-character Chinese lines."""
+    path = tmp_path / "poems.txt"
+    path.write_text("\n".join(POEMS + ["太短了。", "too short for 32"]), encoding="utf-8")
+    manifest = prepare(tmp_path / "ds", tokenizer, [path], lines=True)
+    assert manifest["options"]["normalization"] == "NFC" and manifest["options"]["min_chars"] == 32
+    assert decoded_documents(str(tmp_path / "ds")) == POEMS  # 12 to 24 characters each: kept, "，" and "。" intact
+    assert manifest["documents"]["too_short"] == 2  # 4 CJK characters count 12, "too short for 32" 16
+    folded = prepare(tmp_path / "nfkc", tokenizer, [path], lines=True, normalization="NFKC")
+    assert folded["documents"]["kept"] == 5 and decoded_documents(str(tmp_path / "nfkc"))[1] == "春眠不觉晓,处处闻啼鸟。"
+
+
+def test_vocabulary_hints_point_the_right_way_and_name_the_users_files(tmp_path, docs, capsys):
+    english = write_jsonl(tmp_path / "small.jsonl", [docs[0][:3000]])
+    code, _, stderr = run_script(capsys, "--input", english, "--output", tmp_path / "a", "--seq-length", 64,
+                                 "--vocab-size", 4096, "--no-progress")
+    limit = int(re.search(r"enough distinct pieces for at most (\d+)", stderr).group(1))
+    assert code == 2 and f"cannot be trained on --input {english}" in stderr
+    assert f"HINT: lower --vocab-size to at most {limit // 16 * 16}, give more text" in stderr
+    chinese = tmp_path / "poems.txt"
+    chinese.write_text("\n".join(POEMS * 3), encoding="utf-8")
+    code, _, stderr = run_script(capsys, "--input", chinese, "--lines", "--output", tmp_path / "b", "--seq-length", 64,
+                                 "--vocab-size", 256, "--no-progress")
+    needed = int(re.search(r"sentencepiece needs (\d+) pieces", stderr).group(1))
+    assert code == 2 and needed > 256 and f"HINT: raise --vocab-size to at least {-(-needed // 16) * 16}" in stderr
+    not_a_model = tmp_path / "tok.model"
+    not_a_model.write_bytes(b"not a sentencepiece model")
+    code, _, stderr = run_script(capsys, "--input", chinese, "--output", tmp_path / "c", "--seq-length", 64,
+                                 "--tokenizer", not_a_model, "--no-progress")
+    assert code == 2 and f"tokenizer {not_a_model}: cannot be loaded" in stderr
+    assert ".partial" not in stderr and "Traceback" not in stderr
+    assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
+
+
+def test_when_no_document_is_usable_each_reason_is_shown_with_its_first_line(tmp_path, docs, tokenizer):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "cut off\n' + json.dumps({"body": docs[0]}) + "\n")
+    short = tmp_path / "short.txt"
+    short.write_text("a short line\nanother one\n")
+    with pytest.raises(DataError, match=r"(?s)no usable document among 2 input files of --input .*: "
+                                        rf"1 malformed json \(first: {re.escape(str(bad))}:1: malformed JSON.*"
+                                        rf"1 missing field \(first: {re.escape(str(bad))}:2: no 'text' field.*"
+                                        rf"2 too short \(under --min-chars 32; first: {re.escape(str(short))}:1\)"
+                                        r".*HINT: .*lower --min-chars"):
+        prepare(tmp_path / "ds", tokenizer, [bad, short], lines=True)
+    with pytest.raises(DataError, match=rf"2 too short \(under --min-chars 32; first: {re.escape(str(short))}:1\)"):
+        prepare_dataset(str(tmp_path / "trained"), 64, 512, inputs=[str(short)], lines=True, show_progress=False)
+    assert not os.path.exists(tmp_path / "ds.partial") and not os.path.exists(tmp_path / "trained.partial")
+
+
+def test_output_that_cannot_be_written_is_an_error_not_a_traceback(tmp_path, docs, tokenizer, capsys):
+    path = write_jsonl(tmp_path / "a.jsonl", docs[:2])
+    (tmp_path / "file").write_text("a file, not a directory")
+    code, _, stderr = run_script(capsys, "--input", path, "--output", tmp_path / "file" / "ds", "--seq-length", 64,
+                                 "--tokenizer", tokenizer, "--no-progress")
+    assert code == 2 and f"error: cannot write dataset {tmp_path / 'file' / 'ds'}: Not a directory" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_a_huge_single_line_is_tokenized_in_bounded_memory_to_the_same_tokens(tmp_path, tokenizer):
+    """A 4M-character line: encoded whole it grew the worker by 172 MB (2.4 GB for a 50 MB line), in pieces ~25 MB."""
+    script = tmp_path / "measure.py"
+    script.write_text(f"""
+import json, sys
+sys.path.insert(0, {REPO_ROOT!r})
+import sentencepiece as spm
+from data.corpus import Piece, python_stdlib_files
+from data.clean import CleanOptions, clean_text
+from data.workers import WorkerConfig, init_worker, process_chunk
+text = " ".join(f.read_text(encoding="utf-8").replace("\\n", " ") for f in python_stdlib_files()[:400])
+text = clean_text((text * (1 + 4_000_000 // len(text)))[:4_000_000]).strip()
+line = text.encode("utf-8")
+init_worker(WorkerConfig(CleanOptions(), tokenizer_path={tokenizer!r}))
+copy = bytearray(line) * 3  # the peak before: the text and a few copies, as reading and cleaning make
+del copy
+def peak_mb():  # VmHWM: this process's own peak (ru_maxrss starts at the forking parent's)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) // 1024
+before = peak_mb()
+result = process_chunk([Piece("lines", 0, 1, line)])
+growth = peak_mb() - before
+whole = spm.SentencePieceProcessor(model_file={tokenizer!r}).encode(text) + [2]
+print(json.dumps({{"growth_mb": growth, "documents": len(result.lengths), "same": result.tokens.tolist() == whole}}))
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    measured = json.loads(out.stdout.splitlines()[-1])
+    assert measured["documents"] == 1 and measured["same"]
+    assert measured["growth_mb"] < 80, f"tokenizing one 4M-character line grew memory by {measured['growth_mb']} MB"
+
+
+def test_near_dedup_confirms_candidates_by_jaccard_and_lists_what_it_dropped(tmp_path, tokenizer):
+    """Principles sharing only the attribution line are kept (one pair is an LSH candidate, Jaccard 0.43);
+    an edited copy of a paragraph (Jaccard >= 0.8) is dropped and listed with the one it duplicates."""
+    principles = [p + "\n" + RAYMOND.format(n) for p, n in zip(PRINCIPLES, "一二三四五六七八九")]
+    edited = CONTRACT.replace("我们鼓励光盘制造商", "我们建议光盘制造商")
+    path = write_jsonl(tmp_path / "fortunes.jsonl", [CONTRACT] + principles + [edited])
+    manifest = prepare(tmp_path / "ds", tokenizer, [path], near_dedup=True, min_chars=1, normalization="NFC")
+    assert manifest["documents"]["near_duplicates"] == 1 and manifest["documents"]["kept"] == 10
+    assert decoded_documents(str(tmp_path / "ds")) == [clean_text(d).strip() for d in [CONTRACT] + principles]
+    assert manifest["near_duplicates"]["file"] == "near_duplicates.jsonl"
+    with open(tmp_path / "ds" / "near_duplicates.jsonl", encoding="utf-8") as f:
+        listed = [json.loads(line) for line in f]
+    assert len(listed) == 1 and listed[0]["jaccard"] >= 0.8
+    assert listed[0]["dropped"]["source"] == listed[0]["duplicate_of"]["source"] == str(path)
+    assert (listed[0]["dropped"]["line"], listed[0]["duplicate_of"]["line"]) == (11, 1)
+
+
+def test_corrupt_index_file_is_a_clear_error_and_index_files_are_hashed(tmp_path, tiny_dataset, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dataset, copy)
+    manifest = read_manifest(str(copy))
+    assert all(len(s["db_sha256"]) == 64 for s in manifest["shards"])
+    db = copy / (manifest["shards"][0]["file"] + ".db")
+    data = bytearray(db.read_bytes())
+    data[100:600] = b"\x07" * 500
+    db.write_bytes(bytes(data))
+    code, _, stderr = run_script(capsys, "--validate", copy)
+    assert code == 2 and "train-00000.mindrecord.db (its MindRecord index) does not match its sha256" in stderr
+    with pytest.raises(DataError, match=r"train-00000\.mindrecord\.db does not match its sha256"):
+        verify_cached(str(copy), manifest)  # what the launcher runs
+    for shard in manifest["shards"]:  # a manifest written before the index files were hashed
+        del shard["db_sha256"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    code, _, stderr = run_script(capsys, "--validate", copy)
+    assert code == 2 and "Traceback" not in stderr
+    assert "train-00000.mindrecord: MindRecord cannot open it with its index train-00000.mindrecord.db" in stderr
+    with pytest.raises(DataError, match=r"train-00000\.mindrecord: MindRecord cannot open it with its index"):
+        verify_cached(str(copy), manifest)
+    shutil.copyfile(os.path.join(tiny_dataset, db.name), db)
+    code, stdout, _ = run_script(capsys, "--validate", copy)
+    assert code == 0 and "the .db index files were opened but are not covered by hashes" in stdout
+
+
+def test_padding_plot_counts_shards_in_whole_numbers(tiny_dataset):
+    from data.inspection import padding_figure
+
+    manifest = read_manifest(tiny_dataset)
+    ax = padding_figure(manifest).axes[0]
+    low, high = ax.get_xlim()
+    ticks = [t for t in ax.get_xticks() if low <= t <= high]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks

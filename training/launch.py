@@ -123,6 +123,8 @@ def ensure_dataset(recipe: Recipe, show_progress: bool = True) -> dict:
     for member in checked["blend"]:
         print(f"[launch] blend: {member['dataset_dir']}: weight {member['share']:.1%} of the samples, "
               f"{member['samples']:,} samples, read ~{member['repeats_per_pass']:.2f} times per pass", flush=True)
+    from data.loader import verify_recipe_datasets  # shard contents: full sha256 on first use, then cached
+    print("\n".join(f"[launch] {line}" for line in verify_recipe_datasets(recipe)), flush=True)
     return checked["manifest"]
 
 
