@@ -121,7 +121,8 @@ def converted_run(tmp_path_factory, tiny_dataset):
     code = launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
                                 "train_dataset.data_loader.shuffle=False", f"load_checkpoint={ours}",
                                 "load_ckpt_format=safetensors", "runner_config.stop_step=2",
-                                "callbacks.1.save_checkpoint_steps=1", "lr_schedule.learning_rate=1e-6", "lr_schedule.lr_end=0",
+                                "callbacks.1.save_checkpoint_steps=1", "lr_schedule.learning_rate=1e-6",
+                                "lr_schedule.lr_end=0",
                                 *recipe_model_overrides(ours)], show_progress=False)
     assert code == 0
     return SimpleNamespace(model=model, ours=ours, run_dir=run_dir)
