@@ -363,7 +363,7 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
             if outcome.stopped_by:  # workers msrun starts late get the signal too
                 send([p for p in workers if p.pid not in terminated], signal.SIGTERM)
                 terminated.update(p.pid for p in workers)
-            failing = [r for r in ranks if r not in outcome.seen_failing and rank_failing(run_dir, r)]
+            failing = [r for r in ranks if r not in outcome.seen_failing and rank_failing(run_dir, r, started)]
             outcome.seen_failing.update((rank, rounds) for rank in failing)
             if failing and deadline is None:
                 print(f"[launch] rank {', '.join(map(str, failing))} failed: stopping the job", file=sys.stderr,
@@ -434,10 +434,10 @@ def kill_job(proc: subprocess.Popen, launcher: str) -> None:
     proc.wait()
 
 
-def rank_failing(run_dir: str, rank: int) -> bool:
-    """The rank's status says failed, or says running while its process is gone."""
+def rank_failing(run_dir: str, rank: int, since: float) -> bool:
+    """The rank's status (written after `since`) says failed, or says running while its process is gone."""
     status = read_status(run_dir, rank)
-    if status is None or status["state"] == "done":
+    if status is None or status["state"] == "done" or status["time"] < since:
         return False
     return status["state"] == "failed" or start_time(status.get("pid", 0)) is None
 
@@ -487,13 +487,13 @@ def msrun_exit_codes(run_dir: str) -> dict:
 
 def describe_exit(code) -> str:
     if code is None:
-        return "died (its exit code is unknown)"
+        return "died (exit code unknown)"
     if code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = "unknown signal"
-        return f"was killed by signal {-code} ({name})"
+        return f"killed by signal {-code} ({name})"
     return f"exited with code {code}"
 
 
@@ -515,13 +515,14 @@ def failure_report(run_dir: str, ranks, outcome: JobOutcome) -> str:
     parts = [f"[launch] training failed (msrun exit code {outcome.returncode})"]
     if first is None:
         parts.append("no rank reported a failure; see the logs in " + os.path.join(run_dir, "logs"))
-    else:
+    elif not outcome.hung:  # a stalled rank was named already, and killed by the launcher
         rank, state, error = first
         status = read_status(run_dir, rank) or {}
         beat = read_heartbeat(run_dir, rank)
         code = codes.get(status.get("pid"))
-        how = describe_exit(code) if code is not None or state != "failed" else "failed"
-        parts.append(f"[launch] rank {rank} failed first: it {how} in phase '{beat['phase'] if beat else 'start'}'"
+        how = describe_exit(code) if code is not None or state != "failed" else "reported a failure"
+        where = f" in phase '{beat['phase']}'" if beat else ""
+        parts.append(f"[launch] rank {rank} failed first: {'never started' if not status else how + where}"
                      f"{': ' + error if error else ''}")
         failed.remove(first)
         failed.insert(0, first)
@@ -634,10 +635,11 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
     while True:
         outcome = run_watched(command, env, run_dir, cluster.ranks, recipe.monitoring.hang_timeout)
         complete = job_complete(run_dir, cluster.ranks, cluster.world_size)
-        if outcome.stopped_by and not complete:
+        reported_failure = any(state == "failed" for _, state, _ in failed_ranks(run_dir, cluster.ranks))
+        if outcome.stopped_by and not complete and not reported_failure:
             print(f"[launch] stopped ({outcome.stopped_by}) "
                   + (f"hard ({outcome.killed}): the job's processes were killed without saving"
-                     if outcome.killed else "before the ranks could save (they were still starting)")
+                     if outcome.killed else "before every rank could save (they were still starting)")
                   + "; no process of the job is left; rerun the same command to resume from the newest checkpoint",
                   file=sys.stderr, flush=True)
             return KILLED_EXIT_CODE if outcome.killed else PREEMPTED_EXIT_CODE
@@ -665,9 +667,9 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
             summary = json.load(f)
         print(format_summary(summary), flush=True)
         if summary.get("preempted"):
-            print(f"[launch] {'stopped (' + outcome.stopped_by if outcome.stopped_by else 'preempted (SIGTERM'}) "
-                  f"after step {summary['last_step']}, checkpoint saved, no process of the job left; rerun the same "
-                  "command to resume", flush=True)
+            why = f"stopped ({outcome.stopped_by})" if outcome.stopped_by else "preempted (SIGTERM)"
+            print(f"[launch] {why} after step {summary['last_step']}, checkpoint saved, no process of the job left; "
+                  "rerun the same command to resume", flush=True)
             return PREEMPTED_EXIT_CODE
     return PREEMPTED_EXIT_CODE if any((read_status(run_dir, r) or {}).get("preempted") for r in cluster.ranks) else 0
 
