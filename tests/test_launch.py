@@ -302,7 +302,7 @@ def test_plan_still_works_for_ascend_features_asked_on_cpu():
 
 def test_stalled_worker_is_named_by_rank_and_phase(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    proc = start_launcher(run_dir, tiny_dataset, TINY_RECIPE, "--set", "monitoring.hang_timeout=20")
+    proc = start_launcher(run_dir, tiny_dataset, TINY_RECIPE, "--set", "monitoring.hang_timeout=30")
     wait_for_steps(proc, run_dir)
     pid = rank_pid(run_dir, 0)
     os.kill(pid, signal.SIGSTOP)  # a hang: alive, silent
@@ -314,7 +314,7 @@ def test_stalled_worker_is_named_by_rank_and_phase(tiny_dataset, tmp_path):
         except ProcessLookupError:
             pass
     assert proc.returncode == 3
-    assert re.search(r"rank 0 stalled in phase '(data|step \d+|save)' for \d+ s \(monitoring\.hang_timeout 20 s\)",
+    assert re.search(r"rank 0 stalled in phase '(data|step \d+|save)' for \d+ s \(monitoring\.hang_timeout 30 s\)",
                      stderr), stderr
     assert re.search(r"rank 0: killed or crashed \(last phase '(data|step \d+|save)'", stderr), stderr
     assert processes_of(run_dir) == []

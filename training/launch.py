@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -332,7 +333,7 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
     wait minutes for a rank that is gone), when a rank's heartbeat stops for `hang_timeout`
     seconds, and on SIGINT/SIGTERM/SIGHUP: every worker then saves at the end of its current
     step and exits; a second signal, or STOP_GRACE_SECONDS, kills the job at once. msrun's own
-    output goes to logs/msrun.log (so it outlives the launcher) and is echoed here.
+    output goes to logs/msrun.log (it must not depend on the launcher being alive) and is echoed here.
     """
     launcher = process_id()
     env = dict(env, **{LAUNCHER_ENV: launcher})
@@ -341,14 +342,14 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
     outcome, signals = JobOutcome(returncode=0), []
     handlers = {sig: signal.signal(sig, lambda signum, _: signals.append(signal.Signals(signum).name))
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    started, offset, rounds, proc = time.time(), 0, 0, None
+    started, rounds, proc, echo = time.time(), 0, None, None
     deadline, terminated, seen_worker, workers_gone = None, set(), False, None
     try:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(command, env=env, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
+        echo = OutputEcho(log_path)
         while True:
-            offset = echo_new_output(log_path, offset)
             if proc.poll() is not None:
                 break
             rounds += 1
@@ -389,15 +390,40 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
             time.sleep(poll)
         outcome.returncode = proc.wait()
         kill_job(proc, launcher)  # nothing of the job outlives its launch
-        echo_new_output(log_path, offset)
     except BaseException:
         if proc is not None:
             kill_job(proc, launcher)
         raise
     finally:
+        if echo is not None:
+            echo.close()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     return outcome
+
+
+class OutputEcho:
+    """Copies msrun's log to stdout from a thread, so a slow or full stdout never holds up the watch."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="msrun-output", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        offset = 0
+        while True:
+            last = self._stop.is_set()
+            offset = echo_new_output(self.path, offset)
+            if last:
+                return
+            self._stop.wait(0.5)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Copy what is left, waiting at most `timeout` seconds for stdout."""
+        self._stop.set()
+        self._thread.join(timeout)
 
 
 def echo_new_output(path: str, offset: int) -> int:
