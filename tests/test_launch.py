@@ -121,6 +121,9 @@ def test_a_run_directory_has_one_owner_and_ctrl_c_stops_the_whole_job(tiny_datas
     assert second.returncode == 2
     assert re.search(rf"output_dir {run_dir} is in use: launch on host \S+ by PID {first.pid}, started", second.stderr)
     assert first.poll() is None  # the owner is not disturbed
+    dry = subprocess.run(["bash", LAUNCHER, TINY_RECIPE, "--set", f"output_dir={run_dir}"], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, DRY_RUN="1"))
+    assert dry.returncode == 0 and "[dry-run]" in dry.stdout  # looking takes no lock
 
     first.send_signal(signal.SIGINT)
     # After every rank wrote "done" (its step saved), a process killed in teardown does not fail the job.

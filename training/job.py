@@ -112,7 +112,7 @@ def watch_launcher(on_gone, poll: float = 1.0) -> bool:
 def stop_orphan(who: str, launcher_pid: int, graceful: bool) -> None:
     """The launcher is gone: stop this process (a worker first saves at the end of its step), within the grace."""
     print(f"[{who}] the launcher (pid {launcher_pid}) is gone: stopping"
-          f"{' at the end of the current step (checkpoint saved)' if graceful else ''}; exiting within "
+          f"{' (saving at the end of the current step)' if graceful else ''}; exiting within "
           f"{ORPHAN_GRACE_SECONDS} s", file=sys.stderr, flush=True)
     if graceful:
         os.kill(os.getpid(), signal.SIGTERM)  # the worker's preemption path: save at the end of the step, stop
