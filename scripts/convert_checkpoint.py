@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.convert import from_hf, summary, to_hf  # noqa: E402
 from training.errors import PretrainError  # noqa: E402
+from training.preflight import check_writable_dir  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -66,6 +67,7 @@ def main(argv=None) -> int:
     if args.to_hf and (args.verify or args.seq_length):
         parser.error("--verify and --seq-length apply to --from-hf")
     try:
+        check_writable_dir(args.output, "--output")
         if args.from_hf:
             manifest = from_hf(args.from_hf, args.output, seq_length=args.seq_length, verify=args.verify,
                                show_progress=not args.quiet)

@@ -27,6 +27,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training.errors import PretrainError  # noqa: E402
+from training.preflight import check_writable_dir  # noqa: E402
 
 
 # Errors from paths the user gave (permissions, read-only disks, a file where a directory belongs, a full disk).
@@ -131,6 +132,7 @@ def build(parser: argparse.ArgumentParser, args, argv) -> int:
         model_vocab = model.vocab_size
     if not args.output or not args.seq_length:
         parser.error("building a dataset needs --output and --seq-length (or --recipe)")
+    check_writable_dir(args.output, "--output")
     given = sys.argv[1:] if argv is None else argv
     command = " ".join(shlex.quote(a) for a in ["python", "scripts/prepare_data.py", *given])
     manifest = prepare_dataset(

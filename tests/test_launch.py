@@ -1,10 +1,12 @@
 """The launcher as a user runs it: bad input stops before training; a dead worker is named."""
 
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from conftest import REPO_ROOT, TINY_RECIPE
 
 LAUNCHER = os.path.join(REPO_ROOT, "scripts", "run_distributed.sh")
+DP2_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml")
 
 
 def run_launcher(*args, timeout=300):
@@ -60,25 +63,178 @@ def test_dataset_copied_without_index_files(tiny_dataset, tmp_path):
     assert "train-00000.mindrecord.db listed in manifest.json is missing" in result.stderr
 
 
-def test_killed_worker_is_named_with_its_log(tiny_dataset, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(["bash", LAUNCHER, TINY_RECIPE, "--set", f"output_dir={run_dir}",
-                             "--set", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-                             "--set", "runner_config.stop_step=0", "--set", "runner_config.epochs=50"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def start_launcher(run_dir, dataset, recipe=TINY_RECIPE, *sets):
+    """A launch that trains for minutes (50 epochs, no stop_step): it ends only when a test stops it.
+
+    Its stdout (msrun's and the workers' output too) goes to a file: a full pipe would block it.
+    """
+    out = open(f"{run_dir}.stdout", "w+")
+    proc = subprocess.Popen(["bash", LAUNCHER, recipe, "--set", f"output_dir={run_dir}",
+                             "--set", f"train_dataset.data_loader.dataset_dir={dataset}",
+                             "--set", "runner_config.stop_step=0", "--set", "runner_config.epochs=50", *sets],
+                            stdout=out, stderr=subprocess.PIPE, text=True)
+    proc.stdout_file = out
+    return proc
+
+
+def finish(proc, timeout=150):
+    """(stdout, stderr) of a launch started by start_launcher, once it has exited."""
+    _, stderr = proc.communicate(timeout=timeout)
+    proc.stdout_file.seek(0)
+    return proc.stdout_file.read(), stderr
+
+
+def wait_for_steps(proc, run_dir, steps=3, timeout=240):
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert proc.poll() is None, proc.stderr.read()
+    deadline = time.time() + timeout
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert proc.poll() is None and time.time() < deadline, finish(proc)
+        time.sleep(0.3)
+
+
+def rank_pid(run_dir, rank):
+    return json.loads((run_dir / "status" / f"rank_{rank}.json").read_text())["pid"]
+
+
+def processes_of(run_dir):
+    """(pid, command line) of every process whose arguments name the run directory: msrun, scheduler, workers."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except (OSError, ValueError):
+            continue
+        if str(run_dir) in command and not zombie:
+            found.append((int(entry), command))
+    return found
+
+
+def test_a_run_directory_has_one_owner_and_ctrl_c_stops_the_whole_job(tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    first = start_launcher(run_dir, tiny_dataset)
+    wait_for_steps(first, run_dir)
+    second = run_launcher(TINY_RECIPE, "--set", f"output_dir={run_dir}",
+                          "--set", f"train_dataset.data_loader.dataset_dir={tiny_dataset}")
+    assert second.returncode == 2
+    assert re.search(rf"output_dir {run_dir} is in use: launch on host \S+ by PID {first.pid}, started", second.stderr)
+    assert first.poll() is None  # the owner is not disturbed
+    dry = subprocess.run(["bash", LAUNCHER, TINY_RECIPE, "--set", f"output_dir={run_dir}"], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, DRY_RUN="1"))
+    assert dry.returncode == 0 and "[dry-run]" in dry.stdout  # looking takes no lock
+
+    first.send_signal(signal.SIGINT)
+    # After every rank wrote "done" (its step saved), a process killed in teardown does not fail the job.
+    deadline = time.time() + 120
+    while json.loads((run_dir / "status" / "rank_0.json").read_text())["state"] != "done":
+        assert time.time() < deadline and first.poll() is None, finish(first)
+        time.sleep(0.05)
+    os.kill(rank_pid(run_dir, 0), signal.SIGKILL)
+    stdout, stderr = finish(first)
+    assert first.returncode == 4, stderr
+    assert "[launch] SIGINT: stopping the job: every rank saves at the end of its current step" in stderr
+    step = int(re.search(r"\[launch\] stopped \(SIGINT\) after step (\d+), checkpoint saved, no process of the job "
+                         r"left; rerun the same command to resume", stdout).group(1))
+    assert "after every rank had finished and saved (a process ended badly during teardown)" in stdout
+    assert (run_dir / "checkpoints" / f"step_{step:08d}" / "rank_0" / "manifest.json").exists()
+    assert processes_of(run_dir) == []
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, step + 1))  # one writer
+    assert (run_dir / "launch.lock").read_text() == ""  # released
+
+
+def test_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, capsys):
+    import platform
+    from training.errors import LaunchError
+    from training.job import LOCK_FILE, process_id
+    from training.launch import Cluster, lock_run_dir
+    from training.recipe import load_recipe
+
+    dead = subprocess.Popen(["sleep", "0"])
+    dead_id = process_id(dead.pid)
+    dead.wait()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    stale = {"host": platform.node(), "pid": dead.pid, "launcher": dead_id, "started": "2026-01-01T00:00:00+0000",
+             "command": "an old launch"}
+    (run_dir / LOCK_FILE).write_text(json.dumps(stale))
+    recipe = load_recipe(TINY_RECIPE, (f"output_dir={run_dir}",))
+    cluster = Cluster(1, 0, "127.0.0.1", 0, 1, 1)
+    lock = lock_run_dir(recipe, cluster)
+    try:
+        assert f"taking over the stale lock {run_dir}/{LOCK_FILE} of a launch that is gone (launch on host " \
+               f"{platform.node()} by PID {dead.pid}" in capsys.readouterr().out
+        assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
+        with pytest.raises(LaunchError, match=rf"is in use: launch on host \S+ by PID {os.getpid()}"):
+            lock_run_dir(recipe, cluster)  # held (flock): refused even within one process
+    finally:
+        lock.release()
+    # A lock naming another host cannot be checked from here: refused, naming it.
+    (run_dir / LOCK_FILE).write_text(json.dumps(dict(stale, host="elsewhere")))
+    with pytest.raises(LaunchError, match=r"locked by launch on host elsewhere by PID \d+.*cannot be checked"):
+        lock_run_dir(recipe, cluster)
+
+
+def test_killed_launcher_stops_its_workers_within_seconds(tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = start_launcher(run_dir, tiny_dataset)
+    wait_for_steps(launcher, run_dir)
+    assert len(processes_of(run_dir)) >= 3  # msrun, its scheduler, the worker
+    launcher.kill()
+    finish(launcher)
+    deadline = time.time() + 45
+    while processes_of(run_dir) and time.time() < deadline:
         time.sleep(0.5)
-    import json
-    pid = json.loads((run_dir / "status" / "rank_0.json").read_text())["pid"]
-    os.kill(pid, signal.SIGKILL)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    assert "[launch] training failed" in stderr
+    assert processes_of(run_dir) == []
+    status = json.loads((run_dir / "status" / "rank_0.json").read_text())
+    assert status["state"] == "done" and status["preempted"]  # it saved at the end of its step
+
+
+def test_a_failed_rank_stops_the_job_at_once_and_is_named(tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "heartbeat" / "rank_1.json").mkdir(parents=True)  # rank 1 cannot write its heartbeat: it fails
+    started = time.time()
+    result = run_launcher(DP2_RECIPE, "--set", f"output_dir={run_dir}",
+                          "--set", f"train_dataset.data_loader.dataset_dir={tiny_dataset}", timeout=150)
+    failed_at = json.loads((run_dir / "status" / "rank_1.json").read_text())["time"]
+    assert result.returncode == 1
+    assert time.time() - failed_at < 30, time.time() - started  # msrun's scheduler alone would wait minutes
+    assert re.search(r"\[launch\] rank 1 failed first: exited with code 1: IsADirectoryError",
+                     result.stderr), result.stderr
+    assert processes_of(run_dir) == []
+
+
+def test_the_first_rank_to_die_is_named_with_its_signal_and_phase(tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_launcher(run_dir, tiny_dataset, DP2_RECIPE)
+    wait_for_steps(proc, run_dir)
+    os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
+    _, stderr = finish(proc)
+    assert proc.returncode == 1
+    assert re.search(r"\[launch\] rank 1 failed first: killed by signal 9 \(SIGKILL\) in phase "
+                     r"'(step \d+|data|save)'", stderr), stderr
     assert "rank 0: killed or crashed" in stderr
-    assert f"last 25 lines of {run_dir}/logs/worker_0.log" in stderr
+    assert f"last 25 lines of {run_dir}/logs/worker_1.log" in stderr
+    assert processes_of(run_dir) == []
+
+
+def test_internal_error_is_one_line_and_a_saved_traceback(tmp_path):
+    code = ("import sys, training.launch as launch\n"
+            "def broken(*args, **kwargs):\n    raise RuntimeError('boom')\n"
+            "launch.load_recipe = broken\n"
+            f"sys.exit(launch.main([{TINY_RECIPE!r}]))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 70
+    assert "Traceback" not in result.stderr
+    match = re.search(r"internal error \(a bug in ascend-llm-recipes\): RuntimeError: boom\n"
+                      r"  the traceback is saved in (\S+); please report it", result.stderr)
+    assert match, result.stderr
+    with open(match.group(1)) as f:
+        saved = f.read()
+    assert "Traceback (most recent call last)" in saved and "RuntimeError: boom" in saved
+    os.remove(match.group(1))
 
 
 def test_rerun_into_a_directory_whose_run_is_unreadable_is_refused(tiny_dataset, tmp_path):
@@ -149,27 +305,19 @@ def test_plan_still_works_for_ascend_features_asked_on_cpu():
 
 def test_stalled_worker_is_named_by_rank_and_phase(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(["bash", LAUNCHER, TINY_RECIPE, "--set", f"output_dir={run_dir}",
-                             "--set", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-                             "--set", "runner_config.stop_step=0", "--set", "runner_config.epochs=50",
-                             "--set", "monitoring.hang_timeout=20"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert proc.poll() is None, proc.stderr.read()
-        time.sleep(0.5)
-    import json
-    pid = json.loads((run_dir / "status" / "rank_0.json").read_text())["pid"]
+    proc = start_launcher(run_dir, tiny_dataset, TINY_RECIPE, "--set", "monitoring.hang_timeout=30")
+    wait_for_steps(proc, run_dir)
+    pid = rank_pid(run_dir, 0)
     os.kill(pid, signal.SIGSTOP)  # a hang: alive, silent
     try:
-        _, stderr = proc.communicate(timeout=120)
+        _, stderr = finish(proc)
     finally:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     assert proc.returncode == 3
-    assert re.search(r"rank 0 stalled in phase '(data|step \d+|save)' for \d+ s \(monitoring\.hang_timeout 20 s\)",
+    assert re.search(r"rank 0 stalled in phase '(data|step \d+|save)' for \d+ s \(monitoring\.hang_timeout 30 s\)",
                      stderr), stderr
     assert re.search(r"rank 0: killed or crashed \(last phase '(data|step \d+|save)'", stderr), stderr
+    assert processes_of(run_dir) == []

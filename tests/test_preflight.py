@@ -15,10 +15,10 @@ import yaml
 from conftest import DEMO_RECIPE, REPO_ROOT, TINY_RECIPE
 from training.preflight import (MIN_MAX_MAP_COUNT, SUPPORTED_VERSIONS, check_device, check_disk, check_hccl,
                                 check_leftover_processes, check_master_port, check_max_map_count, check_memlock,
-                                check_versions, checkpoint_bytes, format_findings, has_errors, hccl_env,
-                                installed_versions, load_table, run_checks, training_processes, visible_npus,
-                                write_findings)
-from training.errors import LaunchError
+                                check_versions, check_writable_dir, checkpoint_bytes, format_findings, has_errors,
+                                hccl_env, installed_versions, load_table, run_checks, training_processes,
+                                visible_npus, write_findings)
+from training.errors import LaunchError, PretrainError
 from training.recipe import load_recipe
 
 
@@ -213,7 +213,7 @@ def test_findings_are_written_to_the_run_directory(tmp_path):
     recipe = load_recipe(TINY_RECIPE, (f"output_dir={tmp_path}/run",))
     findings = run_checks(recipe, run_dir=str(tmp_path / "run"))
     assert {f.check for f in findings} >= {"versions", "device", "hccl", "memlock", "max_map_count",
-                                           "master_port", "processes", "disk"}
+                                           "master_port", "processes", "output_dir", "disk"}
     assert not has_errors(findings), format_findings(findings)
     json_path, txt_path = write_findings(findings, str(tmp_path / "run"))
     with open(json_path) as f:
@@ -224,3 +224,42 @@ def test_findings_are_written_to_the_run_directory(tmp_path):
     with open(txt_path) as f:
         assert f.read() == format_findings(findings) + "\n"
     assert os.path.basename(SUPPORTED_VERSIONS) == "supported_versions.yaml"
+
+
+@pytest.mark.parametrize("command", [
+    ["bash", "scripts/run_distributed.sh", TINY_RECIPE, "--set", "output_dir={out}"],
+    [sys.executable, "scripts/prepare_data.py", "--output", "{out}", "--seq-length", "64"],
+    [sys.executable, "scripts/convert_checkpoint.py", "--from-hf", "{out}-hf", "--output", "{out}"],
+], ids=["launcher", "prepare_data", "convert_checkpoint"])
+def test_output_under_a_file_is_refused_before_anything_starts(tmp_path, command):
+    (tmp_path / "file").write_text("not a directory\n")
+    out = tmp_path / "file" / "out"
+    result = subprocess.run([a.format(out=out) for a in command], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr
+    key = "output_dir" if "run_distributed" in command[1] else "--output"
+    assert f"{key}: {out} cannot be created: {tmp_path / 'file'} is a file, not a directory" in result.stderr + \
+        result.stdout
+    assert "Traceback" not in result.stderr
+    assert (tmp_path / "file").read_text() == "not a directory\n"
+
+
+def test_read_only_output_dir_is_refused_by_preflight(tmp_path):
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only filesystem needs root (a chmod 0555 directory does not stop root)")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.strip()}")
+    try:
+        recipe = load_recipe(TINY_RECIPE, (f"output_dir={read_only}/run",))
+        [finding] = [f for f in run_checks(recipe) if f.check == "output_dir"]
+        assert finding.level == "error"
+        assert f"output_dir: {read_only}/run is not writable: Read-only file system in {read_only}" \
+            in finding.message
+        with pytest.raises(PretrainError, match=r"--output: .*/ro/data is not writable: Read-only file system"):
+            check_writable_dir(str(read_only / "data"), "--output")
+    finally:
+        subprocess.run(["umount", str(read_only)], check=True)

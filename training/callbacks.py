@@ -340,9 +340,16 @@ class CheckpointSaver(Callback):
             if self.anomaly.on_spike == "rollback" and self.roll_back(step, loss):
                 run_context.request_stop()
                 return
-        if (self.every and step % self.every == 0) or self.preempted:
+        preempted = self.preempted  # read once: SIGTERM may set it at any moment
+        if self.world_size > 1:
+            # Every rank stops at the same step: otherwise that step's checkpoint is incomplete
+            # and the ranks still training wait for the others in the next gradient all-reduce.
+            from training.collectives import all_reduce_sum
+            preempted = bool(all_reduce_sum([1.0 if preempted else 0.0])[0] > 0)
+        if (self.every and step % self.every == 0) or preempted:
             self.save(params, step)
-        if self.preempted:
+        if preempted:
+            self.preempted = True
             print(f"[checkpoint] SIGTERM: saved step {step}, stopping; rerun the same command to resume", flush=True)
             run_context.request_stop()
 

@@ -20,10 +20,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from training.errors import DataError, LaunchError, PretrainError
+from training.job import (LAUNCHER_ENV, LOCK_FILE, RunDirLock, describe_holder, job_processes, process_id, send,
+                          start_time)
 from training.recipe import Recipe, load_recipe
 from training.train import RESOLVED_RECIPE, SUMMARY, dataset_manifest_sha256, read_status
 
@@ -31,7 +34,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_SCRIPT = os.path.join(REPO_ROOT, "scripts", "train.py")
 LOG_TAIL_LINES = 25
 HANG_EXIT_CODE = 3
-PREEMPTED_EXIT_CODE = 4
+PREEMPTED_EXIT_CODE = 4   # stopped on request (SIGTERM, Ctrl-C): each rank saved at the end of its step
+KILLED_EXIT_CODE = 5      # stopped hard (a second Ctrl-C, or the grace ran out): nothing saved at the stop
+INTERNAL_ERROR_EXIT_CODE = 70
+STOP_GRACE_SECONDS = 120  # after Ctrl-C/SIGTERM: time for the ranks to finish their step and save
+FAILURE_GRACE_SECONDS = 10  # after a rank failed: time for msrun to stop the rest before the launcher kills them
+SETTLE_SECONDS = 10       # every worker has exited: time for msrun and its scheduler to follow
+ENDING_SETTLE_SECONDS = 3  # the same once the job is being stopped (msrun polls its workers every second)
+MSRUN_LOG = "msrun.log"
 DEFAULT_MULTINODE_PORT = 8118  # every node must name the same port; a random one cannot be shared
 
 
@@ -505,21 +515,156 @@ def stalled_ranks(run_dir: str, ranks, timeout: float, started: float, now: floa
     return stalled
 
 
-def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: float, poll: float = 2.0) -> int:
-    """Run msrun; if a rank's heartbeat stops for `hang_timeout` seconds, name it and stop the job."""
-    started = time.time()
-    proc = subprocess.Popen(command, env=env, cwd=run_dir, start_new_session=True)
-    while proc.poll() is None:
-        time.sleep(poll)
-        stalled = stalled_ranks(run_dir, ranks, hang_timeout, started)
-        if stalled and proc.poll() is None:
+@dataclass
+class JobOutcome:
+    """How a run of msrun ended, as the launcher saw it."""
+    returncode: int                # msrun's
+    stopped_by: str = ""           # the signal (SIGINT, SIGTERM, SIGHUP) the launcher was stopped with
+    killed: str = ""               # why the launcher killed the job's processes, if it did
+    hung: bool = False
+    seen_failing: dict = field(default_factory=dict)  # rank -> poll round the launcher first saw it fail or die
+
+
+def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: float, poll: float = 1.0) -> JobOutcome:
+    """Run msrun and watch its job until every process of it is gone.
+
+    Stops the job when a rank fails or dies (whatever msrun does meanwhile: its scheduler can
+    wait minutes for a rank that is gone), when a rank's heartbeat stops for `hang_timeout`
+    seconds, and on SIGINT/SIGTERM/SIGHUP: every worker then saves at the end of its current
+    step and exits; a second signal, or STOP_GRACE_SECONDS, kills the job at once. msrun's own
+    output goes to logs/msrun.log (it must not depend on the launcher being alive) and is echoed here.
+    """
+    launcher = process_id()
+    env = dict(env, **{LAUNCHER_ENV: launcher})
+    log_path = os.path.join(run_dir, "logs", MSRUN_LOG)
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    outcome, signals = JobOutcome(returncode=0), []
+    handlers = {sig: signal.signal(sig, lambda signum, _: signals.append(signal.Signals(signum).name))
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    started, rounds, proc, echo = time.time(), 0, None, None
+    deadline, terminated, seen_worker, workers_gone = None, set(), False, None
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(command, env=env, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        echo = OutputEcho(log_path)
+        while True:
+            if proc.poll() is not None:
+                break
+            rounds += 1
+            now, processes = time.time(), job_processes(launcher)
+            workers = [p for p in processes if p.is_worker]
+            seen_worker = seen_worker or bool(workers)
+            if signals and not outcome.stopped_by:
+                outcome.stopped_by, deadline = signals[0], now + STOP_GRACE_SECONDS
+                print(f"[launch] {signals[0]}: stopping the job: every rank saves at the end of its current step and "
+                      f"exits (at most {STOP_GRACE_SECONDS} s); {signals[0]} again kills it now",
+                      file=sys.stderr, flush=True)
+            if outcome.stopped_by:  # workers msrun starts late get the signal too
+                send([p for p in workers if p.pid not in terminated], signal.SIGTERM)
+                terminated.update(p.pid for p in workers)
+            failing = [r for r in ranks if r not in outcome.seen_failing and rank_failing(run_dir, r, started)]
+            outcome.seen_failing.update((rank, rounds) for rank in failing)
+            if failing and deadline is None:
+                print(f"[launch] rank {', '.join(map(str, failing))} failed: stopping the job", file=sys.stderr,
+                      flush=True)
+                deadline = now + FAILURE_GRACE_SECONDS  # msrun stops the other workers itself; the scheduler may not
+            stalled = [] if deadline is not None else stalled_ranks(run_dir, ranks, hang_timeout, started, now)
             for rank, phase, seconds in stalled:
                 print(f"[launch] rank {rank} stalled in phase '{phase}' for {seconds:.0f} s "
                       f"(monitoring.hang_timeout {hang_timeout} s); stopping the job", file=sys.stderr, flush=True)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return HANG_EXIT_CODE
-    return proc.returncode
+            workers_gone = (workers_gone or now) if seen_worker and not workers else None
+            # Once the job is ending, msrun only needs to note how its workers exited.
+            settle = SETTLE_SECONDS if deadline is None else ENDING_SETTLE_SECONDS
+            why = ("a rank stalled" if stalled else
+                   f"second {signals[1]}" if len(signals) > 1 else
+                   "the grace period ran out" if deadline is not None and now > deadline else
+                   "its workers are gone" if workers_gone and now - workers_gone > settle else "")
+            if why:
+                outcome.hung = outcome.hung or bool(stalled)
+                if why != "its workers are gone":
+                    outcome.killed = why
+                kill_job(proc, launcher)
+                break
+            time.sleep(poll)
+        outcome.returncode = proc.wait()
+        kill_job(proc, launcher)  # nothing of the job outlives its launch
+    except BaseException:
+        if proc is not None:
+            kill_job(proc, launcher)
+        raise
+    finally:
+        if echo is not None:
+            echo.close()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return outcome
+
+
+class OutputEcho:
+    """Copies msrun's log to stdout from a thread, so a slow or full stdout never holds up the watch."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="msrun-output", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        offset = 0
+        while True:
+            last = self._stop.is_set()
+            offset = echo_new_output(self.path, offset)
+            if last:
+                return
+            self._stop.wait(0.5)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Copy what is left, waiting at most `timeout` seconds for stdout."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+
+def echo_new_output(path: str, offset: int) -> int:
+    """Copy what msrun wrote to `path` since `offset` to stdout; returns the new offset."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return offset
+    if data:
+        try:
+            sys.stdout.flush()
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+        except (OSError, ValueError):  # the terminal is gone (SIGHUP follows): keep watching the job
+            pass
+    return offset + len(data)
+
+
+def kill_job(proc: subprocess.Popen, launcher: str) -> None:
+    """SIGKILL msrun's process group and every process of the job (workers run in sessions of their own)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.time() + 10
+    while True:
+        left = job_processes(launcher)
+        if not left or time.time() > deadline:
+            break
+        send(left, signal.SIGKILL)
+        time.sleep(0.2)
+    proc.wait()
+
+
+def rank_failing(run_dir: str, rank: int, since: float) -> bool:
+    """The rank's status (written after `since`) says failed, or says running while its process is gone."""
+    status = read_status(run_dir, rank)
+    if status is None or status["state"] == "done" or status["time"] < since:
+        return False
+    return status["state"] == "failed" or start_time(status.get("pid", 0)) is None
 
 
 def requested_rollback(run_dir: str, ranks):
@@ -553,19 +698,82 @@ def tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
         return f"(no log at {path})\n"
 
 
-def failure_report(run_dir: str, ranks, returncode: int) -> str:
-    ranks = failed_ranks(run_dir, ranks) or [(None, "unknown", "")]
-    parts = [f"[launch] training failed (msrun exit code {returncode})"]
-    for rank, state, error in ranks:
-        if rank is None:
-            parts.append("no rank reported a failure; see the logs in " + os.path.join(run_dir, "logs"))
-            continue
+def msrun_exit_codes(run_dir: str) -> dict:
+    """{pid: exit code} of the workers msrun saw exit with an error (negative: killed by that signal)."""
+    codes = {}
+    try:
+        with open(os.path.join(run_dir, "logs", MSRUN_LOG), encoding="utf-8", errors="replace") as f:
+            for match in re.finditer(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)", f.read()):
+                codes.setdefault(int(match.group(1)), int(match.group(2)))
+    except OSError:
+        pass
+    return codes
+
+
+def describe_exit(code) -> str:
+    if code is None:
+        return "died (exit code unknown)"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {-code} ({name})"
+    return f"exited with code {code}"
+
+
+def first_failure(run_dir: str, failed: list, outcome: JobOutcome, codes: dict):
+    """The rank that failed first: seen first by the launcher, then the one msrun saw, then the earliest status."""
+    def order(item):
+        rank = item[0]
+        status = read_status(run_dir, rank) or {}
+        return (outcome.seen_failing.get(rank, float("inf")), status.get("pid") not in codes,
+                status.get("time", float("inf")) if status.get("state") == "failed" else float("inf"), rank)
+    return min(failed, key=order) if failed else None
+
+
+def failure_report(run_dir: str, ranks, outcome: JobOutcome) -> str:
+    """Which rank failed first, how (signal or exit code, error) and in which phase; then each failed rank's log."""
+    codes = msrun_exit_codes(run_dir)
+    failed = failed_ranks(run_dir, ranks)
+    first = first_failure(run_dir, failed, outcome, codes)
+    parts = [f"[launch] training failed (msrun exit code {outcome.returncode})"]
+    if first is None:
+        parts.append("no rank reported a failure; see the logs in " + os.path.join(run_dir, "logs"))
+    elif not outcome.hung:  # a stalled rank was named already, and killed by the launcher
+        rank, state, error = first
+        status = read_status(run_dir, rank) or {}
+        beat = read_heartbeat(run_dir, rank)
+        code = codes.get(status.get("pid"))
+        how = describe_exit(code) if code is not None or state != "failed" else "reported a failure"
+        where = f" in phase '{beat['phase']}'" if beat else ""
+        parts.append(f"[launch] rank {rank} failed first: {'never started' if not status else how + where}"
+                     f"{': ' + error if error else ''}")
+        failed.remove(first)
+        failed.insert(0, first)
+    for rank, state, error in failed:
         log = os.path.join(run_dir, "logs", f"worker_{rank}.log")
         beat = read_heartbeat(run_dir, rank)
         where = f" (last phase '{beat['phase']}', {time.time() - beat['time']:.0f} s ago)" if beat else ""
         parts.append(f"rank {rank}: {state}{where}{': ' + error if error else ''}\n"
                      f"--- last {LOG_TAIL_LINES} lines of {log} ---\n{tail(log)}---")
     return "\n".join(parts)
+
+
+def job_complete(run_dir: str, ranks, world_size: int) -> bool:
+    """Every rank of this node wrote 'done' and, on the node of rank 0, the summary's final checkpoint is complete."""
+    from training.checkpoint import complete_steps
+
+    if any((read_status(run_dir, r) or {}).get("state") != "done" for r in ranks):
+        return False
+    if 0 not in ranks:
+        return True
+    try:
+        with open(os.path.join(run_dir, SUMMARY), encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return False
+    return summary.get("checkpoint") is None or summary["last_step"] in complete_steps(run_dir, world_size)
 
 
 def format_summary(summary: dict) -> str:
@@ -600,7 +808,7 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
 
     `amend`: continue a run whose recipe changed, recording the change (continue_run).
     """
-    from training.preflight import has_errors, hccl_env, write_findings
+    from training.preflight import has_errors, hccl_env
 
     recipe = load_recipe(recipe_path, tuple(overrides))
     cluster = resolve_cluster(recipe, nodes, node_rank, master_addr, master_port)
@@ -615,6 +823,26 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
                           hint="fix them, or see `bash scripts/run_distributed.sh RECIPE --check`")
     ensure_dataset(recipe, show_progress)
     check_load_checkpoint(recipe)
+    with lock_run_dir(recipe, cluster):
+        return run_job(recipe, recipe_path, cluster, findings, hccl, amend)
+
+
+def lock_run_dir(recipe: Recipe, cluster: Cluster) -> RunDirLock:
+    """Own the run directory for this launch (one lock per node); a stale lock left by a dead launcher is taken over."""
+    run_dir = os.path.abspath(recipe.output_dir)
+    lock = RunDirLock(run_dir, LOCK_FILE if cluster.nodes == 1 else f"launch.node_{cluster.node_rank}.lock")
+    stale = lock.acquire()
+    if stale:
+        print(f"[launch] warning: taking over the stale lock {lock.path} of a launch that is gone "
+              f"({describe_holder(stale)})", flush=True)
+    return lock
+
+
+def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, hccl: dict,
+            amend: bool = False) -> int:
+    """Prepare the (locked) run directory, run msrun until the job ends, report; returns the exit code."""
+    from training.preflight import write_findings
+
     run_dir = prepare_run_dir(recipe, recipe_path, amend)
     if recipe.resume_training and recipe.load_checkpoint and \
             not os.path.abspath(recipe.load_checkpoint).startswith(run_dir + os.sep):
@@ -634,11 +862,25 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
           + " ".join(f"{k}={v}" for k, v in sorted(hccl.items())), flush=True)
     print(f"[launch] {' '.join(command)}", flush=True)
     while True:
-        returncode = run_watched(command, env, run_dir, cluster.ranks, recipe.monitoring.hang_timeout)
-        failed = failed_ranks(run_dir, cluster.ranks)
-        if returncode != 0 or failed:
-            print(failure_report(run_dir, cluster.ranks, returncode), file=sys.stderr, flush=True)
-            return returncode or 1
+        outcome = run_watched(command, env, run_dir, cluster.ranks, recipe.monitoring.hang_timeout)
+        complete = job_complete(run_dir, cluster.ranks, cluster.world_size)
+        reported_failure = any(state == "failed" for _, state, _ in failed_ranks(run_dir, cluster.ranks))
+        if outcome.stopped_by and not complete and not reported_failure:
+            print(f"[launch] stopped ({outcome.stopped_by}) "
+                  + (f"hard ({outcome.killed}): the job's processes were killed without saving"
+                     if outcome.killed else "before every rank could save (they were still starting)")
+                  + "; no process of the job is left; rerun the same command to resume from the newest checkpoint",
+                  file=sys.stderr, flush=True)
+            return KILLED_EXIT_CODE if outcome.killed else PREEMPTED_EXIT_CODE
+        if outcome.hung:
+            print(failure_report(run_dir, cluster.ranks, outcome), file=sys.stderr, flush=True)
+            return HANG_EXIT_CODE
+        if complete and outcome.returncode != 0:
+            print(f"[launch] note: msrun exited with code {outcome.returncode} after every rank had finished and "
+                  "saved (a process ended badly during teardown); the run is complete", flush=True)
+        elif outcome.returncode != 0 or failed_ranks(run_dir, cluster.ranks):
+            print(failure_report(run_dir, cluster.ranks, outcome), file=sys.stderr, flush=True)
+            return 1
         rollback = requested_rollback(run_dir, cluster.ranks)
         if rollback is None:
             break
@@ -654,10 +896,11 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
             summary = json.load(f)
         print(format_summary(summary), flush=True)
         if summary.get("preempted"):
-            print(f"[launch] preempted (SIGTERM) after step {summary['last_step']}, checkpoint saved; rerun the "
-                  "same command to resume", flush=True)
+            why = f"stopped ({outcome.stopped_by})" if outcome.stopped_by else "preempted (SIGTERM)"
+            print(f"[launch] {why} after step {summary['last_step']}, checkpoint saved, no process of the job left; "
+                  "rerun the same command to resume", flush=True)
             return PREEMPTED_EXIT_CODE
-    return 0
+    return PREEMPTED_EXIT_CODE if any((read_status(run_dir, r) or {}).get("preempted") for r in cluster.ranks) else 0
 
 
 def main(argv=None) -> int:
@@ -680,6 +923,9 @@ def main(argv=None) -> int:
     parser.add_argument("--amend", action="store_true",
                         help="continue a run with a changed recipe; the change is recorded in RUN_DIR/amendments.jsonl")
     args = parser.parse_args(argv)
+    # Until msrun runs (run_watched handles them then), SIGTERM and SIGHUP stop the launcher as Ctrl-C does.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
     try:
         if args.plan:
             print(plan_report(load_recipe(args.recipe, tuple(args.overrides), planning=True), args.device))
@@ -697,6 +943,28 @@ def main(argv=None) -> int:
     except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("[launch] interrupted; no process of the job is running", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
+    except OSError as err:  # the machine said no (permissions, a full disk, a path that is a file): not a bug
+        where = f": {err.filename}" if err.filename else ""
+        print(f"error: {err.strerror or err}{where}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        print(internal_error(err), file=sys.stderr)
+        return INTERNAL_ERROR_EXIT_CODE
+
+
+def internal_error(err: Exception) -> str:
+    """One line for a bug: the traceback goes to a file, whose path the line gives."""
+    import tempfile
+    import traceback
+
+    fd, path = tempfile.mkstemp(prefix="ascend-llm-recipes-error-", suffix=".txt")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(f"{' '.join(sys.argv)}\n\n{traceback.format_exc()}")
+    return (f"internal error (a bug in ascend-llm-recipes): {type(err).__name__}: {err}\n"
+            f"  the traceback is saved in {path}; please report it with that file")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 `run_checks(recipe, ...)` returns Findings: "ok", "warn" (the launch goes ahead) or "error" (the
 launcher refuses to start). Checks: software versions against training/supported_versions.yaml,
 the device the recipe asks for, the HCCL settings every rank will get, locked-memory and mmap
-limits, the master port, leftover training workers, and free disk for the checkpoints.
+limits, the master port, leftover training workers, a writable output_dir, and free disk for the checkpoints.
 
 Nothing here imports MindSpore or MindFormers: importing MindSpore sets HCCL_CONNECT_TIMEOUT=600
 when it is unset and importing MindFormers creates ./output, so versions are read from the
@@ -22,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
@@ -64,7 +65,7 @@ BYTES_PER_PARAM = 4 * 3  # fp32 weights + AdamW's two fp32 moments (measured: de
 @dataclass
 class Finding:
     level: Literal["ok", "warn", "error"]
-    check: str    # short name: versions, device, hccl, memlock, max_map_count, master_port, processes, disk
+    check: str    # short name: versions, device, hccl, memlock, max_map_count, master_port, processes, output_dir, disk
     message: str  # what was found, and what to do next
     data: dict = field(default_factory=dict)  # machine-readable details, recorded in preflight.json
 
@@ -525,6 +526,34 @@ def _existing_parent(path: str) -> str:
     return path
 
 
+def check_writable_dir(path: str, what: str) -> None:
+    """Refuse, naming `what` (a key or option), a directory that cannot be created or written here."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise PretrainError(f"{what}: {path} is a file, not a directory",
+                            hint=f"choose another {what}, or move that file away")
+    existing = _existing_parent(path)
+    if not os.path.isdir(existing):
+        raise PretrainError(f"{what}: {path} cannot be created: {existing} is a file, not a directory",
+                            hint=f"choose another {what}")
+    try:  # what counts is whether a write succeeds: root ignores permission bits, not a read-only mount
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise PretrainError(f"{what}: {path} is not writable: {err.strerror} in {existing}",
+                            hint=f"choose a writable location for {what}") from None
+
+
+def check_output_dir(recipe, run_dir: Optional[str] = None) -> list:
+    """The run directory must be writable before anything starts (a late failure leaves a half-made run)."""
+    path = os.path.abspath(run_dir or recipe.output_dir)
+    try:
+        check_writable_dir(path, "output_dir")
+    except PretrainError as err:
+        return [Finding("error", "output_dir", f"{err.message}; {err.hint}", {"path": path})]
+    return [Finding("ok", "output_dir", f"{path} is writable", {"path": path})]
+
+
 def checkpoint_bytes(recipe) -> int:
     """One checkpoint: every (padded) parameter in fp32 plus AdamW's two fp32 moments."""
     return param_count(recipe.model.model_config, recipe.parallel_config.model_parallel) * BYTES_PER_PARAM
@@ -570,6 +599,7 @@ def run_checks(recipe, run_dir: Optional[str] = None, master_port: Optional[int]
     findings += check_max_map_count()
     findings += check_master_port(master_port)
     findings += check_leftover_processes()
+    findings += check_output_dir(recipe, run_dir)
     findings += check_disk(recipe, run_dir)
     return findings
 

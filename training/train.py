@@ -18,6 +18,7 @@ import yaml
 
 from training.errors import LaunchError, PretrainError
 from training.heartbeat import Heartbeat
+from training.job import stop_orphan, watch_launcher
 from training.recipe import Recipe, recipe_from_dict
 
 RESOLVED_RECIPE = "recipe.yaml"
@@ -51,7 +52,8 @@ def write_status(run_dir: str, state: str, **extra) -> None:
     path = status_path(run_dir, rank_id())
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump({"rank": rank_id(), "state": state, "time": time.time(), **extra}, f)
+        # The PID in every state: the launcher matches it with msrun's report of how the process ended.
+        json.dump({"rank": rank_id(), "state": state, "time": time.time(), "pid": os.getpid(), **extra}, f)
     os.replace(path + ".tmp", path)
 
 
@@ -330,12 +332,15 @@ def main(argv=None) -> int:
         # msrun runs this script once more as its scheduler; init() makes it serve the
         # workers and return when they are done, instead of training a second copy.
         from mindspore.communication import init
+        watch_launcher(lambda pid: stop_orphan("scheduler", pid, graceful=False))
         init()
         return 0
     run_dir = os.path.abspath(args.run_dir)
-    write_status(run_dir, "running", pid=os.getpid())
-    Heartbeat(run_dir, rank_id()).beat("start")
+    # Workers run in sessions of their own: nothing else stops them when the launcher is killed.
+    watch_launcher(lambda pid: stop_orphan(f"rank {rank_id()}", pid, graceful=True))
+    write_status(run_dir, "running")
     try:
+        Heartbeat(run_dir, rank_id()).beat("start")
         summary = run(run_dir, started)
     except PretrainError as err:
         print(f"rank {rank_id()}: error: {err}", file=sys.stderr, flush=True)
