@@ -11,6 +11,7 @@ import pytest
 
 from conftest import REPO_ROOT, TINY_RECIPE
 from training.checkpoint import MANIFEST, newest_valid_step, read_json, step_dir, verify_step, write_rank
+from training.job import LOCK_FILE
 
 LAUNCHER = os.path.join(REPO_ROOT, "scripts", "run_distributed.sh")
 SAVE = ["--set", "callbacks.1.save_checkpoint_steps=5", "--set", "callbacks.1.keep_checkpoint_max=3"]
@@ -138,9 +139,12 @@ def test_sigterm_saves_then_resume_continues_exactly(baseline, tiny_dataset, tmp
 
 
 def files_and_bytes(directory):
+    """Every file of a run directory with its mtime and bytes, but the lock (each launch takes it, then empties it)."""
     found = {}
     for root, _, names in os.walk(directory):
         for name in names:
+            if name == LOCK_FILE:
+                continue
             with open(os.path.join(root, name), "rb") as f:
                 found[os.path.join(root, name)] = (os.stat(f.fileno()).st_mtime_ns, f.read())
     return found

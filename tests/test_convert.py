@@ -23,7 +23,7 @@ from conftest import REPO_ROOT, TINY_RECIPE
 from data.mindrecord_io import read_manifest, read_samples
 from models.convert import (CHECKPOINT_FILE, HF_WEIGHTS_FILE, KL_TOLERANCE, MODEL_SECTION_FILE, from_hf, summary,
                             to_hf, verify_logits)
-from training.checkpoint import MANIFEST, read_json, step_dir, write_rank
+from training.checkpoint import MANIFEST, STATE, read_json, step_dir, write_rank
 from training.errors import ConversionError, LaunchError
 from training.launch import check_load_checkpoint, launch
 from training.recipe import load_recipe
@@ -405,7 +405,9 @@ def test_to_hf_of_a_run_takes_its_newest_verified_step(converted_run, tmp_path, 
         directory = os.path.join(step_dir(str(run), step, kind), "rank_0")
         tensors = [{"name": k, "data": ms.Tensor(poison(k, v.asnumpy()))} for k, v in params.items()]
         meta = {"step": step, "epoch": 1, "rank": 0, "world_size": 1, "kind": kind}
-        return write_rank(directory, name.replace("_2.ckpt", f"_{step}.ckpt"), tensors, {}, meta)
+        written = write_rank(directory, name.replace("_2.ckpt", f"_{step}.ckpt"), tensors, {}, meta)
+        shutil.copy(os.path.join(os.path.dirname(rank0), STATE), os.path.dirname(directory))  # step 2's state
+        return written
 
     def nan(key, array):
         return np.full_like(array, np.nan) if array.dtype == np.float32 else array
