@@ -491,7 +491,8 @@ class LlamaForCausalLM(PreTrainedModel):
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.padded_vocab_size, config.initializer_range,
                                   compute_dtype=DTYPES[config.compute_dtype])
-        self.head_matmul = ops.MatMul(transpose_b=True)  # used with the tied embedding table
+        if self.tie_word_embeddings:
+            self.head_matmul = ops.MatMul(transpose_b=True)
         self.pad_token_id = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.compute_dtype = DTYPES[config.compute_dtype]
