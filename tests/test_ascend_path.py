@@ -245,3 +245,49 @@ def test_check_dry_run_says_in_one_line_that_it_needs_cann(tmp_path):
     lines = [line for line in result.stdout.splitlines() if line.startswith("dry-run:")]
     assert result.returncode == 2 and len(lines) == 1
     assert "DryRun (MS_SIMULATION_LEVEL) needs CANN and none is installed here" in lines[0]
+
+
+@pytest.mark.parametrize("override,match", [
+    ("model.model_config.use_flash_attention=True", r"model\.model_config\.use_flash_attention: selects an Ascend"),
+    ("model.model_config.fused_rms_norm=True", r"model\.model_config\.fused_rms_norm: selects an Ascend kernel"),
+    ("model.model_config.use_attn_mask_compression=True", r"model\.model_config\.use_attn_mask_compression: sel"),
+    ("model.model_config.use_eod_attn_mask_compression=True", r"use_eod_attn_mask_compression: selects an Ascend"),
+    ("context.jit_config={jit_level: O1}", r"context\.jit_config: tunes the Ascend graph compiler"),
+    ("context.mempool_block_size=1GB", r"context\.mempool_block_size: tunes the Ascend"),
+])
+def test_ascend_kernel_and_compiler_keys_are_refused_on_cpu_by_name(tmp_path, override, match):
+    from conftest import TINY_RECIPE
+
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(TINY_RECIPE, [f"output_dir={tmp_path}", override])
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["model.model_config.use_attn_mask_compression=True"], r"use_attn_mask_compression: needs .*use_flash_attention"),
+    (["model.model_config.use_flash_attention=True", "model.model_config.use_eod_attn_mask_compression=True"],
+     r"use_eod_attn_mask_compression: is FlashAttention's document mode; it needs .*document_attention"),
+    (["model.model_config.use_flash_attention=True", "model.model_config.use_attn_mask_compression=True"],
+     r"compressed mask is 2048 x 2048; seq_length 64 is below 2048"),
+])
+def test_flash_attention_rules_of_mindformers_are_checked_on_ascend_recipes(tmp_path, overrides, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(TINY_ASCEND, [f"output_dir={tmp_path}", *overrides], planning=True)
+
+
+def test_lazy_inline_is_where_mindspore_runs_it():
+    """MindFormers applies lazy_inline outside stand-alone mode; MindSpore 2.9's CPU backend cannot run it."""
+    import mindspore as ms
+    from models.llama import LlamaForCausalLM, lazy_inline_applies
+
+    assert lazy_inline_applies("Ascend", "semi_auto_parallel") and lazy_inline_applies("Ascend", "data_parallel")
+    assert not lazy_inline_applies("Ascend", "stand_alone") and not lazy_inline_applies("CPU", "data_parallel")
+    net = tiny_net()
+    assert not str(getattr(net, "cell_init_args", "") or "").startswith("lazy_inline_")
+    # The decoration itself is MindSpore's; on CPU it is refused at compile time, which is why it is skipped.
+    ms.set_context(mode=0, device_target="CPU")
+    marked = tiny_net()
+    marked.cell_init_args = "lazy_inline_" + type(marked).__name__
+    rows = ms.Tensor(np.random.default_rng(0).integers(4, 64, (2, 17)), ms.int32)
+    with pytest.raises(RuntimeError, match="must be a Primitive ValueNode"):
+        marked(rows)
+    assert isinstance(LlamaForCausalLM.__init__.__wrapped__, type(lazy_inline_applies))
