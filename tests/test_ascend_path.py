@@ -291,3 +291,20 @@ def test_lazy_inline_is_where_mindspore_runs_it():
     with pytest.raises(RuntimeError, match="must be a Primitive ValueNode"):
         marked(rows)
     assert isinstance(LlamaForCausalLM.__init__.__wrapped__, type(lazy_inline_applies))
+
+
+@pytest.mark.parametrize("name", ASCEND_RECIPES)
+def test_shipped_recipes_use_the_lowest_optimizer_level_that_fits(name):
+    """level3 re-gathers fp32 weights per micro-batch: a recipe uses it only when its plan needs it."""
+    from training.planner import lowest_fitting_optimizer_level, plan
+
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), planning=True)
+    assert recipe.parallel.parallel_optimizer_config.optimizer_level == lowest_fitting_optimizer_level(recipe)
+    assert recipe.model.model_config.use_flash_attention and "FlashAttention" in plan(recipe).attention
+
+
+def test_llama2_7b_runs_mindformers_layout_without_recompute():
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_8dev.yaml"), planning=True)
+    p = recipe.parallel_config
+    assert (p.data_parallel, p.model_parallel, p.pipeline_stage) == (8, 1, 1)
+    assert not recipe.recompute_config.recompute and not recipe.recompute_config.select_recompute
