@@ -229,7 +229,8 @@ def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
     expected = ([f"[startup_{n}]" for n in NODE_RECIPES + MULTI_NODE_RECIPES] + [f"[layout_{n}]" for n in LAYOUTS]
                 + ["[bf16_vs_fp32] train 50 steps float32", "[bf16_vs_fp32] train 50 steps bfloat16",
                    "[kill_resume_tp_pp] train, kill -9", "[kill_resume_tp_pp] rerun the same command",
-                   "[memory_llama2_7b_8dev] --plan"] + [f"[{n}] NOT RUN" for n in NOT_RUN])
+                   "[memory_llama2_7b_8dev] --plan", "[throughput_llama2_7b_8dev] train 30 steps"]
+                + [f"[{n}] NOT RUN" for n in NOT_RUN])
     for line in expected:
         assert line in result.stdout, line
     assert "--check --dry-run" in result.stdout and "tiny_ascend.yaml" in result.stdout
@@ -308,3 +309,18 @@ def test_llama2_7b_runs_mindformers_layout_without_recompute():
     p = recipe.parallel_config
     assert (p.data_parallel, p.model_parallel, p.pipeline_stage) == (8, 1, 1)
     assert not recipe.recompute_config.recompute and not recipe.recompute_config.select_recompute
+
+
+def test_throughput_check_reads_tokens_per_device_mfu_and_compile_time(tmp_path):
+    import json
+    from training.acceptance import MINDFORMERS_TOKENS_PER_S_PER_DEVICE, throughput
+
+    rows = [{"step": 1, "tokens_per_s_per_device": 10.0, "mfu": 0.01, "step_time": 95.0, "compile": True}]
+    rows += [{"step": s, "tokens_per_s_per_device": 4300.0 + s, "mfu": 0.5, "step_time": 7.6, "compile": False}
+             for s in range(2, 31)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = throughput(str(tmp_path))
+    assert result["status"] == "PASS" and result["tokens_per_s_per_device"] == 4316.0
+    assert result["compile_s"] == 95.0 and result["steps_measured"] == 29 and result["mfu"] == 0.5
+    assert result["mindformers_tokens_per_s_per_device"] == MINDFORMERS_TOKENS_PER_S_PER_DEVICE == 4160
+    assert throughput(str(tmp_path / "missing"))["status"] == "FAIL"
