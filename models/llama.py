@@ -8,18 +8,25 @@ q/k/v (Qwen2-style checkpoints), rope theta, and document-aware attention for pa
 samples.
 
 Parameter names follow the HuggingFace `LlamaForCausalLM` checkpoint
-(`model.layers.0.self_attn.q_proj.weight`, ...) so conversion is a plain table. Only
-CPU-available operators are used, so the same graph trains on CPU and Ascend; the
-operators that tensor parallelism shards are Primitive attributes so that
-`models/parallel.py` can give them strategies.
+(`model.layers.0.self_attn.q_proj.weight`, ...) so conversion is a plain table. The
+default path uses only CPU-available operators (the reference math); on Ascend the recipe
+may switch attention to FlashAttentionScore and the norms to the fused RmsNorm kernel
+(MindFormers' `use_flash_attention`, `fused_rms_norm`), which changes kernels, never
+parameters. Every operator of the forward pass is a Primitive attribute, so that
+`models/parallel.py` can give each one a shard strategy, as MindFormers' Llama does.
 """
+
+import functools
 
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
+from mindspore.ops.auto_generate.gen_ops_prim import SiLU
+from mindspore.ops.operations.nn_ops import FlashAttentionScore
 from mindformers.models.configuration_utils import PretrainedConfig
 from mindformers.models.modeling_utils import PreTrainedModel
+from mindformers.models.utils import lazy_inline
 from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 
 from models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
@@ -41,7 +48,9 @@ class LlamaConfig(PretrainedConfig):
                  initializer_range: float = 0.02, tie_word_embeddings: bool = False, qkv_bias: bool = False,
                  vocab_pad_multiple: int = VOCAB_ALIGN, document_attention: bool = False,
                  bos_token_id: int = 1, eos_token_id: int = 2, pad_token_id: int = 0,
-                 compute_dtype: str = "float32", **kwargs):
+                 compute_dtype: str = "float32", use_flash_attention: bool = False,
+                 use_attn_mask_compression: bool = False, use_eod_attn_mask_compression: bool = False,
+                 fused_rms_norm: bool = False, **kwargs):
         super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          pad_token_id=pad_token_id, **kwargs)
         self.vocab_size = vocab_size  # real tokens; the tables are padded (see padded_vocab_size)
@@ -59,6 +68,12 @@ class LlamaConfig(PretrainedConfig):
         self.vocab_pad_multiple = vocab_pad_multiple
         self.document_attention = document_attention  # packed documents do not see each other
         self.compute_dtype = compute_dtype  # matmul dtype; norms, softmax, rotary and loss stay float32
+        # Kernel choices with MindFormers' names and meanings (mindformers/models/llama/llama_config.py:165-186);
+        # Ascend only, none of them changes a parameter.
+        self.use_flash_attention = use_flash_attention
+        self.use_attn_mask_compression = use_attn_mask_compression
+        self.use_eod_attn_mask_compression = use_eod_attn_mask_compression
+        self.fused_rms_norm = fused_rms_norm
 
     @property
     def head_dim(self) -> int:
@@ -74,6 +89,26 @@ class LlamaConfig(PretrainedConfig):
         return padded_vocab_size(self.vocab_size, self.vocab_pad_multiple, self.tensor_parallel)
 
 
+def lazy_inline_applies(device_target: str, parallel_mode: str) -> bool:
+    """Whether the model is compiled once and reused per micro-batch (lazy_inline).
+
+    MindFormers skips it in stand-alone mode (mindformers/version_control.py:101-112); MindSpore
+    2.9's CPU backend rejects lazy-inlined graphs ("Input[0] must be a Primitive ValueNode",
+    segment_runner.cc:131, tests/test_model.py), so on CPU the network is inlined as before.
+    """
+    return device_target == "Ascend" and parallel_mode != "stand_alone"
+
+
+def lazy_inline_where_supported(init):
+    """MindFormers' lazy_inline decorator (mindformers/models/utils.py:200), applied where it can run."""
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        if lazy_inline_applies(ms.get_context("device_target"), ms.get_auto_parallel_context("parallel_mode")):
+            return lazy_inline(init)(self, *args, **kwargs)
+        return init(self, *args, **kwargs)
+    return wrapped
+
+
 class Linear(nn.Cell):
     """y = x W^T (+ b), with W stored (out, in) like torch.nn.Linear; master weights float32."""
 
@@ -84,6 +119,7 @@ class Linear(nn.Cell):
                                 name="weight")
         self.bias = Parameter(initializer("zeros", (out_features,), ms.float32), name="bias") if bias else None
         self.matmul = ops.MatMul(transpose_b=True)
+        self.bias_add = ops.Add()
         self.out_features = out_features
         self.compute_dtype = compute_dtype
 
@@ -92,7 +128,7 @@ class Linear(nn.Cell):
         x2d = x.reshape(-1, x.shape[-1]).astype(self.compute_dtype)
         y = self.matmul(x2d, self.weight.astype(self.compute_dtype))
         if self.bias is not None:
-            y = y + self.bias.astype(self.compute_dtype)
+            y = self.bias_add(y, self.bias.astype(self.compute_dtype))
         return y.reshape(x.shape[:-1] + (self.out_features,))
 
 
@@ -113,15 +149,26 @@ class Embedding(nn.Cell):
 class RMSNorm(nn.Cell):
     """Root-mean-square normalisation (Zhang & Sennrich 2019), always computed in float32."""
 
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, fused: bool = False):
         super().__init__()
         self.weight = Parameter(initializer("ones", (hidden_size,), ms.float32), name="weight")
         self.eps = eps
+        self.fused = fused
+        if fused:  # Ascend's RmsNorm kernel, as MindFormers' LlamaRMSNorm (llama_layer.py:186-194, 214-217)
+            self.norm = ops.RmsNorm(eps)
+        self.square = ops.Square()
+        self.mean = ops.ReduceMean(keep_dims=True)
+        self.add = ops.Add()
+        self.rsqrt = ops.Rsqrt()
+        self.mul = ops.Mul()
+        self.mul_weight = ops.Mul()
 
     def construct(self, x):
         x32 = x.astype(ms.float32)
-        variance = ops.mean(x32 * x32, -1, keep_dims=True)
-        return (x32 * ops.rsqrt(variance + self.eps) * self.weight).astype(x.dtype)
+        if self.fused:
+            return self.norm(x32, self.weight)[0].astype(x.dtype)
+        variance = self.mean(self.square(x32), -1)
+        return self.mul_weight(self.mul(x32, self.rsqrt(self.add(variance, self.eps))), self.weight).astype(x.dtype)
 
 
 def rotary_tables(seq_length: int, head_dim: int, theta: float):
@@ -132,12 +179,24 @@ def rotary_tables(seq_length: int, head_dim: int, theta: float):
     return Tensor(np.cos(angles), ms.float32), Tensor(np.sin(angles), ms.float32)
 
 
-def apply_rotary(x, cos, sin):
+class RotaryEmbedding(nn.Cell):
     """Rotate (B, heads, S, head_dim) by position, in float32; cos/sin broadcast to it."""
-    x32 = x.astype(ms.float32)
-    half = x.shape[-1] // 2
-    rotated = ops.cat((-x32[..., half:], x32[..., :half]), -1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+    def __init__(self):
+        super().__init__()
+        self.slice = ops.StridedSlice()
+        self.neg = ops.Neg()
+        self.concat = ops.Concat(-1)
+        self.mul = ops.Mul()
+        self.add = ops.Add()
+
+    def construct(self, x, cos, sin):
+        x32 = x.astype(ms.float32)
+        b, n, s, d = x.shape
+        first = self.slice(x32, (0, 0, 0, 0), (b, n, s, d // 2), (1, 1, 1, 1))
+        second = self.slice(x32, (0, 0, 0, d // 2), (b, n, s, d), (1, 1, 1, 1))
+        rotated = self.concat((self.neg(second), first))
+        return self.add(self.mul(x32, cos), self.mul(rotated, sin)).astype(x.dtype)
 
 
 class CoreAttention(nn.Cell):
@@ -146,7 +205,9 @@ class CoreAttention(nn.Cell):
     def __init__(self, head_dim: int):
         super().__init__()
         self.scale = 1.0 / float(np.sqrt(head_dim))
+        self.mul_scale = ops.Mul()
         self.qk_matmul = ops.BatchMatMul(transpose_b=True)
+        self.mask_add = ops.Add()
         self.softmax = ops.Softmax(-1)
         # The CPU backend has no kernel for Softmax's gradient and expands it into four passes over
         # the (B, heads, S, S) scores (~40 ms per layer at S 256); LogSoftmax has a fused forward and
@@ -155,15 +216,56 @@ class CoreAttention(nn.Cell):
         self.log_softmax = ops.LogSoftmax(-1)
         self.exp = ops.Exp()
         self.pv_matmul = ops.BatchMatMul()
+        self.merge_heads = ops.Transpose()
 
-    def construct(self, q, k, v, mask):
+    def construct(self, q, k, v, mask, seq_ends=None):
+        b, n, s, d = q.shape
         # Scaling q (B, heads, S, head_dim) costs S/head_dim times less than scaling the scores.
-        scores = self.qk_matmul(q * self.scale, k).astype(ms.float32) + mask  # (B, heads, S, S)
+        scores = self.mask_add(self.qk_matmul(self.mul_scale(q, self.scale), k).astype(ms.float32), mask)
         if self.softmax_via_log:
             probs = self.exp(self.log_softmax(scores))
         else:
             probs = self.softmax(scores)
-        return self.pv_matmul(probs.astype(v.dtype), v)  # (B, heads, S, head_dim)
+        out = self.pv_matmul(probs.astype(v.dtype), v)  # (B, heads, S, head_dim)
+        # (B, heads, S, head_dim) -> (B, S, H)
+        return self.merge_heads(out, (0, 2, 1, 3)).reshape(b, s, n * d)
+
+
+class FlashAttention(nn.Cell):
+    """The same attention on Ascend's FlashAttentionScore kernel: no S x S scores are stored.
+
+    Called as MindFormers 1.9 calls it (mindformers/modules/flash_attention.py:172-179, 337-346;
+    layout and sparse_mode chosen as in mindformers/models/llama/llama_transformer.py:429-452):
+    BNSD with a uint8 mask (1 = masked), sparse_mode 0 with the full (B, 1, S, S) mask, 2 with the
+    compressed 2048 x 2048 causal mask (use_attn_mask_compression); with document attention under
+    use_eod_attn_mask_compression, TND layout, sparse_mode 8 and the documents' end offsets as
+    actual sequence lengths. Grouped KV heads are read by the kernel without repeating them.
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.eod = config.use_eod_attn_mask_compression
+        sparse_mode = 8 if self.eod else 2 if config.use_attn_mask_compression else 0
+        self.layout = "TND" if self.eod else "BNSD"
+        self.flash_attention = FlashAttentionScore(
+            head_num=config.num_heads, keep_prob=1.0, scale_value=1.0 / float(np.sqrt(config.head_dim)),
+            pre_tokens=2147483647, next_tokens=0, inner_precise=0, input_layout=self.layout, sparse_mode=sparse_mode)
+        self.merge_heads = ops.Transpose()
+        self.to_tokens_q = ops.Transpose()
+        self.to_tokens_kv = ops.Transpose()
+
+    def construct(self, q, k, v, mask, seq_ends=None):
+        b, n, s, d = q.shape
+        if self.eod:
+            # (B, heads, S, head_dim) -> (B * S, heads, head_dim), MindFormers' _merge_seq_len
+            q = self.to_tokens_q(q, (0, 2, 1, 3)).reshape(b * s, n, d)
+            k = self.to_tokens_kv(k, (0, 2, 1, 3)).reshape(b * s, -1, d)
+            v = self.to_tokens_kv(v, (0, 2, 1, 3)).reshape(b * s, -1, d)
+            out = self.flash_attention(q, k, v, None, None, None, mask, None, seq_ends, seq_ends)[3]
+            return out.reshape(b, s, n * d)
+        out = self.flash_attention(q, k, v, None, None, None, mask, None, None, None)[3]
+        # (B, heads, S, head_dim) -> (B, S, H)
+        return self.merge_heads(out, (0, 2, 1, 3)).reshape(b, s, n * d)
 
 
 class Attention(nn.Cell):
@@ -179,29 +281,31 @@ class Attention(nn.Cell):
         self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, std, bias, dtype)
         self.k_proj = Linear(config.hidden_size, kv_size, std, bias, dtype)
         self.v_proj = Linear(config.hidden_size, kv_size, std, bias, dtype)
-        self.core = CoreAttention(self.head_dim)
+        self.split_heads = ops.Transpose()
+        self.rotary = RotaryEmbedding()
+        self.flash = config.use_flash_attention
+        self.core = FlashAttention(config) if self.flash else CoreAttention(self.head_dim)
+        self.tile_kv = ops.Tile()
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, std, compute_dtype=dtype)
 
     def repeat_kv(self, x):
         """Share each KV head with num_heads // num_kv_heads query heads."""
-        if self.num_kv_heads == self.num_heads:
+        if self.num_kv_heads == self.num_heads or self.flash:
             return x
         b, kv, s, d = x.shape
         rep = self.num_heads // self.num_kv_heads
-        # (B, kv, S, D) -> (B, kv, rep, S, D) -> (B, heads, S, D)
-        x = ops.broadcast_to(x.reshape(b, kv, 1, s, d), (b, kv, rep, s, d))
+        # (B, kv, S, D) -> (B, kv, 1, S * D) -> (B, kv, rep, S * D) -> (B, heads, S, D)
+        x = self.tile_kv(x.reshape(b, kv, 1, s * d), (1, 1, rep, 1))
         return x.reshape(b, kv * rep, s, d)
 
-    def construct(self, x, cos, sin, mask):
+    def construct(self, x, cos, sin, mask, seq_ends=None):
         b, s, _ = x.shape
         # (B, S, H) -> (B, heads, S, head_dim)
-        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core(q, self.repeat_kv(k), self.repeat_kv(v), mask)
-        # (B, heads, S, head_dim) -> (B, S, H)
-        out = out.transpose(0, 2, 1, 3).reshape(b, s, self.num_heads * self.head_dim)
+        q = self.split_heads(self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim), (0, 2, 1, 3))
+        k = self.split_heads(self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim), (0, 2, 1, 3))
+        v = self.split_heads(self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim), (0, 2, 1, 3))
+        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+        out = self.core(q, self.repeat_kv(k), self.repeat_kv(v), mask, seq_ends)  # (B, S, H)
         return self.o_proj(out)
 
 
@@ -214,9 +318,11 @@ class MLP(nn.Cell):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, std, compute_dtype=dtype)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, std, compute_dtype=dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, std, compute_dtype=dtype)
+        self.silu = SiLU()
+        self.mul = ops.Mul()
 
     def construct(self, x):
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.mul(self.silu(self.gate_proj(x)), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Cell):
@@ -224,14 +330,51 @@ class DecoderLayer(nn.Cell):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
         self.mlp = MLP(config)
+        self.add = ops.Add()
 
-    def construct(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def construct(self, x, cos, sin, mask, seq_ends=None):
+        x = self.add(x, self.self_attn(self.input_layernorm(x), cos, sin, mask, seq_ends))
+        return self.add(x, self.mlp(self.post_attention_layernorm(x)))
+
+
+class DocumentMask(nn.Cell):
+    """Per-document positions and attention for packed samples: each document restarts at
+    position 0 and attends only to itself (and earlier tokens of it); its closing EOD belongs to it."""
+
+    def __init__(self, seq_length: int, eod_id: int):
+        super().__init__()
+        self.eod_id = eod_id
+        self.index = Tensor(np.arange(seq_length, dtype=np.int32).reshape(1, seq_length))
+        self.equal = ops.Equal()
+        self.cumsum = ops.CumSum()
+        self.sub = ops.Sub()
+        self.shift = ops.Pad(((0, 0), (1, 0)))
+        self.slice = ops.StridedSlice()
+        self.mul = ops.Mul()
+        self.cummax = ops.Cummax(1)
+        self.gather = ops.Gather()
+        self.same_doc = ops.Equal()
+        self.other_doc = ops.Sub()
+        self.mask_mul = ops.Mul()
+        self.mask_add = ops.Add()
+
+    def construct(self, tokens, cos_table, sin_table, causal):
+        b, s = tokens.shape
+        index = self.index if s == self.index.shape[1] else self.index[:, :s]
+        is_eod = self.equal(tokens, self.eod_id).astype(ms.int32)                      # (B, S)
+        doc = self.sub(self.cumsum(is_eod, 1), is_eod)                                  # document index per token
+        after_eod = self.shift(self.slice(is_eod, (0, 0), (b, s - 1), (1, 1)))          # a doc starts after an EOD
+        positions = self.sub(index, self.cummax(self.mul(after_eod, index))[0])         # (B, S)
+        # (B, S, head_dim) -> (B, 1, S, head_dim)
+        cos = self.gather(cos_table, positions, 0).reshape(b, 1, s, -1)
+        sin = self.gather(sin_table, positions, 0).reshape(b, 1, s, -1)
+        same = self.same_doc(doc.reshape(b, s, 1), doc.reshape(b, 1, s)).astype(ms.float32)  # (B, S, S)
+        apart = self.mask_mul(self.other_doc(1.0, same), MASK_VALUE).reshape(b, 1, s, s)
+        return cos, sin, self.mask_add(causal, apart)                                   # mask (B, 1, S, S)
 
 
 class LlamaModel(nn.Cell):
@@ -242,40 +385,86 @@ class LlamaModel(nn.Cell):
         self.embed_tokens = Embedding(config.padded_vocab_size, config.hidden_size, config.initializer_range,
                                       DTYPES[config.compute_dtype])
         self.layers = nn.CellList([DecoderLayer(config) for _ in range(config.num_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.cos, self.sin = rotary_tables(config.seq_length, config.head_dim, config.rope_theta)
-        self.causal_mask = Tensor(np.triu(np.full((config.seq_length, config.seq_length), MASK_VALUE,
-                                                  dtype=np.float32), k=1))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
+        self.seq_length = config.seq_length
+        cos, sin = rotary_tables(config.seq_length, config.head_dim, config.rope_theta)
+        self.cos_table, self.sin_table = cos, sin
+        # (1, 1, S, head_dim): broadcast to every sequence and head
+        self.cos, self.sin = cos.reshape(1, 1, *cos.shape), sin.reshape(1, 1, *sin.shape)
+        causal = np.triu(np.full((config.seq_length, config.seq_length), MASK_VALUE, dtype=np.float32), k=1)
+        self.causal_mask = Tensor(causal.reshape(1, 1, *causal.shape))                  # (1, 1, S, S)
         self.document_attention = config.document_attention
-        self.eod_id = config.eos_token_id
+        self.documents = DocumentMask(config.seq_length, config.eos_token_id) if config.document_attention else None
+        self.flash_mask = FlashMask(config) if config.use_flash_attention else None
 
     def positions_and_mask(self, tokens):
-        """Rotary tables and additive mask; per document when document_attention is on.
-
-        With documents packed back to back, each one restarts at position 0 and attends
-        only to itself (and earlier tokens of it); its closing EOD belongs to it.
-        """
+        """Rotary tables and mask (seq_ends too for FlashAttention's EOD mode); per document when
+        document_attention is on."""
         s = tokens.shape[1]
-        causal = self.causal_mask[:s, :s]
-        if not self.document_attention:
-            return self.cos[:s], self.sin[:s], causal
-        is_eod = (tokens == self.eod_id).astype(ms.int32)                         # (B, S)
-        doc = ops.cumsum(is_eod, 1) - is_eod                                       # document index per token
-        index = ops.arange(s, dtype=ms.int32).reshape(1, s)
-        starts_doc = ops.pad(is_eod[:, :-1], (1, 0)) * index                       # a doc starts after an EOD
-        positions = index - ops.cummax(starts_doc, 1)[0]                           # (B, S)
-        cos = ops.gather(self.cos, positions, 0).expand_dims(1)                    # (B, 1, S, head_dim)
-        sin = ops.gather(self.sin, positions, 0).expand_dims(1)
-        same_doc = (doc.expand_dims(2) == doc.expand_dims(1)).astype(ms.float32)   # (B, S, S)
-        mask = causal + (1.0 - same_doc) * MASK_VALUE
-        return cos, sin, mask.expand_dims(1)                                       # mask (B, 1, S, S)
+        causal, cos, sin = self.causal_mask, self.cos, self.sin
+        cos_table, sin_table = self.cos_table, self.sin_table
+        if s != self.seq_length:  # shorter inputs (inference, tests); training always runs at seq_length
+            causal, cos, sin = causal[:, :, :s, :s], cos[:, :, :s], sin[:, :, :s]
+            cos_table, sin_table = cos_table[:s], sin_table[:s]
+        mask = causal
+        if self.document_attention:
+            cos, sin, mask = self.documents(tokens, cos_table, sin_table, causal)
+        if self.flash_mask is not None:
+            mask, seq_ends = self.flash_mask(tokens, mask)
+            return cos, sin, mask, seq_ends
+        return cos, sin, mask, None
 
     def construct(self, tokens):
-        cos, sin, mask = self.positions_and_mask(tokens)
+        cos, sin, mask, seq_ends = self.positions_and_mask(tokens)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, mask, seq_ends)
         return self.norm(x)
+
+
+class FlashMask(nn.Cell):
+    """The mask FlashAttentionScore reads (uint8, 1 = masked), built as MindFormers builds it.
+
+    Compressed: the constant 2048 x 2048 causal band of LowerTriangularMaskWithDynamic
+    (mindformers/modules/transformer/transformer.py:820-823), with, for documents, each
+    document's end offset in the flattened batch (MindFormers' actual_seq_len: EOD position + 1,
+    padded with the sequence end, offset per row; blended_datasets/gpt_dataset.py:614-646,
+    dataset/causal_language_model_dataset.py:90-113). Otherwise the (B, 1, S, S) mask.
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.compressed = config.use_attn_mask_compression or config.use_eod_attn_mask_compression
+        self.eod = config.use_eod_attn_mask_compression
+        self.eod_id = config.eos_token_id
+        self.band = Tensor(np.triu(np.ones((2048, 2048), dtype=np.uint8), k=1), ms.uint8)
+        self.not_equal = ops.NotEqual()
+        self.tile = ops.Tile()
+        self.equal = ops.Equal()
+        self.mul = ops.Mul()
+        self.pad_mul = ops.Mul()
+        self.add = ops.Add()
+        self.maximum = ops.Maximum()
+        self.not_end = ops.Sub()
+        self.sort = ops.Sort()
+
+    def construct(self, tokens, mask):
+        b, s = tokens.shape
+        if not self.compressed:
+            full = self.not_equal(mask, 0.0).astype(ms.uint8)
+            if full.shape[0] != b:
+                full = self.tile(full, (b, 1, 1, 1))                                    # (B, 1, S, S)
+            return full, None
+        if not self.eod:
+            return self.band, None
+        # A document ends after each EOD and at each row's end; other tokens point past the batch,
+        # so after sorting the ends come first and the padding (B * S) last, as MindFormers pads.
+        ends = self.equal(tokens, self.eod_id).astype(ms.int32)
+        last = Tensor(np.eye(1, s, s - 1, dtype=np.int32))                              # (1, S)
+        ends = self.maximum(ends, last)
+        offsets = Tensor(np.arange(1, b * s + 1, dtype=np.int32).reshape(b, s))
+        padded = self.add(self.mul(ends, offsets), self.pad_mul(self.not_end(1, ends), b * s)).reshape(-1)
+        return self.band, self.sort(padded.astype(ms.float32))[0].astype(ms.int32)
 
 
 @MindFormerRegister.register(MindFormerModuleType.MODELS, alias=LLAMA_MODEL_TYPE)
@@ -291,6 +480,9 @@ class LlamaForCausalLM(PreTrainedModel):
     config_class = LlamaConfig
     base_model_prefix = "model"
 
+    # MindFormers decorates its LlamaForCausalLM.__init__ the same way (mindformers/models/llama/llama.py:486):
+    # the network is compiled once and reused by every micro-batch instead of being inlined into each.
+    @lazy_inline_where_supported
     def __init__(self, config: LlamaConfig, **kwargs):
         # auto_prefix keeps parameter names unique ("model.layers.0...", "lm_head.weight").
         super().__init__(config, auto_prefix=True)
@@ -299,10 +491,19 @@ class LlamaForCausalLM(PreTrainedModel):
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.padded_vocab_size, config.initializer_range,
                                   compute_dtype=DTYPES[config.compute_dtype])
-        self.head_matmul = ops.MatMul(transpose_b=True)  # used with the tied embedding table
+        if self.tie_word_embeddings:
+            self.head_matmul = ops.MatMul(transpose_b=True)
         self.pad_token_id = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.compute_dtype = DTYPES[config.compute_dtype]
+        # The padding rows of the table are masked out of the loss's softmax with -1e9 (exp gives 0), so
+        # the vocabulary axis stays whole and splits evenly over tensor parallel.
+        padding = np.zeros((1, config.padded_vocab_size), np.float32)
+        padding[:, config.vocab_size:] = MASK_VALUE
+        self.vocab_padding = Tensor(padding) if config.padded_vocab_size != config.vocab_size else None
+        self.inputs = ops.StridedSlice()
+        self.labels = ops.StridedSlice()
+        self.loss = CrossEntropy()
         self.apply_parallel_layout(getattr(config, "parallel_config", None))
 
     def apply_parallel_layout(self, parallel_config) -> None:
@@ -311,26 +512,67 @@ class LlamaForCausalLM(PreTrainedModel):
             from models.parallel import apply_layout, plan_layout_from_mindformers
             apply_layout(self, plan_layout_from_mindformers(self.config, parallel_config))
 
+    def padded_logits(self, tokens):
+        """(B, S) token ids -> (B * S, padded vocabulary) logits in the compute dtype."""
+        h = self.model(tokens)
+        b, s, hidden = h.shape
+        if self.tie_word_embeddings:
+            table = self.model.embed_tokens.weight.astype(self.compute_dtype)
+            return self.head_matmul(h.reshape(b * s, hidden).astype(self.compute_dtype), table)
+        return self.lm_head(h.reshape(b * s, hidden))
+
     def logits(self, tokens):
         """(B, S) token ids -> (B, S, vocab_size) float32 logits (padding rows cut off)."""
-        h = self.model(tokens)
-        if self.tie_word_embeddings:
-            b, s, hidden = h.shape
-            table = self.model.embed_tokens.weight.astype(self.compute_dtype)
-            logits = self.head_matmul(h.reshape(b * s, hidden), table).reshape(b, s, -1)
-        else:
-            logits = self.lm_head(h)
+        b, s = tokens.shape
+        logits = self.padded_logits(tokens).reshape(b, s, -1)
         if logits.shape[-1] != self.vocab_size:
-            # Only when the table is padded: even a no-op StridedSlice of the (B, S, vocab) logits
-            # costs ~1.2 s per step on CPU (hidden 256, vocab 8192, B*S 2048), half the step.
             logits = logits[..., :self.vocab_size]
         return logits.astype(ms.float32)
 
     def construct(self, input_ids):
-        tokens = input_ids[:, :-1]
-        labels = input_ids[:, 1:].reshape(-1)
-        logits = self.logits(tokens).reshape(-1, self.vocab_size)  # (B*S, vocab)
-        mask = (labels != self.pad_token_id).astype(ms.float32)
-        log_probs = ops.log_softmax(logits, -1)
-        nll = -ops.gather_elements(log_probs, 1, labels.reshape(-1, 1)).reshape(-1)
-        return (nll * mask).sum() / ops.maximum(mask.sum(), 1.0)
+        b, s1 = input_ids.shape
+        tokens = self.inputs(input_ids, (0, 0), (b, s1 - 1), (1, 1))
+        labels = self.labels(input_ids, (0, 1), (b, s1), (1, 1)).reshape(-1)
+        return self.loss(self.padded_logits(tokens), labels, self.vocab_padding, self.pad_token_id)
+
+
+class CrossEntropy(nn.Cell):
+    """Mean next-token cross-entropy over labels that are not padding, in float32.
+
+    Written with the operators of MindFormers' vocabulary-parallel CrossEntropyLoss
+    (mindformers/core/loss/loss.py:39-131, 282-319: max, subtract, exp, sum, log over the
+    vocabulary, then one-hot, multiply, sum) so that each can be split over the vocabulary
+    axis: the (B*S, vocab) logits are never gathered whole on one TP rank.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.pad = ops.Add()
+        self.max = ops.ReduceMax(keep_dims=True)
+        self.sub_max = ops.Sub()
+        self.exp = ops.Exp()
+        self.sum_exp = ops.ReduceSum(keep_dims=True)
+        self.log = ops.Log()
+        self.sub_log = ops.Sub()
+        self.onehot = ops.OneHot()
+        self.pick = ops.Mul()
+        self.neg = ops.Neg()
+        self.sum_vocab = ops.ReduceSum()
+        self.not_pad = ops.NotEqual()
+        self.mask_mul = ops.Mul()
+        self.sum_tokens = ops.ReduceSum()
+        self.count = ops.ReduceSum()
+        self.at_least_one = ops.Maximum()
+        self.div = ops.RealDiv()
+        self.on, self.off = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
+
+    def construct(self, logits, labels, vocab_padding, pad_token_id):
+        logits = logits.astype(ms.float32)
+        if vocab_padding is not None:
+            logits = self.pad(logits, vocab_padding)
+        shifted = self.sub_max(logits, self.max(logits, -1))                     # (N, vocab)
+        log_probs = self.sub_log(shifted, self.log(self.sum_exp(self.exp(shifted), -1)))
+        target = self.onehot(labels, logits.shape[-1], self.on, self.off)
+        nll = self.sum_vocab(self.neg(self.pick(log_probs, target)), -1)         # (N,)
+        mask = self.not_pad(labels, pad_token_id).astype(ms.float32)
+        return self.div(self.sum_tokens(self.mask_mul(nll, mask)), self.at_least_one(self.count(mask), 1.0))

@@ -123,30 +123,167 @@ def plan_layout_from_mindformers(cfg, parallel_config) -> LlamaLayout:
                        options, parallel_config.gradient_aggregation_group)
 
 
+# Operators left without a strategy on purpose: MindSpore derives their layout from their input
+# (Cast, Reshape: mindspore/ccsrc/frontend/parallel/step_parallel.cc treats them as layout-preserving) or
+# they are graph plumbing, not computation. MindFormers' Llama leaves the same ones unsharded.
+UNSHARDED_OPERATORS = ("Cast", "Reshape", "Depend", "MakeTuple", "TupleGetItem", "Return", "Load",
+                       "UpdateState", "Shape", "ScalarMul", "ScalarAdd", "ScalarSub", "ScalarDiv",
+                       "ScalarFloorDiv", "ZerosLike", "StopGradient", "tuple_getitem", "make_tuple")
+
+
+def operator_strategies(net, layout: LlamaLayout) -> list:
+    """(Primitive, in_strategy) for every operator of the forward pass, as MindFormers' Llama shards them.
+
+    Without sequence parallelism the hidden states (B, S, H) are split by DP only (norms, residual
+    adds: llama_transformer.py:985-1001); heads are split by TP from q/k/v to the attention output
+    (llama_transformer.py:377-396, layers.py RotaryEmbedding.shard), the MLP width by TP
+    (llama_layer.py:503-508) and the vocabulary by TP through the loss (core/loss/loss.py:70-76, 122-126).
+    """
+    dp, tp = layout.data_parallel, layout.tensor_parallel
+    s = layout.strategies
+    heads = (dp, tp, 1, 1)
+    hidden3, hidden2 = (dp, 1, 1), (dp, 1)
+    cfg = net.config
+    documents = cfg.document_attention
+    out = []
+
+    def add(prim, *strategy):
+        out.append((prim, tuple(strategy)))
+
+    def norm(cell):
+        if cell.fused:
+            add(cell.norm, hidden3, (1,))        # llama_layer.py:232
+        add(cell.square, hidden3)
+        add(cell.mean, hidden3)
+        add(cell.add, hidden3, ())
+        add(cell.rsqrt, hidden3)
+        add(cell.mul, hidden3, hidden3)
+        add(cell.mul_weight, hidden3, (1,))
+
+    def linear(cell, strategy, bias_strategy):
+        add(cell.matmul, *strategy)
+        add(cell.bias_add, *bias_strategy)
+
+    model = net.model
+    add(model.embed_tokens.gather, *s["embedding"])
+    freqs = (dp, 1, 1, 1) if documents else (1, 1, 1, 1)
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        norm(layer.input_layernorm)
+        norm(layer.post_attention_layernorm)
+        add(layer.add, hidden3, hidden3)
+        for cell in (attn.q_proj, attn.k_proj, attn.v_proj):
+            linear(cell, s["column"], ((dp, tp), (tp,)))
+        linear(attn.o_proj, s["row"], ((dp, 1), (1,)))
+        add(attn.split_heads, (dp, 1, tp, 1))  # (B, S, heads, D) split by heads
+        rotary = attn.rotary
+        add(rotary.slice, heads)
+        add(rotary.neg, heads)
+        add(rotary.concat, heads, heads)
+        add(rotary.mul, heads, freqs)
+        add(rotary.add, heads, heads)
+        add(attn.tile_kv, heads)
+        core = attn.core
+        if attn.flash:
+            add(core.flash_attention, *flash_attention_strategy(cfg, dp, tp))
+            add(core.merge_heads, heads)
+            add(core.to_tokens_q, heads)
+            add(core.to_tokens_kv, heads)
+        else:
+            mask = (dp, 1, 1, 1) if documents else (1, 1, 1, 1)
+            add(core.mul_scale, heads, ())
+            add(core.qk_matmul, *s["attention_scores"])
+            add(core.mask_add, heads, mask)
+            add(core.softmax, *s["attention_softmax"])
+            add(core.log_softmax, heads)
+            add(core.exp, heads)
+            add(core.pv_matmul, *s["attention_values"])
+            add(core.merge_heads, heads)
+        for cell in (mlp.gate_proj, mlp.up_proj):
+            linear(cell, s["column"], ((dp, tp), (tp,)))
+        linear(mlp.down_proj, s["row"], ((dp, 1), (1,)))
+        add(mlp.silu, (dp, 1, tp))
+        add(mlp.mul, (dp, 1, tp), (dp, 1, tp))
+    norm(model.norm)
+    if model.documents is not None:
+        d = model.documents
+        for prim in (d.equal,):
+            add(prim, hidden2, ())
+        add(d.cumsum, hidden2)
+        add(d.sub, hidden2, hidden2)
+        add(d.slice, hidden2)
+        add(d.shift, hidden2)
+        add(d.mul, hidden2, (1, 1))
+        add(d.cummax, hidden2)
+        add(d.gather, (1, 1), hidden2)
+        add(d.same_doc, hidden3, hidden3)
+        add(d.other_doc, (), hidden3)
+        add(d.mask_mul, hidden3, ())
+        add(d.mask_add, (1, 1, 1, 1), (dp, 1, 1, 1))
+    if model.flash_mask is not None:
+        f = model.flash_mask
+        add(f.not_equal, (dp, 1, 1, 1) if documents else (1, 1, 1, 1), ())
+        add(f.tile, (1, 1, 1, 1))
+        add(f.equal, hidden2, ())
+        add(f.maximum, hidden2, (1, 1))
+        add(f.not_end, (), hidden2)
+        add(f.mul, hidden2, hidden2)
+        add(f.pad_mul, hidden2, ())
+        add(f.add, hidden2, hidden2)
+        add(f.sort, (1,))
+    head = net.head_matmul if net.tie_word_embeddings else net.lm_head.matmul
+    add(head, *s["vocab_projection"])
+    if not net.tie_word_embeddings:
+        add(net.lm_head.bias_add, (dp, tp), (tp,))
+    add(net.inputs, hidden2)
+    add(net.labels, hidden2)
+    # Vocabulary-parallel cross-entropy, MindFormers' strategies (core/loss/loss.py:70-76, 122-126, 246-251).
+    loss, vocab, rows = net.loss, (dp, tp), (dp, 1)
+    add(loss.pad, vocab, (1, tp))
+    add(loss.max, vocab)
+    add(loss.sub_max, vocab, rows)
+    add(loss.exp, vocab)
+    add(loss.sum_exp, vocab)
+    add(loss.log, rows)
+    add(loss.sub_log, vocab, rows)
+    add(loss.onehot, vocab, (), ())
+    add(loss.pick, vocab, vocab)
+    add(loss.neg, vocab)
+    add(loss.sum_vocab, vocab)
+    add(loss.not_pad, (dp,), ())
+    add(loss.mask_mul, (1,), (1,))
+    add(loss.sum_tokens, (1,))
+    add(loss.count, (1,))
+    add(loss.at_least_one, (), ())
+    add(loss.div, (), ())
+    return out
+
+
+def flash_attention_strategy(cfg, dp: int, tp: int) -> tuple:
+    """FlashAttentionScore's strategy, MindFormers' _generate_flash_attention_strategy
+    (mindformers/modules/flash_attention.py:191-247) without context parallel or dropout."""
+    if cfg.use_eod_attn_mask_compression:   # TND, sparse_mode 8, actual sequence lengths
+        return ((dp, tp, 1), (dp, tp, 1), (dp, tp, 1), (1, 1), (dp,), (dp,))
+    heads = ((dp, tp, 1, 1),) * 3
+    if cfg.use_attn_mask_compression:       # sparse_mode 2: the 2048 x 2048 band
+        return heads + ((1, 1),)
+    return heads + ((dp, 1, 1, 1),)         # sparse_mode 0: the (B, 1, S, S) mask
+
+
 def apply_layout(net, layout: LlamaLayout) -> None:
     """Set strategies, stages and recompute flags on a LlamaForCausalLM."""
-    s = layout.strategies
     sharded = layout.tensor_parallel > 1 or layout.pipeline_stages > 1
     model = net.model
     last = layout.pipeline_stages - 1
     if sharded:
-        model.embed_tokens.gather.shard(s["embedding"])
-        head = net.head_matmul if net.tie_word_embeddings else net.lm_head.matmul
-        head.shard(s["vocab_projection"])
+        for prim, strategy in operator_strategies(net, layout):
+            prim.shard(strategy)
     model.embed_tokens.pipeline_stage = 0
     model.norm.pipeline_stage = last
     if not net.tie_word_embeddings:
         net.lm_head.pipeline_stage = last
     for index, layer in enumerate(model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        if sharded:
-            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                linear.matmul.shard(s["column"])
-            for linear in (attn.o_proj, mlp.down_proj):
-                linear.matmul.shard(s["row"])
-            attn.core.qk_matmul.shard(s["attention_scores"])
-            attn.core.softmax.shard(s["attention_softmax"])
-            attn.core.pv_matmul.shard(s["attention_values"])
+        attn = layer.self_attn
         layer.pipeline_stage = layout.stage_of_layer[index]
         # Gradient all-reduce fusion groups, as MindFormers' LayerSetting.set_communication_fusion
         # (mindformers/parallel_core/training_graph/transformer/utils.py:419-425).

@@ -229,7 +229,8 @@ def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
     expected = ([f"[startup_{n}]" for n in NODE_RECIPES + MULTI_NODE_RECIPES] + [f"[layout_{n}]" for n in LAYOUTS]
                 + ["[bf16_vs_fp32] train 50 steps float32", "[bf16_vs_fp32] train 50 steps bfloat16",
                    "[kill_resume_tp_pp] train, kill -9", "[kill_resume_tp_pp] rerun the same command",
-                   "[memory_llama2_7b_8dev] --plan"] + [f"[{n}] NOT RUN" for n in NOT_RUN])
+                   "[memory_llama2_7b_8dev] --plan", "[throughput_llama2_7b_8dev] train 30 steps"]
+                + [f"[{n}] NOT RUN" for n in NOT_RUN])
     for line in expected:
         assert line in result.stdout, line
     assert "--check --dry-run" in result.stdout and "tiny_ascend.yaml" in result.stdout
@@ -245,3 +246,81 @@ def test_check_dry_run_says_in_one_line_that_it_needs_cann(tmp_path):
     lines = [line for line in result.stdout.splitlines() if line.startswith("dry-run:")]
     assert result.returncode == 2 and len(lines) == 1
     assert "DryRun (MS_SIMULATION_LEVEL) needs CANN and none is installed here" in lines[0]
+
+
+@pytest.mark.parametrize("override,match", [
+    ("model.model_config.use_flash_attention=True", r"model\.model_config\.use_flash_attention: selects an Ascend"),
+    ("model.model_config.fused_rms_norm=True", r"model\.model_config\.fused_rms_norm: selects an Ascend kernel"),
+    ("model.model_config.use_attn_mask_compression=True", r"model\.model_config\.use_attn_mask_compression: sel"),
+    ("model.model_config.use_eod_attn_mask_compression=True", r"use_eod_attn_mask_compression: selects an Ascend"),
+    ("context.jit_config={jit_level: O1}", r"context\.jit_config: tunes the Ascend graph compiler"),
+    ("context.mempool_block_size=1GB", r"context\.mempool_block_size: tunes the Ascend"),
+])
+def test_ascend_kernel_and_compiler_keys_are_refused_on_cpu_by_name(tmp_path, override, match):
+    from conftest import TINY_RECIPE
+
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(TINY_RECIPE, [f"output_dir={tmp_path}", override])
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["model.model_config.use_attn_mask_compression=True"], r"use_attn_mask_compression: needs .*use_flash_attention"),
+    (["model.model_config.use_flash_attention=True", "model.model_config.use_eod_attn_mask_compression=True"],
+     r"use_eod_attn_mask_compression: is FlashAttention's document mode; it needs .*document_attention"),
+    (["model.model_config.use_flash_attention=True", "model.model_config.use_attn_mask_compression=True"],
+     r"compressed mask is 2048 x 2048; seq_length 64 is below 2048"),
+])
+def test_flash_attention_rules_of_mindformers_are_checked_on_ascend_recipes(tmp_path, overrides, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(TINY_ASCEND, [f"output_dir={tmp_path}", *overrides], planning=True)
+
+
+def test_lazy_inline_is_where_mindspore_runs_it():
+    """MindFormers applies lazy_inline outside stand-alone mode; MindSpore 2.9's CPU backend cannot run it."""
+    import mindspore as ms
+    from models.llama import LlamaForCausalLM, lazy_inline_applies
+
+    assert lazy_inline_applies("Ascend", "semi_auto_parallel") and lazy_inline_applies("Ascend", "data_parallel")
+    assert not lazy_inline_applies("Ascend", "stand_alone") and not lazy_inline_applies("CPU", "data_parallel")
+    net = tiny_net()
+    assert not str(getattr(net, "cell_init_args", "") or "").startswith("lazy_inline_")
+    # The decoration itself is MindSpore's; on CPU it is refused at compile time, which is why it is skipped.
+    ms.set_context(mode=0, device_target="CPU")
+    marked = tiny_net()
+    marked.cell_init_args = "lazy_inline_" + type(marked).__name__
+    rows = ms.Tensor(np.random.default_rng(0).integers(4, 64, (2, 17)), ms.int32)
+    with pytest.raises(RuntimeError, match="must be a Primitive ValueNode"):
+        marked(rows)
+    assert isinstance(LlamaForCausalLM.__init__.__wrapped__, type(lazy_inline_applies))
+
+
+@pytest.mark.parametrize("name", ASCEND_RECIPES)
+def test_shipped_recipes_use_the_lowest_optimizer_level_that_fits(name):
+    """level3 re-gathers fp32 weights per micro-batch: a recipe uses it only when its plan needs it."""
+    from training.planner import lowest_fitting_optimizer_level, plan
+
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), planning=True)
+    assert recipe.parallel.parallel_optimizer_config.optimizer_level == lowest_fitting_optimizer_level(recipe)
+    assert recipe.model.model_config.use_flash_attention and "FlashAttention" in plan(recipe).attention
+
+
+def test_llama2_7b_runs_mindformers_layout_without_recompute():
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_8dev.yaml"), planning=True)
+    p = recipe.parallel_config
+    assert (p.data_parallel, p.model_parallel, p.pipeline_stage) == (8, 1, 1)
+    assert not recipe.recompute_config.recompute and not recipe.recompute_config.select_recompute
+
+
+def test_throughput_check_reads_tokens_per_device_mfu_and_compile_time(tmp_path):
+    import json
+    from training.acceptance import MINDFORMERS_TOKENS_PER_S_PER_DEVICE, throughput
+
+    rows = [{"step": 1, "tokens_per_s_per_device": 10.0, "mfu": 0.01, "step_time": 95.0, "compile": True}]
+    rows += [{"step": s, "tokens_per_s_per_device": 4300.0 + s, "mfu": 0.5, "step_time": 7.6, "compile": False}
+             for s in range(2, 31)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = throughput(str(tmp_path))
+    assert result["status"] == "PASS" and result["tokens_per_s_per_device"] == 4316.0
+    assert result["compile_s"] == 95.0 and result["steps_measured"] == 29 and result["mfu"] == 0.5
+    assert result["mindformers_tokens_per_s_per_device"] == MINDFORMERS_TOKENS_PER_S_PER_DEVICE == 4160
+    assert throughput(str(tmp_path / "missing"))["status"] == "FAIL"

@@ -5,7 +5,8 @@ import pytest
 from conftest import DEMO_RECIPE, TINY_RECIPE
 from models.arithmetic import flops_per_token, param_count
 from training.errors import PretrainError
-from training.planner import DEVICES, GB, format_plan, layer_activation_bytes, plan, stage_parameters
+from training.planner import (DEVICES, GB, format_plan, layer_activation_bytes, plan, recompute_working_bytes,
+                              stage_memory, stage_parameters)
 from training.recipe import load_recipe
 
 SMALL = ("model.model_config.vocab_size=100", "model.model_config.hidden_size=64",
@@ -36,12 +37,12 @@ def test_hand_computed_small_model():
     # fp32 activations (e = 4), s 32, b 2, h 64, f 64, 4 heads, KV width 32: sbh = sbf = 4,096, a s^2 b = 8,192.
     # Kept per layer (activation_terms): norm inputs fp32 32,768 + norm outputs 32,768 + q/k/v outputs 32,768
     # + rotary fp32 24,576 + KV broadcast 32,768 + Q/K/V 49,152 + attention output 32,768 + gate/up 32,768
-    # + silu input/output/product 49,152 = 319,488; softmax output 32,768; working S x S scores 65,536.
-    assert p.activation_bytes_none == 2 * (319_488 + 32_768) + 65_536
-    assert p.activation_bytes_selective == 2 * 319_488 + 65_536 + 32_768   # one layer's core attention rebuilt
-    assert p.activation_bytes_full == 2 * 4 * 4_096 + 65_536 + 319_488 + 32_768  # one whole layer rebuilt
-    # The lm_head output (vocabulary padded to 112) + full-vocabulary fp32 logits, log_softmax, gradient.
-    assert p.logits_bytes == 4 * 64 * 112 + 3 * 4 * 64 * 100
+    # + silu output and product 32,768 = 303,104; softmax output 32,768; working S x S scores 65,536.
+    assert p.activation_bytes_none == 2 * (303_104 + 32_768) + 65_536
+    assert p.activation_bytes_selective == 2 * 303_104 + 65_536 + 32_768   # one layer's core attention rebuilt
+    assert p.activation_bytes_full == 2 * 4 * 4_096 + 65_536 + 303_104 + 32_768  # one whole layer rebuilt
+    # The lm_head output (vocabulary padded to 112) + the loss's fp32 logits, log_softmax, one-hot, gradient.
+    assert p.logits_bytes == 4 * 64 * 112 + 4 * 4 * 64 * 112
     assert p.recompute == "none" and p.in_flight == 1
     assert p.total_bytes == 255_232 * 2 + 510_464 + p.activation_bytes_none + p.logits_bytes
 
@@ -78,13 +79,17 @@ def test_recompute_modes_order_and_layer_formula():
     cfg = recipe(*LLAMA2_7B).model.model_config
     sbh = 4096 * 4096
     # bf16, MHA (no KV broadcast), no TP: norms 8 + 4 sbh, q/k/v 6, rotary fp32 8, Q/K/V 6, attention output
-    # 2 + 2; SwiGLU 4 + 6 sbf; softmax fp32 4 a s^2 b and its bf16 cast 2 a s^2 b.
-    assert layer_activation_bytes(cfg, 1, 1, "none") == 36 * sbh + 10 * 4096 * 11008 + 6 * 32 * 4096 ** 2
+    # 2 + 2; SwiGLU 4 + 4 sbf; softmax fp32 4 a s^2 b and its bf16 cast 2 a s^2 b.
+    assert layer_activation_bytes(cfg, 1, 1, "none") == 36 * sbh + 8 * 4096 * 11008 + 6 * 32 * 4096 ** 2
     assert layer_activation_bytes(cfg, 1, 1, "full") == 2 * sbh
-    # TP splits only what a strategy splits: q/k/v outputs, Q/K/V, the PV output, gate/up.
+    # Every operator has a strategy: TP splits all but the norms' tensors (12 sbh, no sequence parallelism).
     sbf = 4096 * 11008
-    split = 6 * sbh // 8 + 6 * sbh // 8 + 2 * sbh // 8 + 4 * sbf // 8
-    assert layer_activation_bytes(cfg, 1, 8, "selective") == 22 * sbh + split + 6 * sbf
+    split = (6 + 8 + 6 + 4) * sbh // 8 + 8 * sbf // 8
+    assert layer_activation_bytes(cfg, 1, 8, "selective") == 12 * sbh + split
+    flash = recipe(*LLAMA2_7B, "model.model_config.use_flash_attention=True").model.model_config
+    # FlashAttention: no S x S term; two fp32 (B, heads, S, 8) softmax statistics instead.
+    assert layer_activation_bytes(flash, 1, 1, "none") == 36 * sbh + 8 * sbf + 2 * 4 * 32 * 4096 * 8
+    assert recompute_working_bytes(flash, 1, 1, "none") == 0
 
 
 def test_planner_terms_match_the_real_tensors_on_cpu():
@@ -113,8 +118,8 @@ def test_planner_terms_match_the_real_tensors_on_cpu():
     assert terms["scores_at_mask_add"][0] == scores.nbytes + qk.nbytes
     assert terms["softmax_fp32"][0] == ms.ops.softmax(scores, -1).nbytes
     assert terms["norm_outputs"][0] == 2 * normed.nbytes
-    assert terms["swiglu_split"][0] == 2 * gate.nbytes and terms["swiglu_replicated"][0] == 3 * gate.nbytes
-    assert logits_bytes(c, b, 1) == head.nbytes + 3 * logits.nbytes
+    assert terms["swiglu_split"][0] == 2 * gate.nbytes and terms["swiglu_activation"][0] == 2 * gate.nbytes
+    assert logits_bytes(c, b, 1) == head.nbytes + 4 * head.nbytes  # fp32 compute: the projection is fp32
     assert logits.shape == (b, s, 100) and logits.dtype == ms.float32
 
 
@@ -159,8 +164,9 @@ def test_pipeline_reports_the_heaviest_stage():
     p = plan(r, device="Ascend910B2")
     assert p.stage_layers == [1, 1] and len(p.stage_total_bytes) == 2
     assert p.total_bytes == max(p.stage_total_bytes) == p.stage_total_bytes[p.stage]
-    # 1F1B: the first stage holds pipeline_stage micro-batches in flight, the last one.
-    assert p.stage == 0 and p.in_flight == 2 and p.logits_bytes == 0
+    # 1F1B: the first stage holds pipeline_stage micro-batches in flight, the last one and the logits.
+    first, last = stage_memory(r)
+    assert first.in_flight == 2 and first.logits_bytes == 0 and last.in_flight == 1 and last.logits_bytes > 0
     cfg = r.model.model_config
     assert (stage_parameters(cfg, 0, 1, 2) + stage_parameters(cfg, 1, 1, 2)) == param_count(cfg)
 
@@ -191,9 +197,11 @@ def test_llama2_7b_on_one_64gb_device_does_not_fit_but_tp8_with_recompute_does()
     assert not single.fits and single.device_memory_bytes == 64 * GB
     text = format_plan(single)
     assert "WILL NOT FIT: needs" in text and "device has 64.0 GB" in text
-    assert "levers in order: recompute" in text
-    assert text.index("recompute (full") < text.index("optimizer-state sharding") < text.index("pipeline") \
-        < text.index("tensor parallel")
+    levers = text.split("levers in order: ")[1]
+    assert levers.startswith("recompute")
+    assert levers.index("recompute (full") < levers.index("optimizer-state sharding") < levers.index("pipeline") \
+        < levers.index("tensor parallel")
+    assert "attention: math path (fp32 S x S scores per layer)" in text
 
     tp8 = plan(recipe(*LLAMA2_7B, "parallel_config.model_parallel=8", "recompute_config.recompute=True"),
                device="Ascend910B2")
@@ -214,3 +222,13 @@ def test_unknown_device_names_the_known_ones():
         plan(recipe(), device="H100")
     assert plan(recipe(*ASCEND), device="ascend910b3").device == "Ascend910B3"
     assert all(spec.source for spec in DEVICES.values())
+
+
+def test_the_report_says_which_attention_runs_and_which_operators_are_sharded():
+    tp2 = recipe(*LLAMA2_7B, "parallel_config.model_parallel=2", "model.model_config.use_flash_attention=True")
+    p = plan(tp2, device="Ascend910B2")
+    text = format_plan(p)
+    assert "attention: FlashAttention (FlashAttentionScore; no S x S scores kept)" in text
+    assert "TP 2 splits heads from q/k/v to the attention output, the MLP width and the vocabulary" in text
+    math = plan(recipe(*LLAMA2_7B, "parallel_config.model_parallel=2"), device="Ascend910B2")
+    assert math.activation_bytes_none - p.activation_bytes_none > 32 * 6 * 32 * 4096 ** 2 // 2 // 2

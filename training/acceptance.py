@@ -31,6 +31,9 @@ LAYOUTS = {  # all at the tiny recipe's global batch of 8 sequences
     "dp2_pp4": ["parallel_config.data_parallel=2", "parallel_config.pipeline_stage=4",
                 "parallel_config.micro_batch_num=4"],
 }
+THROUGHPUT_RECIPE, THROUGHPUT_STEPS = "llama2_7b_8dev", 30
+# MindFormers' published Llama2-7B figure (BF16, seq 4096, 8 x 910B, DP8 TP1, FlashAttention, no recompute).
+MINDFORMERS_TOKENS_PER_S_PER_DEVICE = 4160
 LAYOUT_RTOL = 1e-3          # float32 compute: layouts differ only in reduction order
 BF16_STEPS, BF16_RTOL = 50, 0.03  # bf16 vs fp32: per-step loss within 3% over 50 steps
 KILL_AT, RESUME_STEPS = 12, 20
@@ -63,6 +66,9 @@ def plan_commands(out: str) -> list:
     steps.append(("kill_resume_tp_pp", f"train, kill -9 after step {KILL_AT}",
                   launch_argv(TINY, f"{out}/killed", *resume)))
     steps.append(("kill_resume_tp_pp", "rerun the same command (resumes)", launch_argv(TINY, f"{out}/killed", *resume)))
+    steps.append((f"throughput_{THROUGHPUT_RECIPE}", f"train {THROUGHPUT_STEPS} steps",
+                  launch_argv(os.path.join(REPO_ROOT, "recipes", f"{THROUGHPUT_RECIPE}.yaml"),
+                              f"{out}/throughput_{THROUGHPUT_RECIPE}", f"runner_config.stop_step={THROUGHPUT_STEPS}")))
     for name in NODE_RECIPES:
         steps.append((f"memory_{name}", "--plan",
                       ["bash", LAUNCHER, os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), "--plan"]))
@@ -105,6 +111,23 @@ def peak_device_memory(run_dir: str):
     return max(values) if values else None
 
 
+def throughput(run_dir: str) -> dict:
+    """Median tokens/s/device and MFU after the compiling step (rank 0's records), next to MindFormers' figure,
+    and the compile time (the first step)."""
+    records = [json.loads(line) for path in sorted(glob.glob(os.path.join(run_dir, "metrics*.jsonl")))[:1]
+               for line in open(path, encoding="utf-8")]
+    records = [r for r in records if "tokens_per_s_per_device" in r]
+    steady = sorted(r["tokens_per_s_per_device"] for r in records if not r.get("compile"))
+    mfus = sorted(r["mfu"] for r in records if not r.get("compile") and r.get("mfu") is not None)
+    compiling = [r["step_time"] for r in records if r.get("compile")]
+    median = steady[len(steady) // 2] if steady else None
+    return {"status": "PASS" if median is not None and median > MINDFORMERS_TOKENS_PER_S_PER_DEVICE else "FAIL",
+            "tokens_per_s_per_device": median,
+            "mindformers_tokens_per_s_per_device": MINDFORMERS_TOKENS_PER_S_PER_DEVICE,
+            "mfu": mfus[len(mfus) // 2] if mfus else None, "steps_measured": len(steady),
+            "compile_s": compiling[0] if compiling else None}
+
+
 def evaluate(out: str, returncodes: dict) -> dict:
     """Every check's verdict and figures from the run directories under `out`."""
     from training.planner import GB, plan
@@ -123,6 +146,7 @@ def evaluate(out: str, returncodes: dict) -> dict:
                                       logged_losses(os.path.join(out, f"float32_{BF16_STEPS}")), BF16_RTOL)
     killed, uninterrupted = logged_losses(os.path.join(out, "killed")), logged_losses(os.path.join(out, "dp2_tp2_pp2"))
     results["kill_resume_tp_pp"] = compare(killed, uninterrupted, 0.0)
+    results[f"throughput_{THROUGHPUT_RECIPE}"] = throughput(os.path.join(out, f"throughput_{THROUGHPUT_RECIPE}"))
     for name in NODE_RECIPES:
         planned = plan(load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), planning=True)).total_bytes
         measured = peak_device_memory(os.path.join(out, f"startup_{name}"))

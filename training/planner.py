@@ -174,6 +174,8 @@ class Plan:
     step_time_s: Optional[float]        # None when the peak is unknown
     levers: list = field(default_factory=list)  # unused memory levers, in the order to try them
     notes: list = field(default_factory=list)
+    attention: str = ""                 # which attention kernel the recipe runs
+    sharding: str = ""                  # which operators tensor parallelism splits
 
 
 def activation_terms(cfg, micro_batch: int, tensor_parallel: int = 1) -> dict:
@@ -184,31 +186,35 @@ def activation_terms(cfg, micro_batch: int, tensor_parallel: int = 1) -> dict:
     layer computes (one layer at a time). e = bytes of the compute dtype, f = intermediate_size,
     a = heads, kv = KV width (kv heads x head_dim), t = tensor parallel.
 
-    Only the operators models/parallel.py gives a strategy (the matmuls, the embedding gather
-    and the attention softmax) are split by TP. In semi-auto parallel an operator without a
-    strategy gets a data-parallel one, so its tensors stay whole on every TP rank: the norms
-    and their fp32 copies, rotary embedding (computed in fp32), the KV-head broadcast, the
-    additive mask (the S x S fp32 scores), SwiGLU's silu and product, the reshaped attention
-    output. Korthikanti et al. 2022 (sec. 4) count the same kinds of tensors for GPT.
+    models/parallel.py gives every operator a strategy, as MindFormers' Llama does: from q/k/v to
+    the attention output the heads are split by TP, the MLP width by TP; without sequence
+    parallelism the hidden states at the norms stay whole on every TP rank. With FlashAttention
+    (use_flash_attention) no S x S tensor exists: the kernel keeps two fp32 (B, heads, S, 8)
+    softmax statistics instead. Korthikanti et al. 2022 (sec. 4) count the same kinds of tensors.
     """
     e = DTYPE_BYTES[getattr(cfg, "compute_dtype", "float32")]
     s, b, h, t, a = cfg.seq_length, micro_batch, cfg.hidden_size, tensor_parallel, cfg.num_heads
     kv = (cfg.num_kv_heads or a) * (h // a)
     sb, sbf, scores = s * b, s * b * cfg.intermediate_size, a * s * s * b
-    return {
+    flash = getattr(cfg, "use_flash_attention", False)
+    terms = {
         "norm_inputs_fp32": (2 * 4 * sb * h, "kept"),             # RMSNorm computes in fp32 (both norms)
         "norm_outputs": (2 * e * sb * h, "kept"),                 # inputs of q/k/v and of gate/up
         "qkv_projections": (e * sb * (h + 2 * kv) // t, "kept"),   # column-split matmul outputs
-        "rotary_fp32": (4 * sb * (h + kv), "kept"),               # q and k rotated in fp32, no strategy
-        "kv_broadcast": (2 * e * sb * h if kv < h else 0, "kept"),  # K, V repeated to every head (GQA)
-        "attention_qkv": (3 * e * sb * h // t, "kept"),           # Q, K, V at the head-split matmuls
-        "attention_output": (e * sb * h // t + e * sb * h, "kept"),  # PV output, then reshaped whole for o_proj
+        "rotary_fp32": (4 * sb * (h + kv) // t, "kept"),          # q and k rotated in fp32, split by heads
+        "kv_broadcast": (2 * e * sb * h // t if kv < h and not flash else 0, "kept"),  # K, V tiled to every head
+        "attention_qkv": (3 * e * sb * h // t, "kept"),           # Q, K, V at the attention
+        "attention_output": (2 * e * sb * h // t, "kept"),        # attention output, then merged heads
         "swiglu_split": (2 * e * sbf // t, "kept"),               # gate and up (column-split)
-        "swiglu_replicated": (3 * e * sbf, "kept"),               # gathered gate, silu(gate), silu x up
-        "softmax_fp32": (4 * scores // t, "score"),               # the softmax has a head-split strategy
-        "probs_cast": ((e * scores // t) if e != 4 else 0, "score"),  # cast for the PV matmul
-        "scores_at_mask_add": (4 * scores + e * scores // t, "working"),  # QK^T, then + mask whole (fp32)
+        "swiglu_activation": (2 * e * sbf // t, "kept"),          # silu(gate) and silu x up, split by TP
     }
+    if flash:
+        terms["flash_softmax_stats"] = (2 * 4 * a * s * b * 8 // t, "score")  # softmax max and sum, fp32
+    else:
+        terms["softmax_fp32"] = (4 * scores // t, "score")
+        terms["probs_cast"] = ((e * scores // t) if e != 4 else 0, "score")   # cast for the PV matmul
+        terms["scores_at_mask_add"] = (4 * scores // t + e * scores // t, "working")  # QK^T, then + mask (fp32)
+    return terms
 
 
 def layer_activation_bytes(cfg, micro_batch: int, tensor_parallel: int = 1, recompute: str = "none") -> int:
@@ -245,14 +251,15 @@ def recompute_working_bytes(cfg, micro_batch: int, tensor_parallel: int = 1, rec
 def logits_bytes(cfg, micro_batch: int, tensor_parallel: int = 1) -> int:
     """What the last stage holds for the loss of one micro-batch (1F1B: one at a time there).
 
-    The output projection's vocabulary-split output (compute dtype), then, because the loss's
-    log_softmax has no strategy, the full-vocabulary fp32 logits, their log_softmax (kept for
-    backward) and, in backward, the gradient of the logits: three (B, S, vocab) fp32 tensors.
+    The output projection's vocabulary-split output (compute dtype), then the vocabulary-parallel
+    cross-entropy's fp32 tensors, each split by TP like the projection (models/parallel.py, as
+    MindFormers' core/loss/loss.py): the fp32 logits, their log_softmax (kept for backward), the
+    one-hot labels and, in backward, the gradient of the logits: four (B, S, vocab / TP) fp32 tensors.
     """
     e = DTYPE_BYTES[getattr(cfg, "compute_dtype", "float32")]
     sb, t = cfg.seq_length * micro_batch, tensor_parallel
     padded = padded_vocab_size(cfg.vocab_size, getattr(cfg, "vocab_pad_multiple", VOCAB_ALIGN), t)
-    return e * sb * padded // t + 3 * 4 * sb * cfg.vocab_size
+    return e * sb * padded // t + 4 * 4 * sb * padded // t
 
 
 def stage_parameters(cfg, stage: int, layers: int, pipeline_stages: int, tensor_parallel: int = 1,
@@ -418,7 +425,32 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
         fits=None if budget is None else total <= budget,
         headroom_bytes=None if budget is None else budget - total,
         flops_per_token=fpt, tokens_per_step=tokens, step_time_s=step_time,
-        levers=_unused_levers(recipe, stages, mode, shard, total), notes=notes)
+        levers=_unused_levers(recipe, stages, mode, shard, total), notes=notes,
+        attention=("FlashAttention (FlashAttentionScore; no S x S scores kept)" if cfg.use_flash_attention
+                   else "math path (fp32 S x S scores per layer)"),
+        sharding=(f"every operator split by DP {p.data_parallel}; TP {p.model_parallel} splits heads from q/k/v to "
+                  "the attention output, the MLP width and the vocabulary through the loss; norms and residual "
+                  "adds stay whole on each TP rank (no sequence parallelism)" if p.model_parallel > 1
+                  else f"every operator split by DP {p.data_parallel}; no tensor parallelism"))
+
+
+OPTIMIZER_LEVELS = ("level1", "level2", "level3")
+
+
+def lowest_fitting_optimizer_level(recipe, device: str = None) -> Optional[str]:
+    """The least-communicating optimizer-parallel level at which the recipe fits, None if none does.
+
+    level1 gathers the weights once per step, level2 also reduce-scatters gradients, level3
+    re-gathers the fp32 weights for every micro-batch's backward; so the lowest level that fits wins.
+    """
+    from dataclasses import replace as copy_with
+    config = recipe.parallel.parallel_optimizer_config
+    for level in OPTIMIZER_LEVELS:
+        trial = copy_with(recipe, parallel=copy_with(recipe.parallel, parallel_optimizer_config=copy_with(
+            config, optimizer_level=level)))
+        if plan(trial, device).fits:
+            return level
+    return None
 
 
 def _unused_levers(recipe, stages, mode, shard, total) -> list:
@@ -459,6 +491,8 @@ def format_plan(plan: Plan) -> str:
     devices = f"{plan.world_size} device{'s' if plan.world_size > 1 else ''}"
     lines = [
         f"plan: {plan.parameters:,} parameters on DP {plan.data_parallel} x TP {tp} x PP {pp} = {devices}",
+        f"attention: {plan.attention}",
+        f"sharding: {plan.sharding}",
         f"device: {plan.device} ({plan.device_source})",
         f"memory budget: {budget} ({plan.device_memory_note})",
         f"per device: {stage_desc}, {plan.stage_parameters:,} parameters; micro-batch {plan.micro_batch} x seq "
@@ -484,7 +518,7 @@ def format_plan(plan: Plan) -> str:
         row(f"activations, {label}", getattr(plan, f"activation_bytes_{mode}"),
             "  <- recipe" if chosen else "")
     if plan.logits_bytes:
-        row("logits and loss (full-vocabulary fp32, last stage)", plan.logits_bytes)
+        row("logits and loss (vocabulary split by TP, fp32, last stage)", plan.logits_bytes)
     lines.append("-" * 67)
     row("total", plan.total_bytes)
     if pp > 1:

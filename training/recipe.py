@@ -52,6 +52,13 @@ class TrainerConfig:
 
 
 @dataclass
+class JitConfig:
+    """MindSpore's graph compiler level, as MindFormers' context.jit_config (build_context.py:79, 316)."""
+
+    jit_level: Literal["O0", "O1", "O2"] = "O1"
+
+
+@dataclass
 class ContextConfig:
     mode: Literal[0, 1] = 0  # 0 = graph mode (compiled), 1 = PyNative (eager, for debugging only)
     device_target: Literal["CPU", "Ascend", "GPU"] = "CPU"
@@ -59,11 +66,18 @@ class ContextConfig:
     max_call_depth: int = 10000
     max_device_memory: Optional[str] = None
     save_graphs: bool = False
+    jit_config: Optional[JitConfig] = None
+    mempool_block_size: Optional[str] = None  # device memory pool growth step (build_context.py:184-192)
 
     def check(self, recipe: "Recipe") -> list:
         problems = _at_least("context", self, 0, "device_id") + _at_least("context", self, 1, "max_call_depth")
-        if self.max_device_memory is not None and not re.fullmatch(r"\d+(\.\d+)?GB", self.max_device_memory):
-            problems.append(f"context.max_device_memory: {self.max_device_memory!r} is not a size like '58GB'")
+        for name in ("max_device_memory", "mempool_block_size"):
+            value = getattr(self, name)
+            if value is not None and not re.fullmatch(r"\d+(\.\d+)?GB", value):
+                problems.append(f"context.{name}: {value!r} is not a size like '58GB'")
+        if recipe.runs_on_cpu:
+            problems.extend(f"context.{name}: tunes the Ascend graph compiler and memory pool; remove it on CPU"
+                            for name in ("jit_config", "mempool_block_size") if getattr(self, name) is not None)
         return problems
 
 
@@ -192,6 +206,33 @@ class ModelConfig:
     eos_token_id: int = 2
     pad_token_id: int = 3
     compute_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # Ascend kernels, MindFormers' keys and meanings (mindformers/models/llama/llama_config.py:165-186);
+    # the math path (all False) is the CPU default and the reference. None changes a parameter.
+    use_flash_attention: bool = False
+    use_attn_mask_compression: bool = False      # FlashAttention's 2048 x 2048 causal band (sparse_mode 2)
+    use_eod_attn_mask_compression: bool = False  # FlashAttention per document (TND, sparse_mode 8)
+    fused_rms_norm: bool = False                 # MindFormers' default is True (on Ascend)
+
+    def kernel_problems(self, recipe: "Recipe") -> list:
+        """Ascend-kernel keys that cannot apply, each named."""
+        p = "model.model_config"
+        kernels = ("use_flash_attention", "use_attn_mask_compression", "use_eod_attn_mask_compression",
+                   "fused_rms_norm")
+        if recipe.runs_on_cpu:
+            return [f"{p}.{name}: selects an Ascend kernel that has no CPU implementation; set it to False on CPU "
+                    "(the math path computes the same)" for name in kernels if getattr(self, name)]
+        problems = []
+        # MindFormers' own rules (mindformers/models/llama/llama.py:115-116; modules/transformer/transformer.py:820).
+        for name in ("use_attn_mask_compression", "use_eod_attn_mask_compression"):
+            if getattr(self, name) and not self.use_flash_attention:
+                problems.append(f"{p}.{name}: needs {p}.use_flash_attention: True")
+        if self.use_eod_attn_mask_compression and not self.document_attention:
+            problems.append(f"{p}.use_eod_attn_mask_compression: is FlashAttention's document mode; it needs "
+                            f"{p}.document_attention: True")
+        if (self.use_attn_mask_compression or self.use_eod_attn_mask_compression) and self.seq_length < 2048:
+            problems.append(f"{p}.use_attn_mask_compression: the compressed mask is 2048 x 2048; seq_length "
+                            f"{self.seq_length} is below 2048 (use the full mask: set it to False)")
+        return problems
 
     def check(self, recipe: "Recipe") -> list:
         p = "model.model_config"
@@ -230,7 +271,7 @@ class ModelConfig:
         if self.compute_dtype == "bfloat16" and recipe.runs_on_cpu:
             problems.append(f"{p}.compute_dtype: bfloat16 kernels exist only on Ascend/GPU; "
                             "use float32 (or float16) on CPU")
-        return problems
+        return problems + self.kernel_problems(recipe)
 
 
 @dataclass
