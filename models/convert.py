@@ -554,6 +554,7 @@ def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = Fa
             "ignored": ignored,
             "fingerprint": fingerprint(model, tensors),
         }
+        manifest["tokenizer"], manifest["tokenizer_files"] = copy_hf_tokenizer(hf_dir, work_dir, out_dir)
         if verify:
             manifest["verify"] = verify_logits(hf_dir, work_dir)
         manifest["seconds"] = round(time.perf_counter() - start, 2)
@@ -564,6 +565,27 @@ def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = Fa
     finally:
         if os.path.isdir(work_dir):
             shutil.rmtree(work_dir)
+
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_hf_tokenizer(hf_dir: str, work_dir: str, out_dir: str) -> tuple:
+    """Copy the source's tokenizer files beside the weights, so `prepare_data.py --tokenizer OUT_DIR` uses them.
+
+    Returns (a note for the summary, [{file, sha256}]).
+    """
+    from data.tokenizer import file_sha256
+
+    files = []
+    for name in HF_TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(work_dir, name))
+            files.append({"file": name, "sha256": file_sha256(os.path.join(work_dir, name))})
+    if not files:
+        return f"not copied: {hf_dir} holds no tokenizer file ({', '.join(HF_TOKENIZER_FILES[:2])})", []
+    return (f"copied from {hf_dir} ({', '.join(f['file'] for f in files)}): prepare data for this model with "
+            f"scripts/prepare_data.py --tokenizer {os.path.abspath(out_dir)}"), files
 
 
 def _write_weights(weights: HFWeights, plan: list, path: str, show_progress: bool, where: str) -> list:

@@ -283,9 +283,9 @@ class LlamaForCausalLM(PreTrainedModel):
     """Decoder + vocabulary projection; in training, returns the mean next-token loss.
 
     Input `input_ids` has seq_length + 1 tokens per row: positions [0, S) are the model
-    input, positions [1, S] the labels. Labels equal to `pad_token_id` are excluded from
-    the loss. The padding rows of the vocabulary tables are cut off before the softmax,
-    so they never receive probability mass (nor gradient).
+    input, positions [1, S] the labels. Labels equal to `pad_token_id` (-1 when the tokenizer
+    has none) are excluded from the loss. The padding rows of the vocabulary tables are cut
+    off before the softmax, so they never receive probability mass (nor gradient).
     """
 
     config_class = LlamaConfig
@@ -327,10 +327,13 @@ class LlamaForCausalLM(PreTrainedModel):
         return logits.astype(ms.float32)
 
     def construct(self, input_ids):
-        tokens = input_ids[:, :-1]
+        # Padding is -1 when the tokenizer has no pad token (data/tokenizer.py NO_PAD): looked up as id 0. Its
+        # labels are masked, and it only follows a row's last real token, which causal attention never lets see it.
+        ids = ops.maximum(input_ids, 0)
+        tokens = ids[:, :-1]
         labels = input_ids[:, 1:].reshape(-1)
         logits = self.logits(tokens).reshape(-1, self.vocab_size)  # (B*S, vocab)
         mask = (labels != self.pad_token_id).astype(ms.float32)
         log_probs = ops.log_softmax(logits, -1)
-        nll = -ops.gather_elements(log_probs, 1, labels.reshape(-1, 1)).reshape(-1)
+        nll = -ops.gather_elements(log_probs, 1, ids[:, 1:].reshape(-1, 1)).reshape(-1)
         return (nll * mask).sum() / ops.maximum(mask.sum(), 1.0)
