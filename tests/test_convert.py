@@ -205,6 +205,13 @@ def test_continued_pretraining_with_the_models_own_tokenizer_matches_transformer
     print(f"\n[continued pretraining] first-step loss {first_loss:.7f}, transformers {hf_loss:.7f}")
     assert first_loss == pytest.approx(hf_loss, rel=1e-5)
 
+    # Back to HF: the run's dataset tokenizer goes out as the tokenizer.json it came in as.
+    back = tmp_path / "back"
+    to_hf(str(run_dir), str(back), show_progress=False)
+    text = texts[0]
+    assert transformers.AutoTokenizer.from_pretrained(str(back)).encode(text, add_special_tokens=False) == \
+        transformers.AutoTokenizer.from_pretrained(str(hf_dir)).encode(text, add_special_tokens=False)
+
 
 def test_missing_shard_is_refused(tmp_path):
     hf_dir, out = tmp_path / "hf", tmp_path / "out"
