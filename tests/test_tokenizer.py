@@ -133,3 +133,13 @@ def test_minus_one_padding_keeps_the_loss_of_the_real_tokens_exact():
         - logits.max(-1, keepdims=True)
     expected = -log_probs[np.arange(19), ids[0, 1:20]].mean()
     assert float(net(ms.Tensor(padded)).asnumpy()) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("name, message", [("notes.model", "cannot be loaded as a sentencepiece model"),
+                                           ("tokenizer.json", "cannot be loaded as an HF tokenizer.json")])
+def test_a_file_that_is_no_tokenizer_is_refused_by_kind(tmp_path, name, message):
+    (tmp_path / name).write_text('{"not": "a tokenizer"}')
+    with pytest.raises(DataError, match=message):
+        prepare_dataset(str(tmp_path / "ds"), 64, inputs=[corpus(tmp_path, ENGLISH)], tokenizer=str(tmp_path / name),
+                        show_progress=False)
+    assert not os.path.exists(tmp_path / "ds")
