@@ -195,6 +195,9 @@ def _load_hf(path: str) -> Tokenizer:
         raise DataError(f"tokenizer {path}: cannot be loaded as an HF tokenizer.json ({err})",
                         hint="pass the tokenizer.json of an HF model (or its directory), or a sentencepiece .model"
                         ) from None
+    # Special tokens written in a document ("</s>" in code or markup) are text, as sentencepiece encodes them:
+    # parsed as tokens they would end documents (and reset attention) in the middle of one.
+    engine.encode_special_tokens = True
     vocab = engine.get_vocab(with_added_tokens=True)
     configured = _configured_tokens(os.path.dirname(path))
 

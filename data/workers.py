@@ -89,6 +89,7 @@ def init_worker(config: WorkerConfig) -> None:
         os.environ["RAYON_NUM_THREADS"] = str(config.threads)
         from tokenizers import Tokenizer
         _hf = Tokenizer.from_file(config.tokenizer_path)
+        _hf.encode_special_tokens = True  # a literal "</s>" in a document is text, not a document end
     elif config.tokenizer_path:
         import sentencepiece as spm
         _sp = spm.SentencePieceProcessor(model_file=config.tokenizer_path)

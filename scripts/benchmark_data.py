@@ -117,6 +117,7 @@ def run_ceiling_hf(corpus: str, tokenizer: str, out: str, seq_length: int) -> tu
     from data.tokenizer import resolve_tokenizer
 
     hf = Tokenizer.from_file(resolve_tokenizer(tokenizer))
+    hf.encode_special_tokens = True  # as data/workers.py: special tokens written in the text are text
     with open(corpus, encoding="utf-8") as f:
         docs = [json.loads(line)["text"] for line in f]
     start = time.perf_counter()

@@ -21,7 +21,8 @@ SP_MODEL = LLAMA2_LAYOUT_SP_MODEL
 ENGLISH = ["The quick brown fox jumps over the lazy dog. It was 3.14 degrees at 12:30 in New York.",
            "def mean(values):\n    return sum(values) / len(values)\n",
            " A leading space, two  spaces, a blank line\n\nand a trailing space ",
-           "Tokenizers split text into pieces; rare words like antidisestablishmentarianism become several."]
+           "Tokenizers split text into pieces; rare words like antidisestablishmentarianism become several.",
+           "Markup that names special tokens, <s> and </s> and <unk>, is text: no document ends here."]
 CHINESE = ["今天天气很好，我们去公园散步吧。北京是中华人民共和国的首都。",
            "机器学习模型需要大量的训练数据，数据质量比数量更重要。",
            "混合文本：Python 3.11 的性能提升了百分之二十五。"]
