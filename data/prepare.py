@@ -162,7 +162,9 @@ def model_mismatches(manifest: dict, seq_length: int, vocab_size: int, pad_token
         problems.append(f"tokenizer vocab_size {tok['vocab_size']} exceeds model.model_config.vocab_size "
                         f"{vocab_size}")
     if tok["pad_id"] != pad_token_id:
-        problems.append(f"pad_id {tok['pad_id']} (model.model_config.pad_token_id is {pad_token_id})")
+        why = (f"; the tokenizer has no pad token: set pad_token_id to -1, or every label {pad_token_id} (a real "
+               "token) is dropped from the loss" if tok["pad_id"] < 0 else "")
+        problems.append(f"pad_id {tok['pad_id']} (model.model_config.pad_token_id is {pad_token_id}{why})")
     if tok["eod_id"] != eos_token_id:
         problems.append(f"eod_id {tok['eod_id']} (model.model_config.eos_token_id is {eos_token_id})")
     return problems

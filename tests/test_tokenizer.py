@@ -84,7 +84,8 @@ def test_a_users_tokenizer_without_pad_prepares_data_padded_with_minus_one(tmp_p
     expected = [i for ids in load_tokenizer(SP_MODEL).encode_batch(cleaned) for i in ids + [2]]
     assert real == expected
     # The dataset-vs-recipe check compares the padding id: a recipe masking id 3 (<0x00>) is refused.
-    with pytest.raises(DataError, match=r"pad_id -1 \(model\.model_config\.pad_token_id is 3\)"):
+    with pytest.raises(DataError, match=r"pad_id -1 \(model\.model_config\.pad_token_id is 3; the tokenizer has no "
+                                        r"pad token: set pad_token_id to -1"):
         check_dataset(out, 64, 32000, 3, 2)
     check_dataset(out, 64, 32000, -1, 2)
 
