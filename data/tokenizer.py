@@ -181,8 +181,10 @@ def _load_sentencepiece(path: str) -> Tokenizer:
     except (OSError, RuntimeError) as err:
         raise DataError(f"tokenizer {path}: cannot be loaded as a sentencepiece model ({err})",
                         hint="pass a sentencepiece .model or an HF tokenizer.json") from None
-    eod = sp.eos_id()
-    return Tokenizer(SENTENCEPIECE, path, sp.get_piece_size(), sp.unk_id(), sp.bos_id(), eod, sp.pad_id(),
+    eod, pad = sp.eos_id(), sp.pad_id()
+    if pad >= 0 and (pad in (sp.unk_id(), sp.bos_id(), eod) or not sp.is_control(pad)):
+        pad = NO_PAD  # a pad id shared with another special or a text piece would mask real labels
+    return Tokenizer(SENTENCEPIECE, path, sp.get_piece_size(), sp.unk_id(), sp.bos_id(), eod, pad,
                      sp.id_to_piece(eod) if eod >= 0 else "", sp)
 
 

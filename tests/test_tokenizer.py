@@ -145,3 +145,17 @@ def test_a_file_that_is_no_tokenizer_is_refused_by_kind(tmp_path, name, message)
         prepare_dataset(str(tmp_path / "ds"), 64, inputs=[corpus(tmp_path, ENGLISH)], tokenizer=str(tmp_path / name),
                         show_progress=False)
     assert not os.path.exists(tmp_path / "ds")
+
+
+def test_a_pad_id_that_is_a_text_piece_is_not_used_for_padding(tmp_path, tiny_dataset):
+    """Padding never borrows a piece that text can produce: its labels would be dropped from the loss."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    ours = os.path.join(tiny_dataset, "tokenizer.model")
+    assert load_tokenizer(ours).pad_id == 3  # our trained models: a dedicated control piece
+    proto = sentencepiece_model_pb2.ModelProto()
+    with open(ours, "rb") as f:
+        proto.ParseFromString(f.read())
+    proto.pieces[3].type = sentencepiece_model_pb2.ModelProto.SentencePiece.NORMAL
+    (tmp_path / "edited.model").write_bytes(proto.SerializeToString())
+    assert load_tokenizer(str(tmp_path / "edited.model")).pad_id == NO_PAD
