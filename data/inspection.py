@@ -124,7 +124,7 @@ def show_sample(dataset_dir: str, index: int) -> str:
     finally:
         reader.close()
     tok = manifest["tokenizer"]
-    sp = load_tokenizer(os.path.join(dataset_dir, tok.get("file", "tokenizer.model")))
+    sp = load_tokenizer(os.path.join(dataset_dir, tok.get("file", "tokenizer.model")), special_ids=tok)
     padding = int((tokens == tok["pad_id"]).sum())
     real = tokens[tokens != tok["pad_id"]].tolist()
     boundaries = real.count(tok["eod_id"])

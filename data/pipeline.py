@@ -41,14 +41,14 @@ from data.dedup import JACCARD_THRESHOLD, MIN_SHINGLES, NEAR_DUPLICATES, SHINGLE
 from data.mindrecord_io import MANIFEST, MINDRECORD_MIN_FREE, ShardWriter, partial_dir, write_json_atomic, \
     write_manifest
 from data.packing import PACKINGS, TAILS, make_packer
-from data.tokenizer import EOD_ID, PAD_ID, check_vocab_size, describe, file_sha256, load_tokenizer, \
-    train_tokenizer
+from data.tokenizer import EOD_ID, FILES, SENTENCEPIECE, check_vocab_size, file_sha256, load_tokenizer, \
+    resolve_tokenizer, train_tokenizer
 from data.workers import BAD_STATUSES, MALFORMED_JSON, MISSING_FIELD, STATUS_NAMES, WorkerConfig, \
     default_workers, init_pool_worker, init_worker, pin_mmap_threshold, process_chunk
 from training.errors import DataError
 
 STATE = "state"
-TOKENIZER = "tokenizer.model"
+TOKENIZER = FILES[SENTENCEPIECE]  # a trained tokenizer's name in the dataset (a user's keeps its kind's name)
 LENGTH_BINS = 32  # document lengths (tokens) bucketed by powers of two: bin k holds [2^k, 2^(k+1))
 DOCUMENT_COUNTS = ("read", "kept", "invalid_utf8", "too_short", "too_long", "malformed_json", "missing_field",
                    "duplicates", "near_duplicates", "validation")
@@ -145,11 +145,12 @@ class Tallies:
 class Split:
     """One output dataset (train or validation): its packer and its shard writer."""
 
-    def __init__(self, name: str, directory: str, seq_length: int, samples_per_shard: int, opts: PrepareOptions):
+    def __init__(self, name: str, directory: str, seq_length: int, samples_per_shard: int, opts: PrepareOptions,
+                 pad_id: int):
         self.name, self.directory, self.mode = name, directory, opts.packing
         os.makedirs(directory, exist_ok=True)
-        self.packer = make_packer(opts.packing, seq_length, PAD_ID, opts.tail)
-        self.writer = ShardWriter(directory, "train" if name == "train" else "val", samples_per_shard, PAD_ID)
+        self.packer = make_packer(opts.packing, seq_length, pad_id, opts.tail)
+        self.writer = ShardWriter(directory, "train" if name == "train" else "val", samples_per_shard, pad_id)
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> int:
         return self.writer.add(self.packer.add(tokens, lengths))
@@ -170,7 +171,8 @@ class Run:
                  show_progress: bool, opts: PrepareOptions):
         self.output_dir, self.seq_length, self.vocab_size = output_dir, seq_length, vocab_size
         self.source, self.patterns, self.files, self.missing = source, patterns, files, missing
-        self.max_documents, self.tokenizer_source = max_documents, tokenizer
+        self.max_documents = max_documents
+        self.tokenizer_source = resolve_tokenizer(tokenizer) if tokenizer else None  # a directory names its file
         self.samples_per_shard, self.show_progress, self.opts = samples_per_shard, show_progress, opts
         self.work = partial_dir(output_dir)
         self.consumed = 0  # input bytes the main pass has read (estimates the space a full disk lacks)
@@ -193,8 +195,8 @@ class Run:
         except OSError as err:
             raise self._write_error(err) from None
         try:
-            tokenizer_path, trained_on = self._tokenizer()
-            manifest = self._main_pass(tokenizer_path, trained_on, snapshot)
+            tokenizer, trained_on = self._tokenizer()
+            manifest = self._main_pass(tokenizer, trained_on, snapshot)
         except DataError:
             shutil.rmtree(self.work, ignore_errors=True)
             raise
@@ -310,20 +312,26 @@ class Run:
     # ---- tokenizer ------------------------------------------------------------------------------
 
     def _tokenizer(self) -> tuple:
-        """(path inside the dataset, what it was trained on); trains one on a sample unless given or done."""
+        """(the tokenizer, loaded from its copy inside the dataset; what it was trained on, or None).
+
+        Trains one on a sample unless given or done. A user's tokenizer keeps the special ids
+        read from its source (an HF directory's tokenizer_config.json is not copied).
+        """
         path = os.path.join(self.work, TOKENIZER)
         record = os.path.join(self.state, "tokenizer.json")
         if self.tokenizer_source:
-            sp = load_tokenizer(self.tokenizer_source)  # messages name the user's file, not the work copy
-            check_vocab_size(self.tokenizer_source, sp.get_piece_size(), self.opts.model_vocab_size,
+            tok = load_tokenizer(self.tokenizer_source)  # messages name the user's file, not the work copy
+            check_vocab_size(self.tokenizer_source, tok.vocab_size, self.opts.model_vocab_size,
                              "model.model_config.vocab_size")
+            path = os.path.join(self.work, tok.file)
             if not os.path.isfile(path):
                 shutil.copyfile(self.tokenizer_source, path + ".tmp")  # a half-copied model must not look complete
                 os.replace(path + ".tmp", path)
-            return path, None
+            tok.path = path
+            return tok, None
         if os.path.isfile(record):
             with open(record, encoding="utf-8") as f:
-                return path, json.load(f)
+                return load_tokenizer(path), json.load(f)
         docs, tallies = self._sample()
         if not docs:
             raise self._no_usable_document(tallies)
@@ -331,7 +339,7 @@ class Run:
         shutil.move(train_tokenizer(docs, self.vocab_size, prefix, corpus=self._corpus()), path)
         trained_on = {"documents": len(docs), "chars": sum(len(d) for d in docs)}
         write_json_atomic(record, trained_on)
-        return path, trained_on
+        return load_tokenizer(path), trained_on
 
     def _sample(self) -> list:
         """A deterministic sample of distinct cleaned documents: those with the smallest digests, up to a budget.
@@ -369,13 +377,13 @@ class Run:
 
     # ---- the main pass ---------------------------------------------------------------------------
 
-    def _main_pass(self, tokenizer_path: str, trained_on, snapshot) -> dict:
-        sp = load_tokenizer(tokenizer_path)
+    def _main_pass(self, tokenizer, trained_on, snapshot) -> dict:
         tallies = Tallies(len(self.files))
-        splits = {"train": Split("train", self.work, self.seq_length, self.samples_per_shard, self.opts)}
+        splits = {"train": Split("train", self.work, self.seq_length, self.samples_per_shard, self.opts,
+                                 tokenizer.pad_id)}
         if self.opts.val_fraction:
             splits["val"] = Split("val", os.path.join(self.work, "val"), self.seq_length, self.samples_per_shard,
-                                  self.opts)
+                                  self.opts, tokenizer.pad_id)
         position, chunk_index, seen_count, near_mark = Position(), 0, 0, None
         if snapshot is None:
             self._record_missing(tallies)
@@ -400,7 +408,8 @@ class Run:
         near = NearDuplicateIndex(self.state, os.path.join(self.work, NEAR_DUPLICATES),
                                   [os.path.abspath(f) for f in self.files], near_mark) if self.opts.near_dedup else None
         val_below = int(self.opts.val_fraction * (1 << 64))
-        config = WorkerConfig(self.opts.clean(), self.opts.text_field, tokenizer_path, EOD_ID, self.opts.near_dedup,
+        config = WorkerConfig(self.opts.clean(), self.opts.text_field, tokenizer.path, tokenizer.eod_id,
+                              self.opts.near_dedup,
                               threads=1 if self.workers else (os.cpu_count() or 1))
         snapshots = _Snapshots(self.state)
         self.consumed = sum(self.sizes[:position.file])
@@ -423,7 +432,7 @@ class Run:
         seen.close()
         if near:
             near.close()
-        return self._write_manifests(sp, tokenizer_path, trained_on, tallies, splits)
+        return self._write_manifests(tokenizer, trained_on, tallies, splits)
 
     def _results(self, config: WorkerConfig, start: Position, chunk_index: int, desc: str, tallies: Tallies,
                  workers: int):
@@ -581,10 +590,10 @@ class Run:
 
     # ---- the end --------------------------------------------------------------------------------
 
-    def _write_manifests(self, sp, tokenizer_path: str, trained_on, tallies: Tallies, splits: dict) -> dict:
+    def _write_manifests(self, tok, trained_on, tallies: Tallies, splits: dict) -> dict:
         inputs = self._inputs(tallies)
-        tokenizer = {"file": TOKENIZER, "source": os.path.abspath(self.tokenizer_source) if self.tokenizer_source
-                     else "trained", **describe(sp, tokenizer_path)}
+        tokenizer = {"file": tok.file, "source": os.path.abspath(self.tokenizer_source) if self.tokenizer_source
+                     else "trained", **tok.describe()}
         if trained_on:
             tokenizer["trained_on"] = trained_on
         common = {"source": self.source, "command": self.opts.command,
@@ -596,7 +605,7 @@ class Run:
                                            "documents": tallies.lengths.tolist()}}
         if "val" in splits:
             val_dir = splits["val"].directory
-            shutil.copyfile(tokenizer_path, os.path.join(val_dir, TOKENIZER))
+            shutil.copyfile(tok.path, os.path.join(val_dir, tok.file))
             val_manifest = write_manifest(val_dir, {**common, "split": "validation", **_dataset(splits["val"])})
             if self._ours(self.val_output):
                 shutil.rmtree(self.val_output)

@@ -75,7 +75,7 @@ def prepare_dataset(output_dir: str, seq_length: int, vocab_size: int = 2048, so
     if not tokenizer and opts.model_vocab_size and vocab_size > opts.model_vocab_size:
         problems.append(f"vocab_size {vocab_size} does not fit model.model_config.vocab_size "
                         f"{opts.model_vocab_size}")
-    if tokenizer and not os.path.isfile(tokenizer):
+    if tokenizer and not os.path.exists(tokenizer):
         problems.append(f"tokenizer {tokenizer} does not exist")
     if samples_per_shard < 1:
         problems.append(f"samples_per_shard must be >= 1, got {samples_per_shard}")
@@ -108,6 +108,13 @@ def summary(output_dir: str, manifest: dict) -> str:
             f"in {manifest['samples']:,} samples of {manifest['sample_length']} tokens, "
             f"{len(manifest['shards'])} shard(s), padding {manifest['padding_rate']:.4%}, "
             f"vocabulary {manifest['tokenizer']['vocab_size']}.")
+    tok = manifest["tokenizer"]
+    if tok.get("kind"):
+        text += (f" Tokenizer: {tok['kind']}, documents end with {tok['eod_token']!r} (id {tok['eod_id']}), "
+                 f"padding id {tok['pad_id']}" + (" (no pad token: masked from the loss)" if tok["pad_id"] < 0 else "")
+                 + ".")
+    if tok.get("vocab_note"):
+        text += f" Vocabulary {tok['vocab_note']}."
     bad = {k: v for k, v in manifest.get("bad_input", {}).get("counts", {}).items() if v}
     if bad:
         first = manifest["bad_input"]["first"]
@@ -155,7 +162,9 @@ def model_mismatches(manifest: dict, seq_length: int, vocab_size: int, pad_token
         problems.append(f"tokenizer vocab_size {tok['vocab_size']} exceeds model.model_config.vocab_size "
                         f"{vocab_size}")
     if tok["pad_id"] != pad_token_id:
-        problems.append(f"pad_id {tok['pad_id']} (model.model_config.pad_token_id is {pad_token_id})")
+        why = (f"; the tokenizer has no pad token: set pad_token_id to -1, or every label {pad_token_id} (a real "
+               "token) is dropped from the loss" if tok["pad_id"] < 0 else "")
+        problems.append(f"pad_id {tok['pad_id']} (model.model_config.pad_token_id is {pad_token_id}{why})")
     if tok["eod_id"] != eos_token_id:
         problems.append(f"eod_id {tok['eod_id']} (model.model_config.eos_token_id is {eos_token_id})")
     return problems

@@ -1,18 +1,35 @@
-"""Sentencepiece tokenizer: train one on a sample of the corpus, or load and check one."""
+"""Tokenizers: train a sentencepiece model on a sample of the corpus, or load the user's own.
+
+A user's tokenizer is a sentencepiece `.model` with any special-id layout (Llama 2 and
+Mistral have no pad id) or a HuggingFace `tokenizer.json` (Llama 3, Qwen2: byte-level BPE),
+given as the file or as the HF model directory that holds it. Documents are separated by
+the tokenizer's own end-of-text token. Without a pad token, padding is written as NO_PAD
+(-1): never a real token id, and masked from the loss by the model (models/llama.py).
+"""
 
 import hashlib
 import io
+import json
 import os
 import random
 import re
+from dataclasses import dataclass
 
 import sentencepiece as spm
 
 from training.errors import DataError
 
-# Llama's layout for the first ids, plus a dedicated padding id that is never a real token.
+# Llama's layout for the first ids, plus a dedicated padding id that is never a real token (trained models).
 UNK_ID, BOS_ID, EOD_ID, PAD_ID = 0, 1, 2, 3
+NO_PAD = -1  # the padding id when the tokenizer has none: outside every vocabulary, so no real label is masked
 VOCAB_MULTIPLE = 16
+SENTENCEPIECE, HF = "sentencepiece", "hf"
+FILES = {SENTENCEPIECE: "tokenizer.model", HF: "tokenizer.json"}  # the name each kind is stored under
+# HF tokenizers name their special tokens in tokenizer_config.json (absent beside a bare tokenizer.json):
+# these are the pretraining end-of-text / beginning / unknown tokens of the families we convert.
+END_OF_TEXT = ("</s>", "<|end_of_text|>", "<|endoftext|>")
+BEGIN_OF_TEXT = ("<s>", "<|begin_of_text|>")
+UNKNOWN = ("<unk>",)
 # A document longer than this is encoded piece by piece: sentencepiece needs ~45 bytes per character
 # of its input (a 50 MB line took 2.4 GB), so memory is bounded by the piece, not by the document.
 ENCODE_PIECE_CHARS = 1 << 18
@@ -75,26 +92,147 @@ def _train(lines: list, vocab_size: int, model: io.BytesIO) -> None:
         num_threads=os.cpu_count() or 1, minloglevel=2)
 
 
-def load_tokenizer(path: str) -> spm.SentencePieceProcessor:
-    """Load a .model and insist on the special ids the packed data relies on."""
+@dataclass
+class Tokenizer:
+    """A loaded tokenizer of either kind, with the special ids the packed data uses (-1: absent)."""
+
+    kind: str
+    path: str
+    vocab_size: int  # highest id + 1 (added tokens included)
+    unk_id: int
+    bos_id: int
+    eod_id: int
+    pad_id: int
+    eod_token: str
+    engine: object  # spm.SentencePieceProcessor or tokenizers.Tokenizer
+
+    @property
+    def file(self) -> str:
+        return FILES[self.kind]
+
+    def encode_batch(self, texts: list, threads: int = 1) -> list:
+        """Token ids of each text, without BOS/EOS (the packer adds the EOD)."""
+        if self.kind == HF:
+            return [e.ids for e in self.engine.encode_batch(texts, add_special_tokens=False)]
+        return self.engine.encode(texts, num_threads=threads)
+
+    def decode(self, ids: list) -> str:
+        if self.kind == HF:
+            return self.engine.decode(ids, skip_special_tokens=False)
+        return self.engine.decode(ids)
+
+    def describe(self) -> dict:
+        """The manifest's tokenizer entry (without the file name it is stored under)."""
+        padding = ("its pad token" if self.pad_id != NO_PAD else
+                   f"{NO_PAD}: the tokenizer has no pad token; the model masks these labels from the loss")
+        entry = {"kind": self.kind, "sha256": file_sha256(self.path), "vocab_size": self.vocab_size,
+                 "unk_id": self.unk_id, "bos_id": self.bos_id, "eod_id": self.eod_id, "eod_token": self.eod_token,
+                 "pad_id": self.pad_id, "padding": padding}
+        if self.vocab_size % VOCAB_MULTIPLE:
+            entry["vocab_note"] = (f"{self.vocab_size} is not a multiple of {VOCAB_MULTIPLE}: the model pads its "
+                                   "embedding and output tables (model.model_config.vocab_pad_multiple)")
+        return entry
+
+
+def resolve_tokenizer(path: str) -> str:
+    """The tokenizer file a --tokenizer argument names: the file, or tokenizer.json / tokenizer.model in a directory.
+
+    An HF model directory often holds both (Llama 2): tokenizer.json is the one transformers loads.
+    """
+    if not os.path.isdir(path):
+        if not os.path.isfile(path):
+            raise DataError(f"tokenizer {path} does not exist",
+                            hint="pass a sentencepiece .model, a tokenizer.json, or the HF model directory holding it")
+        return path
+    for name in (FILES[HF], FILES[SENTENCEPIECE]):
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
+    raise DataError(f"tokenizer {path}: the directory holds neither tokenizer.json nor tokenizer.model",
+                    hint="pass the tokenizer file itself, or the HF model directory (or a conversion of it by "
+                         "scripts/convert_checkpoint.py --from-hf, which copies its tokenizer files)")
+
+
+def tokenizer_kind(path: str) -> str:
+    return HF if path.endswith(".json") else SENTENCEPIECE
+
+
+def load_tokenizer(path: str, special_ids: dict = None) -> Tokenizer:
+    """Load a sentencepiece .model or an HF tokenizer.json (or the directory holding one).
+
+    `special_ids` (a manifest's tokenizer entry) overrides what is read from the file: a
+    dataset's copy of a tokenizer.json has no tokenizer_config.json beside it.
+    """
+    path = resolve_tokenizer(path)
+    tok = _load_hf(path) if tokenizer_kind(path) == HF else _load_sentencepiece(path)
+    if special_ids:
+        for name in ("unk_id", "bos_id", "eod_id", "pad_id"):
+            if name in special_ids:
+                setattr(tok, name, special_ids[name])
+    if tok.eod_id < 0:
+        raise DataError(f"tokenizer {path}: has no end-of-text token to separate documents with "
+                        f"(looked for {', '.join(END_OF_TEXT)} and the eos token of tokenizer_config.json)",
+                        hint="use a tokenizer that defines one (the model's own tokenizer does)")
+    return tok
+
+
+def _load_sentencepiece(path: str) -> Tokenizer:
     try:
         sp = spm.SentencePieceProcessor(model_file=path)
     except (OSError, RuntimeError) as err:
-        raise DataError(f"tokenizer {path}: cannot be loaded ({err})") from None
-    found = {"unk": sp.unk_id(), "bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id()}
-    wanted = {"unk": UNK_ID, "bos": BOS_ID, "eos": EOD_ID, "pad": PAD_ID}
-    if found != wanted:
-        raise DataError(f"tokenizer {path}: special ids {found} differ from the expected {wanted}",
-                        hint="train it with data.tokenizer.train_tokenizer, or one with the same special ids")
-    return sp
+        raise DataError(f"tokenizer {path}: cannot be loaded as a sentencepiece model ({err})",
+                        hint="pass a sentencepiece .model or an HF tokenizer.json") from None
+    eod, pad = sp.eos_id(), sp.pad_id()
+    if pad >= 0 and (pad in (sp.unk_id(), sp.bos_id(), eod) or not sp.is_control(pad)):
+        pad = NO_PAD  # a pad id shared with another special or a text piece would mask real labels
+    return Tokenizer(SENTENCEPIECE, path, sp.get_piece_size(), sp.unk_id(), sp.bos_id(), eod, pad,
+                     sp.id_to_piece(eod) if eod >= 0 else "", sp)
+
+
+def _load_hf(path: str) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        engine = HFTokenizer.from_file(path)
+    except Exception as err:  # tokenizers raises a bare Exception for unreadable or malformed files
+        raise DataError(f"tokenizer {path}: cannot be loaded as an HF tokenizer.json ({err})",
+                        hint="pass the tokenizer.json of an HF model (or its directory), or a sentencepiece .model"
+                        ) from None
+    # Special tokens written in a document ("</s>" in code or markup) are text, as sentencepiece encodes them:
+    # parsed as tokens they would end documents (and reset attention) in the middle of one.
+    engine.encode_special_tokens = True
+    vocab = engine.get_vocab(with_added_tokens=True)
+    configured = _configured_tokens(os.path.dirname(path))
+
+    def special(names: tuple, key: str) -> int:
+        for name in names + ((configured[key],) if configured.get(key) else ()):
+            if name in vocab:
+                return vocab[name]
+        return -1
+
+    eod = special(END_OF_TEXT, "eos_token")
+    # Padding is never borrowed from the vocabulary: an HF pad token is often the end-of-text token itself
+    # (Qwen2), and masking it would drop every real document end from the loss.
+    return Tokenizer(HF, path, max(vocab.values()) + 1, special(UNKNOWN, "unk_token"),
+                     special(BEGIN_OF_TEXT, "bos_token"), eod, NO_PAD, engine.id_to_token(eod) if eod >= 0 else "",
+                     engine)
+
+
+def _configured_tokens(directory: str) -> dict:
+    """{eos_token, bos_token, unk_token: str} from an HF directory's tokenizer_config.json, if there is one."""
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    tokens = {}
+    for key in ("eos_token", "bos_token", "unk_token"):
+        value = config.get(key)
+        tokens[key] = value.get("content") if isinstance(value, dict) else value
+    return tokens
 
 
 def check_vocab_size(path: str, vocab_size: int, model_vocab_size: int = 0, model_key: str = "") -> None:
-    """A tokenizer's vocabulary must be 16-aligned and fit the model's embedding table (when one is named)."""
-    if vocab_size % VOCAB_MULTIPLE:
-        raise DataError(f"tokenizer {path}: vocabulary of {vocab_size} is not a multiple of {VOCAB_MULTIPLE} "
-                        "(embedding and output matmuls would be padded on Ascend)",
-                        hint=f"train one with --vocab-size {-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE}")
+    """A user's tokenizer must fit the model's embedding table (when one is named); any size is accepted."""
     if model_vocab_size and vocab_size > model_vocab_size:
         raise DataError(f"tokenizer {path}: vocabulary of {vocab_size} does not fit {model_key} "
                         f"{model_vocab_size}: token ids up to {vocab_size - 1} would index past the embedding table",
@@ -139,12 +277,6 @@ def _word_start(text: str, start: int, end: int) -> int:
             return 0
         if text[pos - 1] not in _WORD_START:
             return pos
-
-
-def describe(sp: spm.SentencePieceProcessor, path: str) -> dict:
-    """The manifest's tokenizer entry (without the file name it is stored under)."""
-    return {"sha256": file_sha256(path), "vocab_size": sp.get_piece_size(), "unk_id": UNK_ID, "bos_id": BOS_ID,
-            "eod_id": EOD_ID, "pad_id": PAD_ID}
 
 
 def file_sha256(path: str) -> str:

@@ -21,14 +21,14 @@ import numpy as np
 from data.clean import INVALID_UTF8, KEPT, TOO_LONG, TOO_SHORT, CleanOptions, clean_document, decode_utf8, \
     doc_digest
 from data.dedup import BANDS, band_keys, shingle_hashes, shingle_set
-from data.tokenizer import ENCODE_PIECE_CHARS, continuation_processor, encode_long
+from data.tokenizer import ENCODE_PIECE_CHARS, HF, continuation_processor, encode_long, tokenizer_kind
 
 # Statuses beyond data.clean's: problems with the input itself rather than its text.
 MALFORMED_JSON, MISSING_FIELD = 4, 5
 STATUS_NAMES = {INVALID_UTF8: "invalid_utf8", TOO_SHORT: "too_short", TOO_LONG: "too_long",
                 MALFORMED_JSON: "malformed_json", MISSING_FIELD: "missing_field"}
 BAD_STATUSES = (INVALID_UTF8, MALFORMED_JSON, MISSING_FIELD)  # bad input: reported, and --strict stops
-ENCODE_BATCH = 64  # documents per sentencepiece call
+ENCODE_BATCH = 64  # documents per tokenizer call
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class WorkerConfig:
     eod_id: int = 2
     near_dedup: bool = False
     sample_below: int = 0                 # sample pass: return the text of documents whose digest is below this
-    threads: int = 1                      # sentencepiece threads (inline mode uses every core)
+    threads: int = 1                      # tokenizer threads (inline mode uses every core)
 
 
 @dataclass
@@ -61,6 +61,7 @@ class ChunkResult:
 _config: Optional[WorkerConfig] = None
 _sp = None
 _sp_continue = None  # the model without its dummy prefix: encodes the later pieces of a long document
+_hf = None           # an HF tokenizers.Tokenizer instead of _sp
 
 
 def pin_mmap_threshold() -> None:
@@ -79,11 +80,17 @@ def pin_mmap_threshold() -> None:
 
 def init_worker(config: WorkerConfig) -> None:
     """Pool initializer (and inline setup): remember the options, load the tokenizer once."""
-    global _config, _sp, _sp_continue
+    global _config, _sp, _sp_continue, _hf
     pin_mmap_threshold()
     _config = config
-    _sp = _sp_continue = None
-    if config.tokenizer_path:
+    _sp = _sp_continue = _hf = None
+    if config.tokenizer_path and tokenizer_kind(config.tokenizer_path) == HF:
+        # tokenizers sizes its thread pool once, from this variable, at the first batch it encodes.
+        os.environ["RAYON_NUM_THREADS"] = str(config.threads)
+        from tokenizers import Tokenizer
+        _hf = Tokenizer.from_file(config.tokenizer_path)
+        _hf.encode_special_tokens = True  # a literal "</s>" in a document is text, not a document end
+    elif config.tokenizer_path:
         import sentencepiece as spm
         _sp = spm.SentencePieceProcessor(model_file=config.tokenizer_path)
         _sp_continue = continuation_processor(_sp)
@@ -113,7 +120,7 @@ def process_chunk(pieces: list) -> ChunkResult:
     result = ChunkResult(np.frombuffer(status, np.uint8), np.frombuffer(files, np.int32),
                          np.frombuffer(lines, np.int64), detail, np.frombuffer(replaced, np.uint8).astype(bool),
                          digests)
-    if _sp is None:
+    if _sp is None and _hf is None:
         result.texts = [(i, d, t) for i, (d, t) in enumerate(zip(digests.tolist(), texts)) if d < config.sample_below]
         return result
     if config.near_dedup:
@@ -127,6 +134,13 @@ def process_chunk(pieces: list) -> ChunkResult:
         result.shingles = np.concatenate(sets) if sets else np.zeros(0, np.uint32)
     tokens, lengths = array("i"), array("q")
     for batch in _batches(texts):  # batches keep the Python lists of ids small
+        if _hf is not None:  # long documents go whole: the piecewise path is sentencepiece's
+            ids = [e.ids for e in _hf.encode_batch(batch, add_special_tokens=False)]
+            for doc in ids:
+                doc.append(config.eod_id)
+                lengths.append(len(doc))
+            tokens.extend(itertools.chain.from_iterable(ids))
+            continue
         if len(batch) == 1 and len(batch[0]) > ENCODE_PIECE_CHARS:
             before = len(tokens)
             for ids in encode_long(_sp, _sp_continue, batch[0]):

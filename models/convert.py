@@ -554,6 +554,7 @@ def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = Fa
             "ignored": ignored,
             "fingerprint": fingerprint(model, tensors),
         }
+        manifest["tokenizer"], manifest["tokenizer_files"] = copy_hf_tokenizer(hf_dir, work_dir, out_dir)
         if verify:
             manifest["verify"] = verify_logits(hf_dir, work_dir)
         manifest["seconds"] = round(time.perf_counter() - start, 2)
@@ -564,6 +565,27 @@ def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = Fa
     finally:
         if os.path.isdir(work_dir):
             shutil.rmtree(work_dir)
+
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_hf_tokenizer(hf_dir: str, work_dir: str, out_dir: str) -> tuple:
+    """Copy the source's tokenizer files beside the weights, so `prepare_data.py --tokenizer OUT_DIR` uses them.
+
+    Returns (a note for the summary, [{file, sha256}]).
+    """
+    from data.tokenizer import file_sha256
+
+    files = []
+    for name in HF_TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(work_dir, name))
+            files.append({"file": name, "sha256": file_sha256(os.path.join(work_dir, name))})
+    if not files:
+        return f"not copied: {hf_dir} holds no tokenizer file ({', '.join(HF_TOKENIZER_FILES[:2])})", []
+    return (f"copied from {hf_dir} ({', '.join(f['file'] for f in files)}): prepare data for this model with "
+            f"scripts/prepare_data.py --tokenizer {os.path.abspath(out_dir)}"), files
 
 
 def _write_weights(weights: HFWeights, plan: list, path: str, show_progress: bool, where: str) -> list:
@@ -767,7 +789,7 @@ HF_TOKENIZER_CONFIG = {  # what transformers' LlamaTokenizer needs for data/toke
 
 
 def run_tokenizer(section_path: str) -> tuple:
-    """(tokenizer.model to copy or None, a note for the manifest) from a run's training dataset manifest."""
+    """((tokenizer file, its manifest entry) to copy or None, a note for the manifest) from a run's dataset."""
     from data.mindrecord_io import MANIFEST as DATA_MANIFEST
     from data.tokenizer import file_sha256
 
@@ -782,13 +804,22 @@ def run_tokenizer(section_path: str) -> tuple:
     path = os.path.join(dataset_dir, entry.get("file", "tokenizer.model"))
     if not os.path.isfile(path) or file_sha256(path) != entry.get("sha256"):
         return None, f"not copied: {path} is missing or differs from its dataset manifest"
-    return path, f"copied from {path}"
+    return (path, entry), f"copied from {path}"
 
 
-def write_hf_tokenizer(path: str, out_dir: str) -> None:
-    shutil.copyfile(path, os.path.join(out_dir, "tokenizer.model"))
+def write_hf_tokenizer(tokenizer: tuple, out_dir: str) -> None:
+    """The dataset's tokenizer (path, manifest entry) under its own kind's name, with a tokenizer_config.json."""
+    path, entry = tokenizer
+    if path.endswith(".json"):  # an HF tokenizer: transformers reads it as it is; name its end-of-text token
+        shutil.copyfile(path, os.path.join(out_dir, "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": entry.get("eod_token")}
+    else:
+        shutil.copyfile(path, os.path.join(out_dir, "tokenizer.model"))
+        config = dict(HF_TOKENIZER_CONFIG)
+        if entry.get("pad_id", 0) < 0:  # no pad piece (Llama 2's layout): transformers would add one
+            config["pad_token"] = None
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(HF_TOKENIZER_CONFIG, f, indent=2)
+        json.dump(config, f, indent=2)
 
 
 # --- Parity -----------------------------------------------------------------------------------

@@ -472,9 +472,9 @@ class LlamaForCausalLM(PreTrainedModel):
     """Decoder + vocabulary projection; in training, returns the mean next-token loss.
 
     Input `input_ids` has seq_length + 1 tokens per row: positions [0, S) are the model
-    input, positions [1, S] the labels. Labels equal to `pad_token_id` are excluded from
-    the loss. The padding rows of the vocabulary tables are cut off before the softmax,
-    so they never receive probability mass (nor gradient).
+    input, positions [1, S] the labels. Labels equal to `pad_token_id` (-1 when the tokenizer
+    has none) are excluded from the loss. The padding rows of the vocabulary tables are cut
+    off before the softmax, so they never receive probability mass (nor gradient).
     """
 
     config_class = LlamaConfig
@@ -501,6 +501,7 @@ class LlamaForCausalLM(PreTrainedModel):
         padding = np.zeros((1, config.padded_vocab_size), np.float32)
         padding[:, config.vocab_size:] = MASK_VALUE
         self.vocab_padding = Tensor(padding) if config.padded_vocab_size != config.vocab_size else None
+        self.no_negative_ids = ops.Maximum()
         self.inputs = ops.StridedSlice()
         self.labels = ops.StridedSlice()
         self.loss = CrossEntropy()
@@ -531,7 +532,9 @@ class LlamaForCausalLM(PreTrainedModel):
 
     def construct(self, input_ids):
         b, s1 = input_ids.shape
-        tokens = self.inputs(input_ids, (0, 0), (b, s1 - 1), (1, 1))
+        # Padding is -1 when the tokenizer has no pad token (data/tokenizer.py NO_PAD): looked up as id 0. Its
+        # labels are masked, and it only follows a row's last real token, which causal attention never lets see it.
+        tokens = self.inputs(self.no_negative_ids(input_ids, 0), (0, 0), (b, s1 - 1), (1, 1))
         labels = self.labels(input_ids, (0, 1), (b, s1), (1, 1)).reshape(-1)
         return self.loss(self.padded_logits(tokens), labels, self.vocab_padding, self.pad_token_id)
 

@@ -235,6 +235,7 @@ def operator_strategies(net, layout: LlamaLayout) -> list:
     add(head, *s["vocab_projection"])
     if not net.tie_word_embeddings:
         add(net.lm_head.bias_add, (dp, tp), (tp,))
+    add(net.no_negative_ids, hidden2, ())
     add(net.inputs, hidden2)
     add(net.labels, hidden2)
     # Vocabulary-parallel cross-entropy, MindFormers' strategies (core/loss/loss.py:70-76, 122-126, 246-251).

@@ -1,6 +1,7 @@
 """Data preparation throughput and memory, side by side on the same corpus and tokenizer.
 
     python scripts/benchmark_data.py [--sizes 10 100] [--seq-length 2048] [--vocab-size 8192] [--workdir DIR]
+                                     [--hf-tokenizer TOKENIZER_JSON_OR_HF_DIR]
 
 Builds JSONL corpora of the given sizes (MB) from the Python standard library's source
 (documents assembled from its paragraphs in seeded random order, so they are distinct and
@@ -13,6 +14,9 @@ each in a fresh process:
              read the whole file, tokenize paragraph by paragraph through MindFormers'
              LlamaTokenizer wrapper, collect every id in one list, write one record at a time
   ceiling    sentencepiece batch encoding alone, all cores, documents already in memory
+  ours_hf    as ours, with an HF tokenizer.json (default: transformers' fast conversion of the
+             trained model, so the tokens are the same; --hf-tokenizer: e.g. a Llama 3 directory)
+  ceiling_hf the `tokenizers` library's batch encoding alone (its own threads, all cores)
 
 Tokens are the documents' tokens (EOD separators not counted). Peak memory is the largest
 resident memory of the process plus its children's private memory, sampled every 20 ms.
@@ -35,7 +39,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-METHODS = ("ours", "baseline", "ceiling")
+METHODS = ("ours", "baseline", "ceiling", "ours_hf", "ceiling_hf")
+CEILING = {"ours": "ceiling", "baseline": "ceiling", "ceiling": "ceiling", "ours_hf": "ceiling_hf",
+           "ceiling_hf": "ceiling_hf"}
 
 
 def build_corpus(path: str, megabytes: int, seed: int = 0) -> None:
@@ -104,14 +110,40 @@ def run_ceiling(corpus: str, tokenizer: str, out: str, seq_length: int) -> tuple
     return sum(map(len, ids)), time.perf_counter() - start
 
 
+def run_ceiling_hf(corpus: str, tokenizer: str, out: str, seq_length: int) -> tuple:
+    """(tokens, seconds of encoding alone) with `tokenizers`' batch encoding, documents read before the clock."""
+    from tokenizers import Tokenizer
+
+    from data.tokenizer import resolve_tokenizer
+
+    hf = Tokenizer.from_file(resolve_tokenizer(tokenizer))
+    hf.encode_special_tokens = True  # as data/workers.py: special tokens written in the text are text
+    with open(corpus, encoding="utf-8") as f:
+        docs = [json.loads(line)["text"] for line in f]
+    start = time.perf_counter()
+    encodings = hf.encode_batch(docs, add_special_tokens=False)
+    return sum(len(e.ids) for e in encodings), time.perf_counter() - start
+
+
+def hf_conversion(sp_model: str, out_dir: str) -> str:
+    """transformers' slow-to-fast conversion of a sentencepiece model (legacy layout, as Llama 2 ships it)."""
+    from transformers import LlamaTokenizerFast
+
+    if not os.path.isfile(os.path.join(out_dir, "tokenizer.json")):
+        LlamaTokenizerFast(vocab_file=sp_model, legacy=True, add_prefix_space=True, from_slow=True).save_pretrained(
+            out_dir)
+    return out_dir
+
+
 def child(method: str, corpus: str, tokenizer: str, out: str, seq_length: int) -> None:
     """Runs in the measured process; prints one JSON line."""
-    if method == "ours":  # import MindSpore before the clock, as the others do
+    if method in ("ours", "ours_hf"):  # import MindSpore before the clock, as the others do
         import data.prepare  # noqa: F401
     elif method == "baseline":
         import mindformers.models.llama.llama_tokenizer  # noqa: F401
     start = time.perf_counter()
-    run = {"ours": run_ours, "baseline": run_baseline, "ceiling": run_ceiling}[method]
+    run = {"ours": run_ours, "baseline": run_baseline, "ceiling": run_ceiling, "ours_hf": run_ours,
+           "ceiling_hf": run_ceiling_hf}[method]
     result = run(corpus, tokenizer, out, seq_length)
     tokens, seconds = result if isinstance(result, tuple) else (result, time.perf_counter() - start)
     print(json.dumps({"tokens": tokens, "seconds": seconds}), flush=True)
@@ -173,6 +205,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--hf-tokenizer", help="tokenizer.json or HF model directory for ours_hf and ceiling_hf "
+                                               "(default: the trained model converted by transformers)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of ours and ceiling (best kept)")
     parser.add_argument("--workdir", default="/tmp/benchmark_data")
     parser.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
@@ -200,8 +234,11 @@ def main(argv=None) -> int:
         print(f"training a {args.vocab_size}-piece BPE tokenizer on {corpora[min(args.sizes)]} ...", flush=True)
         with open(corpora[min(args.sizes)], encoding="utf-8") as f:
             train_tokenizer([json.loads(line)["text"] for line in f], args.vocab_size, tokenizer[:-len(".model")])
+    hf_tokenizer = args.hf_tokenizer
+    if not hf_tokenizer and {"ours_hf", "ceiling_hf"} & set(args.methods):
+        hf_tokenizer = hf_conversion(tokenizer, os.path.join(args.workdir, f"hf-bpe{args.vocab_size}"))
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} before; seq_length {args.seq_length}, "
-          f"BPE {args.vocab_size}", flush=True)
+          f"BPE {args.vocab_size}" + (f", HF tokenizer {hf_tokenizer}" if hf_tokenizer else ""), flush=True)
     rows = []
     for size in args.sizes:
         best = {}
@@ -210,7 +247,8 @@ def main(argv=None) -> int:
             out = os.path.join(args.workdir, f"out-{method}-{size}MB")
             shutil.rmtree(out, ignore_errors=True)
             shutil.rmtree(out + ".logs", ignore_errors=True)
-            r = measure(method, corpora[size], tokenizer, out, args.seq_length)
+            r = measure(method, corpora[size], hf_tokenizer if method.endswith("_hf") else tokenizer, out,
+                        args.seq_length)
             print(f"  {size:>4} MB {method:<9} {r['tokens']:>12,} tokens {r['seconds']:>8.2f} s "
                   f"{r['tokens_per_s']:>12,.0f} tok/s  peak {r['peak_rss'] / 2**20:>7,.0f} MB  cpu {r['cpu_s']:.1f} s  "
                   f"(load {os.getloadavg()[0]:.2f})", flush=True)
@@ -228,7 +266,7 @@ def table(rows: list) -> str:
     lines = ["| corpus | method | tokens | seconds | tokens/s | vs ceiling | peak memory | CPU s / M tokens |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for size, method, r in rows:
-        ceiling = by.get((size, "ceiling"))
+        ceiling = by.get((size, CEILING[method]))
         ratio = f"{r['tokens_per_s'] / ceiling['tokens_per_s']:.0%}" if ceiling else "n/a"
         lines.append(f"| {size} MB | {method} | {r['tokens']:,} | {r['seconds']:.2f} | {r['tokens_per_s']:,.0f} | "
                      f"{ratio} | {r['peak_rss'] / 2**20:,.0f} MB | {r['cpu_s'] / r['tokens'] * 1e6:.2f} |")

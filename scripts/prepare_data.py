@@ -2,6 +2,7 @@
 
     python scripts/prepare_data.py --input 'web/*.jsonl.gz' --output datasets/web --seq-length 2048 --vocab-size 32000
     python scripts/prepare_data.py --input a.txt b.parquet --output DIR --seq-length 256 --tokenizer tok.model
+    python scripts/prepare_data.py --input c.jsonl --output DIR --seq-length 4096 --tokenizer HF_OR_CONVERTED_DIR
     python scripts/prepare_data.py --output datasets/pystdlib-sp2048-s256 --seq-length 256   # the Python stdlib
     python scripts/prepare_data.py --validate DIR [--recipe recipes/tiny_cpu.yaml]
     python scripts/prepare_data.py --report DIR
@@ -50,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--output", help="dataset directory to create")
     build.add_argument("--seq-length", type=int, help="model-visible length, a multiple of 16")
     build.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of a newly trained tokenizer")
-    build.add_argument("--tokenizer", metavar="MODEL", help="use this sentencepiece .model instead of training one")
+    build.add_argument("--tokenizer", metavar="MODEL",
+                       help="use this tokenizer instead of training one: a sentencepiece .model (any special ids), an "
+                            "HF tokenizer.json, or the directory holding one (an HF model, or its conversion by "
+                            "convert_checkpoint.py --from-hf); documents end with its end-of-text token")
     build.add_argument("--recipe", help="with --validate: check against this recipe; when building: take "
                                         "--seq-length from it and refuse a tokenizer that does not fit its model")
     build.add_argument("--text-field", default="text", help=".jsonl key / .parquet column holding the text")

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny real dataset (stdlib text, real sentencepiece, real MindRecord)."""
 
+import importlib.util
 import os
 import sys
 import tempfile
@@ -14,6 +15,10 @@ sys.path.insert(0, REPO_ROOT)
 
 TINY_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_cpu.yaml")
 DEMO_RECIPE = os.path.join(REPO_ROOT, "recipes", "demo_cpu.yaml")
+# Mistral-7B's tokenizer.model.v1, shipped in the Apache-2.0 package mistral-common (test extra; only this data
+# file is read): 32,000 pieces, unk 0, bos 1, eos 2 and no pad id, the layout of Llama 2's tokenizer.
+LLAMA2_LAYOUT_SP_MODEL = os.path.join(importlib.util.find_spec("mistral_common").submodule_search_locations[0],
+                                      "data", "tokenizer.model.v1")
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +32,16 @@ def tiny_dataset(tmp_path_factory):
     prepare_dataset(out, recipe.model.model_config.seq_length, recipe.data_preparation.vocab_size,
                     max_documents=recipe.data_preparation.max_documents, show_progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def llama2_hf_tokenizer(tmp_path_factory):
+    """An HF tokenizer directory made by transformers' slow-to-fast conversion of LLAMA2_LAYOUT_SP_MODEL, as
+    `save_pretrained` writes it: Llama 2's own layout (legacy normalizer: prepend and replace the space by
+    U+2581, the sentencepiece model's add_dummy_prefix)."""
+    from transformers import LlamaTokenizerFast
+
+    out = tmp_path_factory.mktemp("hf_tokenizer")
+    LlamaTokenizerFast(vocab_file=LLAMA2_LAYOUT_SP_MODEL, legacy=True, add_prefix_space=True,
+                       from_slow=True).save_pretrained(str(out))
+    return str(out)

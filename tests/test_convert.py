@@ -20,6 +20,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO_ROOT, TINY_RECIPE
+from data.prepare import prepare_dataset
 from data.mindrecord_io import read_manifest, read_samples
 from models.convert import (CHECKPOINT_FILE, HF_WEIGHTS_FILE, KL_TOLERANCE, MODEL_SECTION_FILE, from_hf, summary,
                             to_hf, verify_logits)
@@ -166,6 +167,50 @@ def test_converted_checkpoint_trains_from_a_recipe_with_the_transformers_loss(co
                                        "resume_training=true", *recipe_model_overrides(converted_run.ours)))
     check_load_checkpoint(recipe)
     check_checkpoint_parameters(recipe, 0)
+
+
+def test_continued_pretraining_with_the_models_own_tokenizer_matches_transformers(tmp_path, llama2_hf_tokenizer):
+    """HF dir (tiny random Llama + the real 32,000-piece Llama-2-layout tokenizer) -> from_hf copies the tokenizer
+    -> prepare_data --tokenizer CONVERTED_DIR -> the first training step's loss is transformers' loss."""
+    hf_dir, ours, data, run_dir = tmp_path / "hf", tmp_path / "ours", tmp_path / "data", tmp_path / "run"
+    shutil.copytree(llama2_hf_tokenizer, hf_dir)
+    model = make_hf_model(hf_dir, vocab_size=32000, num_hidden_layers=1,
+                          bos_token_id=1, eos_token_id=2)
+    manifest = from_hf(str(hf_dir), str(ours), show_progress=False)
+    assert [f["file"] for f in manifest["tokenizer_files"]] == ["tokenizer.json", "tokenizer.model",
+                                                                "tokenizer_config.json", "special_tokens_map.json"]
+    assert f"--tokenizer {ours}" in summary(manifest, str(ours))
+    corpus = tmp_path / "c.jsonl"
+    texts = [f"Document {i}: the converted model keeps pretraining on its own tokens. 第{i}篇文档，继续预训练。"
+             for i in range(8)]
+    corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+    data_manifest = prepare_dataset(str(data), 64, inputs=[str(corpus)], tokenizer=str(ours), show_progress=False,
+                                    workers=0, packing="best_fit")  # pads every row: padding in the first batch
+    assert (data_manifest["tokenizer"]["kind"], data_manifest["tokenizer"]["pad_id"]) == ("hf", -1)
+    code = launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={data}",
+                                "train_dataset.data_loader.shuffle=False", f"load_checkpoint={ours}",
+                                "load_ckpt_format=safetensors", "runner_config.stop_step=2",
+                                "lr_schedule.learning_rate=1e-6", "lr_schedule.lr_end=0",
+                                *recipe_model_overrides(ours)], show_progress=False)
+    assert code == 0
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+        first_loss = json.loads(f.readline())["loss"]
+    batch = np.stack(list(itertools.islice(read_samples(str(data), read_manifest(str(data))), 4)))
+    assert (batch == -1).any()  # the batch holds the tail padding: its labels must not count
+    ids = torch.from_numpy(batch).long()
+    with torch.no_grad():
+        logits = model.eval()(ids[:, :-1].clamp(min=0)).logits.double()
+    hf_loss = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 32000), ids[:, 1:].reshape(-1),
+                                                      ignore_index=-1))
+    print(f"\n[continued pretraining] first-step loss {first_loss:.7f}, transformers {hf_loss:.7f}")
+    assert first_loss == pytest.approx(hf_loss, rel=1e-5)
+
+    # Back to HF: the run's dataset tokenizer goes out as the tokenizer.json it came in as.
+    back = tmp_path / "back"
+    to_hf(str(run_dir), str(back), show_progress=False)
+    text = texts[0]
+    assert transformers.AutoTokenizer.from_pretrained(str(back)).encode(text, add_special_tokens=False) == \
+        transformers.AutoTokenizer.from_pretrained(str(hf_dir)).encode(text, add_special_tokens=False)
 
 
 def test_missing_shard_is_refused(tmp_path):

@@ -347,12 +347,8 @@ def test_tokenizer_that_does_not_fit_is_refused(tmp_path, docs, tokenizer):
     with pytest.raises(DataError, match=r"tokenizer .*tokenizer\.model: vocabulary of 512 does not fit "
                                         r"model\.model_config\.vocab_size 256"):
         prepare(tmp_path / "ds", tokenizer, [path], model_vocab_size=256)
-    (tmp_path / "lines.txt").write_text("\n".join(docs[:4]))
-    spm.SentencePieceTrainer.train(input=str(tmp_path / "lines.txt"), model_prefix=str(tmp_path / "odd"),
-                                   vocab_size=500, unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2)
-    with pytest.raises(DataError, match=r"vocabulary of 500 is not a multiple of 16"):
-        prepare(tmp_path / "ds2", str(tmp_path / "odd.model"), [path])
-    assert not os.path.exists(tmp_path / "ds") and not os.path.exists(tmp_path / "ds2.partial")
+    assert not os.path.exists(tmp_path / "ds") and not os.path.exists(tmp_path / "ds.partial")
+    # (a user's vocabulary that is not a multiple of 16 is accepted: tests/test_tokenizer.py)
 
 
 def run_script(capsys, *args):

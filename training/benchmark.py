@@ -163,7 +163,7 @@ class TorchTrainer:
         ids = torch.from_numpy(batch).long()
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr(self.steps)
-        logits = self.forward(input_ids=ids[:, :-1]).logits
+        logits = self.forward(input_ids=ids[:, :-1].clamp(min=0)).logits  # -1 padding (no pad token): masked below
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab), ids[:, 1:].reshape(-1),
                                                  ignore_index=self.pad_id)
         self.optimizer.zero_grad(set_to_none=True)

@@ -243,6 +243,8 @@ class ModelConfig:
             return problems
         problems.extend(_positive(p, self, "rms_norm_eps", "rope_theta", "initializer_range"))
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if name == "pad_token_id" and self.pad_token_id == -1:
+                continue  # no pad token: data prepared with such a tokenizer pads with -1, masked from the loss
             if not 0 <= getattr(self, name) < self.vocab_size:
                 problems.append(f"{p}.{name}: {getattr(self, name)} is not a token id of the vocabulary "
                                 f"(0..{self.vocab_size - 1})")
