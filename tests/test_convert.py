@@ -362,7 +362,7 @@ def test_cli_bad_input_gets_a_message_not_a_traceback(tmp_path, capsys):
         (["--from-hf", str(empty)], "no config.json, so not a HuggingFace model directory"),
         (["--from-hf", str(listed)], "holds a JSON list, not a model config object"),
         (["--from-hf", str(garbage)], "model.safetensors: truncated"),
-        (["--from-hf", str(hf_dir), "--output", str(tmp_path / "notes.txt" / "out")], "cannot create it"),
+        (["--from-hf", str(hf_dir), "--output", str(tmp_path / "notes.txt" / "out")], "is a file, not a directory"),
         (["--to-hf", str(tmp_path / "nope")], "does not exist"),
         (["--to-hf", str(tmp_path / "notes.txt")], "neither a converted directory"),
         (["--to-hf", str(hf_dir)], "neither a converted directory"),

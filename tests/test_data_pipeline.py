@@ -463,7 +463,8 @@ def test_output_that_cannot_be_written_is_an_error_not_a_traceback(tmp_path, doc
     (tmp_path / "file").write_text("a file, not a directory")
     code, _, stderr = run_script(capsys, "--input", path, "--output", tmp_path / "file" / "ds", "--seq-length", 64,
                                  "--tokenizer", tokenizer, "--no-progress")
-    assert code == 2 and f"error: cannot write dataset {tmp_path / 'file' / 'ds'}: Not a directory" in stderr
+    assert code == 2 and f"error: --output: {tmp_path / 'file' / 'ds'} cannot be created: {tmp_path / 'file'} is a " \
+        "file, not a directory" in stderr
     assert "Traceback" not in stderr
 
 

@@ -106,7 +106,9 @@ def loaded_checkpoint_files(recipe: Recipe, rank: int) -> tuple:
     rank_dir = os.path.join(path, f"rank_{rank}")
     if any(f.startswith("rank_") for f in os.listdir(path)) and not (flat and suffix == ".ckpt"):
         if isinstance(recipe.resume_training, str):
-            return [os.path.join(rank_dir, recipe.resume_training)], True
+            # MindFormers renames the file for each rank (trainer/utils.py:388, tools/utils.py:574).
+            from mindformers.tools.utils import replace_rank_id_in_ckpt_name
+            return [os.path.join(rank_dir, replace_rank_id_in_ckpt_name(recipe.resume_training, rank))], True
         if os.path.isfile(os.path.join(rank_dir, MANIFEST)):
             return [os.path.join(rank_dir, read_json(os.path.join(rank_dir, MANIFEST))["file"])], True
         found = glob.glob(os.path.join(rank_dir, "*" + suffix))
