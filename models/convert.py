@@ -695,6 +695,7 @@ def find_our_checkpoint(source: str, model_config: str = None) -> tuple:
         return _newest_valid_checkpoint(source, model_config)
     elif os.path.isfile(source) and source.endswith((".ckpt", ".safetensors")):
         ckpt = source
+        _check_against_manifest(ckpt)
     elif not os.path.exists(source):
         raise ConversionError(f"{source}: does not exist")
     else:
@@ -706,6 +707,24 @@ def find_our_checkpoint(source: str, model_config: str = None) -> tuple:
         raise ConversionError(f"{ckpt}: no {MODEL_SECTION_FILE} or run {RUN_RECIPE} found beside it or above it",
                               hint="pass --model-config with the recipe (or model_config.yaml) it was trained with")
     return ckpt, section, notes
+
+
+def _check_against_manifest(ckpt: str) -> None:
+    """A checkpoint file named directly is still checked against the manifest.json a save wrote beside it."""
+    from training.checkpoint import MANIFEST, read_json
+    from data.tokenizer import file_sha256
+
+    manifest = os.path.join(os.path.dirname(ckpt), MANIFEST)
+    if not os.path.isfile(manifest):
+        return
+    try:
+        recorded = read_json(manifest)
+    except (OSError, ValueError) as err:
+        raise ConversionError(f"{manifest}: unreadable ({err})", hint="check the checkpoint with "
+                              "scripts/verify_checkpoint.py, or export another step") from None
+    if recorded.get("file") == os.path.basename(ckpt) and recorded.get("sha256") != file_sha256(ckpt):
+        raise ConversionError(f"{ckpt}: sha256 differs from {manifest} (the file is corrupt)",
+                              hint="export another step (give the run directory to take its newest valid one)")
 
 
 def to_hf(source: str, out_dir: str, model_config: str = None, show_progress: bool = True) -> dict:

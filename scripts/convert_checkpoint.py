@@ -58,15 +58,16 @@ def main(argv=None) -> int:
                                                                "recipe (base/ascend.yaml) continuing the run")
     parser.add_argument("--devices", type=int, help="--write-recipe: devices to lay the run out on")
     args = parser.parse_args(argv)
-    if args.from_megatron or args.from_torch or args.to_megatron or args.write_recipe:
-        from models.megatron import run_cli
-
-        return run_cli(parser, args)
-    if args.from_hf and args.model_config:
+    megatron = args.from_megatron or args.from_torch or args.to_megatron or args.write_recipe
+    if not megatron and args.from_hf and args.model_config:
         parser.error("--model-config applies to --to-hf")
     if args.to_hf and (args.verify or args.seq_length):
         parser.error("--verify and --seq-length apply to --from-hf")
     try:
+        if megatron:
+            from models.megatron import run_cli
+
+            return run_cli(parser, args)
         check_writable_dir(args.output, "--output")
         if args.from_hf:
             manifest = from_hf(args.from_hf, args.output, seq_length=args.seq_length, verify=args.verify,

@@ -221,6 +221,8 @@ def steps_to_verify(path: str) -> list:
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: does not exist", hint=hint)
     path = os.path.abspath(path)
+    if not os.path.isfile(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path}: neither a file nor a directory", hint=hint)
     if os.path.isfile(path) or os.path.basename(path).startswith("rank_"):
         rank_dir = path if os.path.isdir(path) else os.path.dirname(path)
         try:

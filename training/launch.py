@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from training.checkpoint import CHECKPOINTS
 from training.errors import DataError, LaunchError, PretrainError
 from training.job import (LAUNCHER_ENV, LOCK_FILE, RunDirLock, describe_holder, job_processes, process_id, send,
                           start_time)
@@ -271,6 +272,12 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> st
         loader.dataset_dir = os.path.abspath(loader.dataset_dir)
     if os.path.exists(os.path.join(run_dir, RESOLVED_RECIPE)) and not continue_run(recipe, run_dir, amend):
         return run_dir
+    leftovers = [n for n in (CHECKPOINTS, "metrics.jsonl") if os.path.exists(os.path.join(run_dir, n))]
+    if not os.path.exists(os.path.join(run_dir, RESOLVED_RECIPE)) and leftovers:
+        raise LaunchError(f"output_dir {run_dir} holds a run's {' and '.join(leftovers)} but no {RESOLVED_RECIPE}: "
+                          "starting over would overwrite them, and resuming needs the recipe that wrote them",
+                          hint=f"restore {os.path.join(run_dir, RESOLVED_RECIPE)} to resume, or set another "
+                               "output_dir")
     os.makedirs(run_dir, exist_ok=True)
     from training.checkpoint import write_atomic
     write_atomic(os.path.join(run_dir, RESOLVED_RECIPE),
@@ -923,6 +930,9 @@ def main(argv=None) -> int:
     parser.add_argument("--amend", action="store_true",
                         help="continue a run with a changed recipe; the change is recorded in RUN_DIR/amendments.jsonl")
     args = parser.parse_args(argv)
+    if args.dry_run and not args.check:
+        parser.error("--dry-run goes with --check (a compile-only check); to print the msrun command without "
+                     "running it, set DRY_RUN=1")
     # Until msrun runs (run_watched handles them then), SIGTERM and SIGHUP stop the launcher as Ctrl-C does.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)

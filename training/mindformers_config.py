@@ -22,7 +22,7 @@ from models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from models.arithmetic import param_count
 from training.checkpoint import write_atomic
 from training.errors import RecipeError
-from training.recipe import Recipe, deep_merge, load_recipe, read_recipe_file, recipe_from_dict
+from training.recipe import Recipe, deep_merge, load_recipe, read_recipe_file, read_yaml_file, recipe_from_dict
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASES = {"CPU": os.path.join(REPO_ROOT, "recipes", "base", "cpu.yaml"),
@@ -725,16 +725,7 @@ def mindformers_ffn_width(hidden_size: int, multiple_of: int = 256, ffn_dim_mult
 
 
 def _read_yaml(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise RecipeError(path, ["file not found"], hint="give the path of a MindFormers YAML config")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as err:
-        raise RecipeError(path, [f"not valid YAML: {err}"]) from None
-    if not isinstance(data, dict):
-        raise RecipeError(path, ["the top level must be a mapping of sections"])
-    return data
+    return read_yaml_file(path, hint="give the path of a MindFormers YAML config")
 
 
 def _prune(data: dict, base: dict) -> dict:
@@ -886,5 +877,9 @@ def write_output(path: str, text: str, force: bool = False) -> None:
     """Write `text` at `path` in one step; an existing file is kept unless `force`."""
     if os.path.exists(path) and not force:
         raise RecipeError(path, ["already exists; nothing was written"], hint="pass --force to replace it")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    write_atomic(path, text)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_atomic(path, text)
+    except OSError as err:
+        raise RecipeError(path, [f"cannot be written: {err.strerror or err}"],
+                          hint="choose an --output in a directory you can write") from None

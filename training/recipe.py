@@ -836,14 +836,11 @@ def _one_line(err: yaml.YAMLError) -> str:
     return " ".join(str(err).split())
 
 
-def read_recipe_file(path: str, chain: tuple = ()) -> dict:
-    """The YAML mapping of `path`, with its `base:` file(s) (relative to it) merged underneath."""
+def read_yaml_file(path: str, hint: str = "recipes live in recipes/, e.g. recipes/demo_cpu.yaml") -> dict:
+    """The top-level mapping of a UTF-8 YAML file, read strictly (duplicate keys refused); RecipeError otherwise."""
     if not os.path.isfile(path):
-        where = f" (base of {chain[-1]})" if chain else ""
-        raise RecipeError(path, [f"file not found{where}"],
-                          hint="recipes live in recipes/, e.g. recipes/demo_cpu.yaml")
-    if os.path.abspath(path) in chain:
-        raise RecipeError(path, [f"base: circular inheritance through {' -> '.join(chain)}"])
+        raise RecipeError(path, ["file not found" if not os.path.isdir(path) else "a directory, not a file"],
+                          hint=hint)
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -860,6 +857,18 @@ def read_recipe_file(path: str, chain: tuple = ()) -> dict:
         raise RecipeError(path, [f"not valid YAML: {_one_line(err)}"]) from None
     if not isinstance(data, dict):
         raise RecipeError(path, ["the top level must be a mapping of sections"])
+    return data
+
+
+def read_recipe_file(path: str, chain: tuple = ()) -> dict:
+    """The YAML mapping of `path`, with its `base:` file(s) (relative to it) merged underneath."""
+    if not os.path.exists(path):
+        where = f" (base of {chain[-1]})" if chain else ""
+        raise RecipeError(path, [f"file not found{where}"],
+                          hint="recipes live in recipes/, e.g. recipes/demo_cpu.yaml")
+    if os.path.abspath(path) in chain:
+        raise RecipeError(path, [f"base: circular inheritance through {' -> '.join(chain)}"])
+    data = read_yaml_file(path)
     bases = data.pop("base", [])
     if isinstance(bases, str):
         bases = [bases]
