@@ -497,6 +497,10 @@ def test_to_hf_of_a_run_takes_its_newest_verified_step(converted_run, tmp_path, 
     assert "step_00000005/rank_0" in printed and "sha256 differs" in printed
     assert read_json(str(out / "conversion.json"))["source"]["step"] == 2
 
+    # Named directly, the damaged file is still checked against the manifest beside it.
+    with pytest.raises(ConversionError, match="sha256 differs from .*manifest.json"):
+        to_hf(diverged, str(tmp_path / "named"), show_progress=False)
+
 
 def test_non_finite_hf_weights_are_refused(tmp_path):
     hf_dir, out = tmp_path / "hf", tmp_path / "out"

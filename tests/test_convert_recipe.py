@@ -223,3 +223,18 @@ def test_malformed_values_are_reported_not_crashed_on(key, value, message, tmp_p
     bad.write_text(yaml.safe_dump(source))
     with pytest.raises(RecipeError, match=message):
         from_mindformers(str(bad), str(tmp_path / "out.yaml"))
+
+
+def test_input_and_output_problems_are_messages(tmp_path):
+    latin1, duplicate = tmp_path / "latin1.yaml", tmp_path / "dup.yaml"
+    latin1.write_bytes("# r\xe9glages\nseed: 1\n".encode("latin-1"))
+    duplicate.write_text(open(os.path.join(DATA, "pretrain_llama2_7b.yaml"), encoding="utf-8").read()
+                         + "\nseed: 5\nseed: 6\n")
+    (tmp_path / "afile").write_text("not a directory")
+    for source, output, message in ((latin1, tmp_path / "a.yaml", "not UTF-8 text: byte 0xe9 on line 1"),
+                                    (duplicate, tmp_path / "b.yaml", "duplicate key 'seed'"),
+                                    (os.path.join(DATA, "pretrain_llama2_7b.yaml"), tmp_path / "afile" / "x.yaml",
+                                     "cannot be written")):
+        done = subprocess.run([sys.executable, SCRIPT, "--from-mindformers", str(source), "--output", str(output)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -321,3 +321,22 @@ def test_stalled_worker_is_named_by_rank_and_phase(tiny_dataset, tmp_path):
                      stderr), stderr
     assert re.search(r"rank 0: killed or crashed \(last phase '(data|step \d+|save)'", stderr), stderr
     assert processes_of(run_dir) == []
+
+
+def test_a_run_directory_with_checkpoints_but_no_recipe_is_not_trained_over(tiny_dataset, tmp_path):
+    step = tmp_path / "run" / "checkpoints" / "step_00000006"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text("{}")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    result = run_launcher(TINY_RECIPE, "--set", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                          "--set", f"output_dir={tmp_path}/run")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "holds a run's checkpoints and metrics.jsonl but no recipe.yaml" in result.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert not (tmp_path / "run" / "recipe.yaml").exists()
+
+
+def test_dry_run_flag_needs_check(tmp_path):
+    result = run_launcher(TINY_RECIPE, "--dry-run", "--set", f"output_dir={tmp_path}/run")
+    assert result.returncode == 2 and "--dry-run goes with --check" in result.stderr
+    assert not (tmp_path / "run").exists()
