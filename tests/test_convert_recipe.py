@@ -100,7 +100,7 @@ def test_llama2_7b_is_carried_the_same_way(tmp_path):
     assert by_key["model.model_config.multiple_of"].status == "translated"
     assert by_key["callbacks[2].type"].status == "dropped" and "OBS" in by_key["callbacks[2].type"].reason
     assert by_key["processor.tokenizer.type"].status == "dropped"
-    assert by_key["model.model_config.use_flash_attention"].status == "dropped"
+    assert by_key["model.model_config.use_flash_attention"].status == "carried"  # same key in ours
     assert not [e for e in report.entries if "unknown key" in e.reason]
 
 

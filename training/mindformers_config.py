@@ -142,16 +142,10 @@ DROPPED = {
     "model.model_config.param_init_type": OURS_FP32,
     "model.model_config.residual_dtype": OURS_FP32,
     "model.model_config.embedding_init_type": OURS_FP32,
-    "model.model_config.use_flash_attention": "FlashAttention is a fused Ascend kernel; our model computes "
-                                              "attention from portable ops (models/llama.py): same math, more "
-                                              "activation memory, which --plan counts",
-    "model.model_config.fused_rms_norm": "fused Ascend RmsNorm kernel: " + SAME_MATH,
     "model.model_config.qkv_concat": "q/k/v weights stored as one matrix: " + SAME_MATH,
     "model.model_config.fine_grain_interleave": "slices layers to overlap tensor-parallel communication: "
                                                 + SAME_MATH,
     "model.model_config.use_rope_slice": "rotary-embedding kernel choice: " + SAME_MATH,
-    "model.model_config.use_attn_mask_compression": "compressed causal mask for the FlashAttention kernel: "
-                                                    + SAME_MATH,
     "model.model_config.rmsnorm_compute_2d": "RmsNorm layout: " + SAME_MATH,
     "model.model_config.input_sliced_sig": "input layout: " + SAME_MATH,
     "model.model_config.parallel_optimizer": "optimizer parallel is parallel.enable_parallel_optimizer",
@@ -337,6 +331,8 @@ class _Importer:
                     "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
             self.carry(m + key, default=d[key])
         self.carry(m + "compute_dtype", default=d["compute_dtype"])
+        for key in ("use_flash_attention", "use_attn_mask_compression", "fused_rms_norm"):
+            self.carry(m + key, reason="Ascend kernel switch with MindFormers' name and meaning (models/llama.py)")
         self.carry(m + "n_kv_heads", m + "num_kv_heads", default=self.get(m + "num_heads", d["num_heads"]),
                    reason="our spelling (None in MindFormers = num_heads)")
         self.carry(m + "theta", m + "rope_theta", default=d["theta"], convert=float, reason="our spelling")
@@ -798,8 +794,8 @@ def to_mindformers(recipe_path: str) -> tuple:
         "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id, "compute_dtype": cfg.compute_dtype,
         "layernorm_compute_type": "float32", "softmax_compute_type": "float32", "rotary_dtype": "float32",
         "param_init_type": "float32",
-        # The fused kernel exists only on Ascend; same math as ours.
-        "use_flash_attention": recipe.context.device_target == "Ascend",
+        "use_flash_attention": cfg.use_flash_attention, "use_attn_mask_compression": cfg.use_attn_mask_compression,
+        "fused_rms_norm": cfg.fused_rms_norm,
     }
     dataset = {
         "data_loader": {"type": "MindDataset", "dataset_dir": recipe.dataset_dir,
