@@ -530,7 +530,8 @@ def write_conversion(weights: HFWeights, cfg: ModelConfig, out_dir: str, directi
     existing = existing_conversion(out_dir, model)
     work_dir = work_dir_for(out_dir)
     try:
-        tensors = _write_weights(weights, plan, os.path.join(work_dir, CHECKPOINT_FILE), show_progress)
+        tensors = _write_weights(weights, plan, os.path.join(work_dir, CHECKPOINT_FILE), show_progress,
+                                 source["path"])
         if TIED_HEAD in ignored:
             _check_tied_copy(weights, tensors)
         with open(os.path.join(work_dir, MODEL_SECTION_FILE), "w", encoding="utf-8") as f:
