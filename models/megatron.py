@@ -1003,7 +1003,8 @@ def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir
             "train_dataset": {"data_loader": {"dataset_dir": dataset_dir or DATASET_PLACEHOLDER}}}
     notes = [f"weights: {converted_dir} ({source.get('format', 'converted')})"]
     if args:
-        notes += _continue_megatron_run(data, args, source.get("iteration", 0), devices, cfg)
+        notes += _continue_megatron_run(data, args, source.get("iteration", 0), devices, cfg, converted_dir,
+                                        _source_manifest(converted_dir).get("optimizer") or {})
     else:
         data["runner_config"] = {"batch_size": 1}
         data["parallel_config"] = {"data_parallel": devices or 1}
@@ -1029,7 +1030,8 @@ def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir
     return {"path": os.path.abspath(path), "notes": notes, "plan": verdict(result)}
 
 
-def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int, cfg: ModelConfig) -> list:
+def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int, cfg: ModelConfig,
+                           converted_dir: str, optimizer: dict) -> list:
     """Fill data with the Megatron run's batch, optimizer, LR schedule and parallel layout; returns notes."""
     from models.parallel import layout_problems
 
@@ -1082,8 +1084,14 @@ def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int,
     schedule.update(type=LR_SCHEDULES[style], warmup_ratio=None, lr_end=args.get("min_lr", 0.0),
                     total_steps=max(1, decay - iteration))
     data["lr_schedule"] = schedule
-    notes.append(f"continues Megatron iteration {iteration}; the optimizer restarts (AdamW moments are not carried "
-                 "over)")
+    if optimizer.get("carried") and tp == pp == 1:
+        data["load_optimizer_state"] = converted_dir
+        notes.append(f"continues Megatron iteration {iteration} with its AdamW moments and step "
+                     f"{optimizer['global_step']} (load_optimizer_state)")
+    else:
+        why = optimizer.get("note", "") if not optimizer.get("carried") else \
+            f"training restarts the optimizer: the moments in {OPTIMIZER_DIR}/ load under data parallelism only"
+        notes.append(f"continues Megatron iteration {iteration}; {why}")
     return notes
 
 

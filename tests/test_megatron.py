@@ -235,3 +235,54 @@ def test_converted_fixture_trains_and_exports(tmp_path, megatron_dir, tiny_datas
     assert len(losses) == 2 and all(np.isfinite(losses))
     to_hf(str(run_dir), str(tmp_path / "hf"), show_progress=False)
     assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).config.num_hidden_layers == 4
+
+
+def test_adam_moments_of_legacy_files_are_carried_over(tmp_path, megatron_dir):
+    """Each rank's moments, found by index in optimizer.state_dict(), are the live optimizer's for that parameter."""
+    from models.megatron import MOMENT_FILES, open_megatron
+
+    manifest = from_megatron(str(megatron_dir / "tp2pp2" / "legacy"), str(tmp_path / "ours"), show_progress=False)
+    assert manifest["optimizer"]["carried"] and manifest["optimizer"]["global_step"] == 2  # steps taken, not 40
+    ckpt = open_megatron(str(megatron_dir / "tp2pp2" / "legacy"))
+    for t in range(2):
+        for p in range(2):
+            truth = torch.load(megatron_dir / "tp2pp2" / f"moments_{t:02d}_{p:03d}.pt")
+            for index, key in enumerate(MOMENT_FILES.values()):
+                view = ckpt.moments(key)
+                for kind in ("qkv", "fc1", "proj", "fc2", "input_norm"):
+                    stage, name = view.find(kind, 2 * p)
+                    assert torch.equal(torch.from_numpy(view.shard(kind, 2 * p, t)), truth[name][index]), name
+    moments = load_file(str(tmp_path / "ours" / "optimizer" / "adam_m.safetensors"))
+    weights = load_file(str(tmp_path / "ours" / "weights.safetensors"))
+    assert sorted(moments) == sorted(weights) and all(moments[n].shape == weights[n].shape for n in weights)
+    restarted = from_megatron(str(megatron_dir / "tp2pp2" / "torch_dist"), str(tmp_path / "dist"),
+                              show_progress=False)["optimizer"]
+    assert not restarted["carried"] and "restarts the optimizer" in restarted["note"]
+    assert not (tmp_path / "dist" / "optimizer").exists()
+
+
+def test_training_continues_with_the_carried_moments(tmp_path, megatron_dir, tiny_dataset):
+    """The first step starts from Megatron's moments and step: m1 = b1 m0 + (1 - b1) g, v1 = b2 v0 + (1 - b2) g^2."""
+    import mindspore as ms
+
+    ours, run_dir = tmp_path / "ours", tmp_path / "run"
+    from_megatron(str(megatron_dir / "tp1" / "legacy"), str(ours), show_progress=False)
+    model_config = yaml.safe_load((ours / MODEL_SECTION_FILE).read_text())["model"]["model_config"]
+    overrides = [f"model.model_config.{key}={json.dumps(value)}" for key, value in model_config.items()]
+    code = launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                f"load_checkpoint={ours}", "load_ckpt_format=safetensors",
+                                f"load_optimizer_state={ours}", "runner_config.stop_step=1",
+                                "lr_schedule.warmup_steps=0",
+                                "callbacks.1.save_checkpoint_steps=1", "optimizer.betas=[0.9, 0.95]",
+                                *overrides], show_progress=False)
+    assert code == 0
+    saved = ms.load_checkpoint(next(iter(sorted((run_dir / "checkpoints").glob("step_*/rank_0/*.ckpt")))).as_posix())
+    assert int(saved["global_step"].asnumpy()[0]) == 3  # Megatron's 2 steps, then this one
+    m0 = load_file(str(ours / "optimizer" / "adam_m.safetensors"))
+    v0 = load_file(str(ours / "optimizer" / "adam_v.safetensors"))
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight", "model.norm.weight"):
+        m_old, v_old = m0[name].double().numpy(), v0[name].double().numpy()
+        m_new, v_new = (saved[f"{k}.{name}"].asnumpy().astype(np.float64) for k in ("adam_m", "adam_v"))
+        grad = (m_new - 0.9 * m_old) / 0.1
+        assert np.abs(v_old).max() > 0
+        np.testing.assert_allclose(v_new, 0.95 * v_old + 0.05 * grad ** 2, rtol=1e-3, atol=1e-3 * np.abs(v_new).max())

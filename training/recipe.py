@@ -599,6 +599,9 @@ class Recipe:
     # format of the files in load_checkpoint; scripts/convert_checkpoint.py writes safetensors
     load_ckpt_format: Literal["ckpt", "safetensors"] = "ckpt"
     resume_training: Union[bool, str] = False  # True: newest in load_checkpoint; a name: that checkpoint
+    # a conversion directory whose optimizer/ holds AdamW moments (--from-megatron): the run starts with
+    # them and with the optimizer step they were saved at
+    load_optimizer_state: str = ""
     use_parallel: bool = False
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
@@ -666,6 +669,14 @@ class Recipe:
                             "`dataset_config: *train_dataset` (it is filled in from train_dataset)")
         if not self.output_dir:
             problems.append("output_dir: must name the run directory")
+        if self.load_optimizer_state and (self.resume_training or not self.load_checkpoint):
+            problems.append("load_optimizer_state: starts a new run from converted weights; it needs load_checkpoint "
+                            "(the same conversion) and no resume_training (a resume restores its own optimizer)")
+        if self.load_optimizer_state and (self.parallel_config.model_parallel > 1 or
+                                          self.parallel_config.pipeline_stage > 1):
+            problems.append("load_optimizer_state: the moments are whole tensors, loaded under data parallelism "
+                            "only (parallel_config.model_parallel and pipeline_stage 1); drop it to restart the "
+                            "optimizer")
         if self.do_eval and self.eval_dataset is None:
             problems.append("do_eval: True needs an eval_dataset section (data_loader.dataset_dir of a held-out "
                             "dataset, e.g. one written by scripts/prepare_data.py --val-fraction)")
@@ -870,6 +881,7 @@ def resolve_paths(recipe: Recipe) -> None:
     """Every path of the recipe resolved once, at load: relative paths are relative to the working directory."""
     recipe.output_dir = resolve_path(recipe.output_dir)
     recipe.load_checkpoint = resolve_path(recipe.load_checkpoint)
+    recipe.load_optimizer_state = resolve_path(recipe.load_optimizer_state)
     loaders = [recipe.train_dataset.data_loader, *(recipe.train_dataset.blend or [])]
     if recipe.eval_dataset is not None:
         loaders.append(recipe.eval_dataset.data_loader)

@@ -59,6 +59,7 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
     """The recipe in the exact form MindFormers 1.9's Trainer needs (all keys it reads, none it ignores)."""
     cfg = recipe.to_dict()
     cfg.pop("data_preparation", None)
+    cfg.pop("load_optimizer_state")  # ours: training/optim.py LoadOptimizerState
     cfg["output_dir"] = run_dir
     # MindFormers batches the dataset with train_dataset.batch_size; runner_config owns the value.
     cfg["train_dataset"]["batch_size"] = recipe.runner_config.batch_size
@@ -178,6 +179,9 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
     recorder = StepRecorder(recipe, os.path.join(run_dir, metrics_file(rank)), heartbeat,
                             training_flops_per_token(recipe), peak, tensorboard, initial_step)
     callbacks = [recorder]
+    if recipe.load_optimizer_state:
+        from training.optim import LoadOptimizerState
+        callbacks.insert(0, LoadOptimizerState(recipe.load_optimizer_state))
     if recipe.do_eval:
         callbacks.append(HeldOutEval(recipe.eval_dataset.data_loader.dataset_dir, recipe.runner_config.batch_size,
                                      recipe.eval_step_interval, recipe.eval_dataset.max_batches, recorder,
