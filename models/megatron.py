@@ -1070,19 +1070,14 @@ def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int,
         raise ConversionError(f"lr_decay_style: {style!r} has no counterpart here ({', '.join(LR_SCHEDULES)})")
     warmup = args.get("lr_warmup_iters", 0) or 0
     decay = args.get("lr_decay_iters") or train_iters or iteration + 1
-    current = megatron_lr(args, iteration)
-    if iteration < warmup:
-        schedule = {"learning_rate": args["lr"], "warmup_steps": warmup - iteration}
-        notes.append(f"LR: iteration {iteration} is inside Megatron's {warmup}-step warm-up; the warm-up restarts "
-                     f"from 0 over the remaining {warmup - iteration} steps")
-    else:
-        schedule = {"learning_rate": current, "warmup_steps": 0}
-        notes.append(f"LR: Megatron's schedule is at {current:.6g} at iteration {iteration}; this schedule starts "
-                     f"there and reaches min_lr {args.get('min_lr', 0.0):g} at Megatron's iteration {decay}"
-                     + (" (exact for linear decay; the cosine tail is re-fitted as a cosine)" if style == "cosine"
-                        else ""))
-    schedule.update(type=LR_SCHEDULES[style], warmup_ratio=None, lr_end=args.get("min_lr", 0.0),
-                    total_steps=max(1, decay - iteration))
+    carried = optimizer.get("carried") and tp == pp == 1
+    # MindFormers evaluates the schedule at the optimizer's step: it starts at the carried step, else at 0
+    start = iteration - (optimizer["global_step"] if carried else 0)
+    schedule = {"type": LR_SCHEDULES[style], "learning_rate": args["lr"], "lr_end": args.get("min_lr", 0.0),
+                "warmup_steps": warmup, "warmup_ratio": None, "total_steps": max(1, decay), "start_step": start}
+    notes.append(f"LR: Megatron's own schedule ({style}, warm-up {warmup}, decay to min_lr "
+                 f"{args.get('min_lr', 0.0):g} at iteration {decay}), entered at iteration {iteration} "
+                 f"(lr_schedule.start_step {start}): the first step's LR is {megatron_lr(args, iteration):.6g}")
     data["lr_schedule"] = schedule
     if optimizer.get("carried") and tp == pp == 1:
         data["load_optimizer_state"] = converted_dir

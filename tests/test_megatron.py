@@ -202,7 +202,9 @@ def test_write_recipe_continues_the_run_and_plans(tmp_path, megatron_dir):
     assert recipe.runner_config.stop_step == 1000 - 40
     assert (recipe.optimizer.betas, recipe.optimizer.weight_decay) == ([0.9, 0.95], 0.05)
     assert recipe.lr_schedule.type == "CosineWithWarmUpLR" and recipe.lr_schedule.lr_end == 3e-5
-    assert recipe.lr_schedule.learning_rate == pytest.approx(3e-5 + 0.5 * (1 + np.cos(np.pi * 30 / 990)) * 2.7e-4)
+    s = recipe.lr_schedule  # Megatron's whole schedule, entered at iteration 40 (no optimizer state in torch_dist)
+    assert (s.learning_rate, s.warmup_steps, s.total_steps, s.start_step) == (3e-4, 10, 1000, 40)
+    assert not recipe.load_optimizer_state
     assert recipe.model.model_config.num_kv_heads == 2 and recipe.load_checkpoint == str(tmp_path / "ours")
     assert plan(recipe).fits
     with pytest.raises(ConversionError, match="--devices 3: no layout keeps the run's global batch 16"):
@@ -286,3 +288,39 @@ def test_training_continues_with_the_carried_moments(tmp_path, megatron_dir, tin
         grad = (m_new - 0.9 * m_old) / 0.1
         assert np.abs(v_old).max() > 0
         np.testing.assert_allclose(v_new, 0.95 * v_old + 0.05 * grad ** 2, rtol=1e-3, atol=1e-3 * np.abs(v_new).max())
+
+
+@pytest.mark.parametrize("style, iteration", [("cosine", 40), ("linear", 40), ("cosine", 5), ("linear", 5)])
+def test_continued_lr_schedule_equals_megatrons(tmp_path, megatron_dir, style, iteration):
+    """--write-recipe's LR at each step equals megatron-core's OptimizerParamScheduler at iteration N + 1, N + 2, ..."""
+    import mindspore as ms
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from mindformers import MindFormerConfig
+    from mindformers.core.lr import build_lr
+    import training.optim  # noqa: F401  (registers StartStepLR)
+    from training.train import mindformers_config
+
+    ours = tmp_path / "ours"
+    from_megatron(str(megatron_dir / "tp1" / "legacy"), str(ours), show_progress=False)  # carries Adam step 2
+    manifest = json.loads((ours / "conversion.json").read_text())
+    manifest["source"]["megatron_args"]["lr_decay_style"] = style  # the same run, had it used another style
+    manifest["source"]["iteration"] = iteration
+    (ours / "conversion.json").write_text(json.dumps(manifest))
+    written = write_recipe(str(tmp_path / "continued.yaml"), str(ours), devices=8)  # DP 8: moments load
+    recipe = load_recipe(written["path"], planning=True)
+    assert recipe.load_optimizer_state == str(ours) and recipe.lr_schedule.start_step == iteration - 2
+    schedule = build_lr(MindFormerConfig(**mindformers_config(recipe, str(tmp_path / "run"))).lr_schedule)
+
+    args, batch = manifest["source"]["megatron_args"], 16
+    megatron = OptimizerParamScheduler(
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)]), init_lr=0.0, max_lr=args["lr"],
+        min_lr=args["min_lr"], lr_warmup_steps=args["lr_warmup_iters"] * batch,
+        lr_decay_steps=args["lr_decay_iters"] * batch, lr_decay_style=style, start_wd=0.05, end_wd=0.05,
+        wd_incr_steps=args["train_iters"] * batch, wd_incr_style="constant")
+    megatron.step(increment=iteration * batch)  # where the saved run stopped
+    for step in range(2, 2 + 1000):  # the optimizer step carried over, then on
+        expected = megatron.optimizer.param_groups[0]["lr"]  # what Megatron's iteration N + 1 + (step - 2) uses
+        if step - 2 in (0, 1, 2, 3, 7, 500, 960 - iteration, 990 - iteration):
+            assert float(schedule(ms.Tensor(step, ms.int32)).asnumpy()) == pytest.approx(expected, rel=1e-5,
+                                                                                         abs=1e-9), step
+        megatron.step(increment=batch)

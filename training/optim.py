@@ -20,12 +20,15 @@ optimizer resume with the other.
 """
 
 from mindspore.common import dtype as mstype
+from mindspore.nn.learning_rate_schedule import LearningRateSchedule
 from mindspore.train import Callback
 from mindspore.ops import composite as C
 from mindspore.ops import functional as F
 from mindspore.ops import operations as P
 from mindformers.core.optim.adamw import AdamW as MindFormersAdamW
 from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
+
+from training.recipe import START_STEP_LR
 
 OPTIMIZER_TYPE = "FoldedAdamW"
 
@@ -128,3 +131,30 @@ class LoadOptimizerState(Callback):
                                 hint="load_checkpoint and load_optimizer_state must name the same conversion")
         optimizer.global_step.set_data(ms.Tensor([entry["global_step"]], optimizer.global_step.dtype))
         print(f"[optim] AdamW moments and step {entry['global_step']} loaded from {self.directory}", flush=True)
+
+
+@MindFormerRegister.register(MindFormerModuleType.LR, alias=START_STEP_LR)
+class StartStepLR(LearningRateSchedule):
+    """A MindFormers schedule entered at `start_step`: optimizer step s gets the schedule's LR at start_step + s.
+
+    A run continuing another framework's (--write-recipe) keeps that run's whole schedule instead of a
+    re-fitted one. LinearWithWarmUpLR decays to 0 whatever lr_end says; here it decays to lr_end, as
+    Megatron-LM's linear style decays to min_lr.
+    """
+
+    def __init__(self, schedule: str, start_step: int = 0, **kwargs):
+        super().__init__()
+        self.inner = MindFormerRegister.get_cls(MindFormerModuleType.LR, schedule)(**kwargs)
+        self.start_step = float(start_step)
+        peak, end = float(kwargs["learning_rate"]), float(kwargs.get("lr_end") or 0.0)
+        # past the warm-up MindFormers' linear LR is peak x remaining fraction: rescale it onto [lr_end, peak]
+        self.end = end if schedule == "LinearWithWarmUpLR" else 0.0
+        self.scale = (peak - self.end) / peak
+        self.warmup_steps = float(kwargs.get("warmup_steps") or 0)
+
+    def construct(self, global_step):
+        step = F.cast(global_step, mstype.float32) + self.start_step
+        lr = self.inner(step)
+        if self.end > 0.0 and step >= self.warmup_steps:
+            lr = self.end + lr * self.scale
+        return lr

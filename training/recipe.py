@@ -140,6 +140,9 @@ class OptimizerConfig:
         return problems
 
 
+START_STEP_LR = "StartStepLR"  # training/optim.py: the MindFormers schedule entered at lr_schedule.start_step
+
+
 @dataclass
 class LRScheduleConfig:
     learning_rate: float
@@ -148,10 +151,14 @@ class LRScheduleConfig:
     warmup_ratio: Optional[float] = None
     warmup_steps: Optional[int] = None
     total_steps: int = -1  # -1: epochs x dataset size, or runner_config.stop_step when set
+    # the schedule's step at optimizer step 0 (warmup_steps and total_steps count from the schedule's
+    # step 0): a run continued from another run's iteration N enters that run's schedule at N
+    start_step: int = 0
 
     def check(self, recipe: "Recipe") -> list:
         p = "lr_schedule"
-        problems = _positive(p, self, "learning_rate") + _at_least(p, self, 0, "lr_end", "warmup_steps")
+        problems = _positive(p, self, "learning_rate")
+        problems += _at_least(p, self, 0, "lr_end", "warmup_steps", "start_step")
         if self.lr_end > self.learning_rate > 0:
             problems.append(f"{p}.lr_end: {self.lr_end} is above learning_rate {self.learning_rate}; the schedule "
                             "decays from learning_rate to lr_end")

@@ -18,7 +18,7 @@ import yaml
 
 from training.errors import LaunchError, PretrainError
 from training.heartbeat import Heartbeat
-from training.recipe import Recipe, recipe_from_dict
+from training.recipe import START_STEP_LR, Recipe, recipe_from_dict
 
 RESOLVED_RECIPE = "recipe.yaml"
 SUMMARY = "summary.json"
@@ -74,6 +74,12 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
         cfg["model"]["model_config"]["pipeline_stage_layers"] = stage_layers
     if recipe.lr_schedule.total_steps == -1 and recipe.runner_config.stop_step:
         cfg["lr_schedule"]["total_steps"] = recipe.runner_config.stop_step
+    schedule = cfg["lr_schedule"]
+    if schedule["start_step"] or schedule["type"] == "LinearWithWarmUpLR" and schedule["lr_end"]:
+        # training/optim.py StartStepLR: MindFormers' schedules start at step 0 and linear ignores lr_end
+        cfg["lr_schedule"] = {**schedule, "type": START_STEP_LR, "schedule": schedule["type"]}
+    else:
+        schedule.pop("start_step")
     # Ours, handled by training/callbacks.py: MindFormers' own evaluation needs metric classes
     # our model does not implement, and its `profile` is a boolean.
     for key in ("monitoring", "eval_dataset", "eval_step_interval", "anomaly"):
