@@ -833,7 +833,7 @@ def to_megatron(source: str, out_dir: str, tp: int = 1, pp: int = 1, iteration: 
     import torch
 
     start = time.perf_counter()
-    ckpt_path, section_path = find_our_checkpoint(source, model_config)
+    ckpt_path, section_path, _ = find_our_checkpoint(source, model_config)
     cfg, _ = read_model_section(section_path)
     ckpt = CkptFile(ckpt_path) if ckpt_path.endswith(".ckpt") else SafetensorsFile(ckpt_path)
     plan = {p.hf: p for p in tensor_plan(cfg)}
