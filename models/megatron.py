@@ -23,6 +23,7 @@ must this reader): convert only checkpoints you trust.
 """
 
 import argparse
+import copy
 import io
 import json
 import math
@@ -46,6 +47,8 @@ from training.recipe import ModelConfig
 from training.schema import to_plain
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+OPTIMIZER_DIR = "optimizer"  # of a conversion: adam_m.safetensors, adam_v.safetensors (weights' names)
+MOMENT_FILES = {"adam_m": "exp_avg", "adam_v": "exp_avg_sq"}  # MindFormers' AdamW state <- torch's
 RANK_FILE = "model_optim_rng.pt"
 EXTRA_STATE = "._extra_state"  # TransformerEngine/FP8 bookkeeping, never weights
 # Norm weights under the local spec's names, or fused into the next linear (TransformerEngine spec).
@@ -158,6 +161,7 @@ class LegacyCheckpoint:
     """mp_rank_TT[_PPP]/model_optim_rng.pt files; tensors read one shard at a time, files re-mapped per read."""
 
     format = "megatron-legacy"
+    source = "model"  # or "exp_avg" / "exp_avg_sq": shard() reads that Adam moment of each parameter instead
 
     def __init__(self, path: str, iteration: int):
         self.path, self.iteration = path, iteration
@@ -234,7 +238,28 @@ class LegacyCheckpoint:
         path = self._file(tp_rank, stage)
         if name is None or name not in self.index[tp_rank, stage]:
             raise ConversionError(f"{path}: {' or '.join(self.names(kind, layer)[1])}: missing")
-        return _to_numpy(self._model(_torch_load(path, mmap=True), path)[name])
+        state = _torch_load(path, mmap=True)
+        tensors = self._model(state, path) if self.source == "model" else optimizer_moments(state, path, self.source)
+        return _to_numpy(tensors[name])
+
+    def moments(self, key: str) -> "LegacyCheckpoint":
+        """This checkpoint with `key` (exp_avg or exp_avg_sq) in place of each weight: merged as the weights are."""
+        view = copy.copy(self)
+        view.source = key
+        return view
+
+    def optimizer_step(self) -> int:
+        """Adam's step count in every rank file, checked to be one number; raises ConversionError naming why not."""
+        steps = set()
+        for p in range(self.pp):
+            for t in range(self.tp):
+                path = self._file(t, p)
+                state = _torch_load(path, mmap=True)
+                optimizer_moments(state, path, "exp_avg")
+                steps |= {int(entry["step"]) for entry in state["optimizer"]["state"].values()}
+        if len(steps) != 1:
+            raise ConversionError(f"{self.path}: Adam step counts differ between parameters ({sorted(steps)})")
+        return steps.pop()
 
     def merged(self, kind: str, layer: int = None, fc1_merge: str = "per_rank") -> np.ndarray:
         """The global tensor in torch_dist's convention, from the TP shards read one at a time.
@@ -357,6 +382,44 @@ class TorchDistCheckpoint:
         known = set(GLOBAL_TENSORS.values()) | {f"decoder.layers.{s}" for v in NORM_NAMES.values() for s in v}
         known |= {f"decoder.layers.{s}" for s in _layer_tensors(qkv_bias)}
         return [name for name in self.tensors if name not in known]
+
+
+def optimizer_moments(state: dict, path: str, key: str) -> dict:
+    """{parameter name: Adam moment `key`} of a legacy rank file's non-distributed optimizer state.
+
+    optimizer.state_dict() (megatron/training/checkpointing.py, generate_state_dict) numbers the
+    parameters and does not name them; megatron.core.optimizer._get_param_groups orders them as the
+    model's parameters, weight-decayed ones first, then 1-D and bias ones (wd_mult 0). That order is
+    rebuilt here and checked against the saved groups and every moment's shape.
+    """
+    optimizer = state.get("optimizer")
+    if optimizer is None:
+        raise ConversionError(f"{path}: no optimizer state (saved with --no-save-optim, or by a distributed "
+                              "optimizer into distrib_optim.pt)")
+    if not isinstance(optimizer, dict) or not {"state", "param_groups"} <= set(optimizer):
+        raise ConversionError(f"{path}: optimizer state of another layout ({type(optimizer).__name__}: several "
+                              "chained optimizers or a mixed-precision wrapper are not read)")
+    model = {n: v for n, v in state["model"].items() if not n.endswith(EXTRA_STATE) and v is not None}
+    decayed = [n for n, v in model.items() if v.dim() > 1 and not n.endswith(".bias")]
+    plain = [n for n in model if n not in set(decayed)]
+    groups = [g for g in (decayed, plain) if g]
+    saved = optimizer["param_groups"]
+    if [len(g["params"]) for g in saved] != [len(g) for g in groups] or \
+            [g.get("wd_mult", 1.0) == 0.0 for g in saved] != [g is plain for g in groups]:
+        raise ConversionError(f"{path}: optimizer parameter groups {[len(g['params']) for g in saved]} do not match "
+                              f"Megatron's default grouping of the model's parameters {[len(g) for g in groups]} "
+                              "(custom lr/wd overrides are not supported)")
+    moments = {}
+    for name, index in zip([n for g in groups for n in g], [i for g in saved for i in g["params"]]):
+        entry = optimizer["state"].get(index)
+        if entry is None or key not in entry:
+            raise ConversionError(f"{path}: optimizer state holds no {key} for {name} (parameter {index}): the "
+                                  "optimizer never stepped")
+        if tuple(entry[key].shape) != tuple(model[name].shape):
+            raise ConversionError(f"{path}: optimizer {key} of parameter {index} has shape {tuple(entry[key].shape)}, "
+                                  f"{name} has {tuple(model[name].shape)}")
+        moments[name] = entry[key]
+    return moments
 
 
 def _layer_tensors(qkv_bias: bool) -> list:
@@ -514,16 +577,41 @@ def from_megatron(ckpt_dir: str, out_dir: str, iteration: int = None, vocab_size
               "megatron_args": json_args(ckpt.args),
               "files": [{"file": f, "bytes": os.path.getsize(os.path.join(ckpt.path, f))} for f in ckpt.files]}
     check = (lambda work_dir: verify_against_megatron(ckpt, cfg, work_dir)) if verify else None
+    moments, optimizer = carried_moments(ckpt, cfg, qkv_layout, fc1_merge)
     return write_conversion(weights, cfg, out_dir, "from-megatron", source,
                             f"Converted from {ckpt.path} (Megatron {ckpt.format}, iteration {ckpt.iteration}, "
                             f"TP {ckpt.tp} x PP {ckpt.pp})", verify=check, show_progress=show_progress,
-                            optimizer="not carried over: training restarts the optimizer (AdamW moments start "
-                                      "at zero)")
+                            moments=moments, optimizer=optimizer)
+
+
+def carried_moments(ckpt, cfg: ModelConfig, qkv_layout: str = "grouped", fc1_merge: str = "per_rank") -> tuple:
+    """({our moment prefix: HF-named moments}, manifest "optimizer" entry) for the Adam state a checkpoint holds.
+
+    Only legacy files of a non-distributed optimizer hold it per parameter; otherwise the entry says
+    why the optimizer restarts.
+    """
+    restarts = "training restarts the optimizer (AdamW moments start at zero)"
+    if not isinstance(ckpt, LegacyCheckpoint):
+        return {}, {"carried": False, "note": f"{restarts}: optimizer state is read from legacy files only"}
+    try:
+        step = ckpt.optimizer_step()
+    except ConversionError as err:
+        return {}, {"carried": False, "note": f"{restarts}: {err.message}"}
+    moments = {prefix: MegatronWeights(ckpt.moments(key), cfg, qkv_layout, fc1_merge)
+               for prefix, key in MOMENT_FILES.items()}
+    return moments, {"carried": True, "directory": OPTIMIZER_DIR, "global_step": step,
+                     "note": f"Adam moments and step {step} carried over into {OPTIMIZER_DIR}/ (recipe key "
+                             "load_optimizer_state)"}
 
 
 def write_conversion(weights: HFWeights, cfg: ModelConfig, out_dir: str, direction: str, source: dict,
-                     header: str, verify=None, ignored=(), show_progress: bool = True, **extra) -> dict:
-    """convert.py's output (weights.safetensors, model_config.yaml, conversion.json) for HF-named weights."""
+                     header: str, verify=None, ignored=(), show_progress: bool = True, moments=None,
+                     **extra) -> dict:
+    """convert.py's output (weights.safetensors, model_config.yaml, conversion.json) for HF-named weights.
+
+    moments ({"adam_m": HF-named moments, "adam_v": ...}) go to optimizer/adam_m.safetensors and
+    adam_v.safetensors under the weights' names.
+    """
     start = time.perf_counter()
     plan = tensor_plan(cfg)
     model = to_plain(cfg)
@@ -534,6 +622,10 @@ def write_conversion(weights: HFWeights, cfg: ModelConfig, out_dir: str, directi
                                  source["path"])
         if TIED_HEAD in ignored:
             _check_tied_copy(weights, tensors)
+        for prefix, values in (moments or {}).items():
+            os.makedirs(os.path.join(work_dir, OPTIMIZER_DIR), exist_ok=True)
+            _write_weights(values, plan, os.path.join(work_dir, OPTIMIZER_DIR, f"{prefix}.safetensors"),
+                           show_progress, f"{source['path']} ({MOMENT_FILES[prefix]})")
         with open(os.path.join(work_dir, MODEL_SECTION_FILE), "w", encoding="utf-8") as f:
             f.write(model_section_yaml(cfg, f"{header} by scripts/convert_checkpoint.py.\n{recipe_keys(out_dir)}"))
         manifest = {"format_version": FORMAT_VERSION, "direction": direction,
@@ -909,7 +1001,8 @@ def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir
             "train_dataset": {"data_loader": {"dataset_dir": dataset_dir or DATASET_PLACEHOLDER}}}
     notes = [f"weights: {converted_dir} ({source.get('format', 'converted')})"]
     if args:
-        notes += _continue_megatron_run(data, args, source.get("iteration", 0), devices, cfg)
+        notes += _continue_megatron_run(data, args, source.get("iteration", 0), devices, cfg, converted_dir,
+                                        _source_manifest(converted_dir).get("optimizer") or {})
     else:
         data["runner_config"] = {"batch_size": 1}
         data["parallel_config"] = {"data_parallel": devices or 1}
@@ -935,7 +1028,8 @@ def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir
     return {"path": os.path.abspath(path), "notes": notes, "plan": verdict(result)}
 
 
-def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int, cfg: ModelConfig) -> list:
+def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int, cfg: ModelConfig,
+                           converted_dir: str, optimizer: dict) -> list:
     """Fill data with the Megatron run's batch, optimizer, LR schedule and parallel layout; returns notes."""
     from models.parallel import layout_problems
 
@@ -974,22 +1068,23 @@ def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int,
         raise ConversionError(f"lr_decay_style: {style!r} has no counterpart here ({', '.join(LR_SCHEDULES)})")
     warmup = args.get("lr_warmup_iters", 0) or 0
     decay = args.get("lr_decay_iters") or train_iters or iteration + 1
-    current = megatron_lr(args, iteration)
-    if iteration < warmup:
-        schedule = {"learning_rate": args["lr"], "warmup_steps": warmup - iteration}
-        notes.append(f"LR: iteration {iteration} is inside Megatron's {warmup}-step warm-up; the warm-up restarts "
-                     f"from 0 over the remaining {warmup - iteration} steps")
-    else:
-        schedule = {"learning_rate": current, "warmup_steps": 0}
-        notes.append(f"LR: Megatron's schedule is at {current:.6g} at iteration {iteration}; this schedule starts "
-                     f"there and reaches min_lr {args.get('min_lr', 0.0):g} at Megatron's iteration {decay}"
-                     + (" (exact for linear decay; the cosine tail is re-fitted as a cosine)" if style == "cosine"
-                        else ""))
-    schedule.update(type=LR_SCHEDULES[style], warmup_ratio=None, lr_end=args.get("min_lr", 0.0),
-                    total_steps=max(1, decay - iteration))
+    carried = optimizer.get("carried") and tp == pp == 1
+    # MindFormers evaluates the schedule at the optimizer's step: it starts at the carried step, else at 0
+    start = iteration - (optimizer["global_step"] if carried else 0)
+    schedule = {"type": LR_SCHEDULES[style], "learning_rate": args["lr"], "lr_end": args.get("min_lr", 0.0),
+                "warmup_steps": warmup, "warmup_ratio": None, "total_steps": max(1, decay), "start_step": start}
+    notes.append(f"LR: Megatron's own schedule ({style}, warm-up {warmup}, decay to min_lr "
+                 f"{args.get('min_lr', 0.0):g} at iteration {decay}), entered at iteration {iteration} "
+                 f"(lr_schedule.start_step {start}): the first step's LR is {megatron_lr(args, iteration):.6g}")
     data["lr_schedule"] = schedule
-    notes.append(f"continues Megatron iteration {iteration}; the optimizer restarts (AdamW moments are not carried "
-                 "over)")
+    if optimizer.get("carried") and tp == pp == 1:
+        data["load_optimizer_state"] = converted_dir
+        notes.append(f"continues Megatron iteration {iteration} with its AdamW moments and step "
+                     f"{optimizer['global_step']} (load_optimizer_state)")
+    else:
+        why = optimizer.get("note", "") if not optimizer.get("carried") else \
+            f"training restarts the optimizer: the moments in {OPTIMIZER_DIR}/ load under data parallelism only"
+        notes.append(f"continues Megatron iteration {iteration}; {why}")
     return notes
 
 
@@ -1023,7 +1118,7 @@ def run_cli(parser, args) -> int:
                                show_progress=not args.quiet)
         print(summary(manifest, args.output))
         if manifest["source"].get("iteration") is not None:
-            print(f"Megatron iteration {manifest['source']['iteration']}; {manifest.get('optimizer')}.")
+            print(f"Megatron iteration {manifest['source']['iteration']}; {manifest['optimizer']['note']}.")
         if args.write_recipe:
             written = write_recipe(args.write_recipe, args.output, devices=args.devices)
             print(f"recipe: {written['path']} ({written['plan']})\n" + "\n".join(f"  {n}" for n in written["notes"]))

@@ -7,12 +7,18 @@ is imported once; ranks beyond TP x PP are data-parallel replicas), or tp2_large
 vocabulary 32000; 2 processes) to measure the converter. Run by
 tests/test_megatron.py, always under a timeout (a failed torch_dist writer hangs its parent).
 Builds megatron-core's GPTModel with the local layer spec on CPU under gloo from a Megatron-LM
-style `args` namespace, fills every parameter with seeded noise (norms around 1), and writes,
-as Megatron-LM's training loop does, for each LAYOUT:
+style `args` namespace, fills every parameter with seeded noise (norms around 1), takes TRAIN_STEPS real
+training steps with megatron-core's own optimizer (get_megatron_optimizer, Adam, use_distributed_optimizer
+False, an OptimizerParamScheduler advanced to the iteration), and writes, as Megatron-LM's training loop
+does, for each LAYOUT:
 
     OUT_DIR/LAYOUT/legacy/latest_checkpointed_iteration.txt, iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt
+        (args, iteration, model, and, as megatron/training/checkpointing.py's generate_state_dict writes them
+        for a non-distributed optimizer, optimizer = optimizer.state_dict() and opt_param_scheduler)
     OUT_DIR/LAYOUT/torch_dist/latest_checkpointed_iteration.txt, iter_NNNNNNN/ (*.distcp, metadata.json, common.pt)
     OUT_DIR/LAYOUT/tokens.npy, logits.npy  (megatron-core's forward, real vocabulary columns only)
+    OUT_DIR/LAYOUT/moments_TT_PPP.pt  {parameter name: (exp_avg, exp_avg_sq, step)} read from the live
+        optimizer by parameter identity: the ground truth for the converter's index -> name mapping
 
 megatron-core 0.16.1 on CPU needs a few workarounds, marked "CPU:" below.
 """
@@ -26,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 ITERATION = 40
+TRAIN_STEPS = 2  # optimizer steps actually taken: the optimizer restarted at iteration ITERATION - TRAIN_STEPS
 # TP, PP, tied embeddings, q/k/v bias
 LAYOUTS = {"tp1": (1, 1, True, False), "tp2": (2, 1, False, True), "tp2pp2": (2, 2, False, False)}
 LARGE = {"tp2_large": (2, 1, False, False)}  # on request only: the size the README's time and memory figures use
@@ -63,6 +70,25 @@ def cpu_workarounds() -> None:
     # CPU: rotary tables are moved to torch.cuda.current_device(); the torch_dist writer synchronizes CUDA.
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
+    # CPU: FP32Optimizer makes its loss-scale tensor, and the grad norm its buffers, with device='cuda'.
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer as mcore_optimizer
+    mcore_optimizer.torch = clip_grads.torch = utils.torch = _CpuTensors()
+
+
+class _CpuTensors:
+    """torch, with torch.tensor(..., device='cuda') made on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(*args, device=None, **kwargs):
+        return torch.tensor(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
 def build_model(args):
@@ -122,13 +148,78 @@ def forward(model, args, tokens: torch.Tensor):
     return out
 
 
-def save_legacy(model, args, out_dir: str, tp_rank: int, pp_rank: int) -> None:
-    """Megatron-LM's legacy layout: one torch.save per model-parallel rank."""
+def train(model, args):
+    """TRAIN_STEPS steps of megatron-core's optimizer on a DDP-wrapped model; returns (model, optimizer, scheduler).
+
+    The pipeline is run by hand (activations forward, their gradients back by send/recv); the
+    optimizer, its parameter groups, gradient sync and clipping are megatron-core's.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=0.0,  # CPU: clip_grads.py asserts torch.cuda.FloatTensor gradients
+        use_distributed_optimizer=False, params_dtype=torch.float32), [ddp])
+    batch = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * batch,
+        lr_decay_steps=args.lr_decay_iters * batch, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters * batch,
+        wd_incr_style="constant")
+    scheduler.step(increment=(ITERATION - TRAIN_STEPS) * batch)  # the iterations before the optimizer restarted
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    for step in range(TRAIN_STEPS):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        tokens = torch.from_numpy(np.random.default_rng(100 + step).integers(0, args.vocab_size, size=(2, 17)))
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        positions = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
+        mask = torch.triu(torch.ones(1, 1, inputs.shape[1], inputs.shape[1], dtype=torch.bool), diagonal=1)
+        hidden = None
+        if not first:
+            hidden = torch.empty(inputs.shape[1], inputs.shape[0], args.hidden_size)
+            dist.recv(hidden, parallel_state.get_pipeline_model_parallel_prev_rank())
+            hidden.requires_grad_(True)
+            ddp.module.set_input_tensor(hidden)
+        out = ddp(inputs, positions, mask)
+        if last:  # (S, B)-major logits of the gathered vocabulary -> next-token loss
+            logits = out[..., :args.vocab_size].float()
+            torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab_size), labels.reshape(-1)).backward()
+        else:
+            dist.send(out.detach().contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
+            grad = torch.empty_like(out)
+            dist.recv(grad, parallel_state.get_pipeline_model_parallel_next_rank())
+            out.backward(grad)
+        if not first:
+            dist.send(hidden.grad.contiguous(), parallel_state.get_pipeline_model_parallel_prev_rank())
+        ddp.finish_grad_sync()
+        updated, _, _ = optimizer.step()
+        assert updated, "megatron-core skipped the optimizer step"
+        scheduler.step(increment=batch)
+    return ddp.module, optimizer, scheduler
+
+
+def save_legacy(model, args, out_dir: str, tp_rank: int, pp_rank: int, optimizer=None, scheduler=None) -> None:
+    """Megatron-LM's legacy layout: one torch.save per model-parallel rank (checkpointing.generate_state_dict)."""
     name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if args.pipeline_model_parallel_size > 1 else "")
     path = os.path.join(out_dir, f"iter_{ITERATION:07d}", name, "model_optim_rng.pt")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
-                "model": model.state_dict_for_save_checkpoint()}, path)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+             "model": model.state_dict_for_save_checkpoint()}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+        state["opt_param_scheduler"] = scheduler.state_dict()
+        # ground truth by parameter identity, independent of the integer indexes the state dict uses
+        live = optimizer.optimizer.state
+        truth = {n: (live[p]["exp_avg"].clone(), live[p]["exp_avg_sq"].clone(), float(live[p]["step"]))
+                 for n, p in model.named_parameters()}
+        torch.save(truth, os.path.join(os.path.dirname(out_dir), f"moments_{tp_rank:02d}_{pp_rank:03d}.pt"))
+    torch.save(state, path)
 
 
 def save_torch_dist(model, args, out_dir: str) -> None:
@@ -156,6 +247,8 @@ def make_layout(out_dir: str, tp: int, pp: int, tied: bool, qkv_bias: bool, larg
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     first_replica = parallel_state.get_data_parallel_rank() == 0
     randomize(model, tp_rank, pp_rank)
+    model, optimizer, scheduler = train(model, args)
+    model.eval()
 
     tokens = torch.from_numpy(np.random.default_rng(0).integers(0, args.vocab_size, size=TOKENS_SHAPE))
     logits = forward(model, args, tokens)
@@ -164,7 +257,7 @@ def make_layout(out_dir: str, tp: int, pp: int, tied: bool, qkv_bias: bool, larg
         if fmt == "torch_dist":
             save_torch_dist(model, args, save)
         elif first_replica:
-            save_legacy(model, args, save, tp_rank, pp_rank)
+            save_legacy(model, args, save, tp_rank, pp_rank, optimizer, scheduler)
         dist.barrier()
         if dist.get_rank() == 0:
             with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:

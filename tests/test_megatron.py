@@ -202,7 +202,9 @@ def test_write_recipe_continues_the_run_and_plans(tmp_path, megatron_dir):
     assert recipe.runner_config.stop_step == 1000 - 40
     assert (recipe.optimizer.betas, recipe.optimizer.weight_decay) == ([0.9, 0.95], 0.05)
     assert recipe.lr_schedule.type == "CosineWithWarmUpLR" and recipe.lr_schedule.lr_end == 3e-5
-    assert recipe.lr_schedule.learning_rate == pytest.approx(3e-5 + 0.5 * (1 + np.cos(np.pi * 30 / 990)) * 2.7e-4)
+    s = recipe.lr_schedule  # Megatron's whole schedule, entered at iteration 40 (no optimizer state in torch_dist)
+    assert (s.learning_rate, s.warmup_steps, s.total_steps, s.start_step) == (3e-4, 10, 1000, 40)
+    assert not recipe.load_optimizer_state
     assert recipe.model.model_config.num_kv_heads == 2 and recipe.load_checkpoint == str(tmp_path / "ours")
     assert plan(recipe).fits
     with pytest.raises(ConversionError, match="--devices 3: no layout keeps the run's global batch 16"):
@@ -235,3 +237,90 @@ def test_converted_fixture_trains_and_exports(tmp_path, megatron_dir, tiny_datas
     assert len(losses) == 2 and all(np.isfinite(losses))
     to_hf(str(run_dir), str(tmp_path / "hf"), show_progress=False)
     assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).config.num_hidden_layers == 4
+
+
+def test_adam_moments_of_legacy_files_are_carried_over(tmp_path, megatron_dir):
+    """Each rank's moments, found by index in optimizer.state_dict(), are the live optimizer's for that parameter."""
+    from models.megatron import MOMENT_FILES, open_megatron
+
+    manifest = from_megatron(str(megatron_dir / "tp2pp2" / "legacy"), str(tmp_path / "ours"), show_progress=False)
+    assert manifest["optimizer"]["carried"] and manifest["optimizer"]["global_step"] == 2  # steps taken, not 40
+    ckpt = open_megatron(str(megatron_dir / "tp2pp2" / "legacy"))
+    for t in range(2):
+        for p in range(2):
+            truth = torch.load(megatron_dir / "tp2pp2" / f"moments_{t:02d}_{p:03d}.pt")
+            for index, key in enumerate(MOMENT_FILES.values()):
+                view = ckpt.moments(key)
+                for kind in ("qkv", "fc1", "proj", "fc2", "input_norm"):
+                    stage, name = view.find(kind, 2 * p)
+                    assert torch.equal(torch.from_numpy(view.shard(kind, 2 * p, t)), truth[name][index]), name
+    moments = load_file(str(tmp_path / "ours" / "optimizer" / "adam_m.safetensors"))
+    weights = load_file(str(tmp_path / "ours" / "weights.safetensors"))
+    assert sorted(moments) == sorted(weights) and all(moments[n].shape == weights[n].shape for n in weights)
+    restarted = from_megatron(str(megatron_dir / "tp2pp2" / "torch_dist"), str(tmp_path / "dist"),
+                              show_progress=False)["optimizer"]
+    assert not restarted["carried"] and "restarts the optimizer" in restarted["note"]
+    assert not (tmp_path / "dist" / "optimizer").exists()
+
+
+def test_training_continues_with_the_carried_moments(tmp_path, megatron_dir, tiny_dataset):
+    """The first step starts from Megatron's moments and step: m1 = b1 m0 + (1 - b1) g, v1 = b2 v0 + (1 - b2) g^2."""
+    import mindspore as ms
+
+    ours, run_dir = tmp_path / "ours", tmp_path / "run"
+    from_megatron(str(megatron_dir / "tp1" / "legacy"), str(ours), show_progress=False)
+    model_config = yaml.safe_load((ours / MODEL_SECTION_FILE).read_text())["model"]["model_config"]
+    overrides = [f"model.model_config.{key}={json.dumps(value)}" for key, value in model_config.items()]
+    code = launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                f"load_checkpoint={ours}", "load_ckpt_format=safetensors",
+                                f"load_optimizer_state={ours}", "runner_config.stop_step=1",
+                                "lr_schedule.warmup_steps=0",
+                                "callbacks.1.save_checkpoint_steps=1", "optimizer.betas=[0.9, 0.95]",
+                                *overrides], show_progress=False)
+    assert code == 0
+    saved = ms.load_checkpoint(next(iter(sorted((run_dir / "checkpoints").glob("step_*/rank_0/*.ckpt")))).as_posix())
+    assert int(saved["global_step"].asnumpy()[0]) == 3  # Megatron's 2 steps, then this one
+    m0 = load_file(str(ours / "optimizer" / "adam_m.safetensors"))
+    v0 = load_file(str(ours / "optimizer" / "adam_v.safetensors"))
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight", "model.norm.weight"):
+        m_old, v_old = m0[name].double().numpy(), v0[name].double().numpy()
+        m_new, v_new = (saved[f"{k}.{name}"].asnumpy().astype(np.float64) for k in ("adam_m", "adam_v"))
+        grad = (m_new - 0.9 * m_old) / 0.1
+        assert np.abs(v_old).max() > 0
+        np.testing.assert_allclose(v_new, 0.95 * v_old + 0.05 * grad ** 2, rtol=1e-3, atol=1e-3 * np.abs(v_new).max())
+
+
+@pytest.mark.parametrize("style, iteration", [("cosine", 40), ("linear", 40), ("cosine", 5), ("linear", 5)])
+def test_continued_lr_schedule_equals_megatrons(tmp_path, megatron_dir, style, iteration):
+    """--write-recipe's LR at each step equals megatron-core's OptimizerParamScheduler at iteration N + 1, N + 2, ..."""
+    import mindspore as ms
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from mindformers import MindFormerConfig
+    from mindformers.core.lr import build_lr
+    import training.optim  # noqa: F401  (registers StartStepLR)
+    from training.train import mindformers_config
+
+    ours = tmp_path / "ours"
+    from_megatron(str(megatron_dir / "tp1" / "legacy"), str(ours), show_progress=False)  # carries Adam step 2
+    manifest = json.loads((ours / "conversion.json").read_text())
+    manifest["source"]["megatron_args"]["lr_decay_style"] = style  # the same run, had it used another style
+    manifest["source"]["iteration"] = iteration
+    (ours / "conversion.json").write_text(json.dumps(manifest))
+    written = write_recipe(str(tmp_path / "continued.yaml"), str(ours), devices=8)  # DP 8: moments load
+    recipe = load_recipe(written["path"], planning=True)
+    assert recipe.load_optimizer_state == str(ours) and recipe.lr_schedule.start_step == iteration - 2
+    schedule = build_lr(MindFormerConfig(**mindformers_config(recipe, str(tmp_path / "run"))).lr_schedule)
+
+    args, batch = manifest["source"]["megatron_args"], 16
+    megatron = OptimizerParamScheduler(
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)]), init_lr=0.0, max_lr=args["lr"],
+        min_lr=args["min_lr"], lr_warmup_steps=args["lr_warmup_iters"] * batch,
+        lr_decay_steps=args["lr_decay_iters"] * batch, lr_decay_style=style, start_wd=0.05, end_wd=0.05,
+        wd_incr_steps=args["train_iters"] * batch, wd_incr_style="constant")
+    megatron.step(increment=iteration * batch)  # where the saved run stopped
+    for step in range(2, 2 + 1000):  # the optimizer step carried over, then on
+        expected = megatron.optimizer.param_groups[0]["lr"]  # what Megatron's iteration N + 1 + (step - 2) uses
+        if step - 2 in (0, 1, 2, 3, 7, 500, 960 - iteration, 990 - iteration):
+            assert float(schedule(ms.Tensor(step, ms.int32)).asnumpy()) == pytest.approx(expected, rel=1e-5,
+                                                                                         abs=1e-9), step
+        megatron.step(increment=batch)

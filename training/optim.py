@@ -20,11 +20,15 @@ optimizer resume with the other.
 """
 
 from mindspore.common import dtype as mstype
+from mindspore.nn.learning_rate_schedule import LearningRateSchedule
+from mindspore.train import Callback
 from mindspore.ops import composite as C
 from mindspore.ops import functional as F
 from mindspore.ops import operations as P
 from mindformers.core.optim.adamw import AdamW as MindFormersAdamW
 from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
+
+from training.recipe import START_STEP_LR
 
 OPTIMIZER_TYPE = "FoldedAdamW"
 
@@ -75,3 +79,82 @@ class FoldedAdamW(MindFormersAdamW):
         if self.use_parallel:
             self.broadcast_params(result)
         return result
+
+
+class LoadOptimizerState(Callback):
+    """Before the first step: AdamW moments and step of a conversion (recipe load_optimizer_state) into the optimizer.
+
+    The conversion's optimizer/adam_m.safetensors and adam_v.safetensors hold one moment per
+    weight under the weight's name; conversion.json records the optimizer step they belong to, so
+    the first step's bias correction (and LR-schedule position) continues from there.
+    """
+
+    def __init__(self, directory: str):
+        super().__init__()
+        self.directory = directory
+
+    def on_train_begin(self, run_context):
+        import json
+        import os
+
+        import mindspore as ms
+        from training.errors import PretrainError
+
+        cb_params = run_context.original_args()
+        optimizer = getattr(cb_params.train_network, "optimizer", None) or cb_params.optimizer
+        manifest = os.path.join(self.directory, "conversion.json")
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                entry = json.load(f).get("optimizer") or {}
+        except (OSError, ValueError) as err:
+            raise PretrainError(f"load_optimizer_state: {manifest}: unreadable ({err})") from None
+        if not entry.get("carried"):
+            raise PretrainError(f"load_optimizer_state: {self.directory} holds no optimizer state "
+                                f"({entry.get('note', 'not a conversion with optimizer state')})",
+                                hint="drop load_optimizer_state to restart the optimizer")
+        problems = []
+        for prefix, moments in (("adam_m", optimizer.exp_avg), ("adam_v", optimizer.exp_avg_sq)):
+            path = os.path.join(self.directory, entry["directory"], f"{prefix}.safetensors")
+            saved = ms.load_checkpoint(path, format="safetensors")
+            for param in moments:
+                name = param.name[len(prefix) + 1:]
+                if name not in saved:
+                    problems.append(f"{path}: {name}: missing")
+                elif tuple(saved[name].shape) != tuple(param.shape):
+                    problems.append(f"{path}: {name}: shape {tuple(saved[name].shape)}, the optimizer's "
+                                    f"{tuple(param.shape)}")
+                else:
+                    param.set_data(ms.Tensor(saved[name].asnumpy(), param.dtype))
+        if problems:
+            raise PretrainError("load_optimizer_state: the moments do not fit the model:\n" +
+                                "\n".join(f"  - {p}" for p in problems[:20]),
+                                hint="load_checkpoint and load_optimizer_state must name the same conversion")
+        optimizer.global_step.set_data(ms.Tensor([entry["global_step"]], optimizer.global_step.dtype))
+        print(f"[optim] AdamW moments and step {entry['global_step']} loaded from {self.directory}", flush=True)
+
+
+@MindFormerRegister.register(MindFormerModuleType.LR, alias=START_STEP_LR)
+class StartStepLR(LearningRateSchedule):
+    """A MindFormers schedule entered at `start_step`: optimizer step s gets the schedule's LR at start_step + s.
+
+    A run continuing another framework's (--write-recipe) keeps that run's whole schedule instead of a
+    re-fitted one. LinearWithWarmUpLR decays to 0 whatever lr_end says; here it decays to lr_end, as
+    Megatron-LM's linear style decays to min_lr.
+    """
+
+    def __init__(self, schedule: str, start_step: int = 0, **kwargs):
+        super().__init__()
+        self.inner = MindFormerRegister.get_cls(MindFormerModuleType.LR, schedule)(**kwargs)
+        self.start_step = float(start_step)
+        peak, end = float(kwargs["learning_rate"]), float(kwargs.get("lr_end") or 0.0)
+        # past the warm-up MindFormers' linear LR is peak x remaining fraction: rescale it onto [lr_end, peak]
+        self.end = end if schedule == "LinearWithWarmUpLR" else 0.0
+        self.scale = (peak - self.end) / peak
+        self.warmup_steps = float(kwargs.get("warmup_steps") or 0)
+
+    def construct(self, global_step):
+        step = F.cast(global_step, mstype.float32) + self.start_step
+        lr = self.inner(step)
+        if self.end > 0.0 and step >= self.warmup_steps:
+            lr = self.end + lr * self.scale
+        return lr

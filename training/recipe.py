@@ -154,6 +154,9 @@ class OptimizerConfig:
         return problems
 
 
+START_STEP_LR = "StartStepLR"  # training/optim.py: the MindFormers schedule entered at lr_schedule.start_step
+
+
 @dataclass
 class LRScheduleConfig:
     learning_rate: float
@@ -162,10 +165,14 @@ class LRScheduleConfig:
     warmup_ratio: Optional[float] = None
     warmup_steps: Optional[int] = None
     total_steps: int = -1  # -1: epochs x dataset size, or runner_config.stop_step when set
+    # the schedule's step at optimizer step 0 (warmup_steps and total_steps count from the schedule's
+    # step 0): a run continued from another run's iteration N enters that run's schedule at N
+    start_step: int = 0
 
     def check(self, recipe: "Recipe") -> list:
         p = "lr_schedule"
-        problems = _positive(p, self, "learning_rate") + _at_least(p, self, 0, "lr_end", "warmup_steps")
+        problems = _positive(p, self, "learning_rate")
+        problems += _at_least(p, self, 0, "lr_end", "warmup_steps", "start_step")
         if self.lr_end > self.learning_rate > 0:
             problems.append(f"{p}.lr_end: {self.lr_end} is above learning_rate {self.learning_rate}; the schedule "
                             "decays from learning_rate to lr_end")
@@ -642,6 +649,9 @@ class Recipe:
     # format of the files in load_checkpoint; scripts/convert_checkpoint.py writes safetensors
     load_ckpt_format: Literal["ckpt", "safetensors"] = "ckpt"
     resume_training: Union[bool, str] = False  # True: newest in load_checkpoint; a name: that checkpoint
+    # a conversion directory whose optimizer/ holds AdamW moments (--from-megatron): the run starts with
+    # them and with the optimizer step they were saved at
+    load_optimizer_state: str = ""
     use_parallel: bool = False
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
@@ -709,6 +719,14 @@ class Recipe:
                             "`dataset_config: *train_dataset` (it is filled in from train_dataset)")
         if not self.output_dir:
             problems.append("output_dir: must name the run directory")
+        if self.load_optimizer_state and (self.resume_training or not self.load_checkpoint):
+            problems.append("load_optimizer_state: starts a new run from converted weights; it needs load_checkpoint "
+                            "(the same conversion) and no resume_training (a resume restores its own optimizer)")
+        if self.load_optimizer_state and (self.parallel_config.model_parallel > 1 or
+                                          self.parallel_config.pipeline_stage > 1):
+            problems.append("load_optimizer_state: the moments are whole tensors, loaded under data parallelism "
+                            "only (parallel_config.model_parallel and pipeline_stage 1); drop it to restart the "
+                            "optimizer")
         if self.do_eval and self.eval_dataset is None:
             problems.append("do_eval: True needs an eval_dataset section (data_loader.dataset_dir of a held-out "
                             "dataset, e.g. one written by scripts/prepare_data.py --val-fraction)")
@@ -922,6 +940,7 @@ def resolve_paths(recipe: Recipe) -> None:
     """Every path of the recipe resolved once, at load: relative paths are relative to the working directory."""
     recipe.output_dir = resolve_path(recipe.output_dir)
     recipe.load_checkpoint = resolve_path(recipe.load_checkpoint)
+    recipe.load_optimizer_state = resolve_path(recipe.load_optimizer_state)
     loaders = [recipe.train_dataset.data_loader, *(recipe.train_dataset.blend or [])]
     if recipe.eval_dataset is not None:
         loaders.append(recipe.eval_dataset.data_loader)

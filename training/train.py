@@ -19,7 +19,7 @@ import yaml
 from training.errors import LaunchError, PretrainError
 from training.heartbeat import Heartbeat
 from training.job import stop_orphan, watch_launcher
-from training.recipe import Recipe, recipe_from_dict
+from training.recipe import START_STEP_LR, Recipe, recipe_from_dict
 
 RESOLVED_RECIPE = "recipe.yaml"
 SUMMARY = "summary.json"
@@ -61,6 +61,7 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
     """The recipe in the exact form MindFormers 1.9's Trainer needs (all keys it reads, none it ignores)."""
     cfg = recipe.to_dict()
     cfg.pop("data_preparation", None)
+    cfg.pop("load_optimizer_state")  # ours: training/optim.py LoadOptimizerState
     cfg["output_dir"] = run_dir
     # MindFormers batches the dataset with train_dataset.batch_size; runner_config owns the value.
     cfg["train_dataset"]["batch_size"] = recipe.runner_config.batch_size
@@ -75,6 +76,12 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
         cfg["model"]["model_config"]["pipeline_stage_layers"] = stage_layers
     if recipe.lr_schedule.total_steps == -1 and recipe.runner_config.stop_step:
         cfg["lr_schedule"]["total_steps"] = recipe.runner_config.stop_step
+    schedule = cfg["lr_schedule"]
+    if schedule["start_step"] or schedule["type"] == "LinearWithWarmUpLR" and schedule["lr_end"]:
+        # training/optim.py StartStepLR: MindFormers' schedules start at step 0 and linear ignores lr_end
+        cfg["lr_schedule"] = {**schedule, "type": START_STEP_LR, "schedule": schedule["type"]}
+    else:
+        schedule.pop("start_step")
     # Ours, handled by training/callbacks.py: MindFormers' own evaluation needs metric classes
     # our model does not implement, and its `profile` is a boolean.
     for key in ("monitoring", "eval_dataset", "eval_step_interval", "anomaly"):
@@ -182,6 +189,9 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
     recorder = StepRecorder(recipe, os.path.join(run_dir, metrics_file(rank)), heartbeat,
                             training_flops_per_token(recipe), peak, tensorboard, initial_step)
     callbacks = [recorder]
+    if recipe.load_optimizer_state:
+        from training.optim import LoadOptimizerState
+        callbacks.insert(0, LoadOptimizerState(recipe.load_optimizer_state))
     if recipe.do_eval:
         callbacks.append(HeldOutEval(recipe.eval_dataset.data_loader.dataset_dir, recipe.runner_config.batch_size,
                                      recipe.eval_step_interval, recipe.eval_dataset.max_batches, recorder,
