@@ -99,7 +99,7 @@ def test_ascend_layouts_shard_data_like_mindformers(name):
     rcp = load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), planning=True)
     p = rcp.parallel_config
     dp, mp, pp = p.data_parallel, p.model_parallel, p.pipeline_stage
-    assert mp > 1 and rcp.parallel.full_batch
+    assert rcp.parallel.parallel_mode == 1 and rcp.parallel.full_batch  # semi-auto (7B: DP8 TP1, 100B: TP4 PP2)
     # MindFormers sets full_batch in semi-auto parallel (trainer/base_trainer.py:904,924): every rank reads
     # the whole global batch and the graph slices it (tests/test_ascend_path.py checks the samples).
     layouts = [data_parallel_layout(rcp, rank) for rank in range(dp * mp * pp)]
