@@ -150,7 +150,7 @@ def files_and_bytes(directory):
     return found
 
 
-def test_rerun_of_a_complete_run_does_nothing(baseline, tiny_dataset):
+def test_rerun_of_a_complete_run_does_nothing(baseline, tiny_dataset, capsys):
     from training.errors import LaunchError
     from training.launch import launch
 
@@ -165,6 +165,12 @@ def test_rerun_of_a_complete_run_does_nothing(baseline, tiny_dataset):
         launch(TINY_RECIPE, [f"output_dir={baseline}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
                              *[a for a in SAVE if a != "--set"], "lr_schedule.learning_rate=0.001",
                              "optimizer.weight_decay=0.1"], show_progress=False)
+    assert files_and_bytes(baseline) == before
+    # With --amend there is still no step for the change to apply to: said, nothing recorded or rewritten.
+    assert launch(TINY_RECIPE, [f"output_dir={baseline}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                *[a for a in SAVE if a != "--set"], "lr_schedule.learning_rate=0.001"],
+                  show_progress=False, amend=True) == 0
+    assert "--amend applies nothing and records nothing (lr_schedule.learning_rate)" in capsys.readouterr().out
     assert files_and_bytes(baseline) == before
 
 

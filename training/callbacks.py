@@ -350,7 +350,8 @@ class CheckpointSaver(Callback):
             self.save(params, step)
         if preempted:
             self.preempted = True
-            print(f"[checkpoint] SIGTERM: saved step {step}, stopping; rerun the same command to resume", flush=True)
+            print(f"[checkpoint] stop requested (SIGTERM, or the launcher stopping the job): saved step {step}, "
+                  "stopping; rerun the same command to resume", flush=True)
             run_context.request_stop()
 
     def on_train_end(self, run_context):

@@ -323,6 +323,10 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
                           hint="restore those settings to continue the run, or pass --amend to continue it with the "
                                f"change recorded in {os.path.join(run_dir, AMENDMENTS)}, or choose a new output_dir")
     if step is not None and recipe.runner_config.stop_step and step >= recipe.runner_config.stop_step:
+        if changes:  # --amend given, but there is no step left for the change to apply to
+            print(f"[launch] note: the run is complete at step {step}, so --amend applies nothing and records "
+                  "nothing (" + ", ".join(key for key, _, _ in changes) + "); raise runner_config.stop_step to "
+                  "continue it with the change", flush=True)
         return False  # already complete: the launcher says so, and the run's record stays as it is
     record_amendments(run_dir, step or 0, changes)
     for bad, problems in invalid:
