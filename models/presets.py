@@ -28,7 +28,7 @@ PRESETS = {
                        source=LLAMA3.format(70)),
     # No published model of this size: Llama-3-70B's width, heads and vocabulary, 88 layers
     # and a 36,864-wide MLP, giving 95.1B parameters, for the DP4 x TP4 x PP2 starting point
-    # that practitioners report for 32 Ascend devices (../shared/FIELD_NOTES.md, section 4).
+    # that practitioners report for 32 Ascend devices (a published field report on Ascend pretraining).
     "dense-100b": dict(vocab_size=128256, hidden_size=8192, num_layers=88, num_heads=64, num_kv_heads=8,
                        intermediate_size=36864, seq_length=4096, rope_theta=500000.0, rms_norm_eps=1e-5,
                        source="this repository: Llama-3-70B proportions scaled to ~100B (no published model)"),
