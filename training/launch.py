@@ -262,14 +262,7 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> st
 
     A finished run is left exactly as it is (nothing rewritten); see continue_run for resumes.
     """
-    run_dir = os.path.abspath(recipe.output_dir)
-    recipe.output_dir = run_dir
-    recipe.train_dataset.data_loader.dataset_dir = os.path.abspath(recipe.dataset_dir)
-    for source in recipe.train_dataset.blend or []:
-        source.dataset_dir = os.path.abspath(source.dataset_dir)
-    if recipe.eval_dataset is not None:
-        loader = recipe.eval_dataset.data_loader
-        loader.dataset_dir = os.path.abspath(loader.dataset_dir)
+    run_dir = recipe.output_dir  # absolute: every path was resolved at load (training/recipe.py resolve_paths)
     if os.path.exists(os.path.join(run_dir, RESOLVED_RECIPE)) and not continue_run(recipe, run_dir, amend):
         return run_dir
     leftovers = [n for n in (CHECKPOINTS, "metrics.jsonl") if os.path.exists(os.path.join(run_dir, n))]
