@@ -10,10 +10,10 @@ import os
 import numpy as np
 from mindspore.mindrecord import FileReader
 
-from data.mindrecord_io import MANIFEST, indexes_hashed, open_problem, read_manifest
-from data.prepare import model_mismatches, rerun_command, summary, validation_dir
-from data.tokenizer import file_sha256, load_tokenizer
-from training.errors import DataError
+from ascend_llm_recipes.data.mindrecord_io import MANIFEST, indexes_hashed, open_problem, read_manifest
+from ascend_llm_recipes.data.prepare import model_mismatches, rerun_command, summary, validation_dir
+from ascend_llm_recipes.data.tokenizer import file_sha256, load_tokenizer
+from ascend_llm_recipes.training.errors import DataError
 
 EOD_MARK = "\n<|EOD|>\n"
 
@@ -36,7 +36,7 @@ def validate_dataset(dataset_dir: str, recipe_path: str = None) -> str:
             problems.append(f"validation dataset: {err.message}")
     hint = f"rebuild it with: {rerun_command(manifest, dataset_dir + '-new')}"
     if recipe_path:
-        from training.recipe import load_recipe
+        from ascend_llm_recipes.training.recipe import load_recipe
 
         model = load_recipe(recipe_path).model.model_config
         mismatches = model_mismatches(manifest, model.seq_length, model.vocab_size, model.pad_token_id,

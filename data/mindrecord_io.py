@@ -18,8 +18,8 @@ import time
 import numpy as np
 from mindspore.mindrecord import FileReader, FileWriter
 
-from data.tokenizer import file_sha256
-from training.errors import DataError
+from ascend_llm_recipes.data.tokenizer import file_sha256
+from ascend_llm_recipes.training.errors import DataError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -34,18 +34,20 @@ from dataclasses import dataclass, fields
 import numpy as np
 from tqdm import tqdm
 
-from data.clean import INVALID_UTF8, INVALID_UTF8_POLICIES, KEPT, NORMALIZATIONS, TOO_LONG, TOO_SHORT, \
-    CleanOptions
-from data.corpus import ChunkReader, Position, input_format
-from data.dedup import JACCARD_THRESHOLD, MIN_SHINGLES, NEAR_DUPLICATES, SHINGLE, KeyIndex, NearDuplicateIndex
-from data.mindrecord_io import MANIFEST, MINDRECORD_MIN_FREE, ShardWriter, partial_dir, write_json_atomic, \
-    write_manifest
-from data.packing import PACKINGS, TAILS, make_packer
-from data.tokenizer import EOD_ID, FILES, SENTENCEPIECE, check_vocab_size, file_sha256, load_tokenizer, \
-    resolve_tokenizer, train_tokenizer
-from data.workers import BAD_STATUSES, MALFORMED_JSON, MISSING_FIELD, STATUS_NAMES, WorkerConfig, \
-    default_workers, init_pool_worker, init_worker, pin_mmap_threshold, process_chunk
-from training.errors import DataError
+from ascend_llm_recipes.data.clean import (INVALID_UTF8, INVALID_UTF8_POLICIES, KEPT, NORMALIZATIONS, TOO_LONG,
+                                           TOO_SHORT, CleanOptions)
+from ascend_llm_recipes.data.corpus import ChunkReader, Position, input_format
+from ascend_llm_recipes.data.dedup import (JACCARD_THRESHOLD, MIN_SHINGLES, NEAR_DUPLICATES, SHINGLE, KeyIndex,
+                                           NearDuplicateIndex)
+from ascend_llm_recipes.data.mindrecord_io import (MANIFEST, MINDRECORD_MIN_FREE, ShardWriter, partial_dir,
+                                                   write_json_atomic, write_manifest)
+from ascend_llm_recipes.data.packing import PACKINGS, TAILS, make_packer
+from ascend_llm_recipes.data.tokenizer import (EOD_ID, FILES, SENTENCEPIECE, check_vocab_size, file_sha256,
+                                               load_tokenizer, resolve_tokenizer, train_tokenizer)
+from ascend_llm_recipes.data.workers import (BAD_STATUSES, MALFORMED_JSON, MISSING_FIELD, STATUS_NAMES, WorkerConfig,
+                                             default_workers, init_pool_worker, init_worker, pin_mmap_threshold,
+                                             process_chunk)
+from ascend_llm_recipes.training.errors import DataError
 
 STATE = "state"
 TOKENIZER = FILES[SENTENCEPIECE]  # a trained tokenizer's name in the dataset (a user's keeps its kind's name)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import sentencepiece as spm
 
-from training.errors import DataError
+from ascend_llm_recipes.training.errors import DataError
 
 # Llama's layout for the first ids, plus a dedicated padding id that is never a real token (trained models).
 UNK_ID, BOS_ID, EOD_ID, PAD_ID = 0, 1, 2, 3

@@ -18,10 +18,11 @@ from typing import Optional
 
 import numpy as np
 
-from data.clean import INVALID_UTF8, KEPT, TOO_LONG, TOO_SHORT, CleanOptions, clean_document, decode_utf8, \
-    doc_digest
-from data.dedup import BANDS, band_keys, shingle_hashes, shingle_set
-from data.tokenizer import ENCODE_PIECE_CHARS, HF, continuation_processor, encode_long, tokenizer_kind
+from ascend_llm_recipes.data.clean import (INVALID_UTF8, KEPT, TOO_LONG, TOO_SHORT, CleanOptions, clean_document,
+                                           decode_utf8, doc_digest)
+from ascend_llm_recipes.data.dedup import BANDS, band_keys, shingle_hashes, shingle_set
+from ascend_llm_recipes.data.tokenizer import (ENCODE_PIECE_CHARS, HF, continuation_processor, encode_long,
+                                               tokenizer_kind)
 
 # Statuses beyond data.clean's: problems with the input itself rather than its text.
 MALFORMED_JSON, MISSING_FIELD = 4, 5

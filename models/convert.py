@@ -37,14 +37,14 @@ from dataclasses import dataclass, fields
 import numpy as np
 import yaml
 
-from models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
-from models.arithmetic import padded_vocab_size
-from models.checkpoint_io import CkptFile, SafetensorsFile, SafetensorsWriter, TorchBinFile
-from training.checkpoint import CHECKPOINTS
-from training.errors import ConversionError, PretrainError
-from training.recipe import ModelConfig, ModelSection, load_recipe
-from training.train import RESOLVED_RECIPE as RUN_RECIPE
-from training.schema import load_dataclass, to_plain
+from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
+from ascend_llm_recipes.models.arithmetic import padded_vocab_size
+from ascend_llm_recipes.models.checkpoint_io import CkptFile, SafetensorsFile, SafetensorsWriter, TorchBinFile
+from ascend_llm_recipes.training.checkpoint import CHECKPOINTS
+from ascend_llm_recipes.training.errors import ConversionError, PretrainError
+from ascend_llm_recipes.training.recipe import ModelConfig, ModelSection, load_recipe
+from ascend_llm_recipes.training.train import RESOLVED_RECIPE as RUN_RECIPE
+from ascend_llm_recipes.training.schema import load_dataclass, to_plain
 
 FORMAT_VERSION = 1
 CHECKPOINT_FILE = "weights.safetensors"  # not model.safetensors: see the module docstring
@@ -575,7 +575,7 @@ def copy_hf_tokenizer(hf_dir: str, work_dir: str, out_dir: str) -> tuple:
 
     Returns (a note for the summary, [{file, sha256}]).
     """
-    from data.tokenizer import file_sha256
+    from ascend_llm_recipes.data.tokenizer import file_sha256
 
     files = []
     for name in HF_TOKENIZER_FILES:
@@ -645,7 +645,7 @@ def architecture_differences(recorded: ModelConfig, wanted: ModelConfig) -> list
 
 
 def _run_recipe(run_dir: str):
-    from training.recipe import recipe_from_dict
+    from ascend_llm_recipes.training.recipe import recipe_from_dict
 
     path = os.path.join(run_dir, RUN_RECIPE)
     try:
@@ -657,8 +657,8 @@ def _run_recipe(run_dir: str):
 
 def _newest_valid_checkpoint(run_dir: str, model_config: str = None) -> tuple:
     """(rank 0's file, model section, notes) of a run's newest verified step, by the resume rule."""
-    from models.shapes import parameter_shapes
-    from training.checkpoint import MANIFEST, newest_valid_step, read_json
+    from ascend_llm_recipes.models.shapes import parameter_shapes
+    from ascend_llm_recipes.training.checkpoint import MANIFEST, newest_valid_step, read_json
 
     recipe = _run_recipe(run_dir)
     section = model_config or os.path.join(run_dir, RUN_RECIPE)
@@ -711,8 +711,8 @@ def find_our_checkpoint(source: str, model_config: str = None) -> tuple:
 
 def _check_against_manifest(ckpt: str) -> None:
     """A checkpoint file named directly is still checked against the manifest.json a save wrote beside it."""
-    from training.checkpoint import MANIFEST, read_json
-    from data.tokenizer import file_sha256
+    from ascend_llm_recipes.training.checkpoint import MANIFEST, read_json
+    from ascend_llm_recipes.data.tokenizer import file_sha256
 
     manifest = os.path.join(os.path.dirname(ckpt), MANIFEST)
     if not os.path.isfile(manifest):
@@ -809,8 +809,8 @@ HF_TOKENIZER_CONFIG = {  # what transformers' LlamaTokenizer needs for data/toke
 
 def run_tokenizer(section_path: str) -> tuple:
     """((tokenizer file, its manifest entry) to copy or None, a note for the manifest) from a run's dataset."""
-    from data.mindrecord_io import MANIFEST as DATA_MANIFEST
-    from data.tokenizer import file_sha256
+    from ascend_llm_recipes.data.mindrecord_io import MANIFEST as DATA_MANIFEST
+    from ascend_llm_recipes.data.tokenizer import file_sha256
 
     if os.path.basename(section_path) != RUN_RECIPE:
         return None, "not copied: the source is not a training run (no dataset names a tokenizer)"
@@ -848,7 +848,7 @@ def load_our_model(converted_dir: str):
     if "LOCAL_DEFAULT_PATH" not in os.environ:  # MindFormers logs to ./output from import time on otherwise
         os.environ["LOCAL_DEFAULT_PATH"] = tempfile.mkdtemp(prefix="mindformers-log-")
     import mindspore as ms
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 
     cfg, _ = read_model_section(os.path.join(converted_dir, MODEL_SECTION_FILE))
     if ms.get_context("device_target") != "CPU":  # compared with transformers on the CPU

@@ -29,8 +29,8 @@ from mindformers.models.modeling_utils import PreTrainedModel
 from mindformers.models.utils import lazy_inline
 from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 
-from models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
-from models.arithmetic import VOCAB_ALIGN, padded_vocab_size
+from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
+from ascend_llm_recipes.models.arithmetic import VOCAB_ALIGN, padded_vocab_size
 
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 MASK_VALUE = -1e9
@@ -510,7 +510,7 @@ class LlamaForCausalLM(PreTrainedModel):
     def apply_parallel_layout(self, parallel_config) -> None:
         """Shard strategies, pipeline stages and recompute, all from models/parallel.py."""
         if parallel_config is not None:
-            from models.parallel import apply_layout, plan_layout_from_mindformers
+            from ascend_llm_recipes.models.parallel import apply_layout, plan_layout_from_mindformers
             apply_layout(self, plan_layout_from_mindformers(self.config, parallel_config))
 
     def padded_logits(self, tokens):

@@ -36,15 +36,16 @@ import time
 import numpy as np
 import yaml
 
-from models.checkpoint_io import CkptFile, SafetensorsFile, TorchBinFile
-from models.convert import (CHECKPOINT_FILE, FORMAT_VERSION, MANIFEST_FILE, MODEL_SECTION_FILE,
-                            TIED_HEAD, HFWeights, _check_tied_copy, _progress, _write_weights, check_tensors,
-                            check_parity, compare_logits, dimensions, existing_conversion, find_our_checkpoint,
-                            fingerprint, load_our_model, model_config_from_hf, model_section_yaml, publish,
-                            read_model_section, recipe_keys, tensor_plan, work_dir_for)
-from training.errors import ConversionError
-from training.recipe import ModelConfig
-from training.schema import to_plain
+from ascend_llm_recipes.models.checkpoint_io import CkptFile, SafetensorsFile, TorchBinFile
+from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, FORMAT_VERSION, MANIFEST_FILE, MODEL_SECTION_FILE,
+                                               TIED_HEAD, HFWeights, _check_tied_copy, _progress, _write_weights,
+                                               check_tensors, check_parity, compare_logits, dimensions,
+                                               existing_conversion, find_our_checkpoint, fingerprint, load_our_model,
+                                               model_config_from_hf, model_section_yaml, publish, read_model_section,
+                                               recipe_keys, tensor_plan, work_dir_for)
+from ascend_llm_recipes.training.errors import ConversionError
+from ascend_llm_recipes.training.recipe import ModelConfig
+from ascend_llm_recipes.training.schema import to_plain
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 OPTIMIZER_DIR = "optimizer"  # of a conversion: adam_m.safetensors, adam_v.safetensors (weights' names)
@@ -985,9 +986,9 @@ def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir
     Validated with the strict loader (planning mode) and the planner before it appears. Returns
     {"path", "notes", "plan"}.
     """
-    from training.errors import RecipeError
-    from training.planner import plan, verdict
-    from training.recipe import load_recipe
+    from ascend_llm_recipes.training.errors import RecipeError
+    from ascend_llm_recipes.training.planner import plan, verdict
+    from ascend_llm_recipes.training.recipe import load_recipe
 
     converted_dir = os.path.abspath(converted_dir)
     cfg, _ = read_model_section(os.path.join(converted_dir, MODEL_SECTION_FILE))
@@ -1031,7 +1032,7 @@ def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir
 def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int, cfg: ModelConfig,
                            converted_dir: str, optimizer: dict) -> list:
     """Fill data with the Megatron run's batch, optimizer, LR schedule and parallel layout; returns notes."""
-    from models.parallel import layout_problems
+    from ascend_llm_recipes.models.parallel import layout_problems
 
     notes = []
     micro, global_batch = args.get("micro_batch_size") or 1, args.get("global_batch_size") or 1
@@ -1090,8 +1091,8 @@ def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int,
 
 def run_cli(parser, args) -> int:
     """scripts/convert_checkpoint.py for --from-megatron, --from-torch, --to-megatron and --write-recipe."""
-    from models.convert import from_hf, summary
-    from training.errors import PretrainError
+    from ascend_llm_recipes.models.convert import from_hf, summary
+    from ascend_llm_recipes.training.errors import PretrainError
 
     if args.key_map and not args.from_torch:
         parser.error("--key-map applies to --from-torch")

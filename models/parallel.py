@@ -14,7 +14,7 @@ across the output projection (and, unless vocab_emb_dp, the embedding table).
 
 from dataclasses import dataclass, field
 
-from models.arithmetic import VOCAB_ALIGN, padded_vocab_size
+from ascend_llm_recipes.models.arithmetic import VOCAB_ALIGN, padded_vocab_size
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 # recompute_config keys MindSpore's Cell.recompute acts on (mindspore/nn/cell.py:3685-3692); its third,

@@ -4,7 +4,7 @@ Used to check a checkpoint against a recipe before any weight is loaded (a check
 another model would otherwise fail an hour later, or load silently into the wrong shapes).
 """
 
-from models.arithmetic import VOCAB_ALIGN, padded_vocab_size
+from ascend_llm_recipes.models.arithmetic import VOCAB_ALIGN, padded_vocab_size
 
 
 def parameter_shapes(cfg, tensor_parallel: int = 1) -> dict:

@@ -76,8 +76,7 @@ def main(argv=None) -> int:
 
     work = args.workdir or tempfile.mkdtemp(prefix="benchmark-convert-")
     os.makedirs(work, exist_ok=True)
-    env = dict(os.environ, LOCAL_DEFAULT_PATH=os.path.join(work, "mindformers-log"),
-               PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, LOCAL_DEFAULT_PATH=os.path.join(work, "mindformers-log"))
     hf_dir = os.path.join(work, "hf")
     try:
         print(f"[benchmark] creating a random Llama ({args.hidden} hidden, {args.layers} layers, vocab {args.vocab}, "

@@ -37,7 +37,6 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 METHODS = ("ours", "baseline", "ceiling", "ours_hf", "ceiling_hf")
 CEILING = {"ours": "ceiling", "baseline": "ceiling", "ceiling": "ceiling", "ours_hf": "ceiling_hf",
@@ -46,7 +45,7 @@ CEILING = {"ours": "ceiling", "baseline": "ceiling", "ceiling": "ceiling", "ours
 
 def build_corpus(path: str, megabytes: int, seed: int = 0) -> None:
     """Distinct documents of 1-16 KB, each a seeded random run of stdlib paragraphs, as JSONL."""
-    from data.corpus import python_stdlib_files
+    from ascend_llm_recipes.data.corpus import python_stdlib_files
 
     paragraphs = [p for f in python_stdlib_files() for p in f.read_text(encoding="utf-8").split("\n\n")
                   if len(p.strip()) > 40]
@@ -64,7 +63,7 @@ def build_corpus(path: str, megabytes: int, seed: int = 0) -> None:
 
 
 def run_ours(corpus: str, tokenizer: str, out: str, seq_length: int) -> int:
-    from data.prepare import prepare_dataset
+    from ascend_llm_recipes.data.prepare import prepare_dataset
 
     manifest = prepare_dataset(out, seq_length, inputs=[corpus], tokenizer=tokenizer, show_progress=False,
                                samples_per_shard=max(256, (4 << 20) // (4 * (seq_length + 1))))
@@ -114,7 +113,7 @@ def run_ceiling_hf(corpus: str, tokenizer: str, out: str, seq_length: int) -> tu
     """(tokens, seconds of encoding alone) with `tokenizers`' batch encoding, documents read before the clock."""
     from tokenizers import Tokenizer
 
-    from data.tokenizer import resolve_tokenizer
+    from ascend_llm_recipes.data.tokenizer import resolve_tokenizer
 
     hf = Tokenizer.from_file(resolve_tokenizer(tokenizer))
     hf.encode_special_tokens = True  # as data/workers.py: special tokens written in the text are text
@@ -138,7 +137,7 @@ def hf_conversion(sp_model: str, out_dir: str) -> str:
 def child(method: str, corpus: str, tokenizer: str, out: str, seq_length: int) -> None:
     """Runs in the measured process; prints one JSON line."""
     if method in ("ours", "ours_hf"):  # import MindSpore before the clock, as the others do
-        import data.prepare  # noqa: F401
+        import ascend_llm_recipes.data.prepare  # noqa: F401
     elif method == "baseline":
         import mindformers.models.llama.llama_tokenizer  # noqa: F401
     start = time.perf_counter()
@@ -220,7 +219,7 @@ def main(argv=None) -> int:
 
     import shutil
 
-    from data.tokenizer import train_tokenizer
+    from ascend_llm_recipes.data.tokenizer import train_tokenizer
 
     os.makedirs(args.workdir, exist_ok=True)
     corpora = {}

@@ -28,11 +28,10 @@ import sys
 import tempfile
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
 # Importing MindFormers creates ./output/log unless told where to log.
 os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers-log-"))
 
-from training import benchmark  # noqa: E402
+from ascend_llm_recipes.training import benchmark  # noqa: E402  (after the log-directory default)
 
 BUSY_LOAD_PER_CORE = 0.25  # 1-minute load average per core above which other work distorts the medians
 

@@ -14,15 +14,13 @@ Exit codes: 0 converted, 2 bad input (the message says what to fix), 1 internal 
 """
 
 import argparse
-import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.convert import from_hf, summary, to_hf  # noqa: E402
-from training.errors import PretrainError  # noqa: E402
-from training.preflight import check_writable_dir  # noqa: E402
+from ascend_llm_recipes.models.convert import from_hf, summary, to_hf
+from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.training.preflight import check_writable_dir
 
 
 def main(argv=None) -> int:
@@ -65,7 +63,7 @@ def main(argv=None) -> int:
         parser.error("--verify and --seq-length apply to --from-hf")
     try:
         if megatron:
-            from models.megatron import run_cli
+            from ascend_llm_recipes.models.megatron import run_cli
 
             return run_cli(parser, args)
         check_writable_dir(args.output, "--output")

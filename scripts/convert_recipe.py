@@ -9,13 +9,11 @@ reason. Without --report the report is printed.
 """
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.errors import PretrainError  # noqa: E402
-from training.mindformers_config import from_mindformers, to_mindformers, write_output  # noqa: E402
+from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.training.mindformers_config import from_mindformers, to_mindformers, write_output
 
 
 def main(argv=None) -> int:

@@ -9,10 +9,9 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.errors import PretrainError  # noqa: E402
-from training.plots import plot_runs  # noqa: E402
+from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.training.plots import plot_runs
 
 
 def main(argv=None) -> int:

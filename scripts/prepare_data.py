@@ -20,15 +20,13 @@ Hangul, full-width forms) as 3 characters, so the default 32 keeps a Chinese sen
 
 import argparse
 import errno
-import os
 import shlex
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.errors import PretrainError  # noqa: E402
-from training.preflight import check_writable_dir  # noqa: E402
+from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.training.preflight import check_writable_dir
 
 
 # Errors from paths the user gave (permissions, read-only disks, a file where a directory belongs, a full disk).
@@ -96,14 +94,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.validate:
-            from data.inspection import validate_dataset
+            from ascend_llm_recipes.data.inspection import validate_dataset
             print(validate_dataset(args.validate, args.recipe))
         elif args.report:
-            from data.inspection import report_dataset
+            from ascend_llm_recipes.data.inspection import report_dataset
             text, plots = report_dataset(args.report, args.report_output)
             print(text + "\n\nplots: " + ", ".join(plots))
         elif args.show:
-            from data.inspection import show_sample
+            from ascend_llm_recipes.data.inspection import show_sample
             print(show_sample(args.show, args.sample))
         else:
             return build(parser, args, argv)
@@ -126,11 +124,11 @@ def main(argv=None) -> int:
 
 
 def build(parser: argparse.ArgumentParser, args, argv) -> int:
-    from data.prepare import prepare_dataset, summary
+    from ascend_llm_recipes.data.prepare import prepare_dataset, summary
 
     model_vocab = 0
     if args.recipe:
-        from training.recipe import load_recipe
+        from ascend_llm_recipes.training.recipe import load_recipe
         model = load_recipe(args.recipe).model.model_config
         args.seq_length = args.seq_length or model.seq_length
         model_vocab = model.vocab_size

@@ -2,6 +2,9 @@
 # Validate a recipe, prepare its dataset if needed, and train through msrun.
 #   bash scripts/run_distributed.sh recipes/demo_cpu.yaml [--set key.path=value ...]
 set -euo pipefail
-REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
-exec python -m training.launch "$@"
+if ! python -c "import ascend_llm_recipes.training" 2>/dev/null; then
+  echo "error: the ascend_llm_recipes package is not installed in this Python ($(command -v python));" >&2
+  echo "  install it once from the repository root: pip install -e \"$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)\"" >&2
+  exit 2
+fi
+exec python -m ascend_llm_recipes.training.launch "$@"

@@ -16,11 +16,10 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.checkpoint import (CHECKPOINTS, INVALID, REASON, describe_step, step_world_size,  # noqa: E402
-                                 steps_to_verify, verify_step)
-from training.errors import PretrainError  # noqa: E402
+from ascend_llm_recipes.training.checkpoint import (CHECKPOINTS, INVALID, REASON, describe_step, step_world_size,
+                                                    steps_to_verify, verify_step)
+from ascend_llm_recipes.training.errors import PretrainError
 
 
 def main(argv=None) -> int:
@@ -32,8 +31,8 @@ def main(argv=None) -> int:
     shapes = None
     try:
         if args.recipe:
-            from models.shapes import parameter_shapes
-            from training.recipe import load_recipe
+            from ascend_llm_recipes.models.shapes import parameter_shapes
+            from ascend_llm_recipes.training.recipe import load_recipe
             recipe = load_recipe(args.recipe, tuple(args.overrides), planning=True)
             shapes = parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
         directories = steps_to_verify(args.path)

@@ -2,7 +2,6 @@
 
 import importlib.util
 import os
-import sys
 import tempfile
 
 import pytest
@@ -11,7 +10,6 @@ import pytest
 os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers-log-"))
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
 
 TINY_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_cpu.yaml")
 DEMO_RECIPE = os.path.join(REPO_ROOT, "recipes", "demo_cpu.yaml")
@@ -24,8 +22,8 @@ LLAMA2_LAYOUT_SP_MODEL = os.path.join(importlib.util.find_spec("mistral_common")
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory):
     """The tiny recipe's dataset, prepared once per test session."""
-    from data.prepare import prepare_dataset
-    from training.recipe import load_recipe
+    from ascend_llm_recipes.data.prepare import prepare_dataset
+    from ascend_llm_recipes.training.recipe import load_recipe
 
     recipe = load_recipe(TINY_RECIPE)
     out = str(tmp_path_factory.mktemp("data") / "tiny")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from models.arithmetic import flops_per_token, padded_vocab_size, param_count
-from models.presets import PRESETS, PUBLISHED_PARAMETERS, preset
+from ascend_llm_recipes.models.arithmetic import flops_per_token, padded_vocab_size, param_count
+from ascend_llm_recipes.models.presets import PRESETS, PUBLISHED_PARAMETERS, preset
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
@@ -37,7 +37,7 @@ def test_padded_vocabulary():
 @pytest.mark.parametrize("fields", [
     dict(tie_word_embeddings=True), dict(qkv_bias=True), dict(num_kv_heads=1), dict(vocab_size=100)])
 def test_count_matches_real_cells(fields):
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 
     base = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                 intermediate_size=96, seq_length=32)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT
-from training.errors import RecipeError
-from training.recipe import load_recipe
+from ascend_llm_recipes.training.errors import RecipeError
+from ascend_llm_recipes.training.recipe import load_recipe
 
 TINY_ASCEND = os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml")
 LAYOUTS = {  # the acceptance kit's layouts, all at a global batch of 8 sequences
@@ -33,7 +33,7 @@ def test_full_batch_agrees_with_the_context_mindformers_builds(tmp_path, tiny_da
     import mindspore as ms
     from mindformers import MindFormerConfig
     from mindformers.trainer.base_trainer import BaseTrainer
-    from training.train import mindformers_config
+    from ascend_llm_recipes.training.train import mindformers_config
 
     recipe = ascend_recipe(tmp_path, tiny_dataset, *LAYOUTS["dp2_tp2_pp2"])
     config = MindFormerConfig(**mindformers_config(recipe, str(tmp_path)))
@@ -48,7 +48,7 @@ def test_full_batch_agrees_with_the_context_mindformers_builds(tmp_path, tiny_da
 
 
 def test_every_rank_reads_the_global_batch_under_semi_auto(tmp_path, tiny_dataset):
-    from data.loader import rank_samples, training_order
+    from ascend_llm_recipes.data.loader import rank_samples, training_order
 
     global_batches = {}
     for name, overrides in LAYOUTS.items():
@@ -65,7 +65,7 @@ def test_every_rank_reads_the_global_batch_under_semi_auto(tmp_path, tiny_datase
 
 
 def test_data_parallel_mode_ranks_read_disjoint_slices(tmp_path, tiny_dataset):
-    from data.loader import rank_samples, training_order
+    from ascend_llm_recipes.data.loader import rank_samples, training_order
 
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml"),
                          [f"train_dataset.data_loader.dataset_dir={tiny_dataset}", f"output_dir={tmp_path}"])
@@ -95,7 +95,7 @@ def test_ignored_keys_are_refused_by_name(tmp_path, override, match):
 def test_recompute_options_and_fusion_groups_reach_the_cells():
     """recompute_config's Cell.recompute options and gradient_aggregation_group are applied per layer."""
     from mindformers.modules.transformer.transformer import TransformerOpParallelConfig, TransformerRecomputeConfig
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 
     def build(pp, **recompute):
         parallel = TransformerOpParallelConfig(
@@ -116,7 +116,6 @@ def test_recompute_options_and_fusion_groups_reach_the_cells():
 
 SELF_TEST_WORKER = """
 import os, sys
-sys.path.insert(0, {root!r})
 import mindspore as ms
 from mindspore.communication import init
 ms.set_context(mode=0, device_target="CPU")
@@ -125,7 +124,7 @@ if os.environ.get("MS_ROLE") == "MS_SCHED":
     sys.exit(0)
 # The context training.train builds for an Ascend recipe before its collective self-test.
 ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", full_batch=True)
-from training.collectives import all_reduce_sum
+from ascend_llm_recipes.training.collectives import all_reduce_sum
 got = all_reduce_sum([1.0, 2.0]).tolist()
 print("RESULT", got, ms.get_auto_parallel_context("parallel_mode"), ms.get_auto_parallel_context("full_batch"))
 """
@@ -139,7 +138,7 @@ def test_collective_self_test_runs_inside_a_semi_auto_context(tmp_path):
     import subprocess
 
     script = tmp_path / "worker.py"
-    script.write_text(SELF_TEST_WORKER.format(root=REPO_ROOT))
+    script.write_text(SELF_TEST_WORKER)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -159,7 +158,7 @@ ASCEND_RECIPES = {"llama2_7b_8dev": 8, "llama2_13b_8dev": 16, "llama2_70b_32dev"
 
 @pytest.mark.parametrize("name,summed", ASCEND_RECIPES.items())
 def test_shipped_ascend_recipes_run_the_pipeline_wrapper_and_divide_its_loss(name, summed):
-    from training.train_step import PIPELINE_WRAPPER_TYPE, summed_micro_batches, train_step_wrapper
+    from ascend_llm_recipes.training.train_step import PIPELINE_WRAPPER_TYPE, summed_micro_batches, train_step_wrapper
 
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), planning=True)
     assert train_step_wrapper(recipe) == PIPELINE_WRAPPER_TYPE
@@ -167,7 +166,7 @@ def test_shipped_ascend_recipes_run_the_pipeline_wrapper_and_divide_its_loss(nam
 
 
 def tiny_net():
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
                                         intermediate_size=64, seq_length=16))
@@ -178,8 +177,8 @@ def test_logged_loss_is_the_mean_of_the_summing_wrappers_output(tmp_path, tiny_d
     """MindSpore's GradAccumulationCell / PipelineCell on CPU sum 4 micro-batch losses; the record divides by 4."""
     import mindspore as ms
     from mindspore import nn
-    from training.callbacks import StepRecorder
-    from training.heartbeat import Heartbeat
+    from ascend_llm_recipes.training.callbacks import StepRecorder
+    from ascend_llm_recipes.training.heartbeat import Heartbeat
 
     recipe = ascend_recipe(tmp_path, tiny_dataset, *LAYOUTS[layout])
     net = tiny_net()
@@ -197,8 +196,8 @@ def test_logged_loss_is_the_mean_of_the_summing_wrappers_output(tmp_path, tiny_d
 
 def test_portable_wrapper_refuses_a_network_that_sums_micro_batches():
     from mindspore import nn
-    from training.errors import LaunchError
-    from training.train_step import PortableTrainOneStepCell
+    from ascend_llm_recipes.training.errors import LaunchError
+    from ascend_llm_recipes.training.train_step import PortableTrainOneStepCell
 
     net = tiny_net()
     with pytest.raises(LaunchError, match="GradAccumulationCell, whose loss is a sum over micro-batches"):
@@ -209,7 +208,7 @@ def test_portable_wrapper_refuses_a_network_that_sums_micro_batches():
 def test_shipped_layouts_fit_and_state_the_planned_figure(name):
     """Each Ascend recipe's header states the corrected planner's per-device figure, and it fits the cap."""
     import re
-    from training.planner import GB, plan
+    from ascend_llm_recipes.training.planner import GB, plan
 
     path = os.path.join(REPO_ROOT, "recipes", f"{name}.yaml")
     header = open(path, encoding="utf-8").read()
@@ -220,7 +219,7 @@ def test_shipped_layouts_fit_and_state_the_planned_figure(name):
 
 def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
     import subprocess
-    from training.acceptance import LAYOUTS, MULTI_NODE_RECIPES, NODE_RECIPES, NOT_RUN
+    from ascend_llm_recipes.training.acceptance import LAYOUTS, MULTI_NODE_RECIPES, NODE_RECIPES, NOT_RUN
 
     out = tmp_path / "out"
     result = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "ascend_acceptance.sh"), str(out)],
@@ -278,7 +277,7 @@ def test_flash_attention_rules_of_mindformers_are_checked_on_ascend_recipes(tmp_
 def test_lazy_inline_is_where_mindspore_runs_it():
     """MindFormers applies lazy_inline outside stand-alone mode; MindSpore 2.9's CPU backend cannot run it."""
     import mindspore as ms
-    from models.llama import LlamaForCausalLM, lazy_inline_applies
+    from ascend_llm_recipes.models.llama import LlamaForCausalLM, lazy_inline_applies
 
     assert lazy_inline_applies("Ascend", "semi_auto_parallel") and lazy_inline_applies("Ascend", "data_parallel")
     assert not lazy_inline_applies("Ascend", "stand_alone") and not lazy_inline_applies("CPU", "data_parallel")
@@ -297,7 +296,7 @@ def test_lazy_inline_is_where_mindspore_runs_it():
 @pytest.mark.parametrize("name", ASCEND_RECIPES)
 def test_shipped_recipes_use_the_lowest_optimizer_level_that_fits(name):
     """level3 re-gathers fp32 weights per micro-batch: a recipe uses it only when its plan needs it."""
-    from training.planner import lowest_fitting_optimizer_level, plan
+    from ascend_llm_recipes.training.planner import lowest_fitting_optimizer_level, plan
 
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), planning=True)
     assert recipe.parallel.parallel_optimizer_config.optimizer_level == lowest_fitting_optimizer_level(recipe)
@@ -313,7 +312,7 @@ def test_llama2_7b_runs_mindformers_layout_without_recompute():
 
 def test_throughput_check_reads_tokens_per_device_mfu_and_compile_time(tmp_path):
     import json
-    from training.acceptance import MINDFORMERS_TOKENS_PER_S_PER_DEVICE, throughput
+    from ascend_llm_recipes.training.acceptance import MINDFORMERS_TOKENS_PER_S_PER_DEVICE, throughput
 
     rows = [{"step": 1, "tokens_per_s_per_device": 10.0, "mfu": 0.01, "step_time": 95.0, "compile": True}]
     rows += [{"step": s, "tokens_per_s_per_device": 4300.0 + s, "mfu": 0.5, "step_time": 7.6, "compile": False}

@@ -2,7 +2,7 @@
 
 import math
 
-from training import benchmark
+from ascend_llm_recipes.training import benchmark
 
 
 def test_smoke_shape_trains_both_frameworks_side_by_side(tmp_path):

@@ -10,8 +10,9 @@ import time
 import pytest
 
 from conftest import REPO_ROOT, TINY_RECIPE
-from training.checkpoint import MANIFEST, newest_valid_step, read_json, step_dir, verify_step, write_rank
-from training.job import LOCK_FILE
+from ascend_llm_recipes.training.checkpoint import (MANIFEST, newest_valid_step, read_json, step_dir, verify_step,
+                                                    write_rank)
+from ascend_llm_recipes.training.job import LOCK_FILE
 
 LAUNCHER = os.path.join(REPO_ROOT, "scripts", "run_distributed.sh")
 SAVE = ["--set", "callbacks.1.save_checkpoint_steps=5", "--set", "callbacks.1.keep_checkpoint_max=3"]
@@ -151,8 +152,8 @@ def files_and_bytes(directory):
 
 
 def test_rerun_of_a_complete_run_does_nothing(baseline, tiny_dataset, capsys):
-    from training.errors import LaunchError
-    from training.launch import launch
+    from ascend_llm_recipes.training.errors import LaunchError
+    from ascend_llm_recipes.training.launch import launch
 
     before = files_and_bytes(baseline)
     code, output = rerun(baseline, tiny_dataset)
@@ -185,9 +186,9 @@ def corrupt_bytes(step_directory):
 def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_dataset, tmp_path):
     """Newest step corrupt, the one before it with a truncated state.json, metrics.jsonl torn: amended to stop at 12."""
     from scripts.verify_checkpoint import main as verify
-    from training.errors import LaunchError
-    from training.launch import prepare_run_dir
-    from training.recipe import load_recipe
+    from ascend_llm_recipes.training.errors import LaunchError
+    from ascend_llm_recipes.training.launch import prepare_run_dir
+    from ascend_llm_recipes.training.recipe import load_recipe
 
     run_dir = str(tmp_path / "run")
     shutil.copytree(baseline, run_dir)
@@ -223,8 +224,8 @@ def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_da
 
 
 def test_deleted_state_json_falls_back_to_the_previous_step(baseline, tiny_dataset, tmp_path):
-    from training.launch import prepare_run_dir
-    from training.recipe import load_recipe
+    from ascend_llm_recipes.training.launch import prepare_run_dir
+    from ascend_llm_recipes.training.recipe import load_recipe
 
     run_dir = str(tmp_path / "run")
     shutil.copytree(baseline, run_dir)
@@ -245,8 +246,8 @@ def test_recipe_change_that_alters_shapes_is_refused(baseline, tiny_dataset):
 
 
 def test_truncated_file_and_another_model(baseline, tmp_path):
-    from models.shapes import parameter_shapes
-    from training.recipe import load_recipe
+    from ascend_llm_recipes.models.shapes import parameter_shapes
+    from ascend_llm_recipes.training.recipe import load_recipe
 
     copy = str(tmp_path / "step")
     shutil.copytree(step_dir(baseline, 20), copy)
@@ -267,8 +268,8 @@ def test_truncated_file_and_another_model(baseline, tmp_path):
 def test_missing_optimizer_state_is_refused_for_resume(tmp_path):
     import numpy as np
     import mindspore as ms
-    from models.shapes import parameter_shapes
-    from training.recipe import load_recipe
+    from ascend_llm_recipes.models.shapes import parameter_shapes
+    from ascend_llm_recipes.training.recipe import load_recipe
 
     cfg = load_recipe(TINY_RECIPE).model.model_config
     shapes = parameter_shapes(cfg)
@@ -357,7 +358,7 @@ def test_nan_skip_goes_on(tiny_dataset, tmp_path):
 
 
 def test_loss_spike_against_the_moving_window():
-    from training.callbacks import StepRecorder
+    from ascend_llm_recipes.training.callbacks import StepRecorder
 
     recorder = StepRecorder.__new__(StepRecorder)
     recorder.records = [{"loss": 2.0} for _ in range(5)] + [{"loss": 2.5}]
@@ -372,9 +373,9 @@ def poisoned_dataset(tiny_dataset, root):
     import random
 
     import numpy as np
-    from data.corpus import python_stdlib_files
-    from data.mindrecord_io import read_manifest, read_samples
-    from data.prepare import prepare_dataset
+    from ascend_llm_recipes.data.corpus import python_stdlib_files
+    from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
+    from ascend_llm_recipes.data.prepare import prepare_dataset
 
     src = os.path.join(root, "src")
     os.makedirs(src)

@@ -9,12 +9,12 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT, TINY_RECIPE
-from models.arithmetic import param_count
-from training.errors import RecipeError
-from training.launch import plan_report
-from training.mindformers_config import (LLAMA_CONFIG_ARGS, MF_DEFAULTS, _leaves, from_mindformers,
-                                         mindformers_ffn_width, to_mindformers)
-from training.recipe import load_recipe
+from ascend_llm_recipes.models.arithmetic import param_count
+from ascend_llm_recipes.training.errors import RecipeError
+from ascend_llm_recipes.training.launch import plan_report
+from ascend_llm_recipes.training.mindformers_config import (LLAMA_CONFIG_ARGS, MF_DEFAULTS, _leaves, from_mindformers,
+                                                            mindformers_ffn_width, to_mindformers)
+from ascend_llm_recipes.training.recipe import load_recipe
 
 DATA = os.path.join(REPO_ROOT, "tests", "data", "mindformers")
 SCRIPT = os.path.join(REPO_ROOT, "scripts", "convert_recipe.py")

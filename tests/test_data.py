@@ -7,13 +7,13 @@ import re
 import numpy as np
 import pytest
 
-from data.clean import CleanStats, clean_documents, clean_text
-from data.corpus import python_stdlib_files, read_documents
-from data.mindrecord_io import MANIFEST, partial_dir, read_manifest, read_samples, verify_files
-from data.packing import PackStats, pack_documents
-from data.prepare import check_dataset, prepare_dataset
-from data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
-from training.errors import DataError
+from ascend_llm_recipes.data.clean import CleanStats, clean_documents, clean_text
+from ascend_llm_recipes.data.corpus import python_stdlib_files, read_documents
+from ascend_llm_recipes.data.mindrecord_io import MANIFEST, partial_dir, read_manifest, read_samples, verify_files
+from ascend_llm_recipes.data.packing import PackStats, pack_documents
+from ascend_llm_recipes.data.prepare import check_dataset, prepare_dataset
+from ascend_llm_recipes.data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
+from ascend_llm_recipes.training.errors import DataError
 
 
 def test_clean_text_keeps_cjk_and_drops_controls():
@@ -146,9 +146,9 @@ def test_launch_verifies_shard_contents_before_training(tiny_dataset, tmp_path):
     import shutil
 
     from conftest import TINY_RECIPE
-    from data.mindrecord_io import VERIFY_CACHE
-    from training.launch import ensure_dataset
-    from training.recipe import load_recipe
+    from ascend_llm_recipes.data.mindrecord_io import VERIFY_CACHE
+    from ascend_llm_recipes.training.launch import ensure_dataset
+    from ascend_llm_recipes.training.recipe import load_recipe
 
     copy = str(tmp_path / "copy")
     shutil.copytree(tiny_dataset, copy)
@@ -182,8 +182,8 @@ def test_launch_verifies_shard_contents_before_training(tiny_dataset, tmp_path):
 
 def test_launch_names_what_it_verified(tiny_dataset, capsys):
     from conftest import TINY_RECIPE
-    from training.launch import ensure_dataset
-    from training.recipe import load_recipe
+    from ascend_llm_recipes.training.launch import ensure_dataset
+    from ascend_llm_recipes.training.recipe import load_recipe
 
     recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",))
     ensure_dataset(recipe, show_progress=False)

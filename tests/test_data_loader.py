@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT, TINY_RECIPE
-from data.corpus import python_stdlib_files
-from data.loader import blend_order, build_train_dataset, data_parallel_layout, global_sample_position, \
-    rank_samples
-from data.mindrecord_io import read_manifest, read_samples
-from data.prepare import prepare_dataset
-from training.errors import DataError, RecipeError
-from training.launch import check_blend, launch
-from training.recipe import load_recipe
+from ascend_llm_recipes.data.corpus import python_stdlib_files
+from ascend_llm_recipes.data.loader import (blend_order, build_train_dataset, data_parallel_layout,
+                                            global_sample_position, rank_samples)
+from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
+from ascend_llm_recipes.data.prepare import prepare_dataset
+from ascend_llm_recipes.training.errors import DataError, RecipeError
+from ascend_llm_recipes.training.launch import check_blend, launch
+from ascend_llm_recipes.training.recipe import load_recipe
 
 DP2_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml")
 
@@ -148,7 +148,7 @@ def test_blended_recipe_trains(tmp_path, tiny_dataset, second_dataset):
 
 
 def test_skips_remove_positions_and_a_second_rollback_maps_through_the_first(tiny_dataset):
-    from data.loader import kept_positions, next_samples, skip_range, training_order
+    from ascend_llm_recipes.data.loader import kept_positions, next_samples, skip_range, training_order
 
     assert kept_positions(10, [(2, 4), (7, 8)]).tolist() == [0, 1, 4, 5, 6, 8, 9]
     assert skip_range(40, [], 3, 3, 4) == [[8, 12]]  # step 3 reads positions 8..11

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT, TINY_RECIPE
-from training.launch import launch
+from ascend_llm_recipes.training.launch import launch
 
 DP2_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml")
 STEPS = 8

@@ -18,12 +18,12 @@ import pytest
 import sentencepiece as spm
 
 from conftest import REPO_ROOT
-from data.clean import clean_text
-from data.corpus import python_stdlib_files
-from data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_cached, verify_files
-from data.prepare import prepare_dataset
-from data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
-from training.errors import DataError
+from ascend_llm_recipes.data.clean import clean_text
+from ascend_llm_recipes.data.corpus import python_stdlib_files
+from ascend_llm_recipes.data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_cached, verify_files
+from ascend_llm_recipes.data.prepare import prepare_dataset
+from ascend_llm_recipes.data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
+from ascend_llm_recipes.training.errors import DataError
 
 SCRIPT = os.path.join(REPO_ROOT, "scripts", "prepare_data.py")
 CJK_DOCS = ["中文测试：这是一个包含汉字的文档，用来检查中文文本在清洗、分词和打包之后是否完整无缺。",
@@ -473,11 +473,10 @@ def test_a_huge_single_line_is_tokenized_in_bounded_memory_to_the_same_tokens(tm
     script = tmp_path / "measure.py"
     script.write_text(f"""
 import json, sys
-sys.path.insert(0, {REPO_ROOT!r})
 import sentencepiece as spm
-from data.corpus import Piece, python_stdlib_files
-from data.clean import CleanOptions, clean_text
-from data.workers import WorkerConfig, init_worker, process_chunk
+from ascend_llm_recipes.data.corpus import Piece, python_stdlib_files
+from ascend_llm_recipes.data.clean import CleanOptions, clean_text
+from ascend_llm_recipes.data.workers import WorkerConfig, init_worker, process_chunk
 text = " ".join(f.read_text(encoding="utf-8").replace("\\n", " ") for f in python_stdlib_files()[:400])
 text = clean_text((text * (1 + 4_000_000 // len(text)))[:4_000_000]).strip()
 line = text.encode("utf-8")
@@ -544,7 +543,7 @@ def test_corrupt_index_file_is_a_clear_error_and_index_files_are_hashed(tmp_path
 
 
 def test_padding_plot_counts_shards_in_whole_numbers(tiny_dataset):
-    from data.inspection import padding_figure
+    from ascend_llm_recipes.data.inspection import padding_figure
 
     manifest = read_manifest(tiny_dataset)
     ax = padding_figure(manifest).axes[0]

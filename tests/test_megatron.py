@@ -19,13 +19,13 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, TINY_RECIPE
-from models.convert import HF_WEIGHTS_FILE, MODEL_SECTION_FILE, to_hf
-from models.megatron import from_megatron, from_torch, to_megatron, write_recipe
+from ascend_llm_recipes.models.convert import HF_WEIGHTS_FILE, MODEL_SECTION_FILE, to_hf
+from ascend_llm_recipes.models.megatron import from_megatron, from_torch, to_megatron, write_recipe
 from test_convert import assert_nothing_written, make_hf_model
-from training.errors import ConversionError
-from training.launch import launch
-from training.planner import plan
-from training.recipe import load_recipe
+from ascend_llm_recipes.training.errors import ConversionError
+from ascend_llm_recipes.training.launch import launch
+from ascend_llm_recipes.training.planner import plan
+from ascend_llm_recipes.training.recipe import load_recipe
 
 GENERATOR = os.path.join(REPO_ROOT, "tests", "make_megatron_fixtures.py")
 LAYOUTS = ("tp1", "tp2", "tp2pp2")
@@ -241,7 +241,7 @@ def test_converted_fixture_trains_and_exports(tmp_path, megatron_dir, tiny_datas
 
 def test_adam_moments_of_legacy_files_are_carried_over(tmp_path, megatron_dir):
     """Each rank's moments, found by index in optimizer.state_dict(), are the live optimizer's for that parameter."""
-    from models.megatron import MOMENT_FILES, open_megatron
+    from ascend_llm_recipes.models.megatron import MOMENT_FILES, open_megatron
 
     manifest = from_megatron(str(megatron_dir / "tp2pp2" / "legacy"), str(tmp_path / "ours"), show_progress=False)
     assert manifest["optimizer"]["carried"] and manifest["optimizer"]["global_step"] == 2  # steps taken, not 40
@@ -297,8 +297,8 @@ def test_continued_lr_schedule_equals_megatrons(tmp_path, megatron_dir, style, i
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from mindformers import MindFormerConfig
     from mindformers.core.lr import build_lr
-    import training.optim  # noqa: F401  (registers StartStepLR)
-    from training.train import mindformers_config
+    import ascend_llm_recipes.training.optim  # noqa: F401  (registers StartStepLR)
+    from ascend_llm_recipes.training.train import mindformers_config
 
     ours = tmp_path / "ours"
     from_megatron(str(megatron_dir / "tp1" / "legacy"), str(ours), show_progress=False)  # carries Adam step 2

@@ -2,7 +2,7 @@
 
 import pytest
 
-from training.metrics import measure_cpu_peak_flops, model_flops_utilisation
+from ascend_llm_recipes.training.metrics import measure_cpu_peak_flops, model_flops_utilisation
 
 
 def test_mfu_hand_computed():

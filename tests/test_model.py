@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import mindspore as ms
 
-from models.llama import LlamaConfig, LlamaForCausalLM
+from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 
 ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
 

@@ -3,8 +3,8 @@
 import pytest
 from mindformers.modules.transformer.transformer import TransformerOpParallelConfig, TransformerRecomputeConfig
 
-from models.llama import LlamaConfig, LlamaForCausalLM
-from models.parallel import balanced_stages, layout_problems, plan_layout
+from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
+from ascend_llm_recipes.models.parallel import balanced_stages, layout_problems, plan_layout
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
@@ -110,11 +110,10 @@ def test_problems_name_their_keys():
 
 COVERAGE_WORKER = """
 import sys
-sys.path.insert(0, {root!r})
 import numpy as np, mindspore as ms
 ms.set_context(mode=0, device_target="CPU")
 from mindformers.modules.transformer.transformer import TransformerOpParallelConfig
-from models.llama import LlamaConfig, LlamaForCausalLM
+from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 parallel = TransformerOpParallelConfig(data_parallel=2, model_parallel=2, pipeline_stage=1, micro_batch_num=1)
 net = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
                                    intermediate_size=96, seq_length=32, qkv_bias=True, document_attention=True,
@@ -133,11 +132,10 @@ def test_every_operator_of_the_compiled_tp_graph_has_a_strategy(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO_ROOT
-    from models.parallel import UNSHARDED_OPERATORS
+    from ascend_llm_recipes.models.parallel import UNSHARDED_OPERATORS
 
     script = tmp_path / "compile.py"
-    script.write_text(COVERAGE_WORKER.format(root=REPO_ROOT))
+    script.write_text(COVERAGE_WORKER)
     env = dict(os.environ, MS_DEV_SAVE_GRAPHS="1", MS_DEV_SAVE_GRAPHS_PATH=str(tmp_path / "ir"))
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=300)
@@ -166,7 +164,7 @@ ASCEND_KERNELS = dict(use_flash_attention=True, use_eod_attn_mask_compression=Tr
                                      dict(use_flash_attention=True, use_attn_mask_compression=True)])
 def test_every_primitive_of_every_cell_is_sharded_with_or_without_ascend_kernels(kernels):
     """The Ascend kernels cannot run on CPU, but the cells build: walk every Primitive the cells hold."""
-    from models.parallel import UNSHARDED_OPERATORS, flash_attention_strategy
+    from ascend_llm_recipes.models.parallel import UNSHARDED_OPERATORS, flash_attention_strategy
 
     parallel = TransformerOpParallelConfig(data_parallel=2, model_parallel=2, pipeline_stage=1, micro_batch_num=1)
     net = LlamaForCausalLM(kernel_config(parallel, **kernels))

@@ -3,11 +3,11 @@
 import pytest
 
 from conftest import DEMO_RECIPE, TINY_RECIPE
-from models.arithmetic import flops_per_token, param_count
-from training.errors import PretrainError
-from training.planner import (DEVICES, GB, format_plan, layer_activation_bytes, plan, recompute_working_bytes,
-                              stage_memory, stage_parameters)
-from training.recipe import load_recipe
+from ascend_llm_recipes.models.arithmetic import flops_per_token, param_count
+from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.training.planner import (DEVICES, GB, format_plan, layer_activation_bytes, plan,
+                                                 recompute_working_bytes, stage_memory, stage_parameters)
+from ascend_llm_recipes.training.recipe import load_recipe
 
 SMALL = ("model.model_config.vocab_size=100", "model.model_config.hidden_size=64",
          "model.model_config.num_layers=2", "model.model_config.num_heads=4", "model.model_config.num_kv_heads=2",
@@ -52,7 +52,7 @@ def test_hand_computed_small_model():
 def test_weights_and_optimizer_match_a_real_cpu_allocation(extra):
     import mindspore as ms
     from mindformers.core.optim import AdamW
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 
     r = recipe(*extra)
     c = r.model.model_config
@@ -96,8 +96,8 @@ def test_planner_terms_match_the_real_tensors_on_cpu():
     """Each counted term is the size of the tensor models/llama.py really makes (TP 1, fp32, CPU)."""
     import mindspore as ms
     import numpy as np
-    from models.llama import LlamaConfig, LlamaForCausalLM
-    from training.planner import activation_terms, logits_bytes
+    from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
+    from ascend_llm_recipes.training.planner import activation_terms, logits_bytes
 
     r = recipe(*SMALL)
     c = r.model.model_config

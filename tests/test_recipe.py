@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from conftest import DEMO_RECIPE, REPO_ROOT, TINY_RECIPE
-from training.errors import RecipeError
-from training.recipe import CheckpointMonitorConfig, Recipe, apply_override, load_recipe, read_recipe_file, \
-    recipe_from_dict
+from ascend_llm_recipes.training.errors import RecipeError
+from ascend_llm_recipes.training.recipe import (CheckpointMonitorConfig, Recipe, apply_override, load_recipe,
+                                                read_recipe_file, recipe_from_dict)
 
 
 def write(tmp_path, text, base=TINY_RECIPE):
@@ -173,7 +173,7 @@ SHIPPED = sorted(p for p in glob.glob(os.path.join(REPO_ROOT, "recipes", "*.yaml
 
 @pytest.mark.parametrize("path", SHIPPED)
 def test_header_states_parameters_tokens_and_memory(path):
-    from models.arithmetic import param_count
+    from ascend_llm_recipes.models.arithmetic import param_count
 
     recipe = load_recipe(path)
     with open(path, encoding="utf-8") as f:
@@ -187,7 +187,7 @@ def test_header_states_parameters_tokens_and_memory(path):
 @pytest.mark.parametrize("path", [TINY_RECIPE, DEMO_RECIPE])
 def test_header_parameter_count_matches_the_model(path):
     import mindspore as ms
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 
     cfg = load_recipe(path).model.model_config
     fields = {k: v for k, v in vars(cfg).items() if k not in ("type", "compute_dtype")}
@@ -448,7 +448,7 @@ def test_a_mindformers_config_is_named_with_the_import_command(tmp_path, capsys)
     """MindFormers' own Llama 2 pretraining config (configs/llama2/pretrain_llama2_7b.yaml, same keys and layout)."""
     config = tmp_path / "pretrain_llama2_7b.yaml"
     config.write_text(MINDFORMERS_LLAMA2_7B, encoding="utf-8")
-    from training.launch import main
+    from ascend_llm_recipes.training.launch import main
     assert main([str(config), "--plan"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -525,8 +525,8 @@ def test_one_dataset_listed_twice_through_other_spellings_is_refused_at_load(tmp
 @pytest.fixture(scope="module")
 def small_dataset(tmp_path_factory, tiny_dataset):
     """A few stdlib files with the tiny dataset's tokenizer: blendable with it, and fewer samples."""
-    from data.corpus import python_stdlib_files
-    from data.prepare import prepare_dataset
+    from ascend_llm_recipes.data.corpus import python_stdlib_files
+    from ascend_llm_recipes.data.prepare import prepare_dataset
 
     out = str(tmp_path_factory.mktemp("small") / "small")
     prepare_dataset(out, 64, inputs=[str(p) for p in python_stdlib_files()[100:102]],
@@ -535,9 +535,9 @@ def small_dataset(tmp_path_factory, tiny_dataset):
 
 
 def test_a_missing_dataset_is_built_only_when_it_is_the_recipes_own(tmp_path, tiny_dataset, capsys):
-    from data.mindrecord_io import read_manifest
-    from training.errors import DataError
-    from training.launch import ensure_dataset
+    from ascend_llm_recipes.data.mindrecord_io import read_manifest
+    from ascend_llm_recipes.training.errors import DataError
+    from ascend_llm_recipes.training.launch import ensure_dataset
 
     typo = tmp_path / "pystdlib-sp512-s64-n6O"
     recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={typo}",
@@ -560,11 +560,11 @@ def test_a_missing_dataset_is_built_only_when_it_is_the_recipes_own(tmp_path, ti
 
 
 def test_eval_dataset_must_share_the_tokenizer_and_hold_a_batch(tmp_path, tiny_dataset, small_dataset):
-    from data.corpus import python_stdlib_files
-    from data.mindrecord_io import read_manifest
-    from data.prepare import prepare_dataset
-    from training.errors import DataError
-    from training.launch import check_datasets
+    from ascend_llm_recipes.data.corpus import python_stdlib_files
+    from ascend_llm_recipes.data.mindrecord_io import read_manifest
+    from ascend_llm_recipes.data.prepare import prepare_dataset
+    from ascend_llm_recipes.training.errors import DataError
+    from ascend_llm_recipes.training.launch import check_datasets
 
     def with_eval(eval_dir, *overrides):
         return load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}", "do_eval=True",
@@ -586,8 +586,8 @@ def test_eval_dataset_must_share_the_tokenizer_and_hold_a_batch(tmp_path, tiny_d
 
 
 def test_model_vocabulary_against_the_tokenizer(tiny_dataset):
-    from training.errors import DataError
-    from training.launch import check_datasets
+    from ascend_llm_recipes.training.errors import DataError
+    from ascend_llm_recipes.training.launch import check_datasets
 
     larger = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
                                        "model.model_config.vocab_size=1024"))
@@ -601,8 +601,8 @@ def test_model_vocabulary_against_the_tokenizer(tiny_dataset):
 
 
 def test_blend_members_expected_repeats_are_printed_and_warned(tiny_dataset, small_dataset, capsys):
-    from data.mindrecord_io import read_manifest
-    from training.launch import BLEND_REPEAT_WARNING, ensure_dataset
+    from ascend_llm_recipes.data.mindrecord_io import read_manifest
+    from ascend_llm_recipes.training.launch import BLEND_REPEAT_WARNING, ensure_dataset
 
     big, small = read_manifest(tiny_dataset)["samples"], read_manifest(small_dataset)["samples"]
     recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",

@@ -9,12 +9,12 @@ import pytest
 import sentencepiece as spm
 
 from conftest import LLAMA2_LAYOUT_SP_MODEL
-from data.clean import clean_document
-from data.mindrecord_io import read_manifest, read_samples
-from data.pipeline import PrepareOptions
-from data.prepare import check_dataset, prepare_dataset
-from data.tokenizer import HF, NO_PAD, SENTENCEPIECE, load_tokenizer
-from training.errors import DataError
+from ascend_llm_recipes.data.clean import clean_document
+from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
+from ascend_llm_recipes.data.pipeline import PrepareOptions
+from ascend_llm_recipes.data.prepare import check_dataset, prepare_dataset
+from ascend_llm_recipes.data.tokenizer import HF, NO_PAD, SENTENCEPIECE, load_tokenizer
+from ascend_llm_recipes.training.errors import DataError
 
 SP_MODEL = LLAMA2_LAYOUT_SP_MODEL
 
@@ -121,7 +121,7 @@ def test_a_directory_without_a_tokenizer_is_refused_with_what_to_pass(tmp_path):
 def test_minus_one_padding_keeps_the_loss_of_the_real_tokens_exact():
     """A row padded with -1 has the loss of its real tokens alone (no id is borrowed for padding)."""
     import mindspore as ms
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     ms.set_seed(0)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO_ROOT, TINY_RECIPE
-from training.launch import launch
+from ascend_llm_recipes.training.launch import launch
 
 
 def read_metrics(run_dir, held_out=False):

@@ -7,7 +7,7 @@ import pytest
 from mindspore import Parameter, Tensor, nn, ops
 from mindformers.core.optim import AdamW
 
-from training.train_step import PortableTrainOneStepCell
+from ascend_llm_recipes.training.train_step import PortableTrainOneStepCell
 
 
 class Weighted(nn.Cell):

@@ -130,8 +130,8 @@ def throughput(run_dir: str) -> dict:
 
 def evaluate(out: str, returncodes: dict) -> dict:
     """Every check's verdict and figures from the run directories under `out`."""
-    from training.planner import GB, plan
-    from training.recipe import load_recipe
+    from ascend_llm_recipes.training.planner import GB, plan
+    from ascend_llm_recipes.training.recipe import load_recipe
 
     results = {}
     for name in NODE_RECIPES + MULTI_NODE_RECIPES:
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
 def ascend_missing() -> str:
     """Why this machine cannot run device work (no CANN toolkit, no npu-smi), or '' when it can."""
     import shutil
-    from training.preflight import _cann_version
+    from ascend_llm_recipes.training.preflight import _cann_version
 
     version, where = _cann_version(dict(os.environ))
     if version is None:
@@ -229,8 +229,8 @@ def dry_run_compile(recipe, recipe_path: str) -> int:
 
     DryRun needs MindSpore's Ascend plugin, which needs CANN; without it, say so in one line.
     """
-    from training.launch import prepare_run_dir
-    from training.preflight import _cann_version
+    from ascend_llm_recipes.training.launch import prepare_run_dir
+    from ascend_llm_recipes.training.preflight import _cann_version
 
     version, where = _cann_version(dict(os.environ))
     if version is None:
@@ -246,7 +246,7 @@ def dry_run_compile(recipe, recipe_path: str) -> int:
     for stage in range(p.pipeline_stage):
         rank = stage * per_stage
         env = dict(os.environ, MS_SIMULATION_LEVEL="1", RANK_SIZE=str(recipe.world_size), RANK_ID=str(rank),
-                   LOCAL_DEFAULT_PATH=run_dir, PYTHONPATH=REPO_ROOT)
+                   LOCAL_DEFAULT_PATH=run_dir)
         code = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "scripts", "train.py"), "--run-dir", run_dir],
                               env=env).returncode
         print(f"dry-run: stage {stage} (rank {rank} of {recipe.world_size}): "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from models.arithmetic import flops_per_token
+from ascend_llm_recipes.models.arithmetic import flops_per_token
 
 DEMO_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "demo_cpu.yaml")
 
@@ -77,7 +77,7 @@ def batches(shape: Shape, count: int, seed: int = 0) -> np.ndarray:
 
 def load_shape_recipe(shape: Shape, total_steps: int):
     """The demo recipe (its optimizer, clipping, LR schedule, wrapper) at this model shape."""
-    from training.recipe import load_recipe
+    from ascend_llm_recipes.training.recipe import load_recipe
 
     return load_recipe(DEMO_RECIPE, overrides=shape.overrides() + (f"runner_config.stop_step={total_steps}",))
 
@@ -99,10 +99,10 @@ class MindSporeTrainer:
         from mindformers.trainer.optimizer_grouped_parameters import get_optimizer_grouped_parameters
         from mindformers.wrapper import build_wrapper
 
-        from models.llama import LlamaConfig, LlamaForCausalLM
-        import training.train_step  # noqa: F401  (registers the portable wrapper)
-        import training.optim  # noqa: F401  (registers FoldedAdamW)
-        from training.train import mindformers_config
+        from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
+        import ascend_llm_recipes.training.train_step  # noqa: F401  (registers the portable wrapper)
+        import ascend_llm_recipes.training.optim  # noqa: F401  (registers FoldedAdamW)
+        from ascend_llm_recipes.training.train import mindformers_config
 
         cfg = MindFormerConfig(**mindformers_config(recipe, run_dir))
         ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
@@ -198,7 +198,7 @@ class GemmPeak:
 
     def __init__(self):
         import torch
-        from training.metrics import GEMM_SIZE
+        from ascend_llm_recipes.training.metrics import GEMM_SIZE
 
         self.size = GEMM_SIZE
         self.a = torch.randn(GEMM_SIZE, GEMM_SIZE)
@@ -207,7 +207,7 @@ class GemmPeak:
         self.samples = {"mindspore": [], "torch": []}
 
     def measure(self, repeats: int = 3) -> None:
-        from training.metrics import measure_cpu_peak_flops
+        from ascend_llm_recipes.training.metrics import measure_cpu_peak_flops
 
         self.samples["mindspore"].append(measure_cpu_peak_flops(self.size, repeats))
         best = float("inf")
@@ -330,8 +330,8 @@ def run_demo(steps: int, out_dir: str, dataset_dir: str = None) -> dict:
 def torch_demo(steps: int, dataset_dir: str) -> dict:
     """The PyTorch peer at the demo's shape, reading the demo's MindRecord dataset (batch time included)."""
     import mindspore.dataset as ds
-    from data.mindrecord_io import read_manifest, shard_files
-    from training.recipe import load_recipe
+    from ascend_llm_recipes.data.mindrecord_io import read_manifest, shard_files
+    from ascend_llm_recipes.training.recipe import load_recipe
 
     recipe = load_recipe(DEMO_RECIPE, overrides=(f"runner_config.stop_step={steps}",))
     files = shard_files(dataset_dir, read_manifest(dataset_dir))

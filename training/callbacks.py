@@ -9,9 +9,9 @@ import mindspore as ms
 import numpy as np
 from mindspore.train.callback import Callback
 
-from training.errors import LaunchError
-from training.heartbeat import Heartbeat
-from training.metrics import device_memory_bytes, host_memory_bytes, model_flops_utilisation
+from ascend_llm_recipes.training.errors import LaunchError
+from ascend_llm_recipes.training.heartbeat import Heartbeat
+from ascend_llm_recipes.training.metrics import device_memory_bytes, host_memory_bytes, model_flops_utilisation
 
 
 def _scalar(value):
@@ -49,7 +49,7 @@ class StepRecorder(Callback):
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.tensorboard_dir = tensorboard_dir
-        from training.train_step import summed_micro_batches
+        from ascend_llm_recipes.training.train_step import summed_micro_batches
         self.loss_divisor = summed_micro_batches(recipe)  # the wrapper's loss sums micro-batches
         self.reduce_loss = recipe.use_parallel and recipe.parallel.parallel_mode == 0 and recipe.world_size > 1
         self.records: list = []
@@ -116,7 +116,7 @@ class StepRecorder(Callback):
         if flag and self.peak_flops:
             record["mfu_flag"] = flag
         if self.reduce_loss:
-            from training.collectives import all_reduce_sum
+            from ascend_llm_recipes.training.collectives import all_reduce_sum
             record["rank_loss"] = record["loss"]
             record["loss"] = float(all_reduce_sum([record["loss"]])[0]) / self.devices
         return record
@@ -206,7 +206,7 @@ class HeldOutEval(Callback):
         self.last_step = 0
 
     def _dataset(self):
-        from data.mindrecord_io import read_manifest, shard_files
+        from ascend_llm_recipes.data.mindrecord_io import read_manifest, shard_files
         import mindspore.dataset as ds
 
         files = shard_files(self.dataset_dir, read_manifest(self.dataset_dir))
@@ -297,7 +297,7 @@ class CheckpointSaver(Callback):
     def __init__(self, run_dir: str, rank: int, world_size: int, recorder: StepRecorder, recipe,
                  state_extra: dict, rollbacks: list):
         super().__init__()
-        from data.loader import skip_ranges, training_order
+        from ascend_llm_recipes.data.loader import skip_ranges, training_order
 
         settings = recipe.checkpointing
         self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
@@ -344,7 +344,7 @@ class CheckpointSaver(Callback):
         if self.world_size > 1:
             # Every rank stops at the same step: otherwise that step's checkpoint is incomplete
             # and the ranks still training wait for the others in the next gradient all-reduce.
-            from training.collectives import all_reduce_sum
+            from ascend_llm_recipes.training.collectives import all_reduce_sum
             preempted = bool(all_reduce_sum([1.0 if preempted else 0.0])[0] > 0)
         if (self.every and step % self.every == 0) or preempted:
             self.save(params, step)
@@ -367,7 +367,7 @@ class CheckpointSaver(Callback):
         mean = self.recorder.spike(self.anomaly.spike_factor, self.anomaly.spike_window)
         spiked = mean is not None
         if self.world_size > 1:
-            from training.collectives import all_reduce_sum
+            from ascend_llm_recipes.training.collectives import all_reduce_sum
             spiked = bool(all_reduce_sum([1.0 if spiked else 0.0])[0] > 0)
         if mean is not None:
             self.last_spike = (loss, mean)
@@ -380,8 +380,8 @@ class CheckpointSaver(Callback):
 
     def roll_back(self, step: int, loss: float) -> bool:
         """Stop for a rollback past this step's samples; False (only logged) when there is nothing to roll back to."""
-        from training import checkpoint as ckpt
-        from data.loader import SKIPS_FILE, skip_range
+        from ascend_llm_recipes.training import checkpoint as ckpt
+        from ascend_llm_recipes.data.loader import SKIPS_FILE, skip_range
 
         if len(self.rollbacks) >= self.anomaly.max_rollbacks:
             print(f"[anomaly] step {step}: not rolling back, anomaly.max_rollbacks ({self.anomaly.max_rollbacks}) "
@@ -389,7 +389,7 @@ class CheckpointSaver(Callback):
             return False
         self.wait()
         if self.world_size > 1:
-            from training.collectives import all_reduce_sum
+            from ascend_llm_recipes.training.collectives import all_reduce_sum
             all_reduce_sum([1.0])  # every rank's saves are on disk before anyone looks for the last good one
         good = [s for s in ckpt.complete_steps(self.run_dir, self.world_size) if s < step]
         if not good:
@@ -413,8 +413,8 @@ class CheckpointSaver(Callback):
         return True
 
     def save(self, params, step: int, kind: str = "step") -> str:
-        from data.loader import describe_next, next_samples_count
-        from training import checkpoint as ckpt
+        from ascend_llm_recipes.data.loader import describe_next, next_samples_count
+        from ascend_llm_recipes.training import checkpoint as ckpt
 
         start = time.perf_counter()
         self.wait()  # one save in flight at a time

@@ -20,8 +20,8 @@ import re
 import shutil
 import time
 
-from data.tokenizer import file_sha256
-from training.errors import PretrainError
+from ascend_llm_recipes.data.tokenizer import file_sha256
+from ascend_llm_recipes.training.errors import PretrainError
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from training.errors import LaunchError
+from ascend_llm_recipes.training.errors import LaunchError
 
 LAUNCHER_ENV = "ASCEND_RECIPES_LAUNCHER"
 LOCK_FILE = "launch.lock"
@@ -56,7 +56,7 @@ class JobProcess:
 
     @property
     def is_worker(self) -> bool:
-        from training.preflight import WORKER_MARK
+        from ascend_llm_recipes.training.preflight import WORKER_MARK
         return self.role == "MS_WORKER" and WORKER_MARK in self.command
 
 

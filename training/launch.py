@@ -24,12 +24,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from training.checkpoint import CHECKPOINTS
-from training.errors import DataError, LaunchError, PretrainError
-from training.job import (LAUNCHER_ENV, LOCK_FILE, RunDirLock, describe_holder, job_processes, process_id, send,
-                          start_time)
-from training.recipe import Recipe, load_recipe
-from training.train import RESOLVED_RECIPE, SUMMARY, dataset_manifest_sha256, read_status
+from ascend_llm_recipes.training.checkpoint import CHECKPOINTS
+from ascend_llm_recipes.training.errors import DataError, LaunchError, PretrainError
+from ascend_llm_recipes.training.job import (LAUNCHER_ENV, LOCK_FILE, RunDirLock, describe_holder, job_processes,
+                                             process_id, send, start_time)
+from ascend_llm_recipes.training.recipe import Recipe, load_recipe
+from ascend_llm_recipes.training.train import RESOLVED_RECIPE, SUMMARY, dataset_manifest_sha256, read_status
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_SCRIPT = os.path.join(REPO_ROOT, "scripts", "train.py")
@@ -115,8 +115,8 @@ def ensure_dataset(recipe: Recipe, show_progress: bool = True) -> dict:
     Any other missing dataset directory (a typo, an override) is refused with the command
     that builds it: a mistyped path must never silently become a new dataset.
     """
-    from data.mindrecord_io import MANIFEST
-    from data.prepare import prepare_dataset, summary
+    from ascend_llm_recipes.data.mindrecord_io import MANIFEST
+    from ascend_llm_recipes.data.prepare import prepare_dataset, summary
 
     model = recipe.model.model_config
     dataset_dir = recipe.dataset_dir
@@ -134,7 +134,8 @@ def ensure_dataset(recipe: Recipe, show_progress: bool = True) -> dict:
     for member in checked["blend"]:
         print(f"[launch] blend: {member['dataset_dir']}: weight {member['share']:.1%} of the samples, "
               f"{member['samples']:,} samples, read ~{member['repeats_per_pass']:.2f} times per pass", flush=True)
-    from data.loader import verify_recipe_datasets  # shard contents: full sha256 on first use, then cached
+    # shard contents: full sha256 on first use, then cached
+    from ascend_llm_recipes.data.loader import verify_recipe_datasets
     print("\n".join(f"[launch] {line}" for line in verify_recipe_datasets(recipe)), flush=True)
     return checked["manifest"]
 
@@ -187,7 +188,7 @@ def check_datasets(recipe: Recipe) -> dict:
 
 def _checked_manifest(recipe: Recipe, key: str, dataset_dir: str) -> dict:
     """check_dataset for one recipe key, its errors naming that key (and what data_preparation would build)."""
-    from data.prepare import check_dataset
+    from ascend_llm_recipes.data.prepare import check_dataset
 
     model = recipe.model.model_config
     try:
@@ -209,7 +210,7 @@ def check_blend(recipe: Recipe) -> list:
     Returns per member: its recipe key, directory, samples, share of the draws and how many
     times a pass (sum of the members' sizes drawn by weight) is expected to read each sample.
     """
-    from data.loader import load_sources, recipe_sources
+    from ascend_llm_recipes.data.loader import load_sources, recipe_sources
 
     for dataset_dir, _, key in recipe_sources(recipe):
         _checked_manifest(recipe, key, dataset_dir)
@@ -231,8 +232,8 @@ def check_load_checkpoint(recipe: Recipe) -> None:
     The architecture the checkpoint recorded (a conversion's model_config.yaml, a run's recipe.yaml)
     must equal the recipe's, key by key, and every parameter must be in the checkpoint.
     """
-    from models.convert import architecture_differences, read_model_section, recorded_model_section
-    from training.train import check_checkpoint_parameters
+    from ascend_llm_recipes.models.convert import architecture_differences, read_model_section, recorded_model_section
+    from ascend_llm_recipes.training.train import check_checkpoint_parameters
 
     if not recipe.load_checkpoint:
         return
@@ -272,7 +273,7 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> st
                           hint=f"restore {os.path.join(run_dir, RESOLVED_RECIPE)} to resume, or set another "
                                "output_dir")
     os.makedirs(run_dir, exist_ok=True)
-    from training.checkpoint import write_atomic
+    from ascend_llm_recipes.training.checkpoint import write_atomic
     write_atomic(os.path.join(run_dir, RESOLVED_RECIPE),
                  f"# resolved from {os.path.abspath(recipe_path)}\n" + recipe.to_yaml())
     return run_dir
@@ -293,8 +294,8 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
     is written; then invalid step directories are moved to checkpoints/invalid/ (so retention
     counts valid checkpoints only) and the metrics are cut back to the resumed step.
     """
-    from models.shapes import parameter_shapes
-    from training.checkpoint import MANIFEST, read_json, scan_steps, set_aside
+    from ascend_llm_recipes.models.shapes import parameter_shapes
+    from ascend_llm_recipes.training.checkpoint import MANIFEST, read_json, scan_steps, set_aside
 
     previous = saved_recipe(run_dir)
     if previous.model != recipe.model:
@@ -338,7 +339,7 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
 def saved_recipe(run_dir: str) -> Recipe:
     """RUN_DIR/recipe.yaml, the recipe the run was trained with."""
     import yaml
-    from training.recipe import recipe_from_dict
+    from ascend_llm_recipes.training.recipe import recipe_from_dict
 
     path = os.path.join(run_dir, RESOLVED_RECIPE)
     try:
@@ -382,7 +383,7 @@ def record_amendments(run_dir: str, step: int, changes: list) -> None:
                          for key, old, new in changes)
             f.flush()
             os.fsync(f.fileno())
-    from training.metrics import read_jsonl
+    from ascend_llm_recipes.training.metrics import read_jsonl
 
     history = read_jsonl(path, log=lambda m: print("[launch] warning: " + m, flush=True)) \
         if os.path.isfile(path) else []
@@ -407,8 +408,8 @@ def check_data_position(recipe: Recipe, run_dir: str, previous: Recipe = None) -
     that come next; the resumed recipe must give the same ones (with the same skips), at the
     same global batch (another one would renumber the steps: not supported).
     """
-    from data.loader import SKIPS_FILE, next_samples, read_skips, skip_ranges
-    from training.checkpoint import STATE, CheckpointError, read_json, resumed_steps, state_problems
+    from ascend_llm_recipes.data.loader import SKIPS_FILE, next_samples, read_skips, skip_ranges
+    from ascend_llm_recipes.training.checkpoint import STATE, CheckpointError, read_json, resumed_steps, state_problems
 
     state_path = os.path.join(recipe.load_checkpoint, STATE)
     if not os.path.isfile(state_path):
@@ -462,7 +463,7 @@ def _get(recipe: Recipe, dotted: str):
 
 
 def resumed_step(recipe: Recipe) -> int:
-    from training.checkpoint import MANIFEST, read_json
+    from ascend_llm_recipes.training.checkpoint import MANIFEST, read_json
 
     manifest = os.path.join(recipe.load_checkpoint, "rank_0", MANIFEST)
     return read_json(manifest)["step"] if os.path.isfile(manifest) else 0
@@ -470,8 +471,8 @@ def resumed_step(recipe: Recipe) -> int:
 
 def truncate_metrics(run_dir: str, step: int) -> None:
     """Drop per-step records after `step` (and torn lines, with a warning): the resumed run writes them again."""
-    from training.checkpoint import write_atomic
-    from training.metrics import read_jsonl
+    from ascend_llm_recipes.training.checkpoint import write_atomic
+    from ascend_llm_recipes.training.metrics import read_jsonl
 
     for name in sorted(os.listdir(run_dir)):
         if name.startswith("metrics") and name.endswith(".jsonl"):
@@ -490,8 +491,7 @@ def msrun_command(cluster: Cluster, run_dir: str) -> list:
 
 def worker_env(run_dir: str, local_workers: int, hccl: dict = None) -> dict:
     """Environment for msrun and its workers: identical HCCL settings on every rank, set before init."""
-    env = dict(os.environ, LOCAL_DEFAULT_PATH=run_dir,
-               PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, LOCAL_DEFAULT_PATH=run_dir)
     env.update(hccl or {})
     # msrun sets OMP_NUM_THREADS=1 unless it is already set, which halves CPU kernel speed
     # on a 2-core machine; share the cores between the local workers instead.
@@ -766,7 +766,7 @@ def failure_report(run_dir: str, ranks, outcome: JobOutcome) -> str:
 
 def job_complete(run_dir: str, ranks, world_size: int) -> bool:
     """Every rank of this node wrote 'done' and, on the node of rank 0, the summary's final checkpoint is complete."""
-    from training.checkpoint import complete_steps
+    from ascend_llm_recipes.training.checkpoint import complete_steps
 
     if any((read_status(run_dir, r) or {}).get("state") != "done" for r in ranks):
         return False
@@ -793,7 +793,7 @@ def format_summary(summary: dict) -> str:
 
 def preflight(recipe: Recipe, master_port: int = None) -> list:
     """Run the environment checks and print them."""
-    from training.preflight import format_findings, run_checks
+    from ascend_llm_recipes.training.preflight import format_findings, run_checks
 
     findings = run_checks(recipe, master_port=master_port)
     print(format_findings(findings), flush=True)
@@ -801,7 +801,7 @@ def preflight(recipe: Recipe, master_port: int = None) -> list:
 
 
 def plan_report(recipe: Recipe, device: str = None) -> str:
-    from training.planner import format_plan, plan
+    from ascend_llm_recipes.training.planner import format_plan, plan
 
     return format_plan(plan(recipe, device=device))
 
@@ -812,7 +812,7 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
 
     `amend`: continue a run whose recipe changed, recording the change (continue_run).
     """
-    from training.preflight import has_errors, hccl_env
+    from ascend_llm_recipes.training.preflight import has_errors, hccl_env
 
     recipe = load_recipe(recipe_path, tuple(overrides))
     cluster = resolve_cluster(recipe, nodes, node_rank, master_addr, master_port)
@@ -845,7 +845,7 @@ def lock_run_dir(recipe: Recipe, cluster: Cluster) -> RunDirLock:
 def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, hccl: dict,
             amend: bool = False) -> int:
     """Prepare the (locked) run directory, run msrun until the job ends, report; returns the exit code."""
-    from training.preflight import write_findings
+    from ascend_llm_recipes.training.preflight import write_findings
 
     run_dir = prepare_run_dir(recipe, recipe_path, amend)
     if recipe.resume_training and recipe.load_checkpoint and \
@@ -938,9 +938,9 @@ def main(argv=None) -> int:
             print(plan_report(load_recipe(args.recipe, tuple(args.overrides), planning=True), args.device))
             return 0
         if args.check:
-            from training.preflight import has_errors
+            from ascend_llm_recipes.training.preflight import has_errors
             if args.dry_run:
-                from training.acceptance import dry_run_compile
+                from ascend_llm_recipes.training.acceptance import dry_run_compile
                 return dry_run_compile(load_recipe(args.recipe, tuple(args.overrides), planning=True), args.recipe)
             recipe = load_recipe(args.recipe, tuple(args.overrides))
             return 2 if has_errors(preflight(recipe, master_port=args.master_port)) else 0

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
-from models.arithmetic import param_count
-from training.checkpoint import write_atomic
-from training.errors import RecipeError
-from training.recipe import Recipe, deep_merge, load_recipe, read_recipe_file, read_yaml_file, recipe_from_dict
+from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
+from ascend_llm_recipes.models.arithmetic import param_count
+from ascend_llm_recipes.training.checkpoint import write_atomic
+from ascend_llm_recipes.training.errors import RecipeError
+from ascend_llm_recipes.training.recipe import (Recipe, deep_merge, load_recipe, read_recipe_file, read_yaml_file,
+                                                recipe_from_dict)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASES = {"CPU": os.path.join(REPO_ROOT, "recipes", "base", "cpu.yaml"),

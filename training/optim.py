@@ -28,7 +28,7 @@ from mindspore.ops import operations as P
 from mindformers.core.optim.adamw import AdamW as MindFormersAdamW
 from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 
-from training.recipe import START_STEP_LR
+from ascend_llm_recipes.training.recipe import START_STEP_LR
 
 OPTIMIZER_TYPE = "FoldedAdamW"
 
@@ -98,7 +98,7 @@ class LoadOptimizerState(Callback):
         import os
 
         import mindspore as ms
-        from training.errors import PretrainError
+        from ascend_llm_recipes.training.errors import PretrainError
 
         cb_params = run_context.original_args()
         optimizer = getattr(cb_params.train_network, "optimizer", None) or cb_params.optimizer

@@ -3,8 +3,8 @@
 import os
 import sys
 
-from training.errors import PretrainError
-from training.metrics import read_jsonl
+from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.training.metrics import read_jsonl
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s (global)"),
           ("grad_norm", "gradient norm"), ("data_wait", "data wait (share of iteration)"))

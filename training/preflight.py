@@ -29,8 +29,8 @@ from typing import Literal, Optional
 
 import yaml
 
-from models.arithmetic import param_count
-from training.errors import LaunchError, PretrainError
+from ascend_llm_recipes.models.arithmetic import param_count
+from ascend_llm_recipes.training.errors import LaunchError, PretrainError
 
 SUPPORTED_VERSIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supported_versions.yaml")
 PREFLIGHT_JSON = "preflight.json"
@@ -635,9 +635,9 @@ def write_findings(findings: list, run_dir: str) -> tuple:
 
 
 def main(argv=None) -> int:
-    from training.recipe import load_recipe
+    from ascend_llm_recipes.training.recipe import load_recipe
 
-    parser = argparse.ArgumentParser(prog="python -m training.preflight",
+    parser = argparse.ArgumentParser(prog="python -m ascend_llm_recipes.training.preflight",
                                      description="Check this machine for a recipe without launching.")
     parser.add_argument("recipe")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")

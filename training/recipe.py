@@ -16,10 +16,10 @@ from typing import Literal, Optional, Union
 
 import yaml
 
-from models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
-from models.parallel import layout_problems
-from training.errors import RecipeError
-from training.schema import load_dataclass, to_plain
+from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
+from ascend_llm_recipes.models.parallel import layout_problems
+from ascend_llm_recipes.training.errors import RecipeError
+from ascend_llm_recipes.training.schema import load_dataclass, to_plain
 
 SEQ_ALIGN = 16  # Ascend's Cube unit works on 16x16 tiles.
 

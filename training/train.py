@@ -16,10 +16,10 @@ import traceback
 
 import yaml
 
-from training.errors import LaunchError, PretrainError
-from training.heartbeat import Heartbeat
-from training.job import stop_orphan, watch_launcher
-from training.recipe import START_STEP_LR, Recipe, recipe_from_dict
+from ascend_llm_recipes.training.errors import LaunchError, PretrainError
+from ascend_llm_recipes.training.heartbeat import Heartbeat
+from ascend_llm_recipes.training.job import stop_orphan, watch_launcher
+from ascend_llm_recipes.training.recipe import START_STEP_LR, Recipe, recipe_from_dict
 
 RESOLVED_RECIPE = "recipe.yaml"
 SUMMARY = "summary.json"
@@ -104,7 +104,7 @@ def loaded_checkpoint_files(recipe: Recipe, rank: int) -> tuple:
     one resume_training names, else the one its manifest.json names, else the newest); a
     directory of files gives all of them (complete weights, loaded into every rank).
     """
-    from training.checkpoint import MANIFEST, read_json
+    from ascend_llm_recipes.training.checkpoint import MANIFEST, read_json
 
     path, suffix = recipe.load_checkpoint, "." + recipe.load_ckpt_format
     if os.path.isfile(path):
@@ -130,9 +130,9 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
     then train from their random initialisation (e.g. lm_head of a tied-embedding checkpoint
     loaded into an untied model); weights it does not use are dropped without a word.
     """
-    from models.checkpoint_io import tensor_shapes
-    from models.shapes import parameter_shapes
-    from training.errors import ConversionError
+    from ascend_llm_recipes.models.checkpoint_io import tensor_shapes
+    from ascend_llm_recipes.models.shapes import parameter_shapes
+    from ascend_llm_recipes.training.errors import ConversionError
 
     if not recipe.load_checkpoint:
         return
@@ -167,7 +167,7 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
 
 def resume_step(recipe: Recipe) -> int:
     """The step a resumed run continues after (0 for a fresh run), with its data position checked."""
-    from training.checkpoint import MANIFEST, STATE, read_json, resumed_steps
+    from ascend_llm_recipes.training.checkpoint import MANIFEST, STATE, read_json, resumed_steps
 
     if not recipe.resume_training or not recipe.load_checkpoint:
         return 0
@@ -178,9 +178,9 @@ def resume_step(recipe: Recipe) -> int:
 
 def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) -> tuple:
     """(StepRecorder, CheckpointSaver or None, every callback to pass to the Trainer)."""
-    from data.loader import read_skips
-    from training.callbacks import CheckpointSaver, HeldOutEval, ProfileWindow, StepRecorder
-    from training.metrics import device_peak_flops, training_flops_per_token
+    from ascend_llm_recipes.data.loader import read_skips
+    from ascend_llm_recipes.training.callbacks import CheckpointSaver, HeldOutEval, ProfileWindow, StepRecorder
+    from ascend_llm_recipes.training.metrics import device_peak_flops, training_flops_per_token
 
     rank = rank_id()
     peak, peak_source = device_peak_flops(recipe)
@@ -190,7 +190,7 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
                             training_flops_per_token(recipe), peak, tensorboard, initial_step)
     callbacks = [recorder]
     if recipe.load_optimizer_state:
-        from training.optim import LoadOptimizerState
+        from ascend_llm_recipes.training.optim import LoadOptimizerState
         callbacks.insert(0, LoadOptimizerState(recipe.load_optimizer_state))
     if recipe.do_eval:
         callbacks.append(HeldOutEval(recipe.eval_dataset.data_loader.dataset_dir, recipe.runner_config.batch_size,
@@ -209,7 +209,7 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
 
 def state_hashes(recipe: Recipe, run_dir: str) -> dict:
     """What a checkpoint was trained with: the resolved recipe and the dataset manifest, by sha256."""
-    from training.checkpoint import file_sha256
+    from ascend_llm_recipes.training.checkpoint import file_sha256
 
     return {"recipe_sha256": file_sha256(os.path.join(run_dir, RESOLVED_RECIPE)),
             "dataset_manifest_sha256": dataset_manifest_sha256(recipe)}
@@ -217,8 +217,8 @@ def state_hashes(recipe: Recipe, run_dir: str) -> dict:
 
 def dataset_manifest_sha256(recipe: Recipe) -> str:
     """sha256 of the training dataset's manifest.json: a checkpoint records it, a resume compares it."""
-    from data.mindrecord_io import MANIFEST as DATA_MANIFEST
-    from training.checkpoint import file_sha256
+    from ascend_llm_recipes.data.mindrecord_io import MANIFEST as DATA_MANIFEST
+    from ascend_llm_recipes.training.checkpoint import file_sha256
 
     return file_sha256(os.path.join(recipe.dataset_dir, DATA_MANIFEST))
 
@@ -234,17 +234,17 @@ def run(run_dir: str, started: float = None) -> dict:
     with open(os.path.join(run_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
         recipe = recipe_from_dict(yaml.safe_load(f), os.path.join(run_dir, RESOLVED_RECIPE))
     # The launcher's dataset checks, on the same resolved recipe: the two cannot disagree.
-    from training.launch import check_datasets
+    from ascend_llm_recipes.training.launch import check_datasets
     datasets = check_datasets(recipe)
 
     # MindFormers writes logs under LOCAL_DEFAULT_PATH (default ./output) from import time on.
     os.environ["LOCAL_DEFAULT_PATH"] = run_dir
     from mindformers import MindFormerConfig, Trainer
     from mindformers.core.context import build_context
-    import models.llama  # noqa: F401  (registers the model with MindFormers)
-    import training.train_step  # noqa: F401  (registers the portable train-step wrapper)
-    import training.optim  # noqa: F401  (registers FoldedAdamW)
-    from data.loader import build_train_dataset, read_skips, skip_ranges
+    import ascend_llm_recipes.models.llama  # noqa: F401  (registers the model with MindFormers)
+    import ascend_llm_recipes.training.train_step  # noqa: F401  (registers the portable train-step wrapper)
+    import ascend_llm_recipes.training.optim  # noqa: F401  (registers FoldedAdamW)
+    from ascend_llm_recipes.data.loader import build_train_dataset, read_skips, skip_ranges
     imported = time.time()
 
     heartbeat = Heartbeat(run_dir, rank_id())
@@ -315,7 +315,7 @@ def collective_self_test() -> None:
     here in seconds, with the rank named, instead of as a hang inside the first step.
     """
     from mindspore.communication import get_group_size, get_rank
-    from training.collectives import all_reduce_sum
+    from ascend_llm_recipes.training.collectives import all_reduce_sum
 
     rank, size = get_rank(), get_group_size()
     got = all_reduce_sum([rank + 1.0] * 8)
@@ -329,7 +329,7 @@ def collective_self_test() -> None:
 
 def find_checkpoints(run_dir: str) -> list:
     """This rank's complete checkpoint files (of regular steps), oldest first."""
-    from training.checkpoint import CHECKPOINTS, MANIFEST, read_json
+    from ascend_llm_recipes.training.checkpoint import CHECKPOINTS, MANIFEST, read_json
 
     manifests = sorted(glob.glob(os.path.join(run_dir, CHECKPOINTS, "step_*", f"rank_{rank_id()}", MANIFEST)))
     return [os.path.join(os.path.dirname(m), read_json(m)["file"]) for m in manifests]

@@ -22,7 +22,7 @@ from mindformers.core.clip_grad import get_square_sum
 from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 from mindformers.wrapper import MFTrainOneStepCell
 
-from training.errors import LaunchError
+from ascend_llm_recipes.training.errors import LaunchError
 
 WRAPPER_TYPE = "PortableTrainOneStepCell"
 PIPELINE_WRAPPER_TYPE = "MFPipelineWithLossScaleCell"
@@ -87,7 +87,7 @@ class PortableTrainOneStepCell(MFTrainOneStepCell):
 
 def _allreduce_barrier(original):
     """A barrier for CPU, where MindSpore has no Barrier kernel: an all-reduce every rank must join."""
-    from training.collectives import all_reduce_sum
+    from ascend_llm_recipes.training.collectives import all_reduce_sum
 
     def barrier(*args, **kwargs):
         if context.get_context("device_target") != "CPU":
