@@ -6,6 +6,8 @@ import tempfile
 
 import pytest
 
+from clusters import RayCluster, SlurmCluster
+
 # Importing MindFormers creates ./output/log unless told where to log; keep the checkout clean.
 os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers-log-"))
 
@@ -43,3 +45,34 @@ def llama2_hf_tokenizer(tmp_path_factory):
     LlamaTokenizerFast(vocab_file=LLAMA2_LAYOUT_SP_MODEL, legacy=True, add_prefix_space=True,
                        from_slow=True).save_pretrained(str(out))
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A one-node Slurm cluster on this machine (tests/clusters.py), started on first use, stopped at session end."""
+    missing = SlurmCluster.missing_programs()
+    if missing:
+        pytest.skip(f"no {', '.join(missing)}: the Slurm test cluster needs `apt-get install slurm-wlm munge` "
+                    "(.ci/run tries it)")
+    if os.geteuid() != 0:
+        pytest.skip("the Slurm test cluster runs slurmd, which must be root to start jobs")
+    cluster = SlurmCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        left = cluster.stop()
+    assert not left, f"the Slurm test cluster left processes behind (killed): {left}"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray head on 127.0.0.1 (tests/clusters.py), started on first use, stopped at session end."""
+    pytest.importorskip("ray", reason="ray is not installed: pip install -e .[scale]")
+    cluster = RayCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        left = cluster.stop()
+    assert not left, f"the Ray test cluster left processes behind (killed): {left}"
