@@ -200,6 +200,9 @@ class SlurmCluster:
             "SlurmdParameters=config_overrides",
             # Cancelled jobs get SIGKILL 2 s after SIGTERM (default 30 s), so teardown is quick.
             "KillWait=2",
+            # Finished jobs stay visible to scontrol for an hour (default 5 min), so a test can read a job's end
+            # state whenever it looks, late in a long session too.
+            "MinJobAge=3600",
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={min(2048, total_mb // 2)}"
             " State=UNKNOWN",
             f"PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
@@ -299,7 +302,8 @@ class SlurmCluster:
 class RayCluster:
     """A local Ray head (`ray start --head --block` on 127.0.0.1) whose processes all end with `stop`.
 
-    Connect with `ray.init(address=cluster.address)` or pass `address` to a tool's --address.
+    Connect with `ray.init(address=cluster.address)`, pass `address` to a tool's --address, or run a subprocess
+    with `env` (it sets RAY_ADDRESS, which a bare `ray.init()` follows).
     """
 
     num_cpus = 2
