@@ -436,7 +436,10 @@ def test_tied_checkpoint_into_an_untied_model_is_refused(tmp_path, tiny_dataset,
 
 
 def test_to_hf_of_a_run_takes_its_newest_verified_step(converted_run, tmp_path, capsys):
-    """Never a NaN post-mortem snapshot, a half-written save or a corrupt step; never a non-finite weight."""
+    """Never a nan_/spike_ post-mortem snapshot, a half-written save or a corrupt step; never a non-finite weight.
+
+    Each of those is newer than step 2, so a rule by modification time would take it.
+    """
     import mindspore as ms
 
     run, out = tmp_path / "run", tmp_path / "out"
@@ -464,6 +467,7 @@ def test_to_hf_of_a_run_takes_its_newest_verified_step(converted_run, tmp_path, 
         return array
 
     snapshot = write_step(3, "nan", nan)
+    write_step(6, "spike", lambda key, array: array)  # finite and verifying, yet a post-mortem snapshot
     crashed = os.path.join(step_dir(str(run), 4), "rank_0")  # a save killed before its manifest
     os.makedirs(crashed)
     with open(os.path.join(rank0, name), "rb") as f, \
