@@ -634,7 +634,7 @@ class _Importer:
             if key == "select_recompute" and value is True and (flash or self.out["recompute_config"]["recompute"]):
                 self.put(r + key, False)
                 # MindFormers ignores it in both cases (models/llama/llama_transformer.py:405,
-                # parallel_core/training_graph/transformer/utils.py:393-401); our recipe check refuses it.
+                # parallel_core/training_graph/transformer/utils.py:383-402); our recipe check refuses it.
                 self.drop(r + key, "no effect with " + ("use_flash_attention: True" if flash else "recompute: True"))
             elif isinstance(value, bool):
                 self.carry(r + key, default=False)

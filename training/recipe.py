@@ -466,7 +466,7 @@ class RecomputeConfig:
         # (mindformers/modules/transformer/transformer.py:417-420; the schema refuses other types). Its
         # per-stage list form belongs to MindFormers' mcore path (tools/check_rules.py:293-313), not ours.
         if self.select_recompute and self.recompute:
-            # Full recompute wins, as in MindFormers (parallel_core/training_graph/transformer/utils.py:393-401).
+            # Full recompute wins, as in MindFormers (parallel_core/training_graph/transformer/utils.py:383-402).
             return ["recompute_config.select_recompute: has no effect with recompute_config.recompute: True (the "
                     "whole layer is recomputed already); set one of them"]
         if self.select_recompute and recipe.model.model_config.use_flash_attention:
