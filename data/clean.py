@@ -2,7 +2,7 @@
 
 `clean_document` is the one per-document rule (decode, normalise, strip control
 characters and terminal escapes, length filters); the parallel pipeline runs it in its
-worker processes and `clean_documents` is the same rule as a simple sequential generator.
+worker processes (tests/oracles.py applies it sequentially, as the tests' reference).
 
 Normalisation defaults to NFC, which only composes characters and so keeps CJK text as
 written; NFKC (opt-in) also folds compatibility forms, e.g. the full-width "，" and "："
@@ -15,7 +15,7 @@ keeps a Chinese sentence of 11 characters as it keeps an English one of 32.
 import hashlib
 import re
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # C0/C1 control characters except tab and newline, plus DEL; terminal escape sequences first.
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
@@ -41,24 +41,6 @@ class CleanOptions:
     min_chars: int = 32           # in text_length units (a CJK character counts CJK_WEIGHT)
     max_chars: int = 0            # 0 = no upper limit
     invalid_utf8: str = "drop"    # drop the document, or "replace" bad bytes with U+FFFD and keep it
-
-
-@dataclass
-class CleanStats:
-    read: int = 0
-    kept: int = 0
-    invalid_utf8: int = 0
-    too_short: int = 0
-    too_long: int = 0
-    duplicates: int = 0
-    near_duplicates: int = 0
-    seen: set = field(default_factory=set, repr=False)
-
-    def as_dict(self) -> dict:
-        return {"read": self.read, "kept": self.kept, "invalid_utf8": self.invalid_utf8,
-                "too_short": self.too_short, "too_long": self.too_long, "duplicates": self.duplicates,
-                "near_duplicates": self.near_duplicates,
-                "duplicate_ratio": round((self.duplicates + self.near_duplicates) / self.read, 6) if self.read else 0.0}
 
 
 def clean_text(text: str, normalization: str = "NFC") -> str:
@@ -99,29 +81,3 @@ def text_length(text: str) -> int:
 def doc_digest(text: str) -> int:
     """64-bit hash of a cleaned document: the exact-duplicate key and the validation-split coin."""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
-
-
-def clean_documents(raw_docs, stats: CleanStats, min_chars: int = 32, options: CleanOptions = None):
-    """Yield cleaned, deduplicated document texts from (name, bytes) pairs, counting what is dropped."""
-    options = options or CleanOptions(min_chars=min_chars)
-    for _name, raw in raw_docs:
-        stats.read += 1
-        text, bad_line = decode_utf8(raw, options.invalid_utf8)
-        if bad_line:
-            stats.invalid_utf8 += 1
-            if text is None:
-                continue
-        status, text = clean_document(text, options)
-        if status == TOO_SHORT:
-            stats.too_short += 1
-            continue
-        if status == TOO_LONG:
-            stats.too_long += 1
-            continue
-        digest = doc_digest(text)
-        if digest in stats.seen:
-            stats.duplicates += 1
-            continue
-        stats.seen.add(digest)
-        stats.kept += 1
-        yield text

@@ -40,12 +40,6 @@ def python_stdlib_files() -> list:
     return sorted(files)
 
 
-def read_documents(paths) -> Iterator:
-    """Yield (path, bytes) for each file: one file is one document; decoding is cleaning's job."""
-    for path in paths:
-        yield str(path), Path(path).read_bytes()
-
-
 def input_format(path: str) -> tuple:
     """(format, gzip-compressed?) from the file name."""
     name = path.lower()

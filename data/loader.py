@@ -14,8 +14,8 @@ every rank computes the same global order without talking to the others:
   positions. Slices are disjoint, together they are exactly the global batch, and a run
   with more or fewer ranks (same G) sees the same data per step.
 
-So after `step` optimizer steps the run has consumed `global_sample_position(step, G)`
-samples of the order, and `build_train_dataset(..., start_step=step)` continues from there
+So after `step` optimizer steps the run has consumed `step * G` samples of the
+order, and `build_train_dataset(..., start_step=step)` continues from there
 (as does MindFormers' resume, which skips `step` batches of the dataset): that number is all
 a checkpoint needs to record about data.
 
@@ -105,11 +105,6 @@ def rank_positions(total: int, batch: int, dp_rank: int, dp_size: int, start_ste
     global_batch = batch * dp_size
     steps = np.arange(start_step, total // global_batch, dtype=np.int64)
     return (steps[:, None] * global_batch + dp_rank * batch + np.arange(batch)[None, :]).reshape(-1)
-
-
-def global_sample_position(step: int, global_batch_size: int) -> int:
-    """Samples of the global order consumed after `step` optimizer steps (what a checkpoint records)."""
-    return step * global_batch_size
 
 
 def data_parallel_layout(recipe, rank: int) -> tuple:

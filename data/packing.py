@@ -189,14 +189,3 @@ class BestFitPacker:
 
 def make_packer(packing: str, seq_length: int, pad_id: int, tail: str):
     return StreamPacker(seq_length, pad_id, tail) if packing == "stream" else BestFitPacker(seq_length, pad_id, tail)
-
-
-def pack_documents(token_docs, seq_length: int, eod_id: int, pad_id: int, stats: PackStats):
-    """Yield int32 arrays of seq_length + 1 tokens from an iterable of token-id lists (stream packing)."""
-    packer = StreamPacker(seq_length, pad_id)
-    for ids in token_docs:
-        doc = np.asarray(list(ids) + [eod_id], np.int32)
-        yield from packer.add(doc, np.array([len(doc)]))
-    yield from packer.finish()
-    for name, value in packer.stats.as_dict().items():
-        setattr(stats, name, value)

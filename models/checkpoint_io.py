@@ -286,16 +286,32 @@ class SafetensorsWriter:
         self.file.write(struct.pack("<Q", len(encoded)) + encoded)
 
     def write(self, name: str, array: np.ndarray) -> None:
-        expected = self.order[self.written]
-        assert name == expected and tuple(array.shape) == tuple(self.shapes[name]) and array.dtype == np.float32
+        # The header is already on disk: anything but the announced tensor would leave a file whose
+        # offsets lie, so this is checked even under `python -O`, and the file is removed.
+        expected = self.order[self.written] if self.written < len(self.order) else None
+        if name != expected or tuple(array.shape) != tuple(self.shapes[name]) or array.dtype != np.float32:
+            self._abandon()
+            announced = (f"{expected} {tuple(self.shapes[expected])} float32" if expected is not None
+                         else "no more tensors")
+            raise ConversionError(f"{self.path}: tensor {name} {tuple(array.shape)} {array.dtype} written where the "
+                                  f"header announces {announced}; the file was removed",
+                                  hint="this is a converter bug: report it with the command that was run")
         self.file.write(memoryview(np.ascontiguousarray(array)).cast("B"))
         self.written += 1
 
     def close(self) -> None:
-        assert self.written == len(self.order)
+        if self.written != len(self.order):
+            self._abandon()
+            raise ConversionError(f"{self.path}: closed after {self.written} of the {len(self.order)} tensors its "
+                                  f"header announces (next: {self.order[self.written]}); the file was removed",
+                                  hint="this is a converter bug: report it with the command that was run")
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
+
+    def _abandon(self) -> None:
+        self.file.close()
+        os.remove(self.path)
 
 
 def tensor_shapes(path: str) -> dict:

@@ -10,13 +10,14 @@ transformers before anything is written.
 --to-hf reads a converted directory, a run directory (its newest verified checkpoint step, as a
 resume would take) or a .ckpt / .safetensors file, and writes config.json + model.safetensors
 (plus the run's tokenizer when its dataset names one).
+--from-megatron and --from-torch write the same converted directory as --from-hf; --to-megatron writes
+Megatron-LM legacy files, mp_rank_TT[_PPP]/model_optim_rng.pt (models/megatron.py).
 Exit codes: 0 converted, 2 bad input (the message says what to fix), 1 internal error, 130 interrupted.
 """
 
 import argparse
 import sys
 import traceback
-
 
 from ascend_llm_recipes.models.convert import from_hf, summary, to_hf
 from ascend_llm_recipes.training.errors import PretrainError

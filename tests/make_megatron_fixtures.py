@@ -35,7 +35,7 @@ ITERATION = 40
 TRAIN_STEPS = 2  # optimizer steps actually taken: the optimizer restarted at iteration ITERATION - TRAIN_STEPS
 # TP, PP, tied embeddings, q/k/v bias
 LAYOUTS = {"tp1": (1, 1, True, False), "tp2": (2, 1, False, True), "tp2pp2": (2, 2, False, False)}
-LARGE = {"tp2_large": (2, 1, False, False)}  # on request only: the size the README's time and memory figures use
+LARGE = {"tp2_large": (2, 1, False, False)}  # on request only: the size of docs/benchmarks.md's figures
 LARGE_SHAPE = dict(num_layers=8, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8, num_query_groups=4,
                    kv_channels=64, vocab_size=32000)
 VOCAB = 512          # the tiny dataset's vocabulary, so a converted fixture trains on it

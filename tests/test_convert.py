@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import shutil
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -436,7 +437,10 @@ def test_tied_checkpoint_into_an_untied_model_is_refused(tmp_path, tiny_dataset,
 
 
 def test_to_hf_of_a_run_takes_its_newest_verified_step(converted_run, tmp_path, capsys):
-    """Never a NaN post-mortem snapshot, a half-written save or a corrupt step; never a non-finite weight."""
+    """Never a nan_/spike_ post-mortem snapshot, a half-written save or a corrupt step; never a non-finite weight.
+
+    Each of those is newer than step 2, so a rule by modification time would take it.
+    """
     import mindspore as ms
 
     run, out = tmp_path / "run", tmp_path / "out"
@@ -464,6 +468,7 @@ def test_to_hf_of_a_run_takes_its_newest_verified_step(converted_run, tmp_path, 
         return array
 
     snapshot = write_step(3, "nan", nan)
+    write_step(6, "spike", lambda key, array: array)  # finite and verifying, yet a post-mortem snapshot
     crashed = os.path.join(step_dir(str(run), 4), "rank_0")  # a save killed before its manifest
     os.makedirs(crashed)
     with open(os.path.join(rank0, name), "rb") as f, \
@@ -511,3 +516,43 @@ def test_non_finite_hf_weights_are_refused(tmp_path):
     with pytest.raises(ConversionError, match=r"non-finite values in 1 tensor\(s\): model\.norm\.weight \(1 NaN"):
         from_hf(str(hf_dir), str(out), show_progress=False)
     assert_nothing_written(out)
+
+
+WRITER_DRILL = """
+import sys
+import numpy as np
+from ascend_llm_recipes.models.checkpoint_io import SafetensorsWriter
+from ascend_llm_recipes.training.errors import ConversionError
+
+writer = SafetensorsWriter(sys.argv[1], {"a": (2, 3), "b": (4,)}, metadata={})
+try:
+    writer.write("a", np.zeros((3, 2), np.float32))  # the right size, the wrong shape
+except ConversionError as err:
+    print(err)
+"""
+
+
+def test_safetensors_writer_refuses_what_its_header_does_not_announce_even_under_python_O(tmp_path):
+    """The header is written first: a tensor of another shape, name or dtype, or a missing one, would make it lie."""
+    from ascend_llm_recipes.models.checkpoint_io import SafetensorsFile, SafetensorsWriter
+
+    path = tmp_path / "w.safetensors"
+    run = subprocess.run([sys.executable, "-O", "-c", WRITER_DRILL, str(path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert f"{path}: tensor a (3, 2) float32 written where the header announces a (2, 3) float32" in run.stdout
+    assert not path.exists()
+
+    writer = SafetensorsWriter(str(path), {"a": (2, 3), "b": (4,)}, metadata={})
+    writer.write("a", np.arange(6, dtype=np.float32).reshape(2, 3))
+    with pytest.raises(ConversionError, match=r"closed after 1 of the 2 tensors its header announces \(next: b\)"):
+        writer.close()
+    assert not path.exists()
+    writer = SafetensorsWriter(str(path), {"a": (2, 3)}, metadata={})
+    with pytest.raises(ConversionError, match=r"tensor a \(2, 3\) float64 written where"):
+        writer.write("a", np.zeros((2, 3)))
+    assert not path.exists()
+
+    writer = SafetensorsWriter(str(path), {"a": (2, 3)}, metadata={})
+    writer.write("a", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.close()
+    assert SafetensorsFile(str(path)).read("a").tolist() == [[0, 1, 2], [3, 4, 5]]

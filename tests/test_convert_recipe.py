@@ -116,6 +116,22 @@ def test_llama3_ffn_multiplier_and_qwen2_interleave(tmp_path):
     assert {e.key: e.status for e in report.entries}["train_dataset.input_columns"] == "dropped"
 
 
+def test_selective_recompute_is_carried_unless_it_has_no_effect(tmp_path):
+    source = mf_config("pretrain_llama2_7b")
+    source["model"]["model_config"]["use_flash_attention"] = False
+    source["recompute_config"].update(select_recompute=True, recompute_slice_activation=True)
+    (tmp_path / "select.yaml").write_text(yaml.safe_dump(source))
+    text, report = from_mindformers(str(tmp_path / "select.yaml"), str(tmp_path / "out.yaml"))
+    recompute = yaml.safe_load(text)["recompute_config"]
+    assert recompute["select_recompute"] and recompute["recompute_slice_activation"]
+    source["model"]["model_config"]["use_flash_attention"] = True  # MindFormers' Llama then skips it
+    (tmp_path / "select.yaml").write_text(yaml.safe_dump(source))
+    text, report = from_mindformers(str(tmp_path / "select.yaml"), str(tmp_path / "out.yaml"))
+    assert not yaml.safe_load(text)["recompute_config"].get("select_recompute")
+    entry = {e.key: e for e in report.entries}["recompute_config.select_recompute"]
+    assert entry.status == "dropped" and entry.reason == "no effect with use_flash_attention: True"
+
+
 def test_other_architectures_are_refused_by_type():
     with pytest.raises(RecipeError, match="ChatGLM2Config.*not a Llama-family model"):
         from_mindformers(os.path.join(DATA, "finetune_glm4_9b.yaml"), "recipes/glm.yaml")

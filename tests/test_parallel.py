@@ -48,7 +48,6 @@ def test_strategies_match_degrees_and_divide_shapes(dp, tp, pp):
         assert core.softmax.in_strategy == ((dp, tp, 1, 1),)
         assert net.lm_head.matmul.in_strategy == ((dp, 1), (tp, 1))
         assert net.lm_head.weight.shape[0] % tp == 0
-        assert 8 % tp == 0 and 4 % tp == 0  # heads and KV heads split evenly
 
 
 def test_every_layer_on_exactly_one_stage():

@@ -13,6 +13,7 @@ import yaml
 
 from conftest import DEMO_RECIPE, REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.training.errors import RecipeError
+from ascend_llm_recipes.training.planner import plan
 from ascend_llm_recipes.training.recipe import (CheckpointMonitorConfig, Recipe, apply_override, load_recipe,
                                                 read_recipe_file, recipe_from_dict)
 
@@ -153,6 +154,23 @@ def test_silent_mindformers_traps_are_refused():
         load_recipe(TINY_RECIPE, ("parallel_config.data_parallel=2",))
     with pytest.raises(RecipeError, match=r"train_dataset\.drop_remainder: must be True"):
         load_recipe(TINY_RECIPE, ("train_dataset.drop_remainder=False",))
+
+
+def test_selective_recompute_is_accepted_and_planned_and_its_bad_values_refused():
+    """models/parallel.py recomputes core attention under select_recompute: the recipe takes it, as MindFormers does."""
+    recipe = load_recipe(TINY_RECIPE, ("recompute_config.select_recompute=True",
+                                       "recompute_config.recompute_slice_activation=True"))
+    assert recipe.recompute_config.select_recompute and plan(recipe).recompute == "selective"
+    with pytest.raises(RecipeError, match=r"recompute_config\.select_recompute: expected bool, got \[10, 8\]"):
+        load_recipe(TINY_RECIPE, ("recompute_config.select_recompute=[10, 8]",))  # MindFormers' mcore per-stage form
+    with pytest.raises(RecipeError, match=r"recompute_config\.select_recompute: has no effect with "
+                                          r"recompute_config\.recompute: True"):
+        load_recipe(TINY_RECIPE, ("recompute_config.select_recompute=True", "recompute_config.recompute=True"))
+    with pytest.raises(RecipeError, match=r"recompute_config\.select_recompute: has no effect with "
+                                          r"model\.model_config\.use_flash_attention: True"):
+        load_recipe(TINY_RECIPE, ("context.device_target=Ascend", "model.model_config.compute_dtype=float16",
+                                  "model.model_config.use_flash_attention=True",
+                                  "recompute_config.select_recompute=True"))
 
 
 def test_task_dataset_block_must_match(tmp_path):

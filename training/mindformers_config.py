@@ -628,23 +628,25 @@ class _Importer:
         self.drop(c + "optimizer_shard", "deprecated in MindFormers; optimizer parallel is "
                                          "parallel.enable_parallel_optimizer")
         r = "recompute_config."
+        flash = self.out.get("model", {}).get("model_config", {}).get("use_flash_attention")
         for key in ("recompute", "select_recompute"):
             value = self.get(r + key, False)
-            if isinstance(value, bool):
-                if key == "select_recompute" and value:
-                    self.put(r + key, False)
-                    self.drop(r + key, "selective recompute is not implemented by models/llama.py: memory only "
-                                       "(same math); use recompute: True if --plan says it does not fit")
-                else:
-                    self.carry(r + key, default=False)
+            if key == "select_recompute" and value is True and (flash or self.out["recompute_config"]["recompute"]):
+                self.put(r + key, False)
+                # MindFormers ignores it in both cases (models/llama/llama_transformer.py:405,
+                # parallel_core/training_graph/transformer/utils.py:383-402); our recipe check refuses it.
+                self.drop(r + key, "no effect with " + ("use_flash_attention: True" if flash else "recompute: True"))
+            elif isinstance(value, bool):
+                self.carry(r + key, default=False)
             else:
                 self.put(r + key, False)
                 self.drop(r + key, f"per-stage layer counts {value}: memory only (same math); ours recomputes "
                                    "all layers or none, check --plan")
+        recomputing = any(self.out["recompute_config"].values())  # full or selective: Cell.recompute takes them
         for key in ("parallel_optimizer_comm_recompute", "mp_comm_recompute", "recompute_slice_activation"):
             if key == "parallel_optimizer_comm_recompute" and self.get(r + key):
                 self.drop(r + key, "MindSpore 2.9 ignores it (mindspore/nn/cell.py:3687-3690)")
-            elif self.out.get("recompute_config", {}).get("recompute"):
+            elif recomputing:
                 self.carry(r + key)
             elif self.has(r + key):
                 self.drop(r + key, "acts only on recomputed layers and recompute is off")

@@ -565,7 +565,7 @@ def check_disk(recipe, run_dir: Optional[str] = None) -> list:
     if not monitors:
         return [Finding("ok", "disk", "no CheckpointMonitor in callbacks: no checkpoints are written", {})]
     keep = sum(m.keep_checkpoint_max for m in monitors)
-    copies = recipe.parallel_config.data_parallel  # every rank writes its own checkpoint/rank_N
+    copies = recipe.parallel_config.data_parallel  # every rank writes its own checkpoints/step_N/rank_R
     one = checkpoint_bytes(recipe)
     needed = one * keep * copies
     where = _existing_parent(run_dir or recipe.output_dir)

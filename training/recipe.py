@@ -442,7 +442,7 @@ class ParallelDegreesConfig:
 @dataclass
 class RecomputeConfig:
     recompute: bool = False  # full recompute of every decoder layer
-    select_recompute: bool = False
+    select_recompute: bool = False  # recompute core attention (the S x S scores) of every layer
     parallel_optimizer_comm_recompute: bool = False
     mp_comm_recompute: bool = True
     # MindFormers' default (mindformers/modules/transformer/transformer.py:386); models/parallel.py
@@ -462,9 +462,18 @@ class RecomputeConfig:
             # MindSpore 2.9's Cell.recompute only logs a warning for it (mindspore/nn/cell.py:3687-3690).
             return ["recompute_config.parallel_optimizer_comm_recompute: True is ignored by MindSpore 2.9 (optimizer "
                     "parallel level3 re-gathers weights instead); set it to False"]
-        if self.select_recompute:
-            return ["recompute_config.select_recompute: selective recompute is not implemented by "
-                    "models/llama.py yet; use recompute: True (full recompute per layer)"]
+        # select_recompute is a bool, as MindFormers' legacy TransformerRecomputeConfig checks it
+        # (mindformers/modules/transformer/transformer.py:417-420; the schema refuses other types). Its
+        # per-stage list form belongs to MindFormers' mcore path (tools/check_rules.py:293-313), not ours.
+        if self.select_recompute and self.recompute:
+            # Full recompute wins, as in MindFormers (parallel_core/training_graph/transformer/utils.py:383-402).
+            return ["recompute_config.select_recompute: has no effect with recompute_config.recompute: True (the "
+                    "whole layer is recomputed already); set one of them"]
+        if self.select_recompute and recipe.model.model_config.use_flash_attention:
+            # FlashAttentionScore stores no S x S scores, so there is nothing to rebuild; MindFormers'
+            # Llama skips selective recompute under flash attention (models/llama/llama_transformer.py:405).
+            return ["recompute_config.select_recompute: has no effect with model.model_config.use_flash_attention: "
+                    "True (no S x S scores are kept); set it to False, or use recompute: True to save more"]
         return []
 
 

@@ -1,0 +1,93 @@
+"""Train the tiny recipe 20 steps on CPU and write its losses as the golden curve tests/test_train.py asserts.
+
+    python tests/make_golden_losses.py [OUT_JSON]     (default: tests/data/golden_tiny_losses.json)
+
+The run is the tiny_run fixture's (tests/test_train.py): recipes/tiny_cpu.yaml as shipped, on the
+dataset tests/conftest.py prepares (the first 60 files of this Python's standard library), so the
+fixture's 20 losses are compared with these. Regenerate only for an intended numerical change, and
+say which in the commit.
+"""
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from importlib.metadata import version
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(REPO_ROOT, "tests", "data", "golden_tiny_losses.json")
+TINY_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_cpu.yaml")
+
+
+def stdlib_inputs_sha256(count: int) -> str:
+    """One hash over the raw files the tiny dataset is built from: equal hashes mean equal training data."""
+    from ascend_llm_recipes.data.corpus import python_stdlib_files
+
+    digest = hashlib.sha256()
+    for path in python_stdlib_files()[:count]:
+        with open(path, "rb") as f:
+            digest.update(hashlib.sha256(f.read()).digest())
+    return digest.hexdigest()
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def vector_flags() -> list:
+    """The CPU's AVX extensions (float32 kernels pick their code path by them)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
+    except (OSError, StopIteration):
+        return []
+    return sorted(flag for flag in flags if flag.startswith("avx"))
+
+
+def main(argv) -> int:
+    from ascend_llm_recipes.data.prepare import prepare_dataset
+    from ascend_llm_recipes.training.launch import launch
+    from ascend_llm_recipes.training.recipe import load_recipe
+
+    out_json = argv[0] if argv else GOLDEN
+    recipe = load_recipe(TINY_RECIPE)
+    steps = recipe.runner_config.stop_step
+    with tempfile.TemporaryDirectory(prefix="golden-") as tmp:
+        dataset, run_dir = os.path.join(tmp, "tiny"), os.path.join(tmp, "run")
+        prepare_dataset(dataset, recipe.model.model_config.seq_length, recipe.data_preparation.vocab_size,
+                        max_documents=recipe.data_preparation.max_documents, show_progress=False)
+        if launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={dataset}"],
+                  show_progress=False) != 0:
+            print(f"training failed: see {run_dir}/logs", file=sys.stderr)
+            return 1
+        with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+            losses = [r["loss"] for r in map(json.loads, f) if "val_loss" not in r]
+    assert len(losses) == steps, losses
+    golden = {
+        "recipe": "recipes/tiny_cpu.yaml",
+        "command": "python tests/make_golden_losses.py",
+        "losses": losses,
+        "stdlib_documents": recipe.data_preparation.max_documents,
+        "stdlib_inputs_sha256": stdlib_inputs_sha256(recipe.data_preparation.max_documents),
+        "python": platform.python_version(),
+        "mindspore": version("mindspore"),
+        "mindformers": version("mindformers"),
+        "cpu": cpu_model(),
+        "cpu_vector_flags": vector_flags(),
+    }
+    with open(out_json, "w", encoding="utf-8") as f:
+        json.dump(golden, f, indent=1)
+        f.write("\n")
+    print(f"wrote {out_json}: {steps} losses, {losses[0]:.6f} -> {losses[-1]:.6f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
