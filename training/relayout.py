@@ -130,8 +130,12 @@ def check_relayout(previous, recipe, run_dir: str, step_dir: str) -> None:
 
 
 def keep_source_strategy(previous, recipe, run_dir: str, step_dir: str) -> None:
-    """Before a relayout starts, move the checkpoint's strategy files beside it (the new compile rewrites
-    RUN_DIR/strategy/, and MindFormers' merge would mix the two layouts' files: transform_checkpoint.py:433-449)."""
+    """Before a relayout starts, move the checkpoint's strategy files beside it.
+
+    With auto_trans_ckpt MindFormers empties RUN_DIR/strategy/ at start and refuses it as
+    src_strategy_path_or_dir (mindformers/utils/file_utils.py:179-212, from trainer/trainer.py:1471-1491);
+    the new layout's compile then writes its own files there (the destination strategy).
+    """
     old = checkpoint_layout(previous, step_dir)
     if old == layout(recipe) or not (sliced(old) or sliced(layout(recipe))) or not recipe.auto_trans_ckpt:
         return
