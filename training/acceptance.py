@@ -141,12 +141,18 @@ def hf_export_result(hf_dir: str, code=0, tokens: int = 32) -> dict:
         reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     except (OSError, ValueError, KeyError) as err:
         return {"status": "FAIL", "exit_code": code, "error": f"{type(err).__name__}: {err}"}
-    cfg, _ = read_model_section(source["model_section"])
+    cfg, tensor_parallel = read_model_section(source["model_section"])
     if ms.get_context("device_target") != "CPU":  # compared with transformers on the host
         ms.set_device("CPU")
-    net = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in vars(cfg).items() if k != "type"}))
-    weights = ms.load_checkpoint(source["path"], choice_func=lambda name: name.startswith(("model.", "lm_head.")))
-    not_loaded, _ = ms.load_param_into_net(net, weights)
+    # The run's tables are padded to a multiple of vocab_pad_multiple x TP (models/arithmetic.py padded_vocab_size).
+    options = {k: v for k, v in vars(cfg).items() if k != "type"}
+    options["vocab_pad_multiple"] = cfg.vocab_pad_multiple * tensor_parallel
+    net = LlamaForCausalLM(LlamaConfig(**options))
+    try:
+        weights = ms.load_checkpoint(source["path"], choice_func=lambda name: name.startswith(("model.", "lm_head.")))
+        not_loaded, _ = ms.load_param_into_net(net, weights)
+    except (OSError, ValueError, RuntimeError) as err:  # a missing file, a shape that does not fit
+        return {"status": "FAIL", "exit_code": code, "checkpoint": source["path"], "error": f"{err}"[:500]}
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, min(tokens, cfg.seq_length)))
     ours = net.logits(ms.Tensor(ids.astype(np.int32))).asnumpy().astype(np.float64)
     with torch.no_grad():
