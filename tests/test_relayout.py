@@ -38,7 +38,8 @@ def as_tp2(run: str, tmp_path) -> str:
     """A copy of the run whose recipe.yaml says DP1 x TP2 (written by the recipe loader), as an Ascend run's would."""
     copy = str(tmp_path / "tp2_run")
     shutil.copytree(run, copy)
-    recipe = load_recipe(os.path.join(run, "recipe.yaml"), [f"output_dir={copy}", *AS_TP2], planning=True)
+    recipe = load_recipe(os.path.join(run, "recipe.yaml"), [f"output_dir={copy}", "context.device_target=Ascend",
+                                                             *AS_TP2], planning=True)
     with open(os.path.join(copy, "recipe.yaml"), "w", encoding="utf-8") as f:
         f.write(recipe.to_yaml())
     return copy
@@ -95,7 +96,7 @@ def test_auto_trans_ckpt_is_refused_on_cpu_by_name(tmp_path):
 
 
 def test_resume_at_another_layout_is_decided_on_a_real_run_dir(dp2_run, tmp_path):
-    """DP changes need nothing; a TP/PP change needs auto_trans_ckpt and every rank's strategy file."""
+    """Data-parallel-mode changes need nothing; a semi-auto checkpoint needs auto_trans_ckpt and its strategy files."""
     from ascend_llm_recipes.training.launch import saved_recipe
     from ascend_llm_recipes.training.relayout import check_relayout, keep_source_strategy, pending_source_strategy
 
@@ -104,31 +105,43 @@ def test_resume_at_another_layout_is_decided_on_a_real_run_dir(dp2_run, tmp_path
     step_dir = os.path.join(run, "checkpoints", f"step_{DATA_PARALLEL_STEPS:08d}")
     previous = saved_recipe(run)
     recipe_yaml = os.path.join(run, "recipe.yaml")
-    same = load_recipe(recipe_yaml, planning=True)
-    check_relayout(previous, same, run, step_dir)  # same layout: nothing to do
+    check_relayout(previous, load_recipe(recipe_yaml, planning=True), run, step_dir)  # same layout
     dp1 = load_recipe(recipe_yaml, ["parallel_config.data_parallel=1", "runner_config.batch_size=4",
                                     "hardware.devices_per_node=1"])
-    check_relayout(previous, dp1, run, step_dir)  # data parallel only: whole tensors in every rank's file
-    tp2 = load_recipe(recipe_yaml, AS_TP2, planning=True)
-    with pytest.raises(LaunchError, match=r"(?s)saved at DP2 x TP1 x PP1 \(2 devices\), this recipe runs DP1 x TP2 "
-                                          r"x PP1; each rank's file holds only its tensor slice.*set auto_trans_ckpt"):
-        check_relayout(previous, tp2, run, step_dir)
+    check_relayout(previous, dp1, run, step_dir)  # data-parallel mode: whole tensors in every rank's file
     tp2 = load_recipe(recipe_yaml, [*AS_TP2, "auto_trans_ckpt=True"], planning=True)
-    with pytest.raises(LaunchError, match=r"strategy file of every rank of DP2 x TP1 x PP1, and 2 are missing: .*"
-                                          r"strategy/ckpt_strategy_rank_0\.ckpt"):
+    with pytest.raises(LaunchError, match=r"(?s)saved at DP2 x TP1 x PP1 \(data-parallel mode\) \(2 devices\), this "
+                                          r"recipe runs DP1 x TP2 x PP1; its ranks' files hold whole tensors.*start a "
+                                          r"new run from one rank's file"):
         check_relayout(previous, tp2, run, step_dir)
+    # The same shards recorded as a semi-auto DP1 x TP2 run's (recipe.yaml written by the loader), resumed at DP2.
+    tp_run = as_tp2(run, tmp_path)
+    tp_step = os.path.join(tp_run, "checkpoints", f"step_{DATA_PARALLEL_STEPS:08d}")
+    tp_previous = saved_recipe(tp_run)
+    semi_dp2 = [*AS_TP2, "parallel_config.data_parallel=2", "parallel_config.model_parallel=1",
+                "runner_config.batch_size=2"]
+    dp2 = load_recipe(recipe_yaml, semi_dp2, planning=True)
+    with pytest.raises(LaunchError, match=r"(?s)saved at DP1 x TP2 x PP1 \(2 devices\), this recipe runs DP2 x TP1 x "
+                                          r"PP1; each rank's file holds its slice.*set auto_trans_ckpt: True"):
+        check_relayout(tp_previous, dp2, tp_run, tp_step)
+    dp2 = load_recipe(recipe_yaml, [*semi_dp2, "auto_trans_ckpt=True"], planning=True)
+    with pytest.raises(LaunchError, match=r"strategy file of every rank of DP1 x TP2 x PP1, and 2 are missing: .*"
+                                          r"tp2_run/strategy/ckpt_strategy_rank_0\.ckpt"):
+        check_relayout(tp_previous, dp2, tp_run, tp_step)
     tp2_pp2 = load_recipe(recipe_yaml, [*AS_TP2, "parallel_config.pipeline_stage=2", "runner_config.batch_size=2",
                                         "parallel_config.micro_batch_num=2", "hardware.devices_per_node=4",
                                         "auto_trans_ckpt=True"], planning=True)
     with pytest.raises(LaunchError, match=r"this recipe runs DP1 x TP2 x PP2; a relayout keeps the device count \(2\)"):
-        check_relayout(previous, tp2_pp2, run, step_dir)
-    tp2.planning = False  # as executed here (CPU): said before anything else
-    tp2.context.device_target = "CPU"
-    with pytest.raises(LaunchError, match=r"none can exist on this machine"):
-        check_relayout(previous, tp2, run, step_dir)
-    # Nothing was moved or marked, and no launch of this run re-slices anything.
-    tp2.load_checkpoint, tp2.resume_training = step_dir, True
-    assert pending_source_strategy(tp2) is None and not os.path.exists(os.path.join(step_dir, "strategy"))
+        check_relayout(tp_previous, tp2_pp2, tp_run, tp_step)
+    with pytest.raises(LaunchError, match=r"re-slicing loads into a semi-auto-parallel graph"):
+        check_relayout(tp_previous, load_recipe(recipe_yaml, ["auto_trans_ckpt=True"], planning=True), tp_run, tp_step)
+    dp2.planning = False  # as executed here (CPU): said before anything else
+    dp2.context.device_target = "CPU"
+    with pytest.raises(LaunchError, match=r"re-slicing needs the strategy files .*none can exist on this machine"):
+        check_relayout(tp_previous, dp2, tp_run, tp_step)
+    # Nothing was moved or marked, and no launch re-slices anything.
+    dp2.load_checkpoint, dp2.resume_training = tp_step, True
+    assert pending_source_strategy(dp2) is None and not os.path.exists(os.path.join(tp_step, "strategy"))
     dp1.auto_trans_ckpt = True
     keep_source_strategy(previous, dp1, run, step_dir)
     assert not os.path.exists(os.path.join(step_dir, "layout.json"))
@@ -141,7 +154,7 @@ def test_to_hf_of_a_data_parallel_run_is_unchanged_and_a_tp_run_needs_its_strate
     assert export_source(run) == (run, None)
     tp_run = as_tp2(run, tmp_path)
     with pytest.raises(ConversionError, match=rf"step_{DATA_PARALLEL_STEPS:08d}: a DP1 x TP2 x PP1 checkpoint holds "
-                                              r"one tensor slice .*"
+                                              r"each rank's slice .*"
                                               r"2 are missing: .*tp2_run/strategy/ckpt_strategy_rank_0\.ckpt"):
         export_source(tp_run)
     assert not os.path.exists(os.path.join(tp_run, "merged_checkpoint"))
@@ -195,17 +208,20 @@ def test_the_relayout_launch_hands_mindformers_the_checkpoints_strategy(dp2_run,
     from ascend_llm_recipes.training.relayout import keep_source_strategy
     from ascend_llm_recipes.training.train import mindformers_config
 
-    run = as_tp2(dp2_run[0], tmp_path)  # a copy; its recipe.yaml now names the layout the resume asks for
-    previous = saved_recipe(dp2_run[0])
+    run = as_tp2(dp2_run[0], tmp_path)  # a copy recorded as a semi-auto DP1 x TP2 run's, resumed at semi-auto DP2
+    previous = saved_recipe(run)
     step_dir = os.path.join(run, "checkpoints", f"step_{DATA_PARALLEL_STEPS:08d}")
-    recipe = load_recipe(os.path.join(run, "recipe.yaml"), ["auto_trans_ckpt=True"], planning=True)
+    recipe = load_recipe(os.path.join(run, "recipe.yaml"), ["auto_trans_ckpt=True", "parallel_config.data_parallel=2",
+                                                            "parallel_config.model_parallel=1",
+                                                            "runner_config.batch_size=2"], planning=True)
     recipe.load_checkpoint, recipe.resume_training = step_dir, True
     keep_source_strategy(previous, recipe, run, step_dir)
-    assert json.load(open(os.path.join(step_dir, "layout.json"))) == {"data_parallel": 2, "model_parallel": 1,
-                                                                      "pipeline_stage": 1}
+    assert json.load(open(os.path.join(step_dir, "layout.json"))) == {"data_parallel": 1, "model_parallel": 2,
+                                                                      "pipeline_stage": 1, "semi_auto": True}
     monkeypatch.setenv("RANK_ID", "1")
     config = mindformers_config(recipe, run)
     assert config["auto_trans_ckpt"] is True
+    # Without pipeline stages any one rank's file is the source strategy (transform_checkpoint.py:163-174).
     assert config["src_strategy_path_or_dir"] == os.path.join(step_dir, "strategy", "ckpt_strategy_rank_0.ckpt")
     assert config["parallel"]["strategy_ckpt_save_file"].endswith("/strategy/ckpt_strategy_rank_1.ckpt")
     # The next launch at the same layout resumes its own newer checkpoint: nothing to re-slice.

@@ -6,7 +6,7 @@ semi-auto-parallel graph. Three uses, each done the way MindFormers 1.9 does it:
 - every semi-auto run saves its strategy files in RUN_DIR/strategy/ (strategy_config);
 - a resume at another layout (DP/TP/PP) re-slices the checkpoint at load through MindFormers'
   auto_trans_ckpt (check_relayout and keep_source_strategy in the launcher, mindformers_keys in the worker);
-- `--to-hf` of a TP/PP run merges its shards into one unsliced checkpoint with MindSpore's
+- `--to-hf` of a semi-auto (TP/PP) run merges its shards into one unsliced checkpoint with MindSpore's
   transform_checkpoints (export_source), then converts that.
 None of it has executed here: semi-auto parallel does not run on CPU (`Invalid backend: CPU`), so no
 strategy file can exist on a CPU machine; every path that needs one refuses and says so.
@@ -35,26 +35,29 @@ def strategy_file(run_dir: str, rank: int) -> str:
     return os.path.join(os.path.realpath(run_dir), STRATEGY_DIR, f"ckpt_strategy_rank_{rank}.ckpt")
 
 
+def semi_auto(recipe) -> bool:
+    return recipe.use_parallel and recipe.parallel.parallel_mode in (1, 2)
+
+
 def layout(recipe) -> dict:
+    """The degrees, and whether each rank's file follows a strategy file (semi-auto) or holds whole tensors.
+
+    In semi-auto parallel even a TP1 PP1 rank may hold slices (optimizer parallel splits weights and
+    optimizer state over data parallel from level1 on: mindspore/context.py:1104-1110), so every semi-auto
+    checkpoint is re-sliced through its strategy files.
+    """
     p = recipe.parallel_config
-    return {"data_parallel": p.data_parallel, "model_parallel": p.model_parallel, "pipeline_stage": p.pipeline_stage}
+    return {"data_parallel": p.data_parallel, "model_parallel": p.model_parallel, "pipeline_stage": p.pipeline_stage,
+            "semi_auto": semi_auto(recipe)}
 
 
 def describe(lay: dict) -> str:
-    return f"DP{lay['data_parallel']} x TP{lay['model_parallel']} x PP{lay['pipeline_stage']}"
+    return (f"DP{lay['data_parallel']} x TP{lay['model_parallel']} x PP{lay['pipeline_stage']}"
+            + ("" if lay.get("semi_auto", True) else " (data-parallel mode)"))
 
 
 def devices(lay: dict) -> int:
     return lay["data_parallel"] * lay["model_parallel"] * lay["pipeline_stage"]
-
-
-def sliced(lay: dict) -> bool:
-    """A rank's checkpoint holds only part of the model (a tensor slice or a pipeline stage)."""
-    return lay["model_parallel"] > 1 or lay["pipeline_stage"] > 1
-
-
-def semi_auto(recipe) -> bool:
-    return recipe.use_parallel and recipe.parallel.parallel_mode in (1, 2)
 
 
 def strategy_config(recipe, run_dir: str, rank: int) -> dict:
@@ -97,22 +100,32 @@ def missing_strategy_files(directory: str, world_size: int) -> list:
 def check_relayout(previous, recipe, run_dir: str, step_dir: str) -> None:
     """A resume at another layout than its checkpoint's: allowed only through MindFormers' auto_trans_ckpt.
 
-    Data-parallel-only changes need nothing (every rank's file holds whole tensors). With tensor or
-    pipeline parallelism on either side the shards must be re-sliced: the user asks for it with
-    `auto_trans_ckpt: True` (and --amend, as for any recipe change), and the strategy files of the
-    checkpoint's layout must be in the run directory. Checks only; keep_source_strategy moves files.
+    Changes between data-parallel-mode layouts need nothing (every rank's file holds whole tensors).
+    A semi-auto checkpoint's shards follow its strategy files and must be re-sliced: the user asks for
+    it with `auto_trans_ckpt: True` (and --amend, as for any recipe change), the new layout is semi-auto
+    too (its compile writes the destination strategy), and the strategy files of the checkpoint's
+    layout are in the run directory. Checks only; keep_source_strategy moves files.
     """
     old, new = checkpoint_layout(previous, step_dir), layout(recipe)
-    if old == new or not (sliced(old) or sliced(new)):
+    if old == new or not (old["semi_auto"] or new["semi_auto"]):
         return
     where = (f"resume from {step_dir}: the checkpoint was saved at {describe(old)} ({devices(old)} devices), this "
              f"recipe runs {describe(new)}")
     if recipe.runs_on_cpu:
         raise LaunchError(f"{where}; re-slicing needs the strategy files of the layout that saved it, and "
                           + NO_STRATEGY_ON_CPU, hint="resume at the checkpoint's layout on the Ascend node")
+    if not old["semi_auto"]:
+        raise LaunchError(f"{where}; its ranks' files hold whole tensors without a strategy file, which MindFormers' "
+                          "auto_trans_ckpt does not take as a distributed checkpoint",
+                          hint="start a new run from one rank's file (load_checkpoint: STEP_DIR/rank_0/FILE, "
+                               "without resume_training)")
+    if not new["semi_auto"]:
+        raise LaunchError(f"{where}; re-slicing loads into a semi-auto-parallel graph, whose compile writes the new "
+                          "layout's strategy files (MindFormers' destination strategy)",
+                          hint="keep parallel.parallel_mode: 1 (semi-auto parallel)")
     if not recipe.auto_trans_ckpt:
-        raise LaunchError(f"{where}; each rank's file holds only its tensor slice or pipeline stage, so the "
-                          "checkpoint must be re-sliced for the new layout",
+        raise LaunchError(f"{where}; each rank's file holds its slice (tensor, pipeline stage or optimizer shard) "
+                          "as the checkpoint's strategy files describe, so it must be re-sliced for the new layout",
                           hint="set auto_trans_ckpt: True in the recipe (MindFormers re-slices the checkpoint at "
                                f"load with the strategy files in {os.path.join(run_dir, STRATEGY_DIR)}) and pass "
                                f"--amend; or resume at {describe(old)}")
@@ -137,7 +150,7 @@ def keep_source_strategy(previous, recipe, run_dir: str, step_dir: str) -> None:
     the new layout's compile then writes its own files there (the destination strategy).
     """
     old = checkpoint_layout(previous, step_dir)
-    if old == layout(recipe) or not (sliced(old) or sliced(layout(recipe))) or not recipe.auto_trans_ckpt:
+    if old == layout(recipe) or not (old["semi_auto"] and layout(recipe)["semi_auto"]) or not recipe.auto_trans_ckpt:
         return
     kept = os.path.join(step_dir, STRATEGY_DIR)
     if not os.path.isdir(kept):
@@ -197,9 +210,9 @@ def _run_recipe(run_dir: str):
 
 
 def export_source(source: str, model_config: str = None) -> tuple:
-    """(checkpoint, model section) for `--to-hf SOURCE`: a TP/PP run's newest step merged into one unsliced file.
+    """(checkpoint, model section) for `--to-hf SOURCE`: a semi-auto run's newest step merged into one unsliced file.
 
-    Anything else (a converted directory, a file, a data-parallel run) is returned as it is.
+    Anything else (a converted directory, a file, a data-parallel-mode run) is returned as it is.
     The merge follows MindFormers' ckpt_transform: merge_pipeline_strategys for pipeline stages
     (transform_checkpoint.py:433-449), then mindspore.transform_checkpoints with no destination
     strategy, i.e. unsliced (mindspore/parallel/checkpoint_transform.py:578-669).
@@ -212,18 +225,21 @@ def export_source(source: str, model_config: str = None) -> tuple:
     if not (os.path.isdir(os.path.join(run_dir, CHECKPOINTS)) and os.path.isfile(os.path.join(run_dir, "recipe.yaml"))):
         return source, model_config
     recipe = _run_recipe(run_dir)
-    if not sliced(layout(recipe)):
+    if not semi_auto(recipe):
         return source, model_config
     (step, step_dir), invalid = scan_steps(run_dir, recipe.world_size)
     if step is None:
         raise ConversionError(f"{run_dir}: no complete, verified checkpoint step of {describe(layout(recipe))}"
                               + "".join(f"; {d}: {'; '.join(p)}" for d, p in invalid[:2]))
     lay = checkpoint_layout(recipe, step_dir)
+    if not lay["semi_auto"]:
+        return source, model_config
     strategies = source_strategy_dir(run_dir, step_dir)
     missing = missing_strategy_files(strategies, devices(lay))
     if missing:
-        raise ConversionError(f"{step_dir}: a {describe(lay)} checkpoint holds one tensor slice or pipeline stage per "
-                              f"rank; merging the shards needs every rank's strategy file, and {len(missing)} are "
+        raise ConversionError(f"{step_dir}: a {describe(lay)} checkpoint holds each rank's slice (tensor, pipeline "
+                              f"stage or optimizer shard); merging the shards needs every rank's strategy file, and "
+                              f"{len(missing)} are "
                               f"missing: {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}",
                               hint="they are written in RUN_DIR/strategy/ by the semi-auto-parallel compile of the "
                                    "run (on the Ascend node); copy them with the run directory, or export there")
