@@ -85,8 +85,9 @@ SAME_MATH = "our model has no such switch (models/llama.py uses the same ops on 
 
 # Keys dropped whatever their value, with the reason (dotted paths; `*` is any callback index).
 DROPPED = {
-    "src_strategy_path_or_dir": "distributed-checkpoint strategy files: ours saves each rank's checkpoint with a "
-                                "manifest and resumes by rerunning the same command",
+    "src_strategy_path_or_dir": "distributed-checkpoint strategy files: ours resumes by rerunning the same command, "
+                                "and finds them in the run directory for a resume at another layout "
+                                "(training/relayout.py)",
     "auto_trans_ckpt": "re-slices load_checkpoint, which is not imported; ours sets auto_trans_ckpt to resume a run "
                        "at another layout (training/relayout.py)",
     "only_save_strategy": "MindFormers' strategy-only dry run: not used by ours",
