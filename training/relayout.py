@@ -92,9 +92,11 @@ def source_strategy_dir(run_dir: str, step_dir: str) -> str:
     return kept if os.path.isdir(kept) else os.path.join(run_dir, STRATEGY_DIR)
 
 
-def missing_strategy_files(directory: str, world_size: int) -> list:
-    return [os.path.join(directory, f"ckpt_strategy_rank_{r}.ckpt") for r in range(world_size)
-            if not os.path.isfile(os.path.join(directory, f"ckpt_strategy_rank_{r}.ckpt"))]
+def missing_strategy_files(directory: str, world_size: int, also_in: str = None) -> list:
+    """The ranks' strategy files not in `directory` (nor in `also_in`, where an interrupted move left some)."""
+    names = [f"ckpt_strategy_rank_{r}.ckpt" for r in range(world_size)]
+    return [os.path.join(directory, n) for n in names
+            if not any(d and os.path.isfile(os.path.join(d, n)) for d in (directory, also_in))]
 
 
 def check_relayout(previous, recipe, run_dir: str, step_dir: str) -> None:
@@ -134,7 +136,7 @@ def check_relayout(previous, recipe, run_dir: str, step_dir: str) -> None:
                           "resumes and truncates the checkpoint per rank",
                           hint=f"choose degrees whose product is {devices(old)}")
     directory = source_strategy_dir(run_dir, step_dir)
-    missing = missing_strategy_files(directory, devices(old))
+    missing = missing_strategy_files(directory, devices(old), os.path.join(step_dir, STRATEGY_DIR + ".partial"))
     if missing:
         raise LaunchError(f"{where}; re-slicing needs the strategy file of every rank of {describe(old)}, and "
                           f"{len(missing)} are missing: {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}",
@@ -152,17 +154,18 @@ def keep_source_strategy(previous, recipe, run_dir: str, step_dir: str) -> None:
     old = checkpoint_layout(previous, step_dir)
     if old == layout(recipe) or not (old["semi_auto"] and layout(recipe)["semi_auto"]) or not recipe.auto_trans_ckpt:
         return
+    from ascend_llm_recipes.training.checkpoint import write_atomic
+
     kept = os.path.join(step_dir, STRATEGY_DIR)
     if not os.path.isdir(kept):
-        partial = kept + ".partial"
+        partial = kept + ".partial"  # an interrupted earlier move left part of the files here
         os.makedirs(partial, exist_ok=True)
         for rank in range(devices(old)):
             source = strategy_file(run_dir, rank)
             if os.path.isfile(source):
                 shutil.move(source, os.path.join(partial, os.path.basename(source)))
         os.replace(partial, kept)
-        from ascend_llm_recipes.training.checkpoint import write_atomic
-        write_atomic(os.path.join(step_dir, LAYOUT_FILE), json.dumps(old))
+    write_atomic(os.path.join(step_dir, LAYOUT_FILE), json.dumps(old))  # the files' layout, once they left
     print(f"[launch] relayout {describe(old)} -> {describe(layout(recipe))}: MindFormers re-slices {step_dir} at load "
           f"(auto_trans_ckpt) with the strategy files in {kept}", flush=True)
 
