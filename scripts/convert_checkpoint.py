@@ -9,9 +9,7 @@ conversion.json; train from it with that model section and the recipe keys
 transformers before anything is written.
 --to-hf reads a converted directory, a run directory (its newest verified checkpoint step, as a
 resume would take) or a .ckpt / .safetensors file, and writes config.json + model.safetensors
-(plus the run's tokenizer when its dataset names one). A semi-auto-parallel (TP/PP) run's shards are
-first merged with the strategy files the run saved (RUN_DIR/strategy/) into
-RUN_DIR/merged_checkpoint/step_N/ (training/relayout.py).
+(plus the run's tokenizer when its dataset names one).
 Exit codes: 0 converted, 2 bad input (the message says what to fix), 1 internal error, 130 interrupted.
 """
 
@@ -74,7 +72,8 @@ def main(argv=None) -> int:
             manifest = from_hf(args.from_hf, args.output, seq_length=args.seq_length, verify=args.verify,
                                show_progress=not args.quiet)
         else:
-            # A semi-auto (TP/PP) run is first merged into one unsliced checkpoint with its strategy files.
+            # A semi-auto (TP/PP) run's shards are first merged into one unsliced checkpoint with the strategy
+            # files the run saved, in RUN_DIR/merged_checkpoint/step_N/ (training/relayout.py).
             source, model_config = export_source(args.to_hf, args.model_config)
             manifest = to_hf(source, args.output, model_config=model_config, show_progress=not args.quiet)
     except PretrainError as err:
