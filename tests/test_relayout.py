@@ -38,8 +38,8 @@ def as_tp2(run: str, tmp_path) -> str:
     """A copy of the run whose recipe.yaml says DP1 x TP2 (written by the recipe loader), as an Ascend run's would."""
     copy = str(tmp_path / "tp2_run")
     shutil.copytree(run, copy)
-    recipe = load_recipe(os.path.join(run, "recipe.yaml"), [f"output_dir={copy}", "context.device_target=Ascend",
-                                                             *AS_TP2], planning=True)
+    overrides = [f"output_dir={copy}", "context.device_target=Ascend", *AS_TP2]
+    recipe = load_recipe(os.path.join(run, "recipe.yaml"), overrides, planning=True)
     with open(os.path.join(copy, "recipe.yaml"), "w", encoding="utf-8") as f:
         f.write(recipe.to_yaml())
     return copy
