@@ -22,6 +22,7 @@ import traceback
 from ascend_llm_recipes.models.convert import from_hf, summary, to_hf
 from ascend_llm_recipes.training.errors import PretrainError
 from ascend_llm_recipes.training.preflight import check_writable_dir
+from ascend_llm_recipes.training.relayout import export_source
 
 
 def main(argv=None) -> int:
@@ -72,7 +73,10 @@ def main(argv=None) -> int:
             manifest = from_hf(args.from_hf, args.output, seq_length=args.seq_length, verify=args.verify,
                                show_progress=not args.quiet)
         else:
-            manifest = to_hf(args.to_hf, args.output, model_config=args.model_config, show_progress=not args.quiet)
+            # A semi-auto (TP/PP) run's shards are first merged into one unsliced checkpoint with the strategy
+            # files the run saved, in RUN_DIR/merged_checkpoint/step_N/ (training/relayout.py).
+            source, model_config = export_source(args.to_hf, args.model_config)
+            manifest = to_hf(source, args.output, model_config=model_config, show_progress=not args.quiet)
     except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -34,6 +34,25 @@ def tiny_dataset(tmp_path_factory):
     return out
 
 
+DP2_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml")
+DATA_PARALLEL_STEPS = 8
+
+
+@pytest.fixture(scope="session")
+def data_parallel_runs(tmp_path_factory, tiny_dataset):
+    """(DP1 run dir, DP2 run dir) of the tiny recipe at one global batch, checkpoint at the last step; read-only."""
+    from ascend_llm_recipes.training.launch import launch
+
+    common = [f"train_dataset.data_loader.dataset_dir={tiny_dataset}", "train_dataset.data_loader.shuffle=False",
+              f"runner_config.stop_step={DATA_PARALLEL_STEPS}",
+              f"callbacks.1.save_checkpoint_steps={DATA_PARALLEL_STEPS}"]
+    one = str(tmp_path_factory.mktemp("dp") / "dp1")
+    two = str(tmp_path_factory.mktemp("dp") / "dp2")
+    assert launch(TINY_RECIPE, [f"output_dir={one}", *common], show_progress=False) == 0
+    assert launch(DP2_RECIPE, [f"output_dir={two}", *common], show_progress=False) == 0
+    return one, two
+
+
 @pytest.fixture(scope="session")
 def llama2_hf_tokenizer(tmp_path_factory):
     """An HF tokenizer directory made by transformers' slow-to-fast conversion of LLAMA2_LAYOUT_SP_MODEL, as

@@ -219,7 +219,7 @@ def test_shipped_layouts_fit_and_state_the_planned_figure(name):
 
 def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
     import subprocess
-    from ascend_llm_recipes.training.acceptance import LAYOUTS, MULTI_NODE_RECIPES, NODE_RECIPES, NOT_RUN
+    from ascend_llm_recipes.training.acceptance import LAYOUTS, MULTI_NODE_RECIPES, NODE_RECIPES, RELAYOUT_TARGETS
 
     out = tmp_path / "out"
     result = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "ascend_acceptance.sh"), str(out)],
@@ -228,11 +228,19 @@ def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
     expected = ([f"[startup_{n}]" for n in NODE_RECIPES + MULTI_NODE_RECIPES] + [f"[layout_{n}]" for n in LAYOUTS]
                 + ["[bf16_vs_fp32] train 50 steps float32", "[bf16_vs_fp32] train 50 steps bfloat16",
                    "[kill_resume_tp_pp] train, kill -9", "[kill_resume_tp_pp] rerun the same command",
-                   "[memory_llama2_7b_8dev] --plan", "[throughput_llama2_7b_8dev] train 30 steps"]
-                + [f"[{n}] NOT RUN" for n in NOT_RUN])
+                   "[memory_llama2_7b_8dev] --plan", "[throughput_llama2_7b_8dev] train 30 steps",
+                   "[to_hf_tp_pp] --to-hf of the dp2_tp2_pp2 run"]
+                + [f"[resume_{t}_from_dp2_tp2_pp2] train dp2_tp2_pp2 10 of 20 steps" for t in RELAYOUT_TARGETS]
+                + [f"[resume_{t}_from_dp2_tp2_pp2] resume at {t} (auto_trans_ckpt, --amend)" for t in RELAYOUT_TARGETS])
     for line in expected:
         assert line in result.stdout, line
     assert "--check --dry-run" in result.stdout and "tiny_ascend.yaml" in result.stdout
+    assert "NOT RUN" not in result.stdout and RELAYOUT_TARGETS == ("dp8", "dp2_tp4")
+    lines = result.stdout.splitlines()
+    resume = next(line for line in lines if line.startswith("[resume_dp2_tp4_from_dp2_tp2_pp2] resume"))
+    assert resume.endswith("--set auto_trans_ckpt=True --amend") and "parallel_config.model_parallel=4" in resume
+    convert = next(line for line in lines if line.startswith("[to_hf_tp_pp]"))
+    assert f"--to-hf {out}/dp2_tp2_pp2 --output {out}/hf_dp2_tp2_pp2" in convert
     assert not out.exists()
 
 

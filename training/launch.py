@@ -29,6 +29,7 @@ from ascend_llm_recipes.training.errors import DataError, LaunchError, PretrainE
 from ascend_llm_recipes.training.job import (LAUNCHER_ENV, LOCK_FILE, RunDirLock, describe_holder, job_processes,
                                              process_id, send, start_time)
 from ascend_llm_recipes.training.recipe import Recipe, load_recipe
+from ascend_llm_recipes.training.relayout import check_relayout, keep_source_strategy
 from ascend_llm_recipes.training.train import RESOLVED_RECIPE, SUMMARY, dataset_manifest_sha256, read_status
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -310,6 +311,7 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
         recipe.load_checkpoint = directory
         recipe.resume_training = read_json(os.path.join(directory, "rank_0", MANIFEST))["file"]
         check_data_position(recipe, run_dir, previous)
+        check_relayout(previous, recipe, run_dir, directory)
     changes = recipe_changes(previous, recipe)
     if changes and not amend:
         raise LaunchError(f"output_dir {run_dir} holds a run trained with other settings; this launch changes "
@@ -323,6 +325,8 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
                   "continue it with the change", flush=True)
         return False  # already complete: the launcher says so, and the run's record stays as it is
     record_amendments(run_dir, step or 0, changes)
+    if step is not None:
+        keep_source_strategy(previous, recipe, run_dir, directory)
     for bad, problems in invalid:
         print(f"[launch] warning: skipping invalid checkpoint {bad} (set aside as {set_aside(bad, problems)}): "
               + "; ".join(problems), flush=True)

@@ -85,9 +85,11 @@ SAME_MATH = "our model has no such switch (models/llama.py uses the same ops on 
 
 # Keys dropped whatever their value, with the reason (dotted paths; `*` is any callback index).
 DROPPED = {
-    "src_strategy_path_or_dir": "distributed-checkpoint strategy files: ours saves each rank's checkpoint with a "
-                                "manifest and resumes by rerunning the same command",
-    "auto_trans_ckpt": "MindFormers' checkpoint re-slicing: not used by ours",
+    "src_strategy_path_or_dir": "distributed-checkpoint strategy files: ours resumes by rerunning the same command, "
+                                "and finds them in the run directory for a resume at another layout "
+                                "(training/relayout.py)",
+    "auto_trans_ckpt": "re-slices load_checkpoint, which is not imported; ours sets auto_trans_ckpt to resume a run "
+                       "at another layout (training/relayout.py)",
     "only_save_strategy": "MindFormers' strategy-only dry run: not used by ours",
     "processor": "tokenizer/processor for inference: ours trains on token ids prepared by scripts/prepare_data.py",
     "metric": "evaluation metric class: ours reports held-out loss and perplexity (eval_dataset)",
@@ -105,8 +107,10 @@ DROPPED = {
                                 "the dataset block)",
     "train_dataset_task.dataset_config": "MindFormers' copy of train_dataset (a YAML alias): filled in from it",
     "parallel.enable_alltoall": "all-to-all communication for mixture-of-experts: the model is dense",
-    "parallel.strategy_ckpt_save_file": "MindFormers' parallel-strategy file: not needed by ours",
-    "parallel.strategy_ckpt_config": "MindFormers' parallel-strategy file: not needed by ours",
+    "parallel.strategy_ckpt_save_file": "ours saves every rank's strategy file in RUN_DIR/strategy/ in semi-auto "
+                                        "parallel, as MindFormers does (training/relayout.py)",
+    "parallel.strategy_ckpt_config": "ours saves every rank's strategy file in RUN_DIR/strategy/ in semi-auto "
+                                     "parallel, all parameters, as MindFormers does (training/relayout.py)",
     "parallel.parallel_optimizer_config.gradient_accumulation_shard": "MindFormers' accumulation-buffer "
                                                                       "sharding: memory only, not in our schema",
     "recompute_config.select_comm_recompute": "selective recompute of communication: memory only; ours "
@@ -817,6 +821,10 @@ def to_mindformers(recipe_path: str) -> tuple:
     parallel = recipe.to_dict()["parallel"]
     # MindFormers' trainer reads the global batch on every rank and slices it in semi-auto parallel.
     parallel["full_batch"] = semi_auto
+    if semi_auto:
+        # MindFormers' documented form (all parameters' layouts, so checkpoints re-slice and merge whole);
+        # set_strategy_save_path makes it output/strategy/ckpt_strategy_rank_N.ckpt (utils/file_utils.py:53-65).
+        parallel["strategy_ckpt_config"] = {"save_file": "./ckpt_strategy.ckpt", "only_trainable_params": False}
     degrees = {k: v for k, v in recipe.to_dict()["parallel_config"].items() if k != "stage_layers"}
     runner = {k: v for k, v in recipe.to_dict()["runner_config"].items() if k != "stop_step"}
     checkpoints = recipe.checkpointing

@@ -661,6 +661,9 @@ class Recipe:
     # a conversion directory whose optimizer/ holds AdamW moments (--from-megatron): the run starts with
     # them and with the optimizer step they were saved at
     load_optimizer_state: str = ""
+    # MindFormers' key: a resume at another DP/TP/PP layout re-slices the checkpoint at load with the
+    # strategy files the run saved (training/relayout.py); refused on CPU, where no strategy file can exist
+    auto_trans_ckpt: bool = False
     use_parallel: bool = False
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
@@ -736,6 +739,10 @@ class Recipe:
             problems.append("load_optimizer_state: the moments are whole tensors, loaded under data parallelism "
                             "only (parallel_config.model_parallel and pipeline_stage 1); drop it to restart the "
                             "optimizer")
+        if self.auto_trans_ckpt and self.runs_on_cpu:
+            problems.append("auto_trans_ckpt: re-slices a checkpoint with the parallel strategy files of the run that "
+                            "saved it; those are written only by a semi-auto-parallel compile, which does not run on "
+                            "CPU, so none can exist here (resume at the checkpoint's layout)")
         if self.do_eval and self.eval_dataset is None:
             problems.append("do_eval: True needs an eval_dataset section (data_loader.dataset_dir of a held-out "
                             "dataset, e.g. one written by scripts/prepare_data.py --val-fraction)")
@@ -967,8 +974,8 @@ def resolve_paths(recipe: Recipe) -> None:
 
 # What only a MindFormers configuration has: sections and keys of MindFormers that recipes do not
 # use, and MindFormers' own model classes (recipes train models/llama.py's).
-MINDFORMERS_KEYS = ("processor", "metric", "eval_callbacks", "eval_dataset_task", "auto_trans_ckpt",
-                    "src_strategy_path_or_dir", "only_save_strategy", "micro_batch_interleave_num", "moe_config",
+MINDFORMERS_KEYS = ("processor", "metric", "eval_callbacks", "eval_dataset_task", "src_strategy_path_or_dir",
+                    "only_save_strategy", "micro_batch_interleave_num", "moe_config",
                     "auto_tune", "filepath_prefix", "autotune_per_step", "profile_start_step", "profile_stop_step",
                     "profile_communication", "profile_memory", "init_start_profile", "layer_scale", "layer_decay",
                     "lr_scale_factor", "remote_save_url", "use_past", "monitor_config")

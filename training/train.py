@@ -94,6 +94,11 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
     cfg["micro_batch_interleave_num"] = 1
     cfg["monitor_config"] = {"monitor_on": False}
     cfg["profile"] = False
+    # Strategy files in RUN_DIR/strategy/, and MindFormers' re-slicing on a resume at another layout.
+    from ascend_llm_recipes.training.relayout import mindformers_keys
+    keys = mindformers_keys(recipe, run_dir, rank_id())
+    cfg["parallel"].update(keys.pop("parallel"))
+    cfg.update(keys)
     return cfg
 
 
@@ -138,8 +143,9 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
         return
     parallel = recipe.parallel_config
     files, per_rank = loaded_checkpoint_files(recipe, rank)
-    if per_rank and (parallel.model_parallel > 1 or parallel.pipeline_stage > 1):
-        return  # a rank's file holds its slice or stage only; MindSpore's loader checks those layouts
+    from ascend_llm_recipes.training.relayout import pending_source_strategy
+    if per_rank and (parallel.model_parallel > 1 or parallel.pipeline_stage > 1 or pending_source_strategy(recipe)):
+        return  # a rank's file holds its slice or stage only (or is re-sliced at load); MindSpore checks those
     where = f"load_checkpoint {recipe.load_checkpoint}"
     if not files:
         raise LaunchError(f"{where}: no {recipe.load_ckpt_format} checkpoint file for rank {rank} in it",
