@@ -187,7 +187,7 @@ def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_da
     """Newest step corrupt, the one before it with a truncated state.json, metrics.jsonl torn: amended to stop at 12."""
     from scripts.verify_checkpoint import main as verify
     from ascend_llm_recipes.training.errors import LaunchError
-    from ascend_llm_recipes.training.launch import prepare_run_dir
+    from ascend_llm_recipes.training.resume import prepare_run_dir
     from ascend_llm_recipes.training.recipe import load_recipe
 
     run_dir = str(tmp_path / "run")
@@ -224,7 +224,7 @@ def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_da
 
 
 def test_deleted_state_json_falls_back_to_the_previous_step(baseline, tiny_dataset, tmp_path):
-    from ascend_llm_recipes.training.launch import prepare_run_dir
+    from ascend_llm_recipes.training.resume import prepare_run_dir
     from ascend_llm_recipes.training.recipe import load_recipe
 
     run_dir = str(tmp_path / "run")

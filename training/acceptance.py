@@ -229,7 +229,7 @@ def dry_run_compile(recipe, recipe_path: str) -> int:
 
     DryRun needs MindSpore's Ascend plugin, which needs CANN; without it, say so in one line.
     """
-    from ascend_llm_recipes.training.launch import prepare_run_dir
+    from ascend_llm_recipes.training.resume import prepare_run_dir
     from ascend_llm_recipes.training.preflight import _cann_version
 
     version, where = _cann_version(dict(os.environ))

@@ -234,7 +234,7 @@ def run(run_dir: str, started: float = None) -> dict:
     with open(os.path.join(run_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
         recipe = recipe_from_dict(yaml.safe_load(f), os.path.join(run_dir, RESOLVED_RECIPE))
     # The launcher's dataset checks, on the same resolved recipe: the two cannot disagree.
-    from ascend_llm_recipes.training.launch import check_datasets
+    from ascend_llm_recipes.training.datasets import check_datasets
     datasets = check_datasets(recipe)
 
     # MindFormers writes logs under LOCAL_DEFAULT_PATH (default ./output) from import time on.
