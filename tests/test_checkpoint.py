@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.training.checkpoint import (MANIFEST, newest_valid_step, read_json, step_dir, verify_step,
                                                     write_rank)
-from ascend_llm_recipes.training.job import LOCK_FILE
+from ascend_llm_recipes.training.run_files import LOCK_FILE
 
 LAUNCHER = os.path.join(REPO_ROOT, "scripts", "run_distributed.sh")
 SAVE = ["--set", "callbacks.1.save_checkpoint_steps=5", "--set", "callbacks.1.keep_checkpoint_max=3"]
@@ -279,6 +279,15 @@ def test_missing_optimizer_state_is_refused_for_resume(tmp_path):
     assert "no AdamW state" in problems[0] and "set load_checkpoint without" in problems[0]
     assert "state.json: missing" in problems[1]  # nor a data position to resume from
     assert verify_step(str(tmp_path), 1, shapes, need_optimizer=False) == []
+
+
+def test_every_entry_of_a_run_directory_is_named_in_run_files(baseline):
+    from ascend_llm_recipes.data.loader import SKIPS_FILE
+    from ascend_llm_recipes.training import run_files
+
+    named = {v for k, v in vars(run_files).items() if k.isupper() and isinstance(v, str)}
+    named |= {SKIPS_FILE, *run_files.MINDFORMERS_DIRS}
+    assert sorted(set(os.listdir(baseline)) - named) == []
 
 
 def test_verify_checkpoint_script(baseline):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ascend_llm_recipes.models.arithmetic import flops_per_token
+from ascend_llm_recipes.training.run_files import METRICS, RESOLVED_RECIPE, SUMMARY
 
 DEMO_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "demo_cpu.yaml")
 
@@ -304,11 +305,11 @@ def run_demo(steps: int, out_dir: str, dataset_dir: str = None) -> dict:
     done = subprocess.run(cmd, cwd=repo, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"demo run failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as f:
+    with open(os.path.join(out_dir, SUMMARY), encoding="utf-8") as f:
         summary = json.load(f)
-    with open(os.path.join(out_dir, "recipe.yaml"), encoding="utf-8") as f:
+    with open(os.path.join(out_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
         dataset_dir = yaml.safe_load(f)["train_dataset"]["data_loader"]["dataset_dir"]  # absolute once resolved
-    with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
+    with open(os.path.join(out_dir, METRICS), encoding="utf-8") as f:
         records = [json.loads(line) for line in f if '"loss"' in line]
     skip = min(3, len(records) - 1)
     steady = records[skip:]

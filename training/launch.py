@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 
 from ascend_llm_recipes.training.datasets import check_load_checkpoint, ensure_dataset
 from ascend_llm_recipes.training.errors import LaunchError, PretrainError
-from ascend_llm_recipes.training.job import (LAUNCHER_ENV, LOCK_FILE, RunDirLock, describe_holder, job_processes,
+from ascend_llm_recipes.training.job import (LAUNCHER_ENV, RunDirLock, describe_holder, job_processes,
                                              process_id, send, start_time)
 from ascend_llm_recipes.training.recipe import Recipe, load_recipe
 from ascend_llm_recipes.training.resume import check_data_position, prepare_run_dir, resumed_step
-from ascend_llm_recipes.training.train import RESOLVED_RECIPE, SUMMARY, read_status
+from ascend_llm_recipes.training.run_files import (AMENDMENTS, LOCK_FILE, MSRUN_LOG, RESOLVED_RECIPE, SUMMARY,
+                                                   node_lock_file, read_status)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_SCRIPT = os.path.join(REPO_ROOT, "scripts", "train.py")
@@ -43,7 +44,6 @@ STOP_GRACE_SECONDS = 120  # after Ctrl-C/SIGTERM: time for the ranks to finish t
 FAILURE_GRACE_SECONDS = 10  # after a rank failed: time for msrun to stop the rest before the launcher kills them
 SETTLE_SECONDS = 10       # every worker has exited: time for msrun and its scheduler to follow
 ENDING_SETTLE_SECONDS = 3  # the same once the job is being stopped (msrun polls its workers every second)
-MSRUN_LOG = "msrun.log"
 DEFAULT_MULTINODE_PORT = 8118  # every node must name the same port; a random one cannot be shared
 
 
@@ -460,7 +460,7 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
 def lock_run_dir(recipe: Recipe, cluster: Cluster) -> RunDirLock:
     """Own the run directory for this launch (one lock per node); a stale lock left by a dead launcher is taken over."""
     run_dir = os.path.abspath(recipe.output_dir)
-    lock = RunDirLock(run_dir, LOCK_FILE if cluster.nodes == 1 else f"launch.node_{cluster.node_rank}.lock")
+    lock = RunDirLock(run_dir, LOCK_FILE if cluster.nodes == 1 else node_lock_file(cluster.node_rank))
     stale = lock.acquire()
     if stale:
         print(f"[launch] warning: taking over the stale lock {lock.path} of a launch that is gone "
@@ -471,6 +471,7 @@ def lock_run_dir(recipe: Recipe, cluster: Cluster) -> RunDirLock:
 def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, hccl: dict,
             amend: bool = False) -> int:
     """Prepare the (locked) run directory, run msrun until the job ends, report; returns the exit code."""
+    from ascend_llm_recipes.data.loader import SKIPS_FILE
     from ascend_llm_recipes.training.preflight import write_findings
 
     run_dir = prepare_run_dir(recipe, recipe_path, amend)
@@ -519,7 +520,7 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
         print(f"[launch] loss spike at step {rollback['spike_step']}: rolling back to step "
               f"{rollback['rolled_back_to']} and skipping {rollback['skipped_samples']} samples (steps "
               f"{rollback['skipped_steps'][0]}-{rollback['skipped_steps'][1]}); see "
-              f"{os.path.join(run_dir, 'data_skips.json')}", flush=True)
+              f"{os.path.join(run_dir, SKIPS_FILE)}", flush=True)
         run_dir = prepare_run_dir(recipe, recipe_path, amend)
     if cluster.node_rank == 0:
         with open(os.path.join(run_dir, SUMMARY), encoding="utf-8") as f:
@@ -551,7 +552,7 @@ def main(argv=None) -> int:
     parser.add_argument("--master-addr", help="node 0's address (default: first Slurm host or 127.0.0.1)")
     parser.add_argument("--master-port", type=int, help=f"default {DEFAULT_MULTINODE_PORT} on several nodes")
     parser.add_argument("--amend", action="store_true",
-                        help="continue a run with a changed recipe; the change is recorded in RUN_DIR/amendments.jsonl")
+                        help=f"continue a run with a changed recipe; the change is recorded in RUN_DIR/{AMENDMENTS}")
     args = parser.parse_args(argv)
     if args.dry_run and not args.check:
         parser.error("--dry-run goes with --check (a compile-only check); to print the msrun command without "

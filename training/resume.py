@@ -3,15 +3,17 @@
 The same launch command again continues the run; a changed recipe is refused naming the keys (or,
 with --amend, recorded in RUN_DIR/amendments.jsonl).
 """
+import fnmatch
 import json
 import os
 import shutil
 import time
 
-from ascend_llm_recipes.training.checkpoint import CHECKPOINTS
 from ascend_llm_recipes.training.errors import LaunchError
 from ascend_llm_recipes.training.recipe import Recipe
-from ascend_llm_recipes.training.train import RESOLVED_RECIPE, dataset_manifest_sha256
+from ascend_llm_recipes.training.run_files import (AMENDMENTS, CHECKPOINTS, HEARTBEAT, METRICS, METRICS_PATTERN,
+                                                   RESOLVED_RECIPE, STATUS)
+from ascend_llm_recipes.training.train import dataset_manifest_sha256
 
 
 def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> str:
@@ -22,7 +24,7 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> st
     run_dir = recipe.output_dir  # absolute: every path was resolved at load (training/recipe.py resolve_paths)
     if os.path.exists(os.path.join(run_dir, RESOLVED_RECIPE)) and not continue_run(recipe, run_dir, amend):
         return run_dir
-    leftovers = [n for n in (CHECKPOINTS, "metrics.jsonl") if os.path.exists(os.path.join(run_dir, n))]
+    leftovers = [n for n in (CHECKPOINTS, METRICS) if os.path.exists(os.path.join(run_dir, n))]
     if not os.path.exists(os.path.join(run_dir, RESOLVED_RECIPE)) and leftovers:
         raise LaunchError(f"output_dir {run_dir} holds a run's {' and '.join(leftovers)} but no {RESOLVED_RECIPE}: "
                           "starting over would overwrite them, and resuming needs the recipe that wrote them",
@@ -35,7 +37,6 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> st
     return run_dir
 
 
-AMENDMENTS = "amendments.jsonl"  # RUN_DIR: recipe changes accepted on resume with --amend, one per line
 # Not training settings: where the run lives (a run directory may be moved) and the checkpoint
 # the launcher itself sets on resume.
 NOT_SETTINGS = ("output_dir", "load_checkpoint", "resume_training")
@@ -87,7 +88,7 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
     else:
         print(f"[launch] resuming {run_dir} from step {step} ({directory})", flush=True)
     truncate_metrics(run_dir, step or 0)
-    for stale in ("status", "heartbeat"):
+    for stale in (STATUS, HEARTBEAT):
         shutil.rmtree(os.path.join(run_dir, stale), ignore_errors=True)
     return True
 
@@ -231,7 +232,7 @@ def truncate_metrics(run_dir: str, step: int) -> None:
     from ascend_llm_recipes.training.metrics import read_jsonl
 
     for name in sorted(os.listdir(run_dir)):
-        if name.startswith("metrics") and name.endswith(".jsonl"):
+        if fnmatch.fnmatch(name, METRICS_PATTERN):
             path = os.path.join(run_dir, name)
             records = read_jsonl(path, log=lambda m: print("[launch] warning: " + m, flush=True))
             write_atomic(path, "".join(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= step))

@@ -20,32 +20,12 @@ from ascend_llm_recipes.training.errors import LaunchError, PretrainError
 from ascend_llm_recipes.training.heartbeat import Heartbeat
 from ascend_llm_recipes.training.job import stop_orphan, watch_launcher
 from ascend_llm_recipes.training.recipe import START_STEP_LR, Recipe, recipe_from_dict
-
-RESOLVED_RECIPE = "recipe.yaml"
-SUMMARY = "summary.json"
-METRICS = "metrics.jsonl"
-
-
-def metrics_file(rank: int) -> str:
-    """Rank 0's per-step records are the run's metrics; other ranks keep their own (local loss)."""
-    return METRICS if rank == 0 else f"metrics_rank_{rank}.jsonl"
+from ascend_llm_recipes.training.run_files import (CHECKPOINTS, PROFILE, RESOLVED_RECIPE, SUMMARY, TENSORBOARD,
+                                                   metrics_file, status_path)
 
 
 def rank_id() -> int:
     return int(os.environ.get("RANK_ID", "0"))
-
-
-def status_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, "status", f"rank_{rank}.json")
-
-
-def read_status(run_dir: str, rank: int):
-    """RUN_DIR/status/rank_N.json (running, done or failed, with details), or None before the rank wrote one."""
-    try:
-        with open(status_path(run_dir, rank), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def write_status(run_dir: str, state: str, **extra) -> None:
@@ -185,7 +165,7 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
     rank = rank_id()
     peak, peak_source = device_peak_flops(recipe)
     print(f"[rank {rank}] MFU peak per device: {peak_source}", flush=True)
-    tensorboard = os.path.join(run_dir, "tensorboard") if recipe.monitoring.tensorboard and rank == 0 else None
+    tensorboard = os.path.join(run_dir, TENSORBOARD) if recipe.monitoring.tensorboard and rank == 0 else None
     recorder = StepRecorder(recipe, os.path.join(run_dir, metrics_file(rank)), heartbeat,
                             training_flops_per_token(recipe), peak, tensorboard, initial_step)
     callbacks = [recorder]
@@ -198,7 +178,7 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
                                      heartbeat, log_results=True))
     if recipe.profile is not None:
         callbacks.append(ProfileWindow(recipe.profile.start_step, recipe.profile.stop_step,
-                                       os.path.join(run_dir, "profile", f"rank_{rank}"), recorder))
+                                       os.path.join(run_dir, PROFILE, f"rank_{rank}"), recorder))
     saver = None
     if recipe.checkpointing is not None:
         saver = CheckpointSaver(run_dir, rank, recipe.world_size, recorder, recipe, state_hashes(recipe, run_dir),
@@ -329,7 +309,7 @@ def collective_self_test() -> None:
 
 def find_checkpoints(run_dir: str) -> list:
     """This rank's complete checkpoint files (of regular steps), oldest first."""
-    from ascend_llm_recipes.training.checkpoint import CHECKPOINTS, MANIFEST, read_json
+    from ascend_llm_recipes.training.checkpoint import MANIFEST, read_json
 
     manifests = sorted(glob.glob(os.path.join(run_dir, CHECKPOINTS, "step_*", f"rank_{rank_id()}", MANIFEST)))
     return [os.path.join(os.path.dirname(m), read_json(m)["file"]) for m in manifests]
