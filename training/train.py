@@ -157,9 +157,11 @@ def resume_step(recipe: Recipe) -> int:
 
 
 def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) -> tuple:
-    """(StepRecorder, CheckpointSaver or None, every callback to pass to the Trainer)."""
-    from ascend_llm_recipes.data.loader import read_skips
-    from ascend_llm_recipes.training.callbacks import CheckpointSaver, HeldOutEval, ProfileWindow, StepRecorder
+    """(StepRecorder, Checkpointer or None, AnomalyMonitor or None, every callback to pass to the Trainer)."""
+    from ascend_llm_recipes.data.loader import read_skips, skip_ranges
+    from ascend_llm_recipes.training.anomaly import AnomalyMonitor
+    from ascend_llm_recipes.training.callbacks import HeldOutEval, ProfileWindow, StepRecorder
+    from ascend_llm_recipes.training.checkpointer import Checkpointer
     from ascend_llm_recipes.training.metrics import device_peak_flops, training_flops_per_token
 
     rank = rank_id()
@@ -167,7 +169,8 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
     print(f"[rank {rank}] MFU peak per device: {peak_source}", flush=True)
     tensorboard = os.path.join(run_dir, TENSORBOARD) if recipe.monitoring.tensorboard and rank == 0 else None
     recorder = StepRecorder(recipe, os.path.join(run_dir, metrics_file(rank)), heartbeat,
-                            training_flops_per_token(recipe), peak, tensorboard, initial_step)
+                            training_flops_per_token(recipe), peak, tensorboard, initial_step,
+                            agree_on_stop=recipe.checkpointing is not None)
     callbacks = [recorder]
     if recipe.load_optimizer_state:
         from ascend_llm_recipes.training.optim import LoadOptimizerState
@@ -179,12 +182,14 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
     if recipe.profile is not None:
         callbacks.append(ProfileWindow(recipe.profile.start_step, recipe.profile.stop_step,
                                        os.path.join(run_dir, PROFILE, f"rank_{rank}"), recorder))
-    saver = None
+    checkpointer = monitor = None
     if recipe.checkpointing is not None:
-        saver = CheckpointSaver(run_dir, rank, recipe.world_size, recorder, recipe, state_hashes(recipe, run_dir),
-                                read_skips(run_dir))
-        callbacks.append(saver)
-    return recorder, saver, callbacks
+        rollbacks = read_skips(run_dir)
+        checkpointer = Checkpointer(run_dir, rank, recipe.world_size, recorder, recipe, state_hashes(recipe, run_dir),
+                                    skip_ranges(rollbacks))
+        monitor = AnomalyMonitor(run_dir, recipe.world_size, recorder, checkpointer, recipe, rollbacks)
+        callbacks += [monitor, checkpointer]  # the monitor decides before the checkpointer saves
+    return recorder, checkpointer, monitor, callbacks
 
 
 def state_hashes(recipe: Recipe, run_dir: str) -> dict:
@@ -240,10 +245,10 @@ def run(run_dir: str, started: float = None) -> dict:
         collective_self_test()
     check_checkpoint_parameters(recipe, rank_id())
     initial_step = resume_step(recipe)
-    recorder, saver, callbacks = build_callbacks(recipe, run_dir, heartbeat, initial_step)
-    if saver is not None:
+    recorder, checkpointer, monitor, callbacks = build_callbacks(recipe, run_dir, heartbeat, initial_step)
+    if checkpointer is not None:
         # Preemption: save at the end of the current step, then stop cleanly.
-        signal.signal(signal.SIGTERM, lambda *_: setattr(saver, "preempted", True))
+        signal.signal(signal.SIGTERM, lambda *_: setattr(recorder, "stop_requested", True))
     # One seeded order on every rank, each data-parallel rank its own slice; a resumed run's
     # MindFormers skips `initial_step` batches of it (set_init_step), i.e. data_position samples.
     # Samples a loss-spike rollback removed stay out of it (RUN_DIR/data_skips.json).
@@ -257,9 +262,9 @@ def run(run_dir: str, started: float = None) -> dict:
     summary = recorder.summary(run_dir, find_checkpoints(run_dir))
     summary["startup"] = startup_phases(started, imported, setup_done, recorder.records, data_seconds)
     summary["resumed_from_step"] = initial_step
-    summary["preempted"] = bool(saver and saver.preempted)
-    summary["checkpoint_blocked_s"] = round(saver.blocked_time, 3) if saver else 0.0
-    summary["rollback"] = saver.rollback if saver else None
+    summary["preempted"] = bool(checkpointer and (checkpointer.preempted or recorder.stop_requested))
+    summary["checkpoint_blocked_s"] = round(checkpointer.blocked_time, 3) if checkpointer else 0.0
+    summary["rollback"] = monitor.rollback if monitor else None
     summary["blend"] = datasets["blend"]  # per member: samples, share of draws, expected repeats per pass
     if rank_id() == 0:
         with open(os.path.join(run_dir, SUMMARY), "w", encoding="utf-8") as f:
