@@ -227,9 +227,10 @@ def run(run_dir: str, started: float = None) -> dict:
     from mindformers import MindFormerConfig, Trainer
     from mindformers.core.context import build_context
     import ascend_llm_recipes.models.llama  # noqa: F401  (registers the model with MindFormers)
-    import ascend_llm_recipes.training.train_step  # noqa: F401  (registers the portable train-step wrapper)
+    from ascend_llm_recipes.training.train_step import install_cpu_barrier  # registers the train-step wrapper
     import ascend_llm_recipes.training.optim  # noqa: F401  (registers FoldedAdamW)
     from ascend_llm_recipes.data.loader import build_train_dataset, read_skips, skip_ranges
+    install_cpu_barrier()  # before the Trainer: it calls MindFormers' barrier when resuming under data parallel
     imported = time.time()
 
     heartbeat = Heartbeat(run_dir, rank_id())
