@@ -15,6 +15,8 @@ import subprocess
 import sys
 import tempfile
 
+from ascend_llm_recipes.training.run_files import SUMMARY
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -31,7 +33,7 @@ def run(out: str, async_save: bool, args) -> dict:
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+    with open(os.path.join(out, SUMMARY), encoding="utf-8") as f:
         return json.load(f)
 
 

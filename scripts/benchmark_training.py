@@ -20,20 +20,368 @@ busy before the run. Then it
 runs the demo recipe end to end through scripts/run_distributed.sh (data loading included)
 and prints its throughput, data wait and start-up phases, and a PyTorch loop over the same
 dataset.
+
+Both sides train the same shape on the same token batches with the same optimizer
+settings (the recipe's AdamW, gradient clipping and LR schedule). Steps of the two are
+alternated in one process so that whatever else runs on the machine slows both alike;
+warm-up (graph compile, first allocations) is excluded and steady-state tokens/s is the
+median over the timed steps. MFU for both is analytic FLOPs per token
+(models/arithmetic.py) x tokens/s over the float32 GEMM peak measured in the same run
+(training/metrics.py).
 """
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ascend_llm_recipes.models.arithmetic import flops_per_token
+from ascend_llm_recipes.training.run_files import METRICS, RESOLVED_RECIPE, SUMMARY
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Importing MindFormers creates ./output/log unless told where to log.
+# Importing MindFormers creates ./output/log unless told where to log (it is imported lazily, below).
 os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers-log-"))
-
-from ascend_llm_recipes.training import benchmark  # noqa: E402  (after the log-directory default)
-
 BUSY_LOAD_PER_CORE = 0.25  # 1-minute load average per core above which other work distorts the medians
+
+DEMO_RECIPE = os.path.join(REPO_ROOT, "recipes", "demo_cpu.yaml")
+
+
+@dataclass
+class Shape:
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int
+    seq_length: int
+    batch_size: int
+    num_kv_heads: int = None
+
+    def overrides(self) -> tuple:
+        """The recipe overrides that give the demo recipe this shape."""
+        m = "model.model_config."
+        return (f"{m}hidden_size={self.hidden_size}", f"{m}num_layers={self.num_layers}",
+                f"{m}num_heads={self.num_heads}", f"{m}num_kv_heads={self.num_kv_heads or self.num_heads}",
+                f"{m}intermediate_size={self.intermediate_size}", f"{m}vocab_size={self.vocab_size}",
+                f"{m}seq_length={self.seq_length}", f"runner_config.batch_size={self.batch_size}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_length
+
+
+# The issue's reference shape, and a wider/deeper one (Llama-style 8/3 MLP ratio, 16-aligned).
+REFERENCE = Shape("reference", 256, 4, 8, 688, 8192, 256, 8)
+LARGER = Shape("larger", 512, 8, 8, 1376, 16384, 512, 2)
+DEMO = Shape("demo", 256, 4, 8, 688, 2048, 256, 8)  # recipes/demo_cpu.yaml's model
+SMOKE = Shape("smoke", 64, 2, 4, 176, 512, 32, 2)
+SHAPES = {s.name: s for s in (REFERENCE, LARGER, DEMO, SMOKE)}
+
+
+@dataclass
+class Timings:
+    name: str
+    first_step_s: float = 0.0          # the first step (graph compile for ours)
+    step_s: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+
+    def median_step(self) -> float:
+        return statistics.median(self.step_s)
+
+    def best_step(self) -> float:
+        """The fastest timed step: close to what an idle machine gives when others share the cores."""
+        return min(self.step_s)
+
+
+def batches(shape: Shape, count: int, seed: int = 0) -> np.ndarray:
+    """Random token rows of seq_length + 1 (inputs and shifted labels), the same for every framework."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(4, shape.vocab_size, size=(count, shape.batch_size, shape.seq_length + 1), dtype=np.int32)
+
+
+def load_shape_recipe(shape: Shape, total_steps: int):
+    """The demo recipe (its optimizer, clipping, LR schedule, wrapper) at this model shape."""
+    from ascend_llm_recipes.training.recipe import load_recipe
+
+    return load_recipe(DEMO_RECIPE, overrides=shape.overrides() + (f"runner_config.stop_step={total_steps}",))
+
+
+class MindSporeTrainer:
+    """Our model in graph mode, wrapped exactly as MindFormers' Trainer wraps it for our recipes.
+
+    Optimizer groups, LR schedule, AdamW and the train-step wrapper are built by the same
+    MindFormers functions the Trainer calls (base_trainer.create_optimizer_scheduler and
+    create_model_wrapper), from the recipe's sections.
+    """
+
+    name = "mindspore"
+
+    def __init__(self, recipe, run_dir: str):
+        import mindspore as ms
+        from mindformers import MindFormerConfig
+        from mindformers.core import build_lr, build_optim
+        from mindformers.trainer.optimizer_grouped_parameters import get_optimizer_grouped_parameters
+        from mindformers.wrapper import build_wrapper
+
+        from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
+        import ascend_llm_recipes.training.train_step  # noqa: F401  (registers the portable wrapper)
+        import ascend_llm_recipes.training.optim  # noqa: F401  (registers FoldedAdamW)
+        from ascend_llm_recipes.training.train import mindformers_config
+
+        cfg = MindFormerConfig(**mindformers_config(recipe, run_dir))
+        ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+        ms.set_seed(recipe.seed)
+        model_cfg = {k: v for k, v in cfg.model.model_config.items() if k != "type"}
+        self.network = LlamaForCausalLM(LlamaConfig(**model_cfg))
+        lr = build_lr(cfg.lr_schedule)
+        groups = get_optimizer_grouped_parameters(model=self.network, weight_decay=cfg.optimizer.weight_decay,
+                                                  dynamic_lr_schedule=lr, optimizer_type=cfg.optimizer.type)
+        optimizer = build_optim(cfg.optimizer, default_args={"params": groups, "learning_rate": lr})
+        self.step_cell = build_wrapper(cfg.runner_wrapper, default_args={
+            "network": self.network, "optimizer": optimizer, "parallel_config": cfg.parallel_config})
+        self.step_cell.set_train(True)
+        self.ms = ms
+
+    def step(self, batch: np.ndarray) -> float:
+        outputs = self.step_cell(self.ms.Tensor(batch))
+        return float(outputs[0].asnumpy())
+
+
+class TorchTrainer:
+    """transformers' LlamaForCausalLM, float32, eager (or torch.compile), torch.optim.AdamW.
+
+    Same hyper-parameters as the recipe: AdamW betas/eps/weight decay (none on 1-D
+    parameters, as MindFormers groups them), gradient clipping at max_grad_norm, the
+    same cosine-with-warm-up LR, pad labels excluded from the loss.
+    """
+
+    def __init__(self, recipe, compile_model: bool = False):
+        import torch
+        from transformers import LlamaConfig as HFConfig, LlamaForCausalLM as HFLlama
+
+        m = recipe.model.model_config
+        torch.manual_seed(recipe.seed)
+        self.name = "torch.compile" if compile_model else "pytorch"
+        config = HFConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                          num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+                          num_key_value_heads=m.num_kv_heads or m.num_heads, max_position_embeddings=m.seq_length,
+                          rms_norm_eps=m.rms_norm_eps, rope_theta=m.rope_theta,
+                          tie_word_embeddings=m.tie_word_embeddings, initializer_range=m.initializer_range)
+        self.model = HFLlama(config).float().train()
+        decay = [p for p in self.model.parameters() if p.ndim > 1]
+        no_decay = [p for p in self.model.parameters() if p.ndim <= 1]
+        opt = recipe.optimizer
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}],
+                                           lr=recipe.lr_schedule.learning_rate, betas=tuple(opt.betas), eps=opt.eps)
+        self.max_grad_norm = recipe.runner_wrapper.max_grad_norm
+        self.pad_id = m.pad_token_id
+        self.vocab = m.vocab_size
+        self.lr = cosine_with_warmup(recipe)
+        self.steps = 0
+        self.forward = torch.compile(self.model) if compile_model else self.model
+        self.torch = torch
+
+    def step(self, batch: np.ndarray) -> float:
+        torch = self.torch
+        ids = torch.from_numpy(batch).long()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr(self.steps)
+        logits = self.forward(input_ids=ids[:, :-1].clamp(min=0)).logits  # -1 padding (no pad token): masked below
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab), ids[:, 1:].reshape(-1),
+                                                 ignore_index=self.pad_id)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.steps += 1
+        return float(loss.detach())
+
+
+def cosine_with_warmup(recipe):
+    """The recipe's CosineWithWarmUpLR as a function of the step (for the PyTorch side)."""
+    s = recipe.lr_schedule
+    total = s.total_steps if s.total_steps > 0 else recipe.runner_config.stop_step
+    warmup = s.warmup_steps if s.warmup_steps else int(total * (s.warmup_ratio or 0.0))
+
+    def lr(step: int) -> float:
+        if step < warmup:
+            return s.learning_rate * (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return s.lr_end + 0.5 * (s.learning_rate - s.lr_end) * (1 + np.cos(np.pi * progress))
+
+    return lr
+
+
+class GemmPeak:
+    """float32 GEMM FLOP/s of each framework, measured between training steps.
+
+    The MindSpore figure is training/metrics.py's measurement (the MFU denominator used by
+    our runs); measuring it between steps puts it under the same machine load as the steps.
+    """
+
+    def __init__(self):
+        import torch
+        from ascend_llm_recipes.training.metrics import GEMM_SIZE
+
+        self.size = GEMM_SIZE
+        self.a = torch.randn(GEMM_SIZE, GEMM_SIZE)
+        self.b = torch.randn(GEMM_SIZE, GEMM_SIZE)
+        self.torch = torch
+        self.samples = {"mindspore": [], "torch": []}
+
+    def measure(self, repeats: int = 3) -> None:
+        from ascend_llm_recipes.training.metrics import measure_cpu_peak_flops
+
+        self.samples["mindspore"].append(measure_cpu_peak_flops(self.size, repeats))
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.torch.matmul(self.a, self.b)
+            best = min(best, time.perf_counter() - start)
+        self.samples["torch"].append(2.0 * self.size ** 3 / best)
+
+    def median(self, framework: str) -> float:
+        return statistics.median(self.samples[framework])
+
+
+def alternate(trainers: list, data: np.ndarray, warmup: int, steps: int, peak: GemmPeak = None) -> dict:
+    """Run one step of each trainer in turn (order flipped every round); the first `warmup` are not timed."""
+    timings = {t.name: Timings(t.name) for t in trainers}
+    for i in range(warmup + steps):
+        batch = data[i % len(data)]
+        for trainer in trainers if i % 2 == 0 else reversed(trainers):
+            start = time.perf_counter()
+            loss = trainer.step(batch)
+            elapsed = time.perf_counter() - start
+            record = timings[trainer.name]
+            record.losses.append(loss)
+            if i == 0:
+                record.first_step_s = elapsed
+            if i >= warmup:
+                record.step_s.append(elapsed)
+        if peak is not None and i >= warmup:
+            peak.measure()
+    return timings
+
+
+def compare_shape(shape: Shape, warmup: int, steps: int, torch_compile: bool, run_dir: str) -> dict:
+    """Train our model and the PyTorch peers at `shape`, alternating; returns the figures."""
+    load_before = os.getloadavg()[0]  # other work on the machine, before ours starts
+    recipe = load_shape_recipe(shape, total_steps=warmup + steps + 1)
+    trainers = [MindSporeTrainer(recipe, run_dir), TorchTrainer(recipe)]
+    compile_error = None
+    if torch_compile:
+        compiled = TorchTrainer(recipe, compile_model=True)
+        try:
+            compiled.step(batches(shape, 1, seed=1)[0])  # compiles; a failure is reported, not fatal
+            trainers.append(compiled)
+        except Exception as err:  # noqa: BLE001 (any backend failure means "not available here")
+            compile_error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    peak = GemmPeak()
+    timings = alternate(trainers, batches(shape, 8), warmup, steps, peak)
+    fpt = flops_per_token(recipe.model.model_config)
+    result = {"shape": shape, "flops_per_token": fpt, "timings": timings, "torch_compile_error": compile_error,
+              "peak": {name: peak.median(name) for name in peak.samples},
+              "peak_range": {name: (min(v), max(v)) for name, v in peak.samples.items()}, "rows": {}}
+    for name, t in timings.items():
+        tps = shape.tokens_per_step / t.median_step()
+        result["rows"][name] = {"tokens_per_s": tps, "step_s": t.median_step(), "first_step_s": t.first_step_s,
+                                "best_tokens_per_s": shape.tokens_per_step / t.best_step(),
+                                "mfu": fpt * tps / result["peak"]["mindspore"],
+                                "mfu_own_gemm": fpt * tps / result["peak"]["mindspore" if name == "mindspore"
+                                                                           else "torch"],
+                                "loss_first": t.losses[0], "loss_last": t.losses[-1]}
+    ours = result["rows"]["mindspore"]["tokens_per_s"]
+    best = result["rows"]["mindspore"]["best_tokens_per_s"]
+    result["ratio"] = {name: ours / row["tokens_per_s"] for name, row in result["rows"].items() if name != "mindspore"}
+    result["best_ratio"] = {name: best / row["best_tokens_per_s"] for name, row in result["rows"].items()
+                            if name != "mindspore"}
+    # Each round runs one step of every trainer back to back, under about the same load: the
+    # median of the per-round ratios follows load changes that shift the two medians apart.
+    ours_steps = timings["mindspore"].step_s
+    result["paired_ratio"] = {name: statistics.median(theirs / mine for theirs, mine in zip(t.step_s, ours_steps))
+                              for name, t in timings.items() if name != "mindspore"}
+    result["load_average"] = (load_before, os.getloadavg()[0])
+    return result
+
+
+def run_demo(steps: int, out_dir: str, dataset_dir: str = None) -> dict:
+    """The demo recipe end to end through the real launcher (data loading, callbacks, Trainer).
+
+    Returns the run's summary.json plus steady-state figures from metrics.jsonl (the first
+    `skip` steps excluded) and the start-up phases measured from the launch.
+    """
+    import json
+    import subprocess
+
+    import yaml
+
+    repo = os.path.dirname(os.path.dirname(DEMO_RECIPE))
+    cmd = ["bash", os.path.join(repo, "scripts", "run_distributed.sh"), DEMO_RECIPE,
+           "--set", f"output_dir={out_dir}", "--set", f"runner_config.stop_step={steps}",
+           "--set", "monitoring.tensorboard=False"]
+    if dataset_dir:
+        cmd += ["--set", f"train_dataset.data_loader.dataset_dir={dataset_dir}"]
+    launched = time.time()
+    done = subprocess.run(cmd, cwd=repo, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"demo run failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    with open(os.path.join(out_dir, SUMMARY), encoding="utf-8") as f:
+        summary = json.load(f)
+    with open(os.path.join(out_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
+        dataset_dir = yaml.safe_load(f)["train_dataset"]["data_loader"]["dataset_dir"]  # absolute once resolved
+    with open(os.path.join(out_dir, METRICS), encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if '"loss"' in line]
+    skip = min(3, len(records) - 1)
+    steady = records[skip:]
+    iteration = [r["step_time"] + r["iteration_gap"] for r in steady]
+    tokens = summary["tokens"] / summary["steps"]
+    startup = dict(summary.get("startup", {}))
+    if startup:
+        startup["launch_to_worker"] = round(startup["worker_start"] - launched, 3)
+        startup["launch_to_first_step_end"] = round(startup["first_step_end"] - launched, 3)
+    return {"summary": summary, "startup": startup, "records": records, "dataset_dir": dataset_dir,
+            "tokens_per_s": tokens / statistics.median(iteration),
+            "step_s": statistics.median(r["step_time"] for r in steady),
+            "data_wait": statistics.mean(r["data_wait"] for r in steady),
+            "gap_s": statistics.median(r["iteration_gap"] for r in steady),
+            "mfu": statistics.median(r["mfu"] for r in steady if r["mfu"] is not None),
+            "wall_s": time.time() - launched}
+
+
+def torch_demo(steps: int, dataset_dir: str) -> dict:
+    """The PyTorch peer at the demo's shape, reading the demo's MindRecord dataset (batch time included)."""
+    import mindspore.dataset as ds
+    from ascend_llm_recipes.data.mindrecord_io import read_manifest, shard_files
+    from ascend_llm_recipes.training.recipe import load_recipe
+
+    recipe = load_recipe(DEMO_RECIPE, overrides=(f"runner_config.stop_step={steps}",))
+    files = shard_files(dataset_dir, read_manifest(dataset_dir))
+    dataset = ds.MindDataset(files, columns_list=["input_ids"], shuffle=True, num_parallel_workers=1)
+    dataset = dataset.batch(recipe.runner_config.batch_size, drop_remainder=True)
+    trainer = TorchTrainer(recipe)
+    iterations, waits = [], []
+    rows = dataset.create_tuple_iterator(output_numpy=True, num_epochs=1)
+    last = time.perf_counter()
+    for i, (batch,) in enumerate(rows):
+        got = time.perf_counter()
+        trainer.step(batch.astype(np.int32))
+        end = time.perf_counter()
+        if i >= 3:
+            iterations.append(end - last)
+            waits.append((got - last) / (end - last))
+        last = end
+        if i + 1 >= steps:
+            break
+    tokens = recipe.tokens_per_step
+    return {"tokens_per_s": tokens / statistics.median(iterations), "data_wait": statistics.mean(waits)}
 
 
 def print_shape(result: dict) -> None:
@@ -89,7 +437,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per framework and shape")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile, allocations)")
     parser.add_argument("--shapes", nargs="+", default=["reference", "larger", "demo"],
-                        choices=sorted(benchmark.SHAPES))
+                        choices=sorted(SHAPES))
     parser.add_argument("--no-torch-compile", action="store_true")
     parser.add_argument("--no-demo", action="store_true")
     parser.add_argument("--demo-steps", type=int, default=40)
@@ -97,11 +445,11 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.shapes:
-            print_shape(benchmark.compare_shape(benchmark.SHAPES[name], args.warmup, args.steps,
-                                                not args.no_torch_compile, os.path.join(tmp, name)))
+            print_shape(compare_shape(SHAPES[name], args.warmup, args.steps, not args.no_torch_compile,
+                                      os.path.join(tmp, name)))
         if not args.no_demo:
-            ours = benchmark.run_demo(args.demo_steps, os.path.join(tmp, "demo"), args.demo_dataset)
-            print_demo(ours, benchmark.torch_demo(args.demo_steps, ours["dataset_dir"]))
+            ours = run_demo(args.demo_steps, os.path.join(tmp, "demo"), args.demo_dataset)
+            print_demo(ours, torch_demo(args.demo_steps, ours["dataset_dir"]))
     return 0
 
 

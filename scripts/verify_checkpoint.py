@@ -17,9 +17,9 @@ import os
 import sys
 
 
-from ascend_llm_recipes.training.checkpoint import (CHECKPOINTS, INVALID, REASON, describe_step, step_world_size,
-                                                    steps_to_verify, verify_step)
+from ascend_llm_recipes.training.checkpoint import describe_step, step_world_size, steps_to_verify, verify_step
 from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.training.run_files import CHECKPOINTS, INVALID, REASON
 
 
 def main(argv=None) -> int:

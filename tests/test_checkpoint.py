@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.training.checkpoint import (MANIFEST, newest_valid_step, read_json, step_dir, verify_step,
                                                     write_rank)
-from ascend_llm_recipes.training.job import LOCK_FILE
+from ascend_llm_recipes.training.run_files import LOCK_FILE
 
 LAUNCHER = os.path.join(REPO_ROOT, "scripts", "run_distributed.sh")
 SAVE = ["--set", "callbacks.1.save_checkpoint_steps=5", "--set", "callbacks.1.keep_checkpoint_max=3"]
@@ -187,7 +187,7 @@ def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_da
     """Newest step corrupt, the one before it with a truncated state.json, metrics.jsonl torn: amended to stop at 12."""
     from scripts.verify_checkpoint import main as verify
     from ascend_llm_recipes.training.errors import LaunchError
-    from ascend_llm_recipes.training.launch import prepare_run_dir
+    from ascend_llm_recipes.training.resume import prepare_run_dir
     from ascend_llm_recipes.training.recipe import load_recipe
 
     run_dir = str(tmp_path / "run")
@@ -224,7 +224,7 @@ def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_da
 
 
 def test_deleted_state_json_falls_back_to_the_previous_step(baseline, tiny_dataset, tmp_path):
-    from ascend_llm_recipes.training.launch import prepare_run_dir
+    from ascend_llm_recipes.training.resume import prepare_run_dir
     from ascend_llm_recipes.training.recipe import load_recipe
 
     run_dir = str(tmp_path / "run")
@@ -279,6 +279,15 @@ def test_missing_optimizer_state_is_refused_for_resume(tmp_path):
     assert "no AdamW state" in problems[0] and "set load_checkpoint without" in problems[0]
     assert "state.json: missing" in problems[1]  # nor a data position to resume from
     assert verify_step(str(tmp_path), 1, shapes, need_optimizer=False) == []
+
+
+def test_every_entry_of_a_run_directory_is_named_in_run_files(baseline):
+    from ascend_llm_recipes.data.loader import SKIPS_FILE
+    from ascend_llm_recipes.training import run_files
+
+    named = {v for k, v in vars(run_files).items() if k.isupper() and isinstance(v, str)}
+    named |= {SKIPS_FILE, *run_files.MINDFORMERS_DIRS}
+    assert sorted(set(os.listdir(baseline)) - named) == []
 
 
 def test_verify_checkpoint_script(baseline):

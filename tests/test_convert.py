@@ -27,7 +27,8 @@ from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, HF_WEIGHTS_FILE,
                                                from_hf, summary, to_hf, verify_logits)
 from ascend_llm_recipes.training.checkpoint import MANIFEST, STATE, read_json, step_dir, write_rank
 from ascend_llm_recipes.training.errors import ConversionError, LaunchError
-from ascend_llm_recipes.training.launch import check_load_checkpoint, launch
+from ascend_llm_recipes.training.datasets import check_load_checkpoint
+from ascend_llm_recipes.training.launch import launch
 from ascend_llm_recipes.training.recipe import load_recipe
 from ascend_llm_recipes.training.train import check_checkpoint_parameters
 

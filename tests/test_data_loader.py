@@ -13,7 +13,8 @@ from ascend_llm_recipes.data.loader import blend_order, build_train_dataset, dat
 from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
 from ascend_llm_recipes.data.prepare import prepare_dataset
 from ascend_llm_recipes.training.errors import DataError, RecipeError
-from ascend_llm_recipes.training.launch import check_blend, launch
+from ascend_llm_recipes.training.datasets import check_blend
+from ascend_llm_recipes.training.launch import launch
 from ascend_llm_recipes.training.recipe import load_recipe
 
 DP2_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml")

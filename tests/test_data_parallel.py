@@ -105,3 +105,52 @@ def test_dp2_run_interrupted_after_a_save_resumes_bitwise_on_both_ranks(runs, ti
     assert launch(DP2_RECIPE, [*common, f"runner_config.stop_step={STEPS}"], show_progress=False, amend=True) == 0
     for name in ("metrics.jsonl", "metrics_rank_1.jsonl"):
         assert losses(os.path.join(run_dir, name)) == losses(os.path.join(two, name))
+
+
+def test_one_host_all_reduce_per_step_carries_loss_and_stop(tiny_dataset, tmp_path, monkeypatch, request):
+    """StepRecorder agrees the global loss and a stop request in one all-reduce; monitor and checkpointer read it."""
+    import mindspore as ms
+    from mindspore.train.callback import RunContext, _InternalCallbackParam
+    from ascend_llm_recipes.training import collectives
+    from ascend_llm_recipes.training.anomaly import AnomalyMonitor
+    from ascend_llm_recipes.training.callbacks import StepRecord
+    from ascend_llm_recipes.training.checkpointer import Checkpointer
+    from ascend_llm_recipes.training.heartbeat import Heartbeat
+    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE
+    from ascend_llm_recipes.training.train import build_callbacks
+
+    recipe = load_recipe(DP2_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                      f"output_dir={tmp_path}"))
+    with open(tmp_path / RESOLVED_RECIPE, "w", encoding="utf-8") as f:
+        f.write(recipe.to_yaml())
+    heartbeat = Heartbeat(str(tmp_path), 0)
+    recorder, checkpointer, monitor, callbacks = build_callbacks(recipe, str(tmp_path), heartbeat, 0)
+    assert callbacks.index(monitor) < callbacks.index(checkpointer)  # the monitor decides before a save
+    calls = []
+
+    def other_rank_asks_to_stop(values):  # this rank's values plus the other rank's: loss 3.0, stop requested
+        calls.append(list(values))
+        return np.asarray(values, np.float32) + np.asarray([3.0, 1.0], np.float32)
+
+    monkeypatch.setattr(collectives, "all_reduce_sum", other_rank_asks_to_stop)
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)  # as the worker runs (StepRecorder refuses PyNative)
+    request.addfinalizer(lambda: ms.set_context(mode=mode))
+    one = ms.Tensor(1.0, ms.float32)
+    params = _InternalCallbackParam()
+    params.net_outputs = (ms.Tensor(2.0, ms.float32), ms.Tensor(False), one, one, one)
+    context = RunContext(params)
+    recorder.on_train_begin(context)
+    recorder.on_train_step_begin(context)
+    recorder.on_train_step_end(context)
+    saved = []
+    monkeypatch.setattr(Checkpointer, "save", lambda self, params, step, kind="step": saved.append(step))
+    for callback in (monitor, checkpointer):
+        callback.on_train_step_end(context)
+    assert calls == [[2.0, 0.0]]  # one all-reduce for the step: [this rank's loss, this rank's stop]
+    assert recorder.last == StepRecord(step=1, loss=2.5, lr=1.0, grad_norm=1.0, loss_scale=1.0, overflow=False,
+                                       stop=True, rank_loss=2.0)
+    assert saved == [1] and checkpointer.preempted and context.get_stop_requested()
+    assert isinstance(monitor, AnomalyMonitor)
+    recorder.close()

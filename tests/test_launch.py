@@ -148,7 +148,8 @@ def test_a_run_directory_has_one_owner_and_ctrl_c_stops_the_whole_job(tiny_datas
 def test_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, capsys):
     import platform
     from ascend_llm_recipes.training.errors import LaunchError
-    from ascend_llm_recipes.training.job import LOCK_FILE, process_id
+    from ascend_llm_recipes.training.job import process_id
+    from ascend_llm_recipes.training.run_files import LOCK_FILE
     from ascend_llm_recipes.training.launch import Cluster, lock_run_dir
     from ascend_llm_recipes.training.recipe import load_recipe
 

@@ -555,7 +555,7 @@ def small_dataset(tmp_path_factory, tiny_dataset):
 def test_a_missing_dataset_is_built_only_when_it_is_the_recipes_own(tmp_path, tiny_dataset, capsys):
     from ascend_llm_recipes.data.mindrecord_io import read_manifest
     from ascend_llm_recipes.training.errors import DataError
-    from ascend_llm_recipes.training.launch import ensure_dataset
+    from ascend_llm_recipes.training.datasets import ensure_dataset
 
     typo = tmp_path / "pystdlib-sp512-s64-n6O"
     recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={typo}",
@@ -582,7 +582,7 @@ def test_eval_dataset_must_share_the_tokenizer_and_hold_a_batch(tmp_path, tiny_d
     from ascend_llm_recipes.data.mindrecord_io import read_manifest
     from ascend_llm_recipes.data.prepare import prepare_dataset
     from ascend_llm_recipes.training.errors import DataError
-    from ascend_llm_recipes.training.launch import check_datasets
+    from ascend_llm_recipes.training.datasets import check_datasets
 
     def with_eval(eval_dir, *overrides):
         return load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}", "do_eval=True",
@@ -605,7 +605,7 @@ def test_eval_dataset_must_share_the_tokenizer_and_hold_a_batch(tmp_path, tiny_d
 
 def test_model_vocabulary_against_the_tokenizer(tiny_dataset):
     from ascend_llm_recipes.training.errors import DataError
-    from ascend_llm_recipes.training.launch import check_datasets
+    from ascend_llm_recipes.training.datasets import check_datasets
 
     larger = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
                                        "model.model_config.vocab_size=1024"))
@@ -620,7 +620,7 @@ def test_model_vocabulary_against_the_tokenizer(tiny_dataset):
 
 def test_blend_members_expected_repeats_are_printed_and_warned(tiny_dataset, small_dataset, capsys):
     from ascend_llm_recipes.data.mindrecord_io import read_manifest
-    from ascend_llm_recipes.training.launch import BLEND_REPEAT_WARNING, ensure_dataset
+    from ascend_llm_recipes.training.datasets import BLEND_REPEAT_WARNING, ensure_dataset
 
     big, small = read_manifest(tiny_dataset)["samples"], read_manifest(small_dataset)["samples"]
     recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",

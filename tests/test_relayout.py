@@ -97,7 +97,7 @@ def test_auto_trans_ckpt_is_refused_on_cpu_by_name(tmp_path):
 
 def test_resume_at_another_layout_is_decided_on_a_real_run_dir(dp2_run, tmp_path):
     """Data-parallel-mode changes need nothing; a semi-auto checkpoint needs auto_trans_ckpt and its strategy files."""
-    from ascend_llm_recipes.training.launch import saved_recipe
+    from ascend_llm_recipes.training.resume import saved_recipe
     from ascend_llm_recipes.training.relayout import check_relayout, keep_source_strategy, pending_source_strategy
 
     run, _ = dp2_run
@@ -204,7 +204,7 @@ def test_acceptance_report_from_real_run_directories(dp2_run, tmp_path):
 def test_the_relayout_launch_hands_mindformers_the_checkpoints_strategy(dp2_run, tmp_path, monkeypatch):
     """After the launcher's checks, the step keeps its layout, and only that launch's config asks MindFormers to
     re-slice (auto_trans_ckpt with src_strategy_path_or_dir as transform_checkpoint.py wants it)."""
-    from ascend_llm_recipes.training.launch import saved_recipe
+    from ascend_llm_recipes.training.resume import saved_recipe
     from ascend_llm_recipes.training.relayout import keep_source_strategy
     from ascend_llm_recipes.training.train import mindformers_config
 

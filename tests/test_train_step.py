@@ -36,3 +36,27 @@ def test_non_finite_gradient_is_an_overflow_and_skips_the_update(clip, bad):
     assert bool(overflow.asnumpy()) == (bad is not None)
     moved = not np.allclose(net.w.asnumpy(), 1.0) and not np.allclose(net.b.asnumpy(), 1.0)
     assert moved == (bad is None)
+
+
+def test_mindformers_is_patched_only_by_the_explicit_call():
+    """Importing train_step leaves MindFormers' barrier alone; install_cpu_barrier() replaces it everywhere."""
+    import subprocess
+    import sys
+
+    code = ("import importlib\n"
+            "from mindspore.communication import comm_func\n"
+            "from ascend_llm_recipes.training import train_step\n"
+            "modules = [importlib.import_module(m) for m in ('mindformers.trainer.utils', "
+            "'mindformers.utils.load_checkpoint_utils', 'mindformers.core.callback.callback', "
+            "'mindformers.version_control')]\n"
+            "patched = lambda: [hasattr(getattr(m, 'barrier', None), '__wrapped_cpu__')\n"
+            "                   for m in [comm_func, *modules]]\n"
+            "print(patched())\n"
+            "train_step.install_cpu_barrier()\n"
+            "train_step.install_cpu_barrier()\n"
+            "print(patched())\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    before, after = result.stdout.splitlines()[-2:]
+    assert before == "[False, False, False, False, False]"
+    assert after == "[True, True, True, True, True]"

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+from ascend_llm_recipes.training.run_files import METRICS, METRICS_PATTERN
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(REPO_ROOT, "scripts", "run_distributed.sh")
 TINY = os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml")
@@ -94,7 +96,7 @@ def plan_commands(out: str) -> list:
 def logged_losses(run_dir: str) -> dict:
     """step -> the mean of the losses the ranks that compute one logged (the last pipeline stage)."""
     per_step = {}
-    for path in glob.glob(os.path.join(run_dir, "metrics*.jsonl")):
+    for path in glob.glob(os.path.join(run_dir, METRICS_PATTERN)):
         with open(path, encoding="utf-8") as f:
             for line in f:
                 record = json.loads(line)
@@ -166,7 +168,7 @@ def hf_export_result(hf_dir: str, code=0, tokens: int = 32) -> dict:
 
 
 def peak_device_memory(run_dir: str):
-    values = [json.loads(line).get("device_memory") for path in glob.glob(os.path.join(run_dir, "metrics*.jsonl"))
+    values = [json.loads(line).get("device_memory") for path in glob.glob(os.path.join(run_dir, METRICS_PATTERN))
               for line in open(path, encoding="utf-8")]
     values = [v for v in values if v]
     return max(values) if values else None
@@ -175,7 +177,7 @@ def peak_device_memory(run_dir: str):
 def throughput(run_dir: str) -> dict:
     """Median tokens/s/device and MFU after the compiling step (rank 0's records), next to MindFormers' figure,
     and the compile time (the first step)."""
-    records = [json.loads(line) for path in sorted(glob.glob(os.path.join(run_dir, "metrics*.jsonl")))[:1]
+    records = [json.loads(line) for path in sorted(glob.glob(os.path.join(run_dir, METRICS_PATTERN)))[:1]
                for line in open(path, encoding="utf-8")]
     records = [r for r in records if "tokens_per_s_per_device" in r]
     steady = sorted(r["tokens_per_s_per_device"] for r in records if not r.get("compile"))
@@ -240,7 +242,7 @@ def write_report(out: str, results: dict) -> None:
 def run_until_step(argv: list, run_dir: str, step: int) -> int:
     """Start `argv`, and kill -9 its whole process group once rank 0 logged `step`."""
     proc = subprocess.Popen(argv, start_new_session=True)
-    metrics = os.path.join(run_dir, "metrics.jsonl")
+    metrics = os.path.join(run_dir, METRICS)
     while proc.poll() is None:
         if os.path.exists(metrics) and len(open(metrics, encoding="utf-8").readlines()) >= step:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -294,7 +296,7 @@ def dry_run_compile(recipe, recipe_path: str) -> int:
 
     DryRun needs MindSpore's Ascend plugin, which needs CANN; without it, say so in one line.
     """
-    from ascend_llm_recipes.training.launch import prepare_run_dir
+    from ascend_llm_recipes.training.resume import prepare_run_dir
     from ascend_llm_recipes.training.preflight import _cann_version
 
     version, where = _cann_version(dict(os.environ))

@@ -2,8 +2,9 @@
 
 import json
 import math
-import os
 import time
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import mindspore as ms
 import numpy as np
@@ -20,6 +21,26 @@ def _scalar(value):
     return float(np.asarray(value.asnumpy() if hasattr(value, "asnumpy") else value).reshape(-1)[0])
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step as the callbacks after StepRecorder see it: the train step's outputs, named."""
+    step: int
+    loss: float                        # mean over micro-batches and, under data parallel, over every rank
+    lr: float
+    grad_norm: Optional[float]         # None when the train step does not report one
+    loss_scale: float
+    overflow: bool
+    stop: bool = False                 # a stop was requested (SIGTERM); under data parallel: on any rank
+    rank_loss: Optional[float] = None  # this rank's own loss, when `loss` is the mean over ranks
+
+    @classmethod
+    def from_outputs(cls, step: int, outputs, loss_divisor: int = 1, stop: bool = False) -> "StepRecord":
+        """MindFormers' train steps return (loss, overflow, loss scale, learning rate[, global grad norm, ...])."""
+        return cls(step=step, loss=_scalar(outputs[0]) / loss_divisor, lr=_scalar(outputs[3]),
+                   grad_norm=_scalar(outputs[4]) if len(outputs) > 4 else None, loss_scale=_scalar(outputs[2]),
+                   overflow=bool(_scalar(outputs[1])), stop=stop)
+
+
 class StepRecorder(Callback):
     """One JSON line per step (and a log line), TensorBoard scalars, heartbeats, graph-mode guard, stop step.
 
@@ -33,10 +54,15 @@ class StepRecorder(Callback):
     the same value) and `rank_loss` this rank's own. In semi-auto parallel the graph's loss
     is already global. Files stay open until close(): held-out results of the final step are
     written after the other callbacks' on_train_end.
+
+    `last` is the step's StepRecord for the callbacks that follow. With `agree_on_stop`, a stop
+    request (`stop_requested`, set on SIGTERM) is agreed between the ranks in the same host
+    all-reduce as the loss: one all-reduce per step, and every rank stops at the same step.
     """
 
     def __init__(self, recipe, metrics_path: str, heartbeat: Heartbeat, flops_per_token: int,
-                 peak_flops: float = None, tensorboard_dir: str = None, initial_step: int = 0):
+                 peak_flops: float = None, tensorboard_dir: str = None, initial_step: int = 0,
+                 agree_on_stop: bool = False):
         super().__init__()
         self.initial_step = initial_step  # the step a resumed run starts after
         self.metrics_path = metrics_path
@@ -52,6 +78,9 @@ class StepRecorder(Callback):
         from ascend_llm_recipes.training.train_step import summed_micro_batches
         self.loss_divisor = summed_micro_batches(recipe)  # the wrapper's loss sums micro-batches
         self.reduce_loss = recipe.use_parallel and recipe.parallel.parallel_mode == 0 and recipe.world_size > 1
+        self.agree_on_stop = agree_on_stop and recipe.world_size > 1
+        self.stop_requested = False  # SIGTERM may set it at any moment
+        self.last: Optional[StepRecord] = None
         self.records: list = []
         self._step_start = 0.0
         self._last_end = 0.0
@@ -94,13 +123,15 @@ class StepRecorder(Callback):
         iteration = step_time + gap
         tokens_per_s = self.tokens_per_step / iteration
         mfu, flag = model_flops_utilisation(self.flops_per_token, tokens_per_s, self.peak_flops, self.devices)
+        self.last = last = self.agreed(StepRecord.from_outputs(step, outputs, self.loss_divisor,
+                                                               self.stop_requested))
         record = {
             "step": step,
-            "loss": _scalar(outputs[0]) / self.loss_divisor,
-            "lr": _scalar(outputs[3]),
-            "grad_norm": _scalar(outputs[4]) if len(outputs) > 4 else None,
-            "loss_scale": _scalar(outputs[2]),
-            "overflow": bool(_scalar(outputs[1])),
+            "loss": last.loss,
+            "lr": last.lr,
+            "grad_norm": last.grad_norm,
+            "loss_scale": last.loss_scale,
+            "overflow": last.overflow,
             "step_time": round(step_time, 6),
             "iteration_gap": round(gap, 6),
             "data_wait": round(gap / iteration, 6),
@@ -115,11 +146,20 @@ class StepRecorder(Callback):
         }
         if flag and self.peak_flops:
             record["mfu_flag"] = flag
-        if self.reduce_loss:
-            from ascend_llm_recipes.training.collectives import all_reduce_sum
-            record["rank_loss"] = record["loss"]
-            record["loss"] = float(all_reduce_sum([record["loss"]])[0]) / self.devices
+        if last.rank_loss is not None:
+            record["rank_loss"] = last.rank_loss
         return record
+
+    def agreed(self, local: StepRecord) -> StepRecord:
+        """The step as every rank sees it: loss averaged over ranks and stop agreed, in one host all-reduce."""
+        if not (self.reduce_loss or self.agree_on_stop):
+            return local
+        from ascend_llm_recipes.training.collectives import all_reduce_sum
+
+        loss, stop = all_reduce_sum([local.loss if self.reduce_loss else 0.0, 1.0 if local.stop else 0.0])
+        if self.reduce_loss:
+            local = replace(local, loss=float(loss) / self.devices, rank_loss=local.loss)
+        return replace(local, stop=bool(stop > 0)) if self.agree_on_stop else local
 
     def log(self, record: dict) -> None:
         mfu = f"{record['mfu']:.1%}" if record["mfu"] is not None else record.get("mfu_flag", "n/a")
@@ -274,190 +314,3 @@ class ProfileWindow(Callback):
         self.profiler = None
         print(f"[profile] steps {self.start_step}-{self.stop_step} traced: {self.output_path}", flush=True)
         self.recorder.pause_ended()
-
-
-class CheckpointSaver(Callback):
-    """Saves every `every` steps (and on SIGTERM) through training/checkpoint.py; handles NaN and loss spikes.
-
-    Runs after StepRecorder, whose last record gives the global step and loss. In async mode
-    the parameters are copied to host memory synchronously (the state of this step), and the
-    files, checksums and manifest are written by a background thread while training goes on.
-
-    Each save records the data position (samples of the training order consumed) with the ids
-    and hash of the samples that come next, and the skip list in force (data/loader.py), so a
-    resume can prove it continues with the right samples.
-
-    Loss spike with `anomaly.on_spike: rollback`: the run stops at the spike step without
-    saving it, records the blend-order positions of the offending samples in
-    RUN_DIR/data_skips.json and its status; the launcher then resumes from the newest
-    checkpoint before the spike, and the rebuilt training order leaves those samples out.
-    Spike and rollback decisions are all-reduced, so every data-parallel rank takes them.
-    """
-
-    def __init__(self, run_dir: str, rank: int, world_size: int, recorder: StepRecorder, recipe,
-                 state_extra: dict, rollbacks: list):
-        super().__init__()
-        from ascend_llm_recipes.data.loader import skip_ranges, training_order
-
-        settings = recipe.checkpointing
-        self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
-        self.recorder = recorder
-        self.prefix = settings.prefix
-        self.every = settings.save_checkpoint_steps
-        self.keep_last, self.keep_every = settings.keep_checkpoint_max, settings.keep_every
-        self.async_save = settings.async_save
-        self.anomaly = recipe.anomaly
-        self.global_batch_size = recipe.global_batch_size
-        self.state_extra = state_extra
-        self.rollbacks = list(rollbacks)     # made by earlier launches of this run
-        self.skips = skip_ranges(self.rollbacks)
-        self.order = training_order(recipe, self.skips)[1]  # flat sample ids, in the order training reads them
-        # Positions of the blend order before any skip (skip ranges are disjoint).
-        self.order_total = len(self.order) + sum(end - start for start, end in self.skips)
-        self.preempted = False
-        self.rollback = None                 # set when this launch stops for a rollback
-        self.last_spike = None               # (loss, moving mean or None when another rank saw it)
-        self.last_saved = None
-        self.blocked_time = 0.0  # seconds training waited for saves (benchmark figure)
-        self._writer = None
-
-    def on_train_step_end(self, run_context):
-        record = self.recorder.records[-1]
-        step, loss = record["step"], record["loss"]
-        params = run_context.original_args()
-        if not math.isfinite(loss) or (record["grad_norm"] is not None and not math.isfinite(record["grad_norm"])):
-            if self.anomaly.on_nan == "stop":
-                where = self.save(params, step, kind="nan")
-                raise LaunchError(f"step {step}: non-finite loss {loss} / grad norm {record['grad_norm']}; "
-                                  f"state saved for post-mortem in {where}",
-                                  hint="inspect it, then resume from the last good checkpoint with a lower LR, "
-                                       "or set anomaly.on_nan: skip")
-            print(f"[anomaly] step {step}: non-finite loss/grad norm; the update was skipped "
-                  "(anomaly.on_nan: skip)", flush=True)
-        if self.spiked(step, loss):
-            if self.anomaly.spike_snapshot:
-                print(f"[anomaly] snapshot: {self.save(params, step, kind='spike')}", flush=True)
-            if self.anomaly.on_spike == "rollback" and self.roll_back(step, loss):
-                run_context.request_stop()
-                return
-        preempted = self.preempted  # read once: SIGTERM may set it at any moment
-        if self.world_size > 1:
-            # Every rank stops at the same step: otherwise that step's checkpoint is incomplete
-            # and the ranks still training wait for the others in the next gradient all-reduce.
-            from ascend_llm_recipes.training.collectives import all_reduce_sum
-            preempted = bool(all_reduce_sum([1.0 if preempted else 0.0])[0] > 0)
-        if (self.every and step % self.every == 0) or preempted:
-            self.save(params, step)
-        if preempted:
-            self.preempted = True
-            print(f"[checkpoint] stop requested (SIGTERM, or the launcher stopping the job): saved step {step}, "
-                  "stopping; rerun the same command to resume", flush=True)
-            run_context.request_stop()
-
-    def on_train_end(self, run_context):
-        step = self.recorder.records[-1]["step"] if self.recorder.records else 0
-        if step and self.last_saved != step and self.rollback is None:
-            self.save(run_context.original_args(), step)
-        self.wait()
-
-    def spiked(self, step: int, loss: float) -> bool:
-        """This step's loss is a spike (on any rank, when several train together); logs it."""
-        if not self.anomaly.spike_factor:
-            return False
-        mean = self.recorder.spike(self.anomaly.spike_factor, self.anomaly.spike_window)
-        spiked = mean is not None
-        if self.world_size > 1:
-            from ascend_llm_recipes.training.collectives import all_reduce_sum
-            spiked = bool(all_reduce_sum([1.0 if spiked else 0.0])[0] > 0)
-        if mean is not None:
-            self.last_spike = (loss, mean)
-            print(f"[anomaly] step {step}: loss spike {loss:.4f} > {self.anomaly.spike_factor} x moving mean "
-                  f"{mean:.4f} over {self.anomaly.spike_window} steps", flush=True)
-        elif spiked:
-            self.last_spike = (loss, None)
-            print(f"[anomaly] step {step}: loss spike on another rank (this rank's loss {loss:.4f})", flush=True)
-        return spiked
-
-    def roll_back(self, step: int, loss: float) -> bool:
-        """Stop for a rollback past this step's samples; False (only logged) when there is nothing to roll back to."""
-        from ascend_llm_recipes.training import checkpoint as ckpt
-        from ascend_llm_recipes.data.loader import SKIPS_FILE, skip_range
-
-        if len(self.rollbacks) >= self.anomaly.max_rollbacks:
-            print(f"[anomaly] step {step}: not rolling back, anomaly.max_rollbacks ({self.anomaly.max_rollbacks}) "
-                  "reached; training goes on", flush=True)
-            return False
-        self.wait()
-        if self.world_size > 1:
-            from ascend_llm_recipes.training.collectives import all_reduce_sum
-            all_reduce_sum([1.0])  # every rank's saves are on disk before anyone looks for the last good one
-        good = [s for s in ckpt.complete_steps(self.run_dir, self.world_size) if s < step]
-        if not good:
-            print(f"[anomaly] step {step}: no checkpoint before the spike to roll back to; training goes on",
-                  flush=True)
-            return False
-        first = max(step - self.anomaly.rollback_skip_steps + 1, good[-1] + 1)
-        positions = skip_range(self.order_total, self.skips, first, step, self.global_batch_size)
-        loss_seen, mean = self.last_spike or (loss, None)
-        self.rollback = {"spike_step": step, "loss": loss_seen, "moving_mean": mean,
-                         "rolled_back_to": good[-1], "skipped_steps": [first, step],
-                         "skipped_positions": positions,
-                         "skipped_samples": sum(end - start for start, end in positions),
-                         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        # Every rank writes the same content (no shared filesystem assumed); the rename is atomic.
-        path = os.path.join(self.run_dir, SKIPS_FILE)
-        ckpt.write_atomic(path, json.dumps({"rollbacks": self.rollbacks + [self.rollback]}, indent=1))
-        print(f"[anomaly] step {step}: rolling back to step {good[-1]}; the {self.rollback['skipped_samples']} "
-              f"samples of steps {first}-{step} (training-order positions {positions}) will be skipped; recorded in "
-              f"{path}", flush=True)
-        return True
-
-    def save(self, params, step: int, kind: str = "step") -> str:
-        from ascend_llm_recipes.data.loader import describe_next, next_samples_count
-        from ascend_llm_recipes.training import checkpoint as ckpt
-
-        start = time.perf_counter()
-        self.wait()  # one save in flight at a time
-        directory = ckpt.step_dir(self.run_dir, step, kind)
-        epoch = int(params.cur_epoch_num)
-        name = ckpt.ckpt_name(self.prefix, self.rank, epoch, step)
-        loss_scale = self.recorder.records[-1]["loss_scale"] if self.recorder.records else 1.0
-        append = {"epoch_num": epoch, "step_num": step, "loss_scale": float(loss_scale),
-                  "global_batch_size": self.global_batch_size}
-        meta = {"step": step, "epoch": epoch, "rank": self.rank, "world_size": self.world_size, "kind": kind}
-        position = step * self.global_batch_size
-        state = {"step": step, "epoch": epoch, "global_batch_size": self.global_batch_size,
-                 "data_position": position,
-                 "next_samples": describe_next(self.order, position, next_samples_count(self.global_batch_size)),
-                 "data_skips": [list(r) for r in self.skips], "rng_state": rng_state(), **self.state_extra}
-        tensors = ckpt.snapshot(params.train_network)
-
-        def write():
-            if self.rank == 0:
-                os.makedirs(directory, exist_ok=True)
-                ckpt.write_atomic(os.path.join(directory, ckpt.STATE), json.dumps(state, indent=1))
-            ckpt.write_rank(os.path.join(directory, f"rank_{self.rank}"), name, tensors, append, meta)
-            if kind == "step":
-                ckpt.prune(self.run_dir, self.rank, self.keep_last, self.keep_every)
-
-        if self.async_save and kind == "step":
-            import threading
-            self._writer = threading.Thread(target=write, name=f"checkpoint-{step}")
-            self._writer.start()
-        else:
-            write()
-        self.recorder.heartbeat.beat("save", step)
-        self.last_saved = step
-        self.blocked_time += time.perf_counter() - start
-        self.recorder.pause_ended()
-        return directory
-
-    def wait(self) -> None:
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
-
-
-def rng_state() -> list:
-    """MindSpore's default generator state (seed and offset), so a resumed run draws the same numbers."""
-    return [int(v) for v in np.asarray(ms.get_rng_state().asnumpy()).reshape(-1)]

@@ -22,12 +22,10 @@ import time
 
 from ascend_llm_recipes.data.tokenizer import file_sha256
 from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.training.run_files import CHECKPOINTS, INVALID, REASON
 
-CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 STATE = "state.json"
-INVALID = "invalid"  # checkpoints/invalid/: step directories that failed verification, with REASON.txt
-REASON = "REASON.txt"
 FORMAT_VERSION = 1
 
 

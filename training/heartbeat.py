@@ -4,6 +4,8 @@ import json
 import os
 import time
 
+from ascend_llm_recipes.training.run_files import heartbeat_path
+
 
 def write_json_atomic(path: str, data: dict) -> None:
     with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -15,7 +17,7 @@ class Heartbeat:
     """RUN_DIR/heartbeat/rank_N.json: this rank's phase (start, setup, compile, step N, data, save, eval, done)."""
 
     def __init__(self, run_dir: str, rank: int):
-        self.path = os.path.join(run_dir, "heartbeat", f"rank_{rank}.json")
+        self.path = heartbeat_path(run_dir, rank)
         self.rank = rank
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
 

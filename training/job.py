@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ascend_llm_recipes.training.errors import LaunchError
+from ascend_llm_recipes.training.run_files import LOCK_FILE
 
 LAUNCHER_ENV = "ASCEND_RECIPES_LAUNCHER"
-LOCK_FILE = "launch.lock"
 # A worker whose launcher is gone saves at the end of its current step; past this it exits anyway
 # (a step blocked on a rank that already left never ends).
 ORPHAN_GRACE_SECONDS = 30

@@ -24,13 +24,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ascend_llm_recipes.training.checkpoint import CHECKPOINTS
-from ascend_llm_recipes.training.errors import DataError, LaunchError, PretrainError
-from ascend_llm_recipes.training.job import (LAUNCHER_ENV, LOCK_FILE, RunDirLock, describe_holder, job_processes,
+from ascend_llm_recipes.training.datasets import check_load_checkpoint, ensure_dataset
+from ascend_llm_recipes.training.errors import LaunchError, PretrainError
+from ascend_llm_recipes.training.job import (LAUNCHER_ENV, RunDirLock, describe_holder, job_processes,
                                              process_id, send, start_time)
 from ascend_llm_recipes.training.recipe import Recipe, load_recipe
-from ascend_llm_recipes.training.relayout import check_relayout, keep_source_strategy
-from ascend_llm_recipes.training.train import RESOLVED_RECIPE, SUMMARY, dataset_manifest_sha256, read_status
+from ascend_llm_recipes.training.resume import check_data_position, prepare_run_dir, resumed_step
+from ascend_llm_recipes.training.run_files import (AMENDMENTS, LOCK_FILE, MSRUN_LOG, RESOLVED_RECIPE, SUMMARY,
+                                                   node_lock_file, read_status)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_SCRIPT = os.path.join(REPO_ROOT, "scripts", "train.py")
@@ -43,7 +44,6 @@ STOP_GRACE_SECONDS = 120  # after Ctrl-C/SIGTERM: time for the ranks to finish t
 FAILURE_GRACE_SECONDS = 10  # after a rank failed: time for msrun to stop the rest before the launcher kills them
 SETTLE_SECONDS = 10       # every worker has exited: time for msrun and its scheduler to follow
 ENDING_SETTLE_SECONDS = 3  # the same once the job is being stopped (msrun polls its workers every second)
-MSRUN_LOG = "msrun.log"
 DEFAULT_MULTINODE_PORT = 8118  # every node must name the same port; a random one cannot be shared
 
 
@@ -105,384 +105,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-BLEND_REPEAT_WARNING = 10  # a blend member read more often than this per pass is mostly memorised
-
-
-def ensure_dataset(recipe: Recipe, show_progress: bool = True) -> dict:
-    """Build the recipe's own dataset (data_preparation.output_dir) when missing, then check every dataset it uses.
-
-    Any other missing dataset directory (a typo, an override) is refused with the command
-    that builds it: a mistyped path must never silently become a new dataset.
-    """
-    from ascend_llm_recipes.data.mindrecord_io import MANIFEST
-    from ascend_llm_recipes.data.prepare import prepare_dataset, summary
-
-    model = recipe.model.model_config
-    dataset_dir = recipe.dataset_dir
-    prep = recipe.data_preparation
-    if prep is not None and prep.output_dir == dataset_dir and not os.path.exists(dataset_dir) \
-            and not os.path.isfile(os.path.join(dataset_dir, MANIFEST)):
-        print(f"[launch] dataset {dataset_dir} not found: preparing it from {prep.source} "
-              f"(vocabulary {prep.vocab_size}, seq_length {model.seq_length}); later runs reuse it", flush=True)
-        manifest = prepare_dataset(dataset_dir, model.seq_length, prep.vocab_size, source=prep.source,
-                                   max_documents=prep.max_documents, show_progress=show_progress)
-        print("[launch] " + summary(dataset_dir, manifest), flush=True)
-    checked = check_datasets(recipe)
-    for warning in checked["warnings"]:
-        print(f"[launch] warning: {warning}", flush=True)
-    for member in checked["blend"]:
-        print(f"[launch] blend: {member['dataset_dir']}: weight {member['share']:.1%} of the samples, "
-              f"{member['samples']:,} samples, read ~{member['repeats_per_pass']:.2f} times per pass", flush=True)
-    # shard contents: full sha256 on first use, then cached
-    from ascend_llm_recipes.data.loader import verify_recipe_datasets
-    print("\n".join(f"[launch] {line}" for line in verify_recipe_datasets(recipe)), flush=True)
-    return checked["manifest"]
-
-
-def check_datasets(recipe: Recipe) -> dict:
-    """Every dataset the recipe reads (train, blend members, eval) fits the model and the others.
-
-    Run by the launcher before anything starts and by each worker on the same resolved
-    recipe. Returns {manifest: the training dataset's, blend: [per-member expected repeats
-    per pass], warnings: [...]}; raises DataError naming the recipe key otherwise.
-    """
-    model = recipe.model.model_config
-    warnings = []
-    keyed = [("train_dataset.data_loader.dataset_dir", recipe.dataset_dir)]
-    if recipe.do_eval and recipe.eval_dataset is not None:
-        keyed.append(("eval_dataset.data_loader.dataset_dir", recipe.eval_dataset.data_loader.dataset_dir))
-    manifests = {}
-    for key, dataset_dir in keyed:
-        manifests[key] = _checked_manifest(recipe, key, dataset_dir)
-    train = manifests["train_dataset.data_loader.dataset_dir"]
-    tokenizer = train["tokenizer"]
-    eval_key = "eval_dataset.data_loader.dataset_dir"
-    if eval_key in manifests:
-        held_out = manifests[eval_key]
-        if held_out["tokenizer"]["sha256"] != tokenizer["sha256"]:
-            raise DataError(f"{eval_key}: {keyed[1][1]} was tokenised with another tokenizer than "
-                            f"train_dataset.data_loader.dataset_dir (tokenizer sha256 "
-                            f"{held_out['tokenizer']['sha256'][:12]}... vs {tokenizer['sha256'][:12]}...); its loss "
-                            "would be measured on other tokens",
-                            hint="prepare the held-out set with the training set's tokenizer: --tokenizer "
-                                 f"{os.path.join(recipe.dataset_dir, tokenizer.get('file', 'tokenizer.model'))}, or "
-                                 "with --val-fraction when building the training set")
-        batch = recipe.runner_config.batch_size
-        if held_out["samples"] < batch:
-            raise DataError(f"{eval_key}: {keyed[1][1]} holds {held_out['samples']} sample(s), fewer than one "
-                            f"batch (runner_config.batch_size {batch}); the evaluation would read nothing",
-                            hint="prepare a larger held-out set (e.g. a larger --val-fraction), or lower the batch")
-    if model.vocab_size > tokenizer["vocab_size"]:
-        unused = model.vocab_size - tokenizer["vocab_size"]
-        warnings.append(f"model.model_config.vocab_size {model.vocab_size} is larger than the tokenizer's "
-                        f"{tokenizer['vocab_size']} ({recipe.dataset_dir}): {unused} embedding rows are never trained")
-    blend = check_blend(recipe) if recipe.train_dataset.blend else []
-    for member in blend:
-        if member["repeats_per_pass"] > BLEND_REPEAT_WARNING:
-            warnings.append(f"{member['key']}: {member['dataset_dir']} ({member['samples']:,} samples at "
-                            f"{member['share']:.1%} of the blend) is read ~{member['repeats_per_pass']:.0f} times per "
-                            f"pass (more than {BLEND_REPEAT_WARNING}); lower its weight or add data to it")
-    return {"manifest": train, "blend": blend, "warnings": warnings}
-
-
-def _checked_manifest(recipe: Recipe, key: str, dataset_dir: str) -> dict:
-    """check_dataset for one recipe key, its errors naming that key (and what data_preparation would build)."""
-    from ascend_llm_recipes.data.prepare import check_dataset
-
-    model = recipe.model.model_config
-    try:
-        return check_dataset(dataset_dir, model.seq_length, model.vocab_size, model.pad_token_id,
-                             model.eos_token_id)
-    except DataError as err:
-        message = err.message.replace("train_dataset.data_loader.dataset_dir", key)
-        hint = err.hint
-        prep = recipe.data_preparation
-        if not os.path.exists(dataset_dir) and prep is not None:
-            hint = (f"{hint}; data_preparation builds only its output_dir {prep.output_dir}, never another "
-                    "missing path (check the path for a typo)")
-        raise DataError(message, hint) from None
-
-
-def check_blend(recipe: Recipe) -> list:
-    """Every blended dataset must fit the model, and all must share one tokenizer (data/loader.py).
-
-    Returns per member: its recipe key, directory, samples, share of the draws and how many
-    times a pass (sum of the members' sizes drawn by weight) is expected to read each sample.
-    """
-    from ascend_llm_recipes.data.loader import load_sources, recipe_sources
-
-    for dataset_dir, _, key in recipe_sources(recipe):
-        _checked_manifest(recipe, key, dataset_dir)
-    sources = load_sources(recipe_sources(recipe))
-    total_weight = sum(s.weight for s in sources)
-    drawn = sum(s.samples for s in sources)
-    members = []
-    for (_, _, key), source in zip(recipe_sources(recipe), sources):
-        share = source.weight / total_weight
-        members.append({"key": key, "dataset_dir": source.dataset_dir, "samples": source.samples,
-                        "weight": source.weight, "share": round(share, 6),
-                        "repeats_per_pass": round(share * drawn / source.samples, 3)})
-    return members
-
-
-def check_load_checkpoint(recipe: Recipe) -> None:
-    """A `load_checkpoint` that is set must exist and fit the recipe's model (MindFormers would load it anyway).
-
-    The architecture the checkpoint recorded (a conversion's model_config.yaml, a run's recipe.yaml)
-    must equal the recipe's, key by key, and every parameter must be in the checkpoint.
-    """
-    from ascend_llm_recipes.models.convert import architecture_differences, read_model_section, recorded_model_section
-    from ascend_llm_recipes.training.train import check_checkpoint_parameters
-
-    if not recipe.load_checkpoint:
-        return
-    path = os.path.abspath(recipe.load_checkpoint)
-    if not os.path.exists(path):
-        raise LaunchError(f"load_checkpoint: {path} does not exist",
-                          hint="fix the path, or convert a HuggingFace model first: python "
-                               "scripts/convert_checkpoint.py --from-hf HF_DIR --output DIR")
-    recipe.load_checkpoint = path  # workers run inside the run directory
-    section = recorded_model_section(path)
-    if section is not None:
-        try:
-            recorded, _ = read_model_section(section)
-        except PretrainError as err:
-            raise LaunchError(f"load_checkpoint {path}: its recorded model cannot be read: {err}") from None
-        differences = architecture_differences(recorded, recipe.model.model_config)
-        if differences:
-            raise LaunchError(f"load_checkpoint {path} was made for another architecture than the recipe's model "
-                              f"(recorded in {section}):\n" + "\n".join(f"  - {d}" for d in differences),
-                              hint=f"use the model: section of {section} in the recipe (or --set those keys to "
-                                   "the checkpoint's values)")
-    check_checkpoint_parameters(recipe, 0)
-
-
-def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> str:
-    """Create the run directory (or continue the run it holds) and save the resolved recipe in it.
-
-    A finished run is left exactly as it is (nothing rewritten); see continue_run for resumes.
-    """
-    run_dir = recipe.output_dir  # absolute: every path was resolved at load (training/recipe.py resolve_paths)
-    if os.path.exists(os.path.join(run_dir, RESOLVED_RECIPE)) and not continue_run(recipe, run_dir, amend):
-        return run_dir
-    leftovers = [n for n in (CHECKPOINTS, "metrics.jsonl") if os.path.exists(os.path.join(run_dir, n))]
-    if not os.path.exists(os.path.join(run_dir, RESOLVED_RECIPE)) and leftovers:
-        raise LaunchError(f"output_dir {run_dir} holds a run's {' and '.join(leftovers)} but no {RESOLVED_RECIPE}: "
-                          "starting over would overwrite them, and resuming needs the recipe that wrote them",
-                          hint=f"restore {os.path.join(run_dir, RESOLVED_RECIPE)} to resume, or set another "
-                               "output_dir")
-    os.makedirs(run_dir, exist_ok=True)
-    from ascend_llm_recipes.training.checkpoint import write_atomic
-    write_atomic(os.path.join(run_dir, RESOLVED_RECIPE),
-                 f"# resolved from {os.path.abspath(recipe_path)}\n" + recipe.to_yaml())
-    return run_dir
-
-
-AMENDMENTS = "amendments.jsonl"  # RUN_DIR: recipe changes accepted on resume with --amend, one per line
-# Not training settings: where the run lives (a run directory may be moved) and the checkpoint
-# the launcher itself sets on resume.
-NOT_SETTINGS = ("output_dir", "load_checkpoint", "resume_training")
-
-
-def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
-    """The same launch command again: resume from the newest valid checkpoint, never mix two models.
-
-    Returns False when the run is already complete (then nothing in run_dir was touched).
-    A resolved recipe that differs from RUN_DIR/recipe.yaml is refused naming the keys, or
-    with `amend` recorded in RUN_DIR/amendments.jsonl. Everything is checked before anything
-    is written; then invalid step directories are moved to checkpoints/invalid/ (so retention
-    counts valid checkpoints only) and the metrics are cut back to the resumed step.
-    """
-    from ascend_llm_recipes.models.shapes import parameter_shapes
-    from ascend_llm_recipes.training.checkpoint import MANIFEST, read_json, scan_steps, set_aside
-
-    previous = saved_recipe(run_dir)
-    if previous.model != recipe.model:
-        changed = [k for k, v in vars(recipe.model.model_config).items()
-                   if getattr(previous.model.model_config, k) != v]
-        raise LaunchError(f"output_dir {run_dir} holds a run of another model (changed: "
-                          f"{', '.join('model.model_config.' + k for k in changed) or 'model'})",
-                          hint="a changed model cannot resume these checkpoints; choose a new output_dir")
-    shapes = parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
-    (step, directory), invalid = scan_steps(run_dir, recipe.world_size, shapes)
-    if step is not None:
-        recipe.load_checkpoint = directory
-        recipe.resume_training = read_json(os.path.join(directory, "rank_0", MANIFEST))["file"]
-        check_data_position(recipe, run_dir, previous)
-        check_relayout(previous, recipe, run_dir, directory)
-    changes = recipe_changes(previous, recipe)
-    if changes and not amend:
-        raise LaunchError(f"output_dir {run_dir} holds a run trained with other settings; this launch changes "
-                          + ", ".join(f"{key} ({old!r} -> {new!r})" for key, old, new in changes),
-                          hint="restore those settings to continue the run, or pass --amend to continue it with the "
-                               f"change recorded in {os.path.join(run_dir, AMENDMENTS)}, or choose a new output_dir")
-    if step is not None and recipe.runner_config.stop_step and step >= recipe.runner_config.stop_step:
-        if changes:  # --amend given, but there is no step left for the change to apply to
-            print(f"[launch] note: the run is complete at step {step}, so --amend applies nothing and records "
-                  "nothing (" + ", ".join(key for key, _, _ in changes) + "); raise runner_config.stop_step to "
-                  "continue it with the change", flush=True)
-        return False  # already complete: the launcher says so, and the run's record stays as it is
-    record_amendments(run_dir, step or 0, changes)
-    if step is not None:
-        keep_source_strategy(previous, recipe, run_dir, directory)
-    for bad, problems in invalid:
-        print(f"[launch] warning: skipping invalid checkpoint {bad} (set aside as {set_aside(bad, problems)}): "
-              + "; ".join(problems), flush=True)
-    if step is None:
-        print(f"[launch] {run_dir} holds a run but no valid checkpoint: starting it over", flush=True)
-    else:
-        print(f"[launch] resuming {run_dir} from step {step} ({directory})", flush=True)
-    truncate_metrics(run_dir, step or 0)
-    for stale in ("status", "heartbeat"):
-        shutil.rmtree(os.path.join(run_dir, stale), ignore_errors=True)
-    return True
-
-
-def saved_recipe(run_dir: str) -> Recipe:
-    """RUN_DIR/recipe.yaml, the recipe the run was trained with."""
-    import yaml
-    from ascend_llm_recipes.training.recipe import recipe_from_dict
-
-    path = os.path.join(run_dir, RESOLVED_RECIPE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            return recipe_from_dict(yaml.safe_load(f), path)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise LaunchError(f"{path}: unreadable ({err.__class__.__name__}); the run's record is damaged",
-                          hint="restore it from a checkpoint's recipe (state.json names its sha256), or choose "
-                               "a new output_dir") from None
-
-
-def recipe_changes(previous: Recipe, recipe: Recipe) -> list:
-    """(dotted key, old, new) for every value that differs between two resolved recipes."""
-    old, new = _flatten(previous.to_dict()), _flatten(recipe.to_dict())
-    keys = [k for k in new if k not in old] + list(old)
-    return [(k, old.get(k), new.get(k)) for k in keys
-            if old.get(k) != new.get(k) and k.split(".")[0] not in NOT_SETTINGS]
-
-
-def _flatten(value, prefix: str = "") -> dict:
-    """{'a.b.0.c': leaf}: the dotted paths `--set` uses, list items by index."""
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list) and value:
-        items = enumerate(value)
-    else:
-        return {prefix: value}
-    flat = {}
-    for key, item in items:
-        flat.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
-
-
-def record_amendments(run_dir: str, step: int, changes: list) -> None:
-    """Append accepted recipe changes to RUN_DIR/amendments.jsonl, then show the run's whole amendment history."""
-    path = os.path.join(run_dir, AMENDMENTS)
-    if changes:
-        when = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        with open(path, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps({"time": when, "step": step, "key": key, "old": old, "new": new}) + "\n"
-                         for key, old, new in changes)
-            f.flush()
-            os.fsync(f.fileno())
-    from ascend_llm_recipes.training.metrics import read_jsonl
-
-    history = read_jsonl(path, log=lambda m: print("[launch] warning: " + m, flush=True)) \
-        if os.path.isfile(path) else []
-    if history:
-        print(f"[launch] this run's recipe was amended ({path}):\n" + "\n".join(
-            f"  from step {a['step']}: {a['key']} {a['old']!r} -> {a['new']!r} ({a['time']})" for a in history),
-            flush=True)
-
-
-DATA_ORDER_KEYS = ("seed", "train_dataset.data_loader.shuffle", "train_dataset.blend", "runner_config.epochs",
-                   "train_dataset.repeat")
-# What makes up the global batch (Recipe.global_batch_size): a resume must keep their product.
-GLOBAL_BATCH_KEYS = ("runner_config.batch_size", "parallel_config.data_parallel",
-                     "runner_config.gradient_accumulation_steps", "parallel_config.micro_batch_num",
-                     "parallel_config.pipeline_stage")
-
-
-def check_data_position(recipe: Recipe, run_dir: str, previous: Recipe = None) -> None:
-    """A resume must continue the training order where the checkpoint left it (data/loader.py).
-
-    The checkpoint's state.json names its data position and the ids and hash of the samples
-    that come next; the resumed recipe must give the same ones (with the same skips), at the
-    same global batch (another one would renumber the steps: not supported).
-    """
-    from ascend_llm_recipes.data.loader import SKIPS_FILE, next_samples, read_skips, skip_ranges
-    from ascend_llm_recipes.training.checkpoint import STATE, CheckpointError, read_json, resumed_steps, state_problems
-
-    state_path = os.path.join(recipe.load_checkpoint, STATE)
-    if not os.path.isfile(state_path):
-        return  # not one of ours (e.g. converted weights): MindFormers resumes it as it is
-    problems = state_problems(recipe.load_checkpoint)
-    if problems:
-        raise CheckpointError("; ".join(problems), hint="resume from another step directory (its state.json is "
-                                                        "intact), or start a new output_dir")
-    state = read_json(state_path)
-    position, step, saved = state["data_position"], state["step"], state.get("next_samples")
-    if state["global_batch_size"] != recipe.global_batch_size:
-        changed = [key for key in GLOBAL_BATCH_KEYS
-                   if previous is not None and _get(previous, key) != _get(recipe, key)]
-        raise LaunchError(f"resume from step {step}: the checkpoint was trained at global batch "
-                          f"{state['global_batch_size']} ({position} samples consumed), this recipe's global batch is "
-                          f"{recipe.global_batch_size} (changed: "
-                          f"{', '.join(changed) or ' x '.join(GLOBAL_BATCH_KEYS[:3])}); changing the global batch "
-                          "on resume is not supported (steps, LR schedule and checkpoints are numbered in batches)",
-                          hint="restore those settings (data_parallel may change when batch_size x data_parallel "
-                               "stays the same), or start a new output_dir from these weights (load_checkpoint "
-                               "without resume_training)")
-    resumed_steps(state, recipe.global_batch_size)
-    if saved is None:
-        return
-    skips = [tuple(r) for r in state.get("data_skips", [])]
-    listed = skip_ranges(read_skips(run_dir))
-    lost = [list(r) for r in skips if r not in listed]
-    if lost:
-        raise LaunchError(f"resume from step {step}: the checkpoint was trained without the samples at training-order "
-                          f"positions {lost}, which {os.path.join(run_dir, SKIPS_FILE)} does not list",
-                          hint=f"restore {SKIPS_FILE} (the rollback record this run wrote), or start a new output_dir")
-    now = next_samples(recipe, position, skips, saved["count"])
-    if now["sha256"] != saved["sha256"]:
-        changed = []
-        if previous is not None:
-            changed = [key for key in DATA_ORDER_KEYS if _get(previous, key) != _get(recipe, key)]
-        if state.get("dataset_manifest_sha256") and state["dataset_manifest_sha256"] != dataset_manifest_sha256(recipe):
-            changed.append(f"the dataset in {recipe.dataset_dir} (its manifest.json differs)")
-        raise LaunchError(f"resume from step {step}: the training data order changed: after sample {position} the "
-                          f"checkpoint expects samples {saved['first_ids']}..., this recipe gives "
-                          f"{now['first_ids']}... (changed: {', '.join(changed) or 'the datasets or their order'})",
-                          hint="restore those settings to continue this run (a resume must not replay or skip "
-                               "data), or start a new run with another output_dir")
-
-
-def _get(recipe: Recipe, dotted: str):
-    value = recipe
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def resumed_step(recipe: Recipe) -> int:
-    from ascend_llm_recipes.training.checkpoint import MANIFEST, read_json
-
-    manifest = os.path.join(recipe.load_checkpoint, "rank_0", MANIFEST)
-    return read_json(manifest)["step"] if os.path.isfile(manifest) else 0
-
-
-def truncate_metrics(run_dir: str, step: int) -> None:
-    """Drop per-step records after `step` (and torn lines, with a warning): the resumed run writes them again."""
-    from ascend_llm_recipes.training.checkpoint import write_atomic
-    from ascend_llm_recipes.training.metrics import read_jsonl
-
-    for name in sorted(os.listdir(run_dir)):
-        if name.startswith("metrics") and name.endswith(".jsonl"):
-            path = os.path.join(run_dir, name)
-            records = read_jsonl(path, log=lambda m: print("[launch] warning: " + m, flush=True))
-            write_atomic(path, "".join(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= step))
 
 
 def msrun_command(cluster: Cluster, run_dir: str) -> list:
@@ -838,7 +460,7 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
 def lock_run_dir(recipe: Recipe, cluster: Cluster) -> RunDirLock:
     """Own the run directory for this launch (one lock per node); a stale lock left by a dead launcher is taken over."""
     run_dir = os.path.abspath(recipe.output_dir)
-    lock = RunDirLock(run_dir, LOCK_FILE if cluster.nodes == 1 else f"launch.node_{cluster.node_rank}.lock")
+    lock = RunDirLock(run_dir, LOCK_FILE if cluster.nodes == 1 else node_lock_file(cluster.node_rank))
     stale = lock.acquire()
     if stale:
         print(f"[launch] warning: taking over the stale lock {lock.path} of a launch that is gone "
@@ -849,6 +471,7 @@ def lock_run_dir(recipe: Recipe, cluster: Cluster) -> RunDirLock:
 def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, hccl: dict,
             amend: bool = False) -> int:
     """Prepare the (locked) run directory, run msrun until the job ends, report; returns the exit code."""
+    from ascend_llm_recipes.data.loader import SKIPS_FILE
     from ascend_llm_recipes.training.preflight import write_findings
 
     run_dir = prepare_run_dir(recipe, recipe_path, amend)
@@ -897,7 +520,7 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
         print(f"[launch] loss spike at step {rollback['spike_step']}: rolling back to step "
               f"{rollback['rolled_back_to']} and skipping {rollback['skipped_samples']} samples (steps "
               f"{rollback['skipped_steps'][0]}-{rollback['skipped_steps'][1]}); see "
-              f"{os.path.join(run_dir, 'data_skips.json')}", flush=True)
+              f"{os.path.join(run_dir, SKIPS_FILE)}", flush=True)
         run_dir = prepare_run_dir(recipe, recipe_path, amend)
     if cluster.node_rank == 0:
         with open(os.path.join(run_dir, SUMMARY), encoding="utf-8") as f:
@@ -929,7 +552,7 @@ def main(argv=None) -> int:
     parser.add_argument("--master-addr", help="node 0's address (default: first Slurm host or 127.0.0.1)")
     parser.add_argument("--master-port", type=int, help=f"default {DEFAULT_MULTINODE_PORT} on several nodes")
     parser.add_argument("--amend", action="store_true",
-                        help="continue a run with a changed recipe; the change is recorded in RUN_DIR/amendments.jsonl")
+                        help=f"continue a run with a changed recipe; the change is recorded in RUN_DIR/{AMENDMENTS}")
     args = parser.parse_args(argv)
     if args.dry_run and not args.check:
         parser.error("--dry-run goes with --check (a compile-only check); to print the msrun command without "

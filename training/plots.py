@@ -5,6 +5,7 @@ import sys
 
 from ascend_llm_recipes.training.errors import PretrainError
 from ascend_llm_recipes.training.metrics import read_jsonl
+from ascend_llm_recipes.training.run_files import METRICS
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s (global)"),
           ("grad_norm", "gradient norm"), ("data_wait", "data wait (share of iteration)"))
@@ -12,7 +13,7 @@ PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s 
 
 def read_metrics(run_dir: str, log=print) -> tuple:
     """(training records, held-out records) of a run directory; torn lines are dropped with a warning."""
-    path = os.path.join(run_dir, "metrics.jsonl")
+    path = os.path.join(run_dir, METRICS)
     if not os.path.isfile(path):
         raise PretrainError(f"{path}: no metrics file ({run_dir} is not a run directory, or no step has finished)",
                             hint="pass a run directory (the output_dir of a launch), e.g. runs/tiny_cpu")

@@ -18,15 +18,11 @@ import os
 import shutil
 
 from ascend_llm_recipes.training.errors import ConversionError, LaunchError
+from ascend_llm_recipes.training.run_files import CHECKPOINTS, LAYOUT_FILE, MERGED_DIR, STRATEGY_DIR
 
 # MindFormers saves a rank's strategy as get_output_root_path()/strategy/ckpt_strategy_rank_N.ckpt:
 # mindformers/utils/file_utils.py:53-65 (set_strategy_save_path) from the "./ckpt_strategy.ckpt" default of
 # mindformers/tools/register/template.py:416; the worker sets LOCAL_DEFAULT_PATH (the output root) to RUN_DIR.
-STRATEGY_DIR = "strategy"
-LAYOUT_FILE = "layout.json"   # in a step directory whose strategy files were kept beside it: their layout
-# RUN_DIR/merged_checkpoint/step_N: unsliced, for --to-hf (as MindFormers' transformed_checkpoint/ under its
-# output root, tools/ckpt_transform/transform_checkpoint.py:122)
-MERGED_DIR = "merged_checkpoint"
 NO_STRATEGY_ON_CPU = ("strategy files are written only by the compile of a semi-auto-parallel graph, which MindSpore "
                       "does not run on CPU (Invalid backend: CPU), so none can exist on this machine")
 
@@ -220,7 +216,7 @@ def export_source(source: str, model_config: str = None) -> tuple:
     (transform_checkpoint.py:433-449), then mindspore.transform_checkpoints with no destination
     strategy, i.e. unsliced (mindspore/parallel/checkpoint_transform.py:578-669).
     """
-    from ascend_llm_recipes.training.checkpoint import CHECKPOINTS, scan_steps
+    from ascend_llm_recipes.training.checkpoint import scan_steps
 
     run_dir = os.path.abspath(source)
     if os.path.basename(run_dir) == CHECKPOINTS:

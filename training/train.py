@@ -20,32 +20,12 @@ from ascend_llm_recipes.training.errors import LaunchError, PretrainError
 from ascend_llm_recipes.training.heartbeat import Heartbeat
 from ascend_llm_recipes.training.job import stop_orphan, watch_launcher
 from ascend_llm_recipes.training.recipe import START_STEP_LR, Recipe, recipe_from_dict
-
-RESOLVED_RECIPE = "recipe.yaml"
-SUMMARY = "summary.json"
-METRICS = "metrics.jsonl"
-
-
-def metrics_file(rank: int) -> str:
-    """Rank 0's per-step records are the run's metrics; other ranks keep their own (local loss)."""
-    return METRICS if rank == 0 else f"metrics_rank_{rank}.jsonl"
+from ascend_llm_recipes.training.run_files import (CHECKPOINTS, PROFILE, RESOLVED_RECIPE, SUMMARY, TENSORBOARD,
+                                                   metrics_file, status_path)
 
 
 def rank_id() -> int:
     return int(os.environ.get("RANK_ID", "0"))
-
-
-def status_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, "status", f"rank_{rank}.json")
-
-
-def read_status(run_dir: str, rank: int):
-    """RUN_DIR/status/rank_N.json (running, done or failed, with details), or None before the rank wrote one."""
-    try:
-        with open(status_path(run_dir, rank), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def write_status(run_dir: str, state: str, **extra) -> None:
@@ -183,17 +163,20 @@ def resume_step(recipe: Recipe) -> int:
 
 
 def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) -> tuple:
-    """(StepRecorder, CheckpointSaver or None, every callback to pass to the Trainer)."""
-    from ascend_llm_recipes.data.loader import read_skips
-    from ascend_llm_recipes.training.callbacks import CheckpointSaver, HeldOutEval, ProfileWindow, StepRecorder
+    """(StepRecorder, Checkpointer or None, AnomalyMonitor or None, every callback to pass to the Trainer)."""
+    from ascend_llm_recipes.data.loader import read_skips, skip_ranges
+    from ascend_llm_recipes.training.anomaly import AnomalyMonitor
+    from ascend_llm_recipes.training.callbacks import HeldOutEval, ProfileWindow, StepRecorder
+    from ascend_llm_recipes.training.checkpointer import Checkpointer
     from ascend_llm_recipes.training.metrics import device_peak_flops, training_flops_per_token
 
     rank = rank_id()
     peak, peak_source = device_peak_flops(recipe)
     print(f"[rank {rank}] MFU peak per device: {peak_source}", flush=True)
-    tensorboard = os.path.join(run_dir, "tensorboard") if recipe.monitoring.tensorboard and rank == 0 else None
+    tensorboard = os.path.join(run_dir, TENSORBOARD) if recipe.monitoring.tensorboard and rank == 0 else None
     recorder = StepRecorder(recipe, os.path.join(run_dir, metrics_file(rank)), heartbeat,
-                            training_flops_per_token(recipe), peak, tensorboard, initial_step)
+                            training_flops_per_token(recipe), peak, tensorboard, initial_step,
+                            agree_on_stop=recipe.checkpointing is not None)
     callbacks = [recorder]
     if recipe.load_optimizer_state:
         from ascend_llm_recipes.training.optim import LoadOptimizerState
@@ -204,13 +187,15 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
                                      heartbeat, log_results=True))
     if recipe.profile is not None:
         callbacks.append(ProfileWindow(recipe.profile.start_step, recipe.profile.stop_step,
-                                       os.path.join(run_dir, "profile", f"rank_{rank}"), recorder))
-    saver = None
+                                       os.path.join(run_dir, PROFILE, f"rank_{rank}"), recorder))
+    checkpointer = monitor = None
     if recipe.checkpointing is not None:
-        saver = CheckpointSaver(run_dir, rank, recipe.world_size, recorder, recipe, state_hashes(recipe, run_dir),
-                                read_skips(run_dir))
-        callbacks.append(saver)
-    return recorder, saver, callbacks
+        rollbacks = read_skips(run_dir)
+        checkpointer = Checkpointer(run_dir, rank, recipe.world_size, recorder, recipe, state_hashes(recipe, run_dir),
+                                    skip_ranges(rollbacks))
+        monitor = AnomalyMonitor(run_dir, recipe.world_size, recorder, checkpointer, recipe, rollbacks)
+        callbacks += [monitor, checkpointer]  # the monitor decides before the checkpointer saves
+    return recorder, checkpointer, monitor, callbacks
 
 
 def state_hashes(recipe: Recipe, run_dir: str) -> dict:
@@ -240,7 +225,7 @@ def run(run_dir: str, started: float = None) -> dict:
     with open(os.path.join(run_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
         recipe = recipe_from_dict(yaml.safe_load(f), os.path.join(run_dir, RESOLVED_RECIPE))
     # The launcher's dataset checks, on the same resolved recipe: the two cannot disagree.
-    from ascend_llm_recipes.training.launch import check_datasets
+    from ascend_llm_recipes.training.datasets import check_datasets
     datasets = check_datasets(recipe)
 
     # MindFormers writes logs under LOCAL_DEFAULT_PATH (default ./output) from import time on.
@@ -248,9 +233,10 @@ def run(run_dir: str, started: float = None) -> dict:
     from mindformers import MindFormerConfig, Trainer
     from mindformers.core.context import build_context
     import ascend_llm_recipes.models.llama  # noqa: F401  (registers the model with MindFormers)
-    import ascend_llm_recipes.training.train_step  # noqa: F401  (registers the portable train-step wrapper)
+    from ascend_llm_recipes.training.train_step import install_cpu_barrier  # registers the train-step wrapper
     import ascend_llm_recipes.training.optim  # noqa: F401  (registers FoldedAdamW)
     from ascend_llm_recipes.data.loader import build_train_dataset, read_skips, skip_ranges
+    install_cpu_barrier()  # before the Trainer: it calls MindFormers' barrier when resuming under data parallel
     imported = time.time()
 
     heartbeat = Heartbeat(run_dir, rank_id())
@@ -266,10 +252,10 @@ def run(run_dir: str, started: float = None) -> dict:
         collective_self_test()
     check_checkpoint_parameters(recipe, rank_id())
     initial_step = resume_step(recipe)
-    recorder, saver, callbacks = build_callbacks(recipe, run_dir, heartbeat, initial_step)
-    if saver is not None:
+    recorder, checkpointer, monitor, callbacks = build_callbacks(recipe, run_dir, heartbeat, initial_step)
+    if checkpointer is not None:
         # Preemption: save at the end of the current step, then stop cleanly.
-        signal.signal(signal.SIGTERM, lambda *_: setattr(saver, "preempted", True))
+        signal.signal(signal.SIGTERM, lambda *_: setattr(recorder, "stop_requested", True))
     # One seeded order on every rank, each data-parallel rank its own slice; a resumed run's
     # MindFormers skips `initial_step` batches of it (set_init_step), i.e. data_position samples.
     # Samples a loss-spike rollback removed stay out of it (RUN_DIR/data_skips.json).
@@ -283,9 +269,9 @@ def run(run_dir: str, started: float = None) -> dict:
     summary = recorder.summary(run_dir, find_checkpoints(run_dir))
     summary["startup"] = startup_phases(started, imported, setup_done, recorder.records, data_seconds)
     summary["resumed_from_step"] = initial_step
-    summary["preempted"] = bool(saver and saver.preempted)
-    summary["checkpoint_blocked_s"] = round(saver.blocked_time, 3) if saver else 0.0
-    summary["rollback"] = saver.rollback if saver else None
+    summary["preempted"] = bool(checkpointer and (checkpointer.preempted or recorder.stop_requested))
+    summary["checkpoint_blocked_s"] = round(checkpointer.blocked_time, 3) if checkpointer else 0.0
+    summary["rollback"] = monitor.rollback if monitor else None
     summary["blend"] = datasets["blend"]  # per member: samples, share of draws, expected repeats per pass
     if rank_id() == 0:
         with open(os.path.join(run_dir, SUMMARY), "w", encoding="utf-8") as f:
@@ -335,7 +321,7 @@ def collective_self_test() -> None:
 
 def find_checkpoints(run_dir: str) -> list:
     """This rank's complete checkpoint files (of regular steps), oldest first."""
-    from ascend_llm_recipes.training.checkpoint import CHECKPOINTS, MANIFEST, read_json
+    from ascend_llm_recipes.training.checkpoint import MANIFEST, read_json
 
     manifests = sorted(glob.glob(os.path.join(run_dir, CHECKPOINTS, "step_*", f"rank_{rank_id()}", MANIFEST)))
     return [os.path.join(os.path.dirname(m), read_json(m)["file"]) for m in manifests]

@@ -99,7 +99,11 @@ def _allreduce_barrier(original):
 
 
 def install_cpu_barrier() -> None:
-    """MindFormers calls comm_func.barrier() when resuming under data parallel; make it work on CPU too."""
+    """MindFormers calls comm_func.barrier() when resuming under data parallel; make it work on CPU too.
+
+    Patches comm_func and the four MindFormers modules that imported its barrier; called by the
+    worker before it builds the Trainer (importing this module changes nothing in MindFormers).
+    """
     import importlib
     from mindspore.communication import comm_func
 
@@ -113,6 +117,3 @@ def install_cpu_barrier() -> None:
         imported = importlib.import_module(module)
         if hasattr(imported, "barrier"):
             imported.barrier = portable
-
-
-install_cpu_barrier()

@@ -1,0 +1,159 @@
+"""Dataset checks before a run starts: the recipe's datasets exist (or are prepared), fit the model and each other.
+
+Run by the launcher before any worker starts, and (check_datasets) by each worker on the same resolved recipe.
+"""
+import os
+
+from ascend_llm_recipes.training.errors import DataError, LaunchError, PretrainError
+from ascend_llm_recipes.training.recipe import Recipe
+
+BLEND_REPEAT_WARNING = 10  # a blend member read more often than this per pass is mostly memorised
+
+
+def ensure_dataset(recipe: Recipe, show_progress: bool = True) -> dict:
+    """Build the recipe's own dataset (data_preparation.output_dir) when missing, then check every dataset it uses.
+
+    Any other missing dataset directory (a typo, an override) is refused with the command
+    that builds it: a mistyped path must never silently become a new dataset.
+    """
+    from ascend_llm_recipes.data.mindrecord_io import MANIFEST
+    from ascend_llm_recipes.data.prepare import prepare_dataset, summary
+
+    model = recipe.model.model_config
+    dataset_dir = recipe.dataset_dir
+    prep = recipe.data_preparation
+    if prep is not None and prep.output_dir == dataset_dir and not os.path.exists(dataset_dir) \
+            and not os.path.isfile(os.path.join(dataset_dir, MANIFEST)):
+        print(f"[launch] dataset {dataset_dir} not found: preparing it from {prep.source} "
+              f"(vocabulary {prep.vocab_size}, seq_length {model.seq_length}); later runs reuse it", flush=True)
+        manifest = prepare_dataset(dataset_dir, model.seq_length, prep.vocab_size, source=prep.source,
+                                   max_documents=prep.max_documents, show_progress=show_progress)
+        print("[launch] " + summary(dataset_dir, manifest), flush=True)
+    checked = check_datasets(recipe)
+    for warning in checked["warnings"]:
+        print(f"[launch] warning: {warning}", flush=True)
+    for member in checked["blend"]:
+        print(f"[launch] blend: {member['dataset_dir']}: weight {member['share']:.1%} of the samples, "
+              f"{member['samples']:,} samples, read ~{member['repeats_per_pass']:.2f} times per pass", flush=True)
+    # shard contents: full sha256 on first use, then cached
+    from ascend_llm_recipes.data.loader import verify_recipe_datasets
+    print("\n".join(f"[launch] {line}" for line in verify_recipe_datasets(recipe)), flush=True)
+    return checked["manifest"]
+
+
+def check_datasets(recipe: Recipe) -> dict:
+    """Every dataset the recipe reads (train, blend members, eval) fits the model and the others.
+
+    Run by the launcher before anything starts and by each worker on the same resolved
+    recipe. Returns {manifest: the training dataset's, blend: [per-member expected repeats
+    per pass], warnings: [...]}; raises DataError naming the recipe key otherwise.
+    """
+    model = recipe.model.model_config
+    warnings = []
+    keyed = [("train_dataset.data_loader.dataset_dir", recipe.dataset_dir)]
+    if recipe.do_eval and recipe.eval_dataset is not None:
+        keyed.append(("eval_dataset.data_loader.dataset_dir", recipe.eval_dataset.data_loader.dataset_dir))
+    manifests = {}
+    for key, dataset_dir in keyed:
+        manifests[key] = _checked_manifest(recipe, key, dataset_dir)
+    train = manifests["train_dataset.data_loader.dataset_dir"]
+    tokenizer = train["tokenizer"]
+    eval_key = "eval_dataset.data_loader.dataset_dir"
+    if eval_key in manifests:
+        held_out = manifests[eval_key]
+        if held_out["tokenizer"]["sha256"] != tokenizer["sha256"]:
+            raise DataError(f"{eval_key}: {keyed[1][1]} was tokenised with another tokenizer than "
+                            f"train_dataset.data_loader.dataset_dir (tokenizer sha256 "
+                            f"{held_out['tokenizer']['sha256'][:12]}... vs {tokenizer['sha256'][:12]}...); its loss "
+                            "would be measured on other tokens",
+                            hint="prepare the held-out set with the training set's tokenizer: --tokenizer "
+                                 f"{os.path.join(recipe.dataset_dir, tokenizer.get('file', 'tokenizer.model'))}, or "
+                                 "with --val-fraction when building the training set")
+        batch = recipe.runner_config.batch_size
+        if held_out["samples"] < batch:
+            raise DataError(f"{eval_key}: {keyed[1][1]} holds {held_out['samples']} sample(s), fewer than one "
+                            f"batch (runner_config.batch_size {batch}); the evaluation would read nothing",
+                            hint="prepare a larger held-out set (e.g. a larger --val-fraction), or lower the batch")
+    if model.vocab_size > tokenizer["vocab_size"]:
+        unused = model.vocab_size - tokenizer["vocab_size"]
+        warnings.append(f"model.model_config.vocab_size {model.vocab_size} is larger than the tokenizer's "
+                        f"{tokenizer['vocab_size']} ({recipe.dataset_dir}): {unused} embedding rows are never trained")
+    blend = check_blend(recipe) if recipe.train_dataset.blend else []
+    for member in blend:
+        if member["repeats_per_pass"] > BLEND_REPEAT_WARNING:
+            warnings.append(f"{member['key']}: {member['dataset_dir']} ({member['samples']:,} samples at "
+                            f"{member['share']:.1%} of the blend) is read ~{member['repeats_per_pass']:.0f} times per "
+                            f"pass (more than {BLEND_REPEAT_WARNING}); lower its weight or add data to it")
+    return {"manifest": train, "blend": blend, "warnings": warnings}
+
+
+def _checked_manifest(recipe: Recipe, key: str, dataset_dir: str) -> dict:
+    """check_dataset for one recipe key, its errors naming that key (and what data_preparation would build)."""
+    from ascend_llm_recipes.data.prepare import check_dataset
+
+    model = recipe.model.model_config
+    try:
+        return check_dataset(dataset_dir, model.seq_length, model.vocab_size, model.pad_token_id,
+                             model.eos_token_id)
+    except DataError as err:
+        message = err.message.replace("train_dataset.data_loader.dataset_dir", key)
+        hint = err.hint
+        prep = recipe.data_preparation
+        if not os.path.exists(dataset_dir) and prep is not None:
+            hint = (f"{hint}; data_preparation builds only its output_dir {prep.output_dir}, never another "
+                    "missing path (check the path for a typo)")
+        raise DataError(message, hint) from None
+
+
+def check_blend(recipe: Recipe) -> list:
+    """Every blended dataset must fit the model, and all must share one tokenizer (data/loader.py).
+
+    Returns per member: its recipe key, directory, samples, share of the draws and how many
+    times a pass (sum of the members' sizes drawn by weight) is expected to read each sample.
+    """
+    from ascend_llm_recipes.data.loader import load_sources, recipe_sources
+
+    for dataset_dir, _, key in recipe_sources(recipe):
+        _checked_manifest(recipe, key, dataset_dir)
+    sources = load_sources(recipe_sources(recipe))
+    total_weight = sum(s.weight for s in sources)
+    drawn = sum(s.samples for s in sources)
+    members = []
+    for (_, _, key), source in zip(recipe_sources(recipe), sources):
+        share = source.weight / total_weight
+        members.append({"key": key, "dataset_dir": source.dataset_dir, "samples": source.samples,
+                        "weight": source.weight, "share": round(share, 6),
+                        "repeats_per_pass": round(share * drawn / source.samples, 3)})
+    return members
+
+
+def check_load_checkpoint(recipe: Recipe) -> None:
+    """A `load_checkpoint` that is set must exist and fit the recipe's model (MindFormers would load it anyway).
+
+    The architecture the checkpoint recorded (a conversion's model_config.yaml, a run's recipe.yaml)
+    must equal the recipe's, key by key, and every parameter must be in the checkpoint.
+    """
+    from ascend_llm_recipes.models.convert import architecture_differences, read_model_section, recorded_model_section
+    from ascend_llm_recipes.training.train import check_checkpoint_parameters
+
+    if not recipe.load_checkpoint:
+        return
+    path = os.path.abspath(recipe.load_checkpoint)
+    if not os.path.exists(path):
+        raise LaunchError(f"load_checkpoint: {path} does not exist",
+                          hint="fix the path, or convert a HuggingFace model first: python "
+                               "scripts/convert_checkpoint.py --from-hf HF_DIR --output DIR")
+    recipe.load_checkpoint = path  # workers run inside the run directory
+    section = recorded_model_section(path)
+    if section is not None:
+        try:
+            recorded, _ = read_model_section(section)
+        except PretrainError as err:
+            raise LaunchError(f"load_checkpoint {path}: its recorded model cannot be read: {err}") from None
+        differences = architecture_differences(recorded, recipe.model.model_config)
+        if differences:
+            raise LaunchError(f"load_checkpoint {path} was made for another architecture than the recipe's model "
+                              f"(recorded in {section}):\n" + "\n".join(f"  - {d}" for d in differences),
+                              hint=f"use the model: section of {section} in the recipe (or --set those keys to "
+                                   "the checkpoint's values)")
+    check_checkpoint_parameters(recipe, 0)

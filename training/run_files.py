@@ -1,0 +1,78 @@
+"""The run directory's files, named in one place: what a run's output_dir holds.
+
+RUN_DIR/
+  recipe.yaml              the resolved recipe the run trains with (a resume compares against it)
+  amendments.jsonl         recipe changes accepted on resume with --amend, one per line
+  preflight.json, .txt     the launcher's environment checks
+  launch.lock              held by the launcher that owns the run (launch.node_N.lock per node on several)
+  status/rank_N.json       each rank's state: running, done or failed
+  heartbeat/rank_N.json    each rank's phase, for the launcher's hang detection
+  metrics.jsonl            rank 0's per-step records (metrics_rank_N.jsonl: another rank's)
+  summary.json             rank 0's end-of-run summary
+  data_skips.json          samples left out after a loss-spike rollback (named by data/loader.py SKIPS_FILE:
+                           the data layer reads it and sits below training/)
+  checkpoints/step_N/      one step's checkpoint (training/checkpoint.py names what is inside)
+  checkpoints/invalid/     step directories set aside by a resume, each with a REASON.txt
+  logs/                    msrun.log and each worker's log
+  tensorboard/, profile/rank_N/
+  strategy/                each rank's parallel-strategy file (semi-auto runs; training/relayout.py)
+  checkpoints/step_N/strategy/, layout.json   the strategy files a relayout resume re-slices from, kept
+  merged_checkpoint/step_N/  a TP/PP step merged into one unsliced checkpoint for --to-hf
+  checkpoint/, log/        made by MindFormers' Trainer in its output_dir (ours are above)
+"""
+
+import json
+import os
+
+RESOLVED_RECIPE = "recipe.yaml"
+AMENDMENTS = "amendments.jsonl"
+PREFLIGHT_JSON = "preflight.json"
+PREFLIGHT_TXT = "preflight.txt"
+LOCK_FILE = "launch.lock"
+STATUS = "status"
+HEARTBEAT = "heartbeat"
+METRICS = "metrics.jsonl"
+METRICS_PATTERN = "metrics*.jsonl"  # every rank's metrics file
+SUMMARY = "summary.json"
+CHECKPOINTS = "checkpoints"
+INVALID = "invalid"
+REASON = "REASON.txt"
+LOGS = "logs"
+MSRUN_LOG = "msrun.log"
+TENSORBOARD = "tensorboard"
+PROFILE = "profile"
+STRATEGY_DIR = "strategy"
+LAYOUT_FILE = "layout.json"
+MERGED_DIR = "merged_checkpoint"
+MINDFORMERS_DIRS = ("checkpoint", "strategy", "log")
+
+
+def node_lock_file(node_rank: int) -> str:
+    """The lock of one node's launcher when a run spans several nodes (they share the run directory)."""
+    return f"launch.node_{node_rank}.lock"
+
+
+def metrics_file(rank: int) -> str:
+    """Rank 0's per-step records are the run's metrics; other ranks keep their own (local loss)."""
+    return METRICS if rank == 0 else f"metrics_rank_{rank}.jsonl"
+
+
+def status_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, STATUS, f"rank_{rank}.json")
+
+
+def read_status(run_dir: str, rank: int):
+    """RUN_DIR/status/rank_N.json (running, done or failed, with details), or None before the rank wrote one."""
+    try:
+        with open(status_path(run_dir, rank), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def heartbeat_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, HEARTBEAT, f"rank_{rank}.json")
+
+
+def worker_log(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, LOGS, f"worker_{rank}.log")
