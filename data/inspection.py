@@ -10,10 +10,11 @@ import os
 import numpy as np
 from mindspore.mindrecord import FileReader
 
+from ascend_llm_recipes.common.errors import DataError
+from ascend_llm_recipes.common.files import file_sha256
 from ascend_llm_recipes.data.mindrecord_io import MANIFEST, indexes_hashed, open_problem, read_manifest
 from ascend_llm_recipes.data.prepare import model_mismatches, rerun_command, summary, validation_dir
-from ascend_llm_recipes.data.tokenizer import file_sha256, load_tokenizer
-from ascend_llm_recipes.training.errors import DataError
+from ascend_llm_recipes.data.tokenizer import load_tokenizer
 
 EOD_MARK = "\n<|EOD|>\n"
 

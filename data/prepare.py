@@ -11,7 +11,7 @@ from ascend_llm_recipes.data.corpus import expand_inputs, python_stdlib_files
 from ascend_llm_recipes.data.mindrecord_io import check_files_present, read_manifest
 from ascend_llm_recipes.data.pipeline import PrepareOptions, Run
 from ascend_llm_recipes.data.tokenizer import VOCAB_MULTIPLE
-from ascend_llm_recipes.training.errors import DataError
+from ascend_llm_recipes.common.errors import DataError
 
 SEQ_ALIGN = 16
 SOURCES = ("python_stdlib",)

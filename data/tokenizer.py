@@ -7,7 +7,6 @@ the tokenizer's own end-of-text token. Without a pad token, padding is written a
 (-1): never a real token id, and masked from the loss by the model (models/llama.py).
 """
 
-import hashlib
 import io
 import json
 import os
@@ -17,7 +16,8 @@ from dataclasses import dataclass
 
 import sentencepiece as spm
 
-from ascend_llm_recipes.training.errors import DataError
+from ascend_llm_recipes.common.errors import DataError
+from ascend_llm_recipes.common.files import file_sha256
 
 # Llama's layout for the first ids, plus a dedicated padding id that is never a real token (trained models).
 UNK_ID, BOS_ID, EOD_ID, PAD_ID = 0, 1, 2, 3
@@ -277,11 +277,3 @@ def _word_start(text: str, start: int, end: int) -> int:
             return 0
         if text[pos - 1] not in _WORD_START:
             return pos
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

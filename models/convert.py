@@ -41,10 +41,10 @@ from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.models.arithmetic import padded_vocab_size
 from ascend_llm_recipes.models.checkpoint_io import CkptFile, SafetensorsFile, SafetensorsWriter, TorchBinFile
 from ascend_llm_recipes.training.checkpoint import CHECKPOINTS
-from ascend_llm_recipes.training.errors import ConversionError, PretrainError
+from ascend_llm_recipes.common.errors import ConversionError, PretrainError
 from ascend_llm_recipes.training.recipe import ModelConfig, ModelSection, load_recipe
 from ascend_llm_recipes.training.train import RESOLVED_RECIPE as RUN_RECIPE
-from ascend_llm_recipes.training.schema import load_dataclass, to_plain
+from ascend_llm_recipes.common.schema import load_dataclass, to_plain
 
 FORMAT_VERSION = 1
 CHECKPOINT_FILE = "weights.safetensors"  # not model.safetensors: see the module docstring
@@ -575,7 +575,7 @@ def copy_hf_tokenizer(hf_dir: str, work_dir: str, out_dir: str) -> tuple:
 
     Returns (a note for the summary, [{file, sha256}]).
     """
-    from ascend_llm_recipes.data.tokenizer import file_sha256
+    from ascend_llm_recipes.common.files import file_sha256
 
     files = []
     for name in HF_TOKENIZER_FILES:
@@ -712,7 +712,7 @@ def find_our_checkpoint(source: str, model_config: str = None) -> tuple:
 def _check_against_manifest(ckpt: str) -> None:
     """A checkpoint file named directly is still checked against the manifest.json a save wrote beside it."""
     from ascend_llm_recipes.training.checkpoint import MANIFEST, read_json
-    from ascend_llm_recipes.data.tokenizer import file_sha256
+    from ascend_llm_recipes.common.files import file_sha256
 
     manifest = os.path.join(os.path.dirname(ckpt), MANIFEST)
     if not os.path.isfile(manifest):
@@ -810,7 +810,7 @@ HF_TOKENIZER_CONFIG = {  # what transformers' LlamaTokenizer needs for data/toke
 def run_tokenizer(section_path: str) -> tuple:
     """((tokenizer file, its manifest entry) to copy or None, a note for the manifest) from a run's dataset."""
     from ascend_llm_recipes.data.mindrecord_io import MANIFEST as DATA_MANIFEST
-    from ascend_llm_recipes.data.tokenizer import file_sha256
+    from ascend_llm_recipes.common.files import file_sha256
 
     if os.path.basename(section_path) != RUN_RECIPE:
         return None, "not copied: the source is not a training run (no dataset names a tokenizer)"

@@ -43,9 +43,9 @@ from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, FORMAT_VERSION, 
                                                existing_conversion, find_our_checkpoint, fingerprint, load_our_model,
                                                model_config_from_hf, model_section_yaml, publish, read_model_section,
                                                recipe_keys, tensor_plan, work_dir_for)
-from ascend_llm_recipes.training.errors import ConversionError
+from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.training.recipe import ModelConfig
-from ascend_llm_recipes.training.schema import to_plain
+from ascend_llm_recipes.common.schema import to_plain
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 OPTIMIZER_DIR = "optimizer"  # of a conversion: adam_m.safetensors, adam_v.safetensors (weights' names)
@@ -986,7 +986,7 @@ def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir
     Validated with the strict loader (planning mode) and the planner before it appears. Returns
     {"path", "notes", "plan"}.
     """
-    from ascend_llm_recipes.training.errors import RecipeError
+    from ascend_llm_recipes.common.errors import RecipeError
     from ascend_llm_recipes.training.planner import plan, verdict
     from ascend_llm_recipes.training.recipe import load_recipe
 
@@ -1092,7 +1092,7 @@ def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int,
 def run_cli(parser, args) -> int:
     """scripts/convert_checkpoint.py for --from-megatron, --from-torch, --to-megatron and --write-recipe."""
     from ascend_llm_recipes.models.convert import from_hf, summary
-    from ascend_llm_recipes.training.errors import PretrainError
+    from ascend_llm_recipes.common.errors import PretrainError
 
     if args.key_map and not args.from_torch:
         parser.error("--key-map applies to --from-torch")

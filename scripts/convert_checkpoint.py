@@ -19,7 +19,7 @@ import traceback
 
 
 from ascend_llm_recipes.models.convert import from_hf, summary, to_hf
-from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.training.preflight import check_writable_dir
 
 

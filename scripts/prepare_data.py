@@ -25,7 +25,7 @@ import sys
 import traceback
 
 
-from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.training.preflight import check_writable_dir
 
 

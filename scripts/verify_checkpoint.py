@@ -19,7 +19,7 @@ import sys
 
 from ascend_llm_recipes.training.checkpoint import (CHECKPOINTS, INVALID, REASON, describe_step, step_world_size,
                                                     steps_to_verify, verify_step)
-from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.common.errors import PretrainError
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ from ascend_llm_recipes.data.mindrecord_io import MANIFEST, partial_dir, read_ma
 from ascend_llm_recipes.data.packing import PackStats, pack_documents
 from ascend_llm_recipes.data.prepare import check_dataset, prepare_dataset
 from ascend_llm_recipes.data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
-from ascend_llm_recipes.training.errors import DataError
+from ascend_llm_recipes.common.errors import DataError
 
 
 def test_clean_text_keeps_cjk_and_drops_controls():

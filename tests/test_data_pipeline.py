@@ -23,7 +23,7 @@ from ascend_llm_recipes.data.corpus import python_stdlib_files
 from ascend_llm_recipes.data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_cached, verify_files
 from ascend_llm_recipes.data.prepare import prepare_dataset
 from ascend_llm_recipes.data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
-from ascend_llm_recipes.training.errors import DataError
+from ascend_llm_recipes.common.errors import DataError
 
 SCRIPT = os.path.join(REPO_ROOT, "scripts", "prepare_data.py")
 CJK_DOCS = ["中文测试：这是一个包含汉字的文档，用来检查中文文本在清洗、分词和打包之后是否完整无缺。",

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from ascend_llm_recipes.training.checkpoint import CHECKPOINTS
-from ascend_llm_recipes.training.errors import DataError, LaunchError, PretrainError
+from ascend_llm_recipes.common.errors import DataError, LaunchError, PretrainError
 from ascend_llm_recipes.training.job import (LAUNCHER_ENV, LOCK_FILE, RunDirLock, describe_holder, job_processes,
                                              process_id, send, start_time)
 from ascend_llm_recipes.training.recipe import Recipe, load_recipe
@@ -273,7 +273,7 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> st
                           hint=f"restore {os.path.join(run_dir, RESOLVED_RECIPE)} to resume, or set another "
                                "output_dir")
     os.makedirs(run_dir, exist_ok=True)
-    from ascend_llm_recipes.training.checkpoint import write_atomic
+    from ascend_llm_recipes.common.files import write_atomic
     write_atomic(os.path.join(run_dir, RESOLVED_RECIPE),
                  f"# resolved from {os.path.abspath(recipe_path)}\n" + recipe.to_yaml())
     return run_dir
@@ -471,7 +471,7 @@ def resumed_step(recipe: Recipe) -> int:
 
 def truncate_metrics(run_dir: str, step: int) -> None:
     """Drop per-step records after `step` (and torn lines, with a warning): the resumed run writes them again."""
-    from ascend_llm_recipes.training.checkpoint import write_atomic
+    from ascend_llm_recipes.common.files import write_atomic
     from ascend_llm_recipes.training.metrics import read_jsonl
 
     for name in sorted(os.listdir(run_dir)):

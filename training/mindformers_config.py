@@ -20,8 +20,8 @@ import yaml
 
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.models.arithmetic import param_count
-from ascend_llm_recipes.training.checkpoint import write_atomic
-from ascend_llm_recipes.training.errors import RecipeError
+from ascend_llm_recipes.common.errors import RecipeError
+from ascend_llm_recipes.common.files import write_atomic
 from ascend_llm_recipes.training.recipe import (Recipe, deep_merge, load_recipe, read_recipe_file, read_yaml_file,
                                                 recipe_from_dict)
 

@@ -25,7 +25,7 @@ from typing import Optional
 from ascend_llm_recipes.models.arithmetic import (VOCAB_ALIGN, flops_per_token, layer_matmul_params, layer_params,
                                                   padded_vocab_size, param_count)
 from ascend_llm_recipes.models.parallel import balanced_stages
-from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.common.errors import PretrainError
 
 GB = 2 ** 30
 BYTES_PER_PARAM = {"weights": 4, "gradients": 4, "optimizer": 8}  # fp32 master, fp32 grad, AdamW m + v (fp32)

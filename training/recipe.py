@@ -18,8 +18,8 @@ import yaml
 
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.models.parallel import layout_problems
-from ascend_llm_recipes.training.errors import RecipeError
-from ascend_llm_recipes.training.schema import load_dataclass, to_plain
+from ascend_llm_recipes.common.errors import RecipeError
+from ascend_llm_recipes.common.schema import load_dataclass, to_plain
 
 SEQ_ALIGN = 16  # Ascend's Cube unit works on 16x16 tiles.
 
