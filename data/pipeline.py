@@ -34,6 +34,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 from tqdm import tqdm
 
+from ascend_llm_recipes.common.errors import DataError
+from ascend_llm_recipes.common.files import file_sha256, write_json_atomic
 from ascend_llm_recipes.data.clean import (INVALID_UTF8, INVALID_UTF8_POLICIES, KEPT, NORMALIZATIONS, TOO_LONG,
                                            TOO_SHORT, CleanOptions)
 from ascend_llm_recipes.data.corpus import ChunkReader, Position, input_format
@@ -47,8 +49,6 @@ from ascend_llm_recipes.data.tokenizer import (EOD_ID, FILES, SENTENCEPIECE, che
 from ascend_llm_recipes.data.workers import (BAD_STATUSES, MALFORMED_JSON, MISSING_FIELD, STATUS_NAMES, WorkerConfig,
                                              default_workers, init_pool_worker, init_worker, pin_mmap_threshold,
                                              process_chunk)
-from ascend_llm_recipes.common.errors import DataError
-from ascend_llm_recipes.common.files import file_sha256, write_json_atomic
 
 STATE = "state"
 TOKENIZER = FILES[SENTENCEPIECE]  # a trained tokenizer's name in the dataset (a user's keeps its kind's name)

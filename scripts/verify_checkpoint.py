@@ -17,9 +17,9 @@ import os
 import sys
 
 
+from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.training.checkpoint import (CHECKPOINTS, INVALID, REASON, describe_step, step_world_size,
                                                     steps_to_verify, verify_step)
-from ascend_llm_recipes.common.errors import PretrainError
 
 
 def main(argv=None) -> int:

@@ -20,12 +20,13 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO_ROOT, TINY_RECIPE
-from ascend_llm_recipes.data.prepare import prepare_dataset
-from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
-from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, HF_WEIGHTS_FILE, KL_TOLERANCE, MODEL_SECTION_FILE,
-                                               from_hf, summary, to_hf, verify_logits)
-from ascend_llm_recipes.training.checkpoint import MANIFEST, STATE, read_json, step_dir, write_rank
 from ascend_llm_recipes.common.errors import ConversionError, LaunchError
+from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
+from ascend_llm_recipes.data.prepare import prepare_dataset
+from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, HF_WEIGHTS_FILE, KL_TOLERANCE, MODEL_SECTION_FILE,
+                                               from_hf, summary, verify_logits)
+from ascend_llm_recipes.training.checkpoint import MANIFEST, STATE, read_json, step_dir, write_rank
+from ascend_llm_recipes.training.export import to_hf
 from ascend_llm_recipes.training.launch import check_load_checkpoint, launch
 from ascend_llm_recipes.training.recipe import load_recipe
 from ascend_llm_recipes.training.train import check_checkpoint_parameters

@@ -13,13 +13,13 @@ import pytest
 import yaml
 
 from conftest import DEMO_RECIPE, REPO_ROOT, TINY_RECIPE
+from ascend_llm_recipes.common.errors import LaunchError, PretrainError
 from ascend_llm_recipes.training.preflight import (MIN_MAX_MAP_COUNT, SUPPORTED_VERSIONS, check_device, check_disk,
                                                    check_hccl, check_leftover_processes, check_master_port,
                                                    check_max_map_count, check_memlock, check_versions,
                                                    check_writable_dir, checkpoint_bytes, format_findings, has_errors,
                                                    hccl_env, installed_versions, load_table, run_checks,
                                                    training_processes, visible_npus, write_findings)
-from ascend_llm_recipes.common.errors import LaunchError, PretrainError
 from ascend_llm_recipes.training.recipe import load_recipe
 
 

@@ -24,8 +24,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ascend_llm_recipes.training.checkpoint import CHECKPOINTS
 from ascend_llm_recipes.common.errors import DataError, LaunchError, PretrainError
+from ascend_llm_recipes.training.checkpoint import CHECKPOINTS
 from ascend_llm_recipes.training.job import (LAUNCHER_ENV, LOCK_FILE, RunDirLock, describe_holder, job_processes,
                                              process_id, send, start_time)
 from ascend_llm_recipes.training.recipe import Recipe, load_recipe
@@ -232,7 +232,8 @@ def check_load_checkpoint(recipe: Recipe) -> None:
     The architecture the checkpoint recorded (a conversion's model_config.yaml, a run's recipe.yaml)
     must equal the recipe's, key by key, and every parameter must be in the checkpoint.
     """
-    from ascend_llm_recipes.models.convert import architecture_differences, read_model_section, recorded_model_section
+    from ascend_llm_recipes.models.convert import architecture_differences
+    from ascend_llm_recipes.training.export import read_model_section, recorded_model_section
     from ascend_llm_recipes.training.train import check_checkpoint_parameters
 
     if not recipe.load_checkpoint:

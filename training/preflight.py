@@ -29,8 +29,8 @@ from typing import Literal, Optional
 
 import yaml
 
-from ascend_llm_recipes.models.arithmetic import param_count
 from ascend_llm_recipes.common.errors import LaunchError, PretrainError
+from ascend_llm_recipes.models.arithmetic import param_count
 
 SUPPORTED_VERSIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supported_versions.yaml")
 PREFLIGHT_JSON = "preflight.json"
