@@ -4,9 +4,10 @@
                               -> OUT_DIR/weights.safetensors (what the MindFormers Trainer loads
                                  through a recipe's `load_checkpoint: OUT_DIR`), model_config.yaml
                                  (the recipe's `model:` section) and conversion.json (the manifest)
-    to_hf(OURS, OUT_DIR)      a converted directory, a run directory (its newest verified step), a .ckpt or
-                              .safetensors file -> OUT_DIR/config.json + model.safetensors for transformers
-                              (+ tokenizer.model and tokenizer_config.json when the run's dataset names one)
+    write_hf(CKPT, cfg, OUT_DIR)  one of our .ckpt or .safetensors files -> OUT_DIR/config.json +
+                              model.safetensors for transformers (+ tokenizer.model and tokenizer_config.json
+                              when given one); training/export.py's to_hf(OURS, OUT_DIR) takes a converted
+                              directory, a run directory (its newest verified step) or a file and calls it
 
 How the Trainer reads OUT_DIR (recipe keys `load_checkpoint: OUT_DIR`, `load_ckpt_format:
 safetensors`): training/train.py runs MindFormers 1.9 with `use_legacy_format: True`, whose
@@ -17,12 +18,12 @@ newer path (mindformers/checkpoint/checkpoint.py) reads the same directory, but 
 `model.safetensors` for a HuggingFace checkpoint needing a weight template: hence weights.safetensors.
 
 Everything is driven by two tables: CONFIG_MAP (config.json keys <-> model_config fields, with
-the options each family must leave at their supported value) and KEY_MAP (one row per tensor:
-names, shape from the config, transform). Conversion is strict: every source tensor is converted
-or named in an ignore list, every shape is checked against the config before any data is read,
-unknown tensors are errors, and so is any NaN or inf value. Output is built in a hidden sibling
-directory and renamed into place when complete, so a failed or interrupted conversion leaves
-nothing behind.
+the options each family must leave at their supported value) and the model's tensor list
+(models/shapes.py: names, shapes from the config), with KEY_MAP naming each tensor's transform.
+Conversion is strict: every source tensor is converted or named in an ignore list, every shape
+is checked against the config before any data is read, unknown tensors are errors, and so is any
+NaN or inf value. Output is built in a hidden sibling directory and renamed into place when
+complete, so a failed or interrupted conversion leaves nothing behind.
 """
 
 import hashlib

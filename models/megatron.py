@@ -2,9 +2,11 @@
 
     from_megatron(CKPT_DIR, OUT_DIR)  a Megatron save directory (latest_checkpointed_iteration.txt)
                                       or one iter_NNNNNNN directory, legacy or torch_dist
-    from_torch(FILE, OUT_DIR, model_config, key_map)  a torch.save'd state dict
-    to_megatron(OURS, OUT_DIR, tp, pp)  legacy mp_rank_TT[_PPP]/model_optim_rng.pt files
-    write_recipe(...)                  a recipe on base/ascend.yaml continuing the Megatron run
+    from_torch(FILE, OUT_DIR, cfg, ...)  a torch.save'd state dict, for a given ModelConfig
+    to_megatron(CKPT, cfg, OUT_DIR, tp, pp)  legacy mp_rank_TT[_PPP]/model_optim_rng.pt files
+
+training/export.py resolves what a user names (a run directory, a recipe as --model-config) into
+these functions' arguments and writes the recipe continuing a converted run (--write-recipe).
 
 Output is what models/convert.py's --from-hf writes (weights.safetensors, model_config.yaml,
 conversion.json), through its tensor plan, writer and atomic publish: the Megatron tensors are
