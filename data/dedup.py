@@ -25,7 +25,7 @@ import re
 
 import numpy as np
 
-from ascend_llm_recipes.training.errors import DataError
+from ascend_llm_recipes.common.errors import DataError
 
 SHINGLE = 5
 BANDS, ROWS = 14, 8

@@ -10,18 +10,19 @@ import os
 import numpy as np
 from mindspore.mindrecord import FileReader
 
+from ascend_llm_recipes.common.errors import DataError
+from ascend_llm_recipes.common.files import file_sha256
 from ascend_llm_recipes.data.mindrecord_io import MANIFEST, indexes_hashed, open_problem, read_manifest
 from ascend_llm_recipes.data.prepare import model_mismatches, rerun_command, summary, validation_dir
-from ascend_llm_recipes.data.tokenizer import file_sha256, load_tokenizer
-from ascend_llm_recipes.training.errors import DataError
+from ascend_llm_recipes.data.tokenizer import load_tokenizer
 
 EOD_MARK = "\n<|EOD|>\n"
 
 
-def validate_dataset(dataset_dir: str, recipe_path: str = None) -> str:
+def validate_dataset(dataset_dir: str, recipe_path: str = None, model=None) -> str:
     """Check shards against the manifest (sha256, sample counts, sample length), the tokenizer file, the
-    validation dataset, and optionally the recipe's model; returns a report or raises DataError naming
-    every problem and the command to rerun."""
+    validation dataset, and optionally the recipe's model (its model.model_config, loaded by the caller);
+    returns a report or raises DataError naming every problem and the command to rerun."""
     manifest = read_manifest(dataset_dir)
     problems = _file_problems(dataset_dir, manifest)
     lines = [f"dataset {dataset_dir}: {len(manifest['shards'])} shard(s), {manifest['samples']:,} samples of "
@@ -35,10 +36,7 @@ def validate_dataset(dataset_dir: str, recipe_path: str = None) -> str:
         except DataError as err:
             problems.append(f"validation dataset: {err.message}")
     hint = f"rebuild it with: {rerun_command(manifest, dataset_dir + '-new')}"
-    if recipe_path:
-        from ascend_llm_recipes.training.recipe import load_recipe
-
-        model = load_recipe(recipe_path).model.model_config
+    if model is not None:
         mismatches = model_mismatches(manifest, model.seq_length, model.vocab_size, model.pad_token_id,
                                       model.eos_token_id)
         problems += [f"recipe {recipe_path}: {m}" for m in mismatches]

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.data.mindrecord_io import read_manifest, shard_files, verify_cached
-from ascend_llm_recipes.training.errors import DataError
 
 SKIPS_FILE = "data_skips.json"
 

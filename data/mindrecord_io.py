@@ -18,8 +18,8 @@ import time
 import numpy as np
 from mindspore.mindrecord import FileReader, FileWriter
 
-from ascend_llm_recipes.data.tokenizer import file_sha256
-from ascend_llm_recipes.training.errors import DataError
+from ascend_llm_recipes.common.errors import DataError
+from ascend_llm_recipes.common.files import file_sha256, write_json_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -144,27 +144,9 @@ class ShardWriter:
                 os.remove(os.path.join(self.directory, name))
 
 
-def write_json_atomic(path: str, data: dict) -> None:
-    """Write JSON so that `path` holds either the old or the complete new content, even after a crash.
-
-    The temporary name is per process, so two processes may write the same file (the verification cache).
-    """
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def write_manifest(directory: str, manifest: dict) -> dict:
     manifest = {"format_version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **manifest}
-    write_json_atomic(os.path.join(directory, MANIFEST), manifest)
+    write_json_atomic(os.path.join(directory, MANIFEST), manifest, indent=2)
     return manifest
 
 
@@ -305,7 +287,7 @@ def _read_cache(path: str) -> dict:
 def _write_cache(path: str, cache: dict) -> None:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_json_atomic(path, cache)
+        write_json_atomic(path, cache, indent=2)
     except OSError:
         pass  # an unwritable cache only means full checks next time
 

@@ -34,20 +34,21 @@ from dataclasses import dataclass, fields
 import numpy as np
 from tqdm import tqdm
 
+from ascend_llm_recipes.common.errors import DataError
+from ascend_llm_recipes.common.files import file_sha256, write_json_atomic
 from ascend_llm_recipes.data.clean import (INVALID_UTF8, INVALID_UTF8_POLICIES, KEPT, NORMALIZATIONS, TOO_LONG,
                                            TOO_SHORT, CleanOptions)
 from ascend_llm_recipes.data.corpus import ChunkReader, Position, input_format
 from ascend_llm_recipes.data.dedup import (JACCARD_THRESHOLD, MIN_SHINGLES, NEAR_DUPLICATES, SHINGLE, KeyIndex,
                                            NearDuplicateIndex)
 from ascend_llm_recipes.data.mindrecord_io import (MANIFEST, MINDRECORD_MIN_FREE, ShardWriter, partial_dir,
-                                                   write_json_atomic, write_manifest)
+                                                   write_manifest)
 from ascend_llm_recipes.data.packing import PACKINGS, TAILS, make_packer
-from ascend_llm_recipes.data.tokenizer import (EOD_ID, FILES, SENTENCEPIECE, check_vocab_size, file_sha256,
+from ascend_llm_recipes.data.tokenizer import (EOD_ID, FILES, SENTENCEPIECE, check_vocab_size,
                                                load_tokenizer, resolve_tokenizer, train_tokenizer)
 from ascend_llm_recipes.data.workers import (BAD_STATUSES, MALFORMED_JSON, MISSING_FIELD, STATUS_NAMES, WorkerConfig,
                                              default_workers, init_pool_worker, init_worker, pin_mmap_threshold,
                                              process_chunk)
-from ascend_llm_recipes.training.errors import DataError
 
 STATE = "state"
 TOKENIZER = FILES[SENTENCEPIECE]  # a trained tokenizer's name in the dataset (a user's keeps its kind's name)
@@ -302,7 +303,7 @@ class Run:
                                     hint=f"delete {self.work} and rerun the command to start over") from None
             shutil.rmtree(self.work)
         os.makedirs(self.state)
-        write_json_atomic(run_file, {"fingerprint": self.fingerprint, "identity": self._identity()})
+        write_json_atomic(run_file, {"fingerprint": self.fingerprint, "identity": self._identity()}, indent=2)
         return None
 
     def _identity(self) -> dict:
@@ -340,7 +341,7 @@ class Run:
         prefix = os.path.join(self.state, "tokenizer")
         shutil.move(train_tokenizer(docs, self.vocab_size, prefix, corpus=self._corpus()), path)
         trained_on = {"documents": len(docs), "chars": sum(len(d) for d in docs)}
-        write_json_atomic(record, trained_on)
+        write_json_atomic(record, trained_on, indent=2)
         return load_tokenizer(path), trained_on
 
     def _sample(self) -> list:
@@ -665,7 +666,7 @@ class _Snapshots:
             os.fsync(f.fileno())
         write_json_atomic(os.path.join(self.state, "snapshot.json"),
                           {"chunk": chunk.index, "position": chunk.start.as_dict(), "seen": seen_count,
-                           "near": near_mark, "splits": split_meta, "arrays": name, **tallies.meta()})
+                           "near": near_mark, "splits": split_meta, "arrays": name, **tallies.meta()}, indent=2)
         for old in os.listdir(self.state):
             if old.startswith("snapshot-") and old != name:
                 os.remove(os.path.join(self.state, old))

@@ -7,13 +7,12 @@ restartable); `check_dataset` is what the launcher asks before training.
 import os
 import shlex
 
+from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.data.corpus import expand_inputs, python_stdlib_files
 from ascend_llm_recipes.data.mindrecord_io import check_files_present, read_manifest
 from ascend_llm_recipes.data.pipeline import PrepareOptions, Run
-from ascend_llm_recipes.data.tokenizer import VOCAB_MULTIPLE
-from ascend_llm_recipes.training.errors import DataError
+from ascend_llm_recipes.models.arithmetic import ALIGN, round_up
 
-SEQ_ALIGN = 16
 SOURCES = ("python_stdlib",)
 
 # PrepareOptions field -> command-line flag, for commands rebuilt from a manifest.
@@ -66,12 +65,12 @@ def prepare_dataset(output_dir: str, seq_length: int, vocab_size: int = 2048, so
     problems = opts.problems()
     if seq_length <= 0:
         raise DataError(f"seq_length {seq_length} must be positive", hint="pass --seq-length, e.g. 2048")
-    if seq_length % SEQ_ALIGN:
-        raise DataError(f"seq_length {seq_length} is not a multiple of {SEQ_ALIGN}",
-                        hint=f"use {-(-seq_length // SEQ_ALIGN) * SEQ_ALIGN}")
-    if not tokenizer and vocab_size % VOCAB_MULTIPLE:
-        problems.append(f"vocab_size {vocab_size} is not a multiple of {VOCAB_MULTIPLE}; use "
-                        f"{-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE}")
+    if seq_length % ALIGN:
+        raise DataError(f"seq_length {seq_length} is not a multiple of {ALIGN}",
+                        hint=f"use {round_up(seq_length, ALIGN)}")
+    if not tokenizer and vocab_size % ALIGN:
+        problems.append(f"vocab_size {vocab_size} is not a multiple of {ALIGN}; use "
+                        f"{round_up(vocab_size, ALIGN)}")
     if not tokenizer and opts.model_vocab_size and vocab_size > opts.model_vocab_size:
         problems.append(f"vocab_size {vocab_size} does not fit model.model_config.vocab_size "
                         f"{opts.model_vocab_size}")

@@ -7,7 +7,6 @@ the tokenizer's own end-of-text token. Without a pad token, padding is written a
 (-1): never a real token id, and masked from the loss by the model (models/llama.py).
 """
 
-import hashlib
 import io
 import json
 import os
@@ -17,12 +16,13 @@ from dataclasses import dataclass
 
 import sentencepiece as spm
 
-from ascend_llm_recipes.training.errors import DataError
+from ascend_llm_recipes.common.errors import DataError
+from ascend_llm_recipes.common.files import file_sha256
+from ascend_llm_recipes.models.arithmetic import ALIGN, round_up
 
 # Llama's layout for the first ids, plus a dedicated padding id that is never a real token (trained models).
 UNK_ID, BOS_ID, EOD_ID, PAD_ID = 0, 1, 2, 3
 NO_PAD = -1  # the padding id when the tokenizer has none: outside every vocabulary, so no real label is masked
-VOCAB_MULTIPLE = 16
 SENTENCEPIECE, HF = "sentencepiece", "hf"
 FILES = {SENTENCEPIECE: "tokenizer.model", HF: "tokenizer.json"}  # the name each kind is stored under
 # HF tokenizers name their special tokens in tokenizer_config.json (absent beside a bare tokenizer.json):
@@ -47,9 +47,9 @@ def train_tokenizer(documents: list, vocab_size: int, model_prefix: str, sample_
     and writes to memory, so the model records no scratch paths: the same documents give
     a byte-identical model wherever it is built. `corpus` names the user's input in messages.
     """
-    if vocab_size % VOCAB_MULTIPLE:
-        raise DataError(f"tokenizer vocab_size {vocab_size} is not a multiple of {VOCAB_MULTIPLE}",
-                        hint=f"use {-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE}")
+    if vocab_size % ALIGN:
+        raise DataError(f"tokenizer vocab_size {vocab_size} is not a multiple of {ALIGN}",
+                        hint=f"use {round_up(vocab_size, ALIGN)}")
     lines = [line for doc in documents for line in doc.split("\n") if line.strip()]
     random.Random(seed).shuffle(lines)
     model = io.BytesIO()
@@ -69,7 +69,7 @@ def _training_error(reason: str, vocab_size: int, documents: int, corpus: str) -
     too_high = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", reason)
     if too_high:
         limit = int(too_high.group(1))
-        fit = limit // VOCAB_MULTIPLE * VOCAB_MULTIPLE
+        fit = limit // ALIGN * ALIGN
         return DataError(f"{where}: the text holds enough distinct pieces for at most {limit}",
                          hint=f"lower --vocab-size to at most {fit}, give more text, or pass a trained --tokenizer")
     too_low = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", reason)
@@ -77,7 +77,7 @@ def _training_error(reason: str, vocab_size: int, documents: int, corpus: str) -
         needed = int(too_low.group(1))
         return DataError(f"{where}: sentencepiece needs {needed} pieces for its special and byte pieces and every "
                          "character it must cover (CJK text has thousands)",
-                         hint=f"raise --vocab-size to at least {-(-needed // VOCAB_MULTIPLE) * VOCAB_MULTIPLE}, or "
+                         hint=f"raise --vocab-size to at least {round_up(needed, ALIGN)}, or "
                               "pass a trained --tokenizer")
     return DataError(f"{where}: {reason.splitlines()[0]}", hint="change --vocab-size, or pass a trained --tokenizer")
 
@@ -128,8 +128,8 @@ class Tokenizer:
         entry = {"kind": self.kind, "sha256": file_sha256(self.path), "vocab_size": self.vocab_size,
                  "unk_id": self.unk_id, "bos_id": self.bos_id, "eod_id": self.eod_id, "eod_token": self.eod_token,
                  "pad_id": self.pad_id, "padding": padding}
-        if self.vocab_size % VOCAB_MULTIPLE:
-            entry["vocab_note"] = (f"{self.vocab_size} is not a multiple of {VOCAB_MULTIPLE}: the model pads its "
+        if self.vocab_size % ALIGN:
+            entry["vocab_note"] = (f"{self.vocab_size} is not a multiple of {ALIGN}: the model pads its "
                                    "embedding and output tables (model.model_config.vocab_pad_multiple)")
         return entry
 
@@ -277,11 +277,3 @@ def _word_start(text: str, start: int, end: int) -> int:
             return 0
         if text[pos - 1] not in _WORD_START:
             return pos
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

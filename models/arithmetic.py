@@ -1,46 +1,45 @@
-"""Closed-form sizes of a Llama-style model: padded vocabulary, parameters, training FLOPs.
+"""Closed-form sizes of a Llama-style model: alignment, padded vocabulary, parameters, training FLOPs.
 
-Import-light (no MindSpore): recipes and planners use it on plain configs. `cfg` is any
-object with the LlamaConfig field names (the recipe's model_config section, a preset, ...).
+Import-light (no MindSpore): recipes and planners use it on plain configs. `cfg` is a ModelConfig
+(models/config.py) or a LlamaConfig; the counts are sums over models/shapes.py's tensors.
 """
 
-VOCAB_ALIGN = 16  # Ascend's Cube unit works on 16x16 tiles
+import math
+
+ALIGN = 16  # Ascend's Cube unit works on 16x16 tiles: sequence, widths and vocabulary are multiples of it
 
 
 def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= value."""
     return -(-value // multiple) * multiple
 
 
-def padded_vocab_size(vocab_size: int, pad_multiple: int = VOCAB_ALIGN, tensor_parallel: int = 1) -> int:
+def padded_vocab_size(vocab_size: int, pad_multiple: int = ALIGN, tensor_parallel: int = 1) -> int:
     """Rows of the embedding/output tables: the vocabulary rounded up to pad_multiple x TP."""
     return round_up(vocab_size, pad_multiple * tensor_parallel)
 
 
-def _kv_heads(cfg) -> int:
-    return cfg.num_kv_heads if getattr(cfg, "num_kv_heads", None) else cfg.num_heads
+def _layer_shapes(cfg) -> list:
+    from ascend_llm_recipes.models.shapes import parameter_shapes  # shapes.py uses padded_vocab_size above
+
+    return [shape for name, shape in parameter_shapes(cfg, layers=range(1)).items() if ".layers." in name]
 
 
 def layer_matmul_params(cfg) -> int:
     """Weights of one decoder layer's matrix multiplications: q/k/v/o and the SwiGLU MLP."""
-    h, head_dim = cfg.hidden_size, cfg.hidden_size // cfg.num_heads
-    kv = _kv_heads(cfg) * head_dim
-    return h * h + 2 * h * kv + h * h + 3 * h * cfg.intermediate_size
+    return sum(math.prod(shape) for shape in _layer_shapes(cfg) if len(shape) == 2)
 
 
 def layer_params(cfg) -> int:
     """All parameters of one decoder layer: matmul weights, q/k/v bias if any, two RMSNorms."""
-    h, head_dim = cfg.hidden_size, cfg.hidden_size // cfg.num_heads
-    bias = h + 2 * _kv_heads(cfg) * head_dim if getattr(cfg, "qkv_bias", False) else 0
-    return layer_matmul_params(cfg) + bias + 2 * h
+    return sum(math.prod(shape) for shape in _layer_shapes(cfg))
 
 
 def param_count(cfg, tensor_parallel: int = 1, padded: bool = True) -> int:
     """All parameters; with padded=True the embedding/output tables include the padding rows."""
-    vocab = cfg.vocab_size
-    if padded:
-        vocab = padded_vocab_size(vocab, getattr(cfg, "vocab_pad_multiple", VOCAB_ALIGN), tensor_parallel)
-    tables = vocab * cfg.hidden_size * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
-    return tables + cfg.num_layers * layer_params(cfg) + cfg.hidden_size
+    from ascend_llm_recipes.models.shapes import parameter_shapes
+
+    return sum(math.prod(shape) for shape in parameter_shapes(cfg, tensor_parallel, padded).values())
 
 
 def flops_per_token(cfg, seq_length: int = None) -> int:

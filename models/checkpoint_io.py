@@ -18,7 +18,7 @@ import struct
 
 import numpy as np
 
-from ascend_llm_recipes.training.errors import ConversionError
+from ascend_llm_recipes.common.errors import ConversionError
 
 # safetensors dtype codes this converter reads as weights; all are widened to float32 exactly.
 SAFETENSORS_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}

@@ -4,9 +4,10 @@
                               -> OUT_DIR/weights.safetensors (what the MindFormers Trainer loads
                                  through a recipe's `load_checkpoint: OUT_DIR`), model_config.yaml
                                  (the recipe's `model:` section) and conversion.json (the manifest)
-    to_hf(OURS, OUT_DIR)      a converted directory, a run directory (its newest verified step), a .ckpt or
-                              .safetensors file -> OUT_DIR/config.json + model.safetensors for transformers
-                              (+ tokenizer.model and tokenizer_config.json when the run's dataset names one)
+    write_hf(CKPT, cfg, OUT_DIR)  one of our .ckpt or .safetensors files -> OUT_DIR/config.json +
+                              model.safetensors for transformers (+ tokenizer.model and tokenizer_config.json
+                              when given one); training/export.py's to_hf(OURS, OUT_DIR) takes a converted
+                              directory, a run directory (its newest verified step) or a file and calls it
 
 How the Trainer reads OUT_DIR (recipe keys `load_checkpoint: OUT_DIR`, `load_ckpt_format:
 safetensors`): training/train.py runs MindFormers 1.9 with `use_legacy_format: True`, whose
@@ -17,12 +18,12 @@ newer path (mindformers/checkpoint/checkpoint.py) reads the same directory, but 
 `model.safetensors` for a HuggingFace checkpoint needing a weight template: hence weights.safetensors.
 
 Everything is driven by two tables: CONFIG_MAP (config.json keys <-> model_config fields, with
-the options each family must leave at their supported value) and KEY_MAP (one row per tensor:
-names, shape from the config, transform). Conversion is strict: every source tensor is converted
-or named in an ignore list, every shape is checked against the config before any data is read,
-unknown tensors are errors, and so is any NaN or inf value. Output is built in a hidden sibling
-directory and renamed into place when complete, so a failed or interrupted conversion leaves
-nothing behind.
+the options each family must leave at their supported value) and the model's tensor list
+(models/shapes.py: names, shapes from the config), with KEY_MAP naming each tensor's transform.
+Conversion is strict: every source tensor is converted or named in an ignore list, every shape
+is checked against the config before any data is read, unknown tensors are errors, and so is any
+NaN or inf value. Output is built in a hidden sibling directory and renamed into place when
+complete, so a failed or interrupted conversion leaves nothing behind.
 """
 
 import hashlib
@@ -37,14 +38,13 @@ from dataclasses import dataclass, fields
 import numpy as np
 import yaml
 
+from ascend_llm_recipes.common.errors import ConversionError
+from ascend_llm_recipes.common.files import file_sha256
+from ascend_llm_recipes.common.schema import load_dataclass, to_plain
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
-from ascend_llm_recipes.models.arithmetic import padded_vocab_size
 from ascend_llm_recipes.models.checkpoint_io import CkptFile, SafetensorsFile, SafetensorsWriter, TorchBinFile
-from ascend_llm_recipes.training.checkpoint import CHECKPOINTS
-from ascend_llm_recipes.training.errors import ConversionError, PretrainError
-from ascend_llm_recipes.training.recipe import ModelConfig, ModelSection, load_recipe
-from ascend_llm_recipes.training.train import RESOLVED_RECIPE as RUN_RECIPE
-from ascend_llm_recipes.training.schema import load_dataclass, to_plain
+from ascend_llm_recipes.models.config import ModelConfig, ModelSection
+from ascend_llm_recipes.models.shapes import dimensions, tensor_dimensions
 
 FORMAT_VERSION = 1
 CHECKPOINT_FILE = "weights.safetensors"  # not model.safetensors: see the module docstring
@@ -171,7 +171,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     family = FAMILIES["qwen2" if cfg.qkv_bias else "llama"]
     config = {"architectures": [family.architecture], "model_type": family.model_type}
     config.update({theirs: getattr(cfg, ours) for ours, theirs in CONFIG_MAP})
-    config["num_key_value_heads"] = cfg.num_kv_heads or cfg.num_heads
+    config["num_key_value_heads"] = cfg.kv_heads
     for name in TOKEN_ID_FIELDS:
         config[name] = None if config[name] == NO_TOKEN else config[name]
     config["max_position_embeddings"] = cfg.seq_length
@@ -197,8 +197,8 @@ def recipe_keys(out_dir: str) -> str:
             f"recipe and set load_checkpoint: {out_dir} and load_ckpt_format: safetensors")
 
 
-def read_model_section(path: str) -> tuple:
-    """(ModelConfig, tensor-parallel degree) from a model_config.yaml or from a recipe."""
+def read_model_file(path: str) -> ModelConfig:
+    """The model configuration of a model_config.yaml (a recipe's `model:` section and nothing else)."""
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
@@ -206,52 +206,25 @@ def read_model_section(path: str) -> tuple:
         raise ConversionError(f"{path}: cannot read the model section ({err})") from None
     if not isinstance(data, dict) or "model" not in data:
         raise ConversionError(f"{path}: no `model:` section")
-    if set(data) != {"model"}:  # a whole recipe: resolve and validate it like the launcher does
-        recipe = load_recipe(path)
-        return recipe.model.model_config, recipe.parallel_config.model_parallel
+    return model_section(data, path)
+
+
+def model_section(data: dict, path: str) -> ModelConfig:
+    """The ModelConfig of a {"model": ...} mapping read from `path`, strictly (every problem named)."""
     problems: list = []
     section = load_dataclass(ModelSection, data["model"], "model", problems)
     if problems:
         raise ConversionError(f"{path}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
-    return section.model_config, 1
+    return section.model_config
 
 
 # --- The key map ------------------------------------------------------------------------------
 
-# One row per tensor: HF name ({n}: layer index), our name, shape in HF layout (named dimensions,
-# see dimensions()), transform HF -> ours, and the config flag the tensor depends on. Our names
-# equal HF's because models/llama.py names its parameters after the HF checkpoint; Linear weights
-# are (out, in) on both sides and rotary uses the same half-split layout, so nothing transposes
-# or permutes. The vocabulary tables gain padding rows (never predicted) on our side.
-KEY_MAP = (
-    ("model.embed_tokens.weight", "model.embed_tokens.weight", ("vocab", "hidden"), "pad_vocab_rows", None),
-    ("model.layers.{n}.input_layernorm.weight", "model.layers.{n}.input_layernorm.weight", ("hidden",),
-     "identity", None),
-    ("model.layers.{n}.self_attn.q_proj.weight", "model.layers.{n}.self_attn.q_proj.weight", ("q", "hidden"),
-     "identity", None),
-    ("model.layers.{n}.self_attn.q_proj.bias", "model.layers.{n}.self_attn.q_proj.bias", ("q",),
-     "identity", "qkv_bias"),
-    ("model.layers.{n}.self_attn.k_proj.weight", "model.layers.{n}.self_attn.k_proj.weight", ("kv", "hidden"),
-     "identity", None),
-    ("model.layers.{n}.self_attn.k_proj.bias", "model.layers.{n}.self_attn.k_proj.bias", ("kv",),
-     "identity", "qkv_bias"),
-    ("model.layers.{n}.self_attn.v_proj.weight", "model.layers.{n}.self_attn.v_proj.weight", ("kv", "hidden"),
-     "identity", None),
-    ("model.layers.{n}.self_attn.v_proj.bias", "model.layers.{n}.self_attn.v_proj.bias", ("kv",),
-     "identity", "qkv_bias"),
-    ("model.layers.{n}.self_attn.o_proj.weight", "model.layers.{n}.self_attn.o_proj.weight", ("hidden", "q"),
-     "identity", None),
-    ("model.layers.{n}.post_attention_layernorm.weight", "model.layers.{n}.post_attention_layernorm.weight",
-     ("hidden",), "identity", None),
-    ("model.layers.{n}.mlp.gate_proj.weight", "model.layers.{n}.mlp.gate_proj.weight", ("ffn", "hidden"),
-     "identity", None),
-    ("model.layers.{n}.mlp.up_proj.weight", "model.layers.{n}.mlp.up_proj.weight", ("ffn", "hidden"),
-     "identity", None),
-    ("model.layers.{n}.mlp.down_proj.weight", "model.layers.{n}.mlp.down_proj.weight", ("hidden", "ffn"),
-     "identity", None),
-    ("model.norm.weight", "model.norm.weight", ("hidden",), "identity", None),
-    ("lm_head.weight", "lm_head.weight", ("vocab", "hidden"), "pad_vocab_rows", "untied"),
-)
+# The key map. Our names equal HF's (models/llama.py names its parameters after the HF checkpoint),
+# Linear weights are (out, in) on both sides and rotary uses the same half-split layout, so every tensor
+# of the model (models/shapes.py TENSORS, with its shape) maps to itself unchanged, except the vocabulary
+# tables: they gain padding rows (never predicted) on our side.
+KEY_MAP = {"model.embed_tokens.weight": "pad_vocab_rows", "lm_head.weight": "pad_vocab_rows"}  # others: identity
 
 # Source tensors that hold no weights, consumed by being named here: (pattern, kind for the summary).
 IGNORED_HF = (
@@ -310,25 +283,14 @@ class TensorPlan:
     transform: str
 
 
-def dimensions(cfg: ModelConfig, tensor_parallel: int = 1) -> dict:
-    head_dim = cfg.hidden_size // cfg.num_heads
-    return {"vocab": cfg.vocab_size, "hidden": cfg.hidden_size, "q": cfg.num_heads * head_dim,
-            "kv": (cfg.num_kv_heads or cfg.num_heads) * head_dim, "ffn": cfg.intermediate_size,
-            "padded_vocab": padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple, tensor_parallel)}
-
-
 def tensor_plan(cfg: ModelConfig, tensor_parallel: int = 1) -> list:
-    """Every tensor of the model for `cfg`, in KEY_MAP order, with both names and shapes."""
+    """Every tensor of the model for `cfg` (models/shapes.py order), with both names, shapes and its transform."""
     dims = dimensions(cfg, tensor_parallel)
-    flags = {None: True, "qkv_bias": cfg.qkv_bias, "untied": not cfg.tie_word_embeddings}
     plan = []
-    for hf, ours, shape, transform, flag in KEY_MAP:
-        if not flags[flag]:
-            continue
-        hf_shape = tuple(dims[d] for d in shape)
-        our_shape = tuple(dims["padded_vocab" if d == "vocab" else d] for d in shape)
-        for n in range(cfg.num_layers) if "{n}" in hf else (None,):
-            plan.append(TensorPlan(hf.format(n=n), ours.format(n=n), hf_shape, our_shape, transform))
+    for pattern, name, names in tensor_dimensions(cfg):
+        hf_shape = tuple(dims[d] for d in names)
+        our_shape = tuple(dims["padded_vocab" if d == "vocab" else d] for d in names)
+        plan.append(TensorPlan(name, name, hf_shape, our_shape, KEY_MAP.get(pattern, "identity")))
     return plan
 
 
@@ -575,8 +537,6 @@ def copy_hf_tokenizer(hf_dir: str, work_dir: str, out_dir: str) -> tuple:
 
     Returns (a note for the summary, [{file, sha256}]).
     """
-    from ascend_llm_recipes.data.tokenizer import file_sha256
-
     files = []
     for name in HF_TOKENIZER_FILES:
         if os.path.isfile(os.path.join(hf_dir, name)):
@@ -619,125 +579,28 @@ def _check_tied_copy(weights: HFWeights, records: list) -> None:
 
 # --- ours -> HF -------------------------------------------------------------------------------
 
-def recorded_model_section(path: str):
-    """The model section a checkpoint was made with, found beside or above `path`; None when there is none.
-
-    A conversion keeps model_config.yaml beside its weights; a run keeps recipe.yaml in RUN_DIR,
-    above RUN_DIR/checkpoints/step_N/rank_R/<file>.ckpt.
-    """
-    directory = path if os.path.isdir(path) else os.path.dirname(path)
-    for _ in range(4):
-        if os.path.isfile(os.path.join(directory, MODEL_SECTION_FILE)):
-            return os.path.join(directory, MODEL_SECTION_FILE)
-        if os.path.isfile(os.path.join(directory, RUN_RECIPE)) and os.path.isdir(os.path.join(directory, CHECKPOINTS)):
-            return os.path.join(directory, RUN_RECIPE)
-        directory = os.path.dirname(directory)
-    return None
-
-
 def architecture_differences(recorded: ModelConfig, wanted: ModelConfig) -> list:
     """'key: checkpoint X, recipe Y' for every architecture field that differs (training choices may differ)."""
     def value(cfg, name):
-        return (cfg.num_kv_heads or cfg.num_heads) if name == "num_kv_heads" else getattr(cfg, name)
+        return cfg.kv_heads if name == "num_kv_heads" else getattr(cfg, name)
 
     return [f"model.model_config.{name}: checkpoint {value(recorded, name)!r}, recipe {value(wanted, name)!r}"
             for name in ARCHITECTURE_FIELDS if value(recorded, name) != value(wanted, name)]
 
 
-def _run_recipe(run_dir: str):
-    from ascend_llm_recipes.training.recipe import recipe_from_dict
+def write_hf(ckpt_path: str, cfg: ModelConfig, out_dir: str, tensor_parallel: int = 1, source: dict = None,
+             tokenizer: tuple = None, tokenizer_note: str = None, show_progress: bool = True) -> dict:
+    """Convert one of our checkpoint files to OUT_DIR/config.json + model.safetensors (float32).
 
-    path = os.path.join(run_dir, RUN_RECIPE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            return recipe_from_dict(yaml.safe_load(f), path)
-    except (OSError, yaml.YAMLError) as err:
-        raise ConversionError(f"{path}: cannot read the run's recipe ({err})") from None
-
-
-def _newest_valid_checkpoint(run_dir: str, model_config: str = None) -> tuple:
-    """(rank 0's file, model section, notes) of a run's newest verified step, by the resume rule."""
-    from ascend_llm_recipes.models.shapes import parameter_shapes
-    from ascend_llm_recipes.training.checkpoint import MANIFEST, newest_valid_step, read_json
-
-    recipe = _run_recipe(run_dir)
-    section = model_config or os.path.join(run_dir, RUN_RECIPE)
-    cfg, tensor_parallel = read_model_section(section)
-    notes = []
-    step, directory = newest_valid_step(run_dir, recipe.world_size, parameter_shapes(cfg, tensor_parallel),
-                                        log=notes.append)
-    if step is None:
-        others = sorted(e for e in os.listdir(os.path.join(run_dir, CHECKPOINTS)) if not e.startswith("step_"))
-        raise ConversionError(f"{run_dir}: no complete, verified checkpoint step"
-                              + (f" ({'; '.join(notes)})" if notes else "")
-                              + (f"; post-mortem snapshots are never taken implicitly: {', '.join(others)}"
-                                 if others else ""),
-                              hint="name a checkpoint file (.ckpt) explicitly to export it anyway")
-    file = os.path.join(directory, "rank_0", read_json(os.path.join(directory, "rank_0", MANIFEST))["file"])
-    return file, section, {"step": step, "skipped": notes}
-
-
-def find_our_checkpoint(source: str, model_config: str = None) -> tuple:
-    """(checkpoint file, model section file, notes) for a converted dir, a run dir or a checkpoint file.
-
-    A run directory (or its checkpoints/ folder) gives its newest complete step whose manifests
-    verify, the rule resume uses: never a half-written `.partial-` file nor a nan_/spike_
-    post-mortem snapshot. Those are exported only when named as a file.
+    `source` is recorded in the manifest; `tokenizer` (file, its dataset manifest entry) is copied beside
+    the weights. training/export.py's to_hf finds these for a run or converted directory. Returns the manifest.
     """
-    source = os.path.abspath(source)
-    notes: dict = {}
-    if os.path.isdir(source) and os.path.basename(source) == CHECKPOINTS \
-            and os.path.isfile(os.path.join(os.path.dirname(source), RUN_RECIPE)):
-        source = os.path.dirname(source)
-    if os.path.isdir(source) and os.path.isfile(os.path.join(source, CHECKPOINT_FILE)):
-        ckpt = os.path.join(source, CHECKPOINT_FILE)
-    elif os.path.isdir(os.path.join(source, CHECKPOINTS)) and os.path.isfile(os.path.join(source, RUN_RECIPE)):
-        return _newest_valid_checkpoint(source, model_config)
-    elif os.path.isfile(source) and source.endswith((".ckpt", ".safetensors")):
-        ckpt = source
-        _check_against_manifest(ckpt)
-    elif not os.path.exists(source):
-        raise ConversionError(f"{source}: does not exist")
-    else:
-        raise ConversionError(f"{source}: neither a converted directory (with {CHECKPOINT_FILE}), a run directory "
-                              f"(with {RUN_RECIPE} and {CHECKPOINTS}/), nor a .ckpt or .safetensors file",
-                              hint="pass one of those; for another checkpoint, name its file")
-    section = model_config or recorded_model_section(ckpt)
-    if section is None:
-        raise ConversionError(f"{ckpt}: no {MODEL_SECTION_FILE} or run {RUN_RECIPE} found beside it or above it",
-                              hint="pass --model-config with the recipe (or model_config.yaml) it was trained with")
-    return ckpt, section, notes
-
-
-def _check_against_manifest(ckpt: str) -> None:
-    """A checkpoint file named directly is still checked against the manifest.json a save wrote beside it."""
-    from ascend_llm_recipes.training.checkpoint import MANIFEST, read_json
-    from ascend_llm_recipes.data.tokenizer import file_sha256
-
-    manifest = os.path.join(os.path.dirname(ckpt), MANIFEST)
-    if not os.path.isfile(manifest):
-        return
-    try:
-        recorded = read_json(manifest)
-    except (OSError, ValueError) as err:
-        raise ConversionError(f"{manifest}: unreadable ({err})", hint="check the checkpoint with "
-                              "scripts/verify_checkpoint.py, or export another step") from None
-    if recorded.get("file") == os.path.basename(ckpt) and recorded.get("sha256") != file_sha256(ckpt):
-        raise ConversionError(f"{ckpt}: sha256 differs from {manifest} (the file is corrupt)",
-                              hint="export another step (give the run directory to take its newest valid one)")
-
-
-def to_hf(source: str, out_dir: str, model_config: str = None, show_progress: bool = True) -> dict:
-    """Convert one of our checkpoints to OUT_DIR/config.json + model.safetensors (float32). Returns the manifest."""
     start = time.perf_counter()
-    ckpt_path, section_path, notes = find_our_checkpoint(source, model_config)
-    cfg, tensor_parallel = read_model_section(section_path)
     ckpt = CkptFile(ckpt_path) if ckpt_path.endswith(".ckpt") else SafetensorsFile(ckpt_path)
     plan = tensor_plan(cfg, tensor_parallel)
     found = {name: info[1] for name, info in ckpt.tensors.items()}
     ignored = check_tensors(found, {p.ours: p.our_shape for p in plan}, IGNORED_OURS, ckpt_path)
     hf_config = hf_config_from_model(cfg)
-    tokenizer, tokenizer_note = run_tokenizer(section_path)
     existing = existing_conversion(out_dir, hf_config)
 
     work_dir = work_dir_for(out_dir)
@@ -764,7 +627,7 @@ def to_hf(source: str, out_dir: str, model_config: str = None, show_progress: bo
             "format_version": FORMAT_VERSION,
             "direction": "to-hf",
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "source": {"path": ckpt_path, "model_section": section_path, **notes},
+            "source": source or {"path": ckpt_path},
             "checkpoint": HF_WEIGHTS_FILE,
             "dtype": "float32",
             "model": hf_config,
@@ -807,25 +670,6 @@ HF_TOKENIZER_CONFIG = {  # what transformers' LlamaTokenizer needs for data/toke
 }
 
 
-def run_tokenizer(section_path: str) -> tuple:
-    """((tokenizer file, its manifest entry) to copy or None, a note for the manifest) from a run's dataset."""
-    from ascend_llm_recipes.data.mindrecord_io import MANIFEST as DATA_MANIFEST
-    from ascend_llm_recipes.data.tokenizer import file_sha256
-
-    if os.path.basename(section_path) != RUN_RECIPE:
-        return None, "not copied: the source is not a training run (no dataset names a tokenizer)"
-    try:
-        dataset_dir = _run_recipe(os.path.dirname(section_path)).dataset_dir
-        with open(os.path.join(dataset_dir, DATA_MANIFEST), encoding="utf-8") as f:
-            entry = json.load(f)["tokenizer"]
-    except (OSError, ValueError, KeyError, PretrainError) as err:
-        return None, f"not copied: the run's dataset manifest cannot be read ({err})"
-    path = os.path.join(dataset_dir, entry.get("file", "tokenizer.model"))
-    if not os.path.isfile(path) or file_sha256(path) != entry.get("sha256"):
-        return None, f"not copied: {path} is missing or differs from its dataset manifest"
-    return (path, entry), f"copied from {path}"
-
-
 def write_hf_tokenizer(tokenizer: tuple, out_dir: str) -> None:
     """The dataset's tokenizer (path, manifest entry) under its own kind's name, with a tokenizer_config.json."""
     path, entry = tokenizer
@@ -850,7 +694,7 @@ def load_our_model(converted_dir: str):
     import mindspore as ms
     from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 
-    cfg, _ = read_model_section(os.path.join(converted_dir, MODEL_SECTION_FILE))
+    cfg = read_model_file(os.path.join(converted_dir, MODEL_SECTION_FILE))
     if ms.get_context("device_target") != "CPU":  # compared with transformers on the CPU
         ms.set_device("CPU")
     net = LlamaForCausalLM(LlamaConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "type"}))

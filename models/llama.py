@@ -16,6 +16,7 @@ parameters. Every operator of the forward pass is a Primitive attribute, so that
 `models/parallel.py` can give each one a shard strategy, as MindFormers' Llama does.
 """
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -30,10 +31,15 @@ from mindformers.models.utils import lazy_inline
 from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
-from ascend_llm_recipes.models.arithmetic import VOCAB_ALIGN, padded_vocab_size
+from ascend_llm_recipes.models.arithmetic import padded_vocab_size
+from ascend_llm_recipes.models.config import ModelConfig
+from ascend_llm_recipes.models.presets import PRESETS
 
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 MASK_VALUE = -1e9
+FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "type")
+DEFAULT_SIZES = {name: PRESETS["llama2-7b"][name] for name in ("vocab_size", "hidden_size", "num_layers",
+                                                               "num_heads", "intermediate_size", "seq_length")}
 
 
 @MindFormerRegister.register(MindFormerModuleType.CONFIG, alias=LLAMA_CONFIG_TYPE)
@@ -42,42 +48,24 @@ class LlamaConfig(PretrainedConfig):
 
     model_type = "llama"
 
-    def __init__(self, vocab_size: int = 32000, hidden_size: int = 4096, num_layers: int = 32,
-                 num_heads: int = 32, num_kv_heads: int = None, intermediate_size: int = 11008,
-                 seq_length: int = 4096, rms_norm_eps: float = 1e-5, rope_theta: float = 10000.0,
-                 initializer_range: float = 0.02, tie_word_embeddings: bool = False, qkv_bias: bool = False,
-                 vocab_pad_multiple: int = VOCAB_ALIGN, document_attention: bool = False,
-                 bos_token_id: int = 1, eos_token_id: int = 2, pad_token_id: int = 0,
-                 compute_dtype: str = "float32", use_flash_attention: bool = False,
-                 use_attn_mask_compression: bool = False, use_eod_attn_mask_compression: bool = False,
-                 fused_rms_norm: bool = False, **kwargs):
-        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                         pad_token_id=pad_token_id, **kwargs)
-        self.vocab_size = vocab_size  # real tokens; the tables are padded (see padded_vocab_size)
-        self.hidden_size = hidden_size
-        self.num_layers = num_layers
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
-        self.intermediate_size = intermediate_size
-        self.seq_length = seq_length
-        self.rms_norm_eps = rms_norm_eps
-        self.rope_theta = rope_theta
-        self.initializer_range = initializer_range
-        self.tie_word_embeddings = tie_word_embeddings
-        self.qkv_bias = qkv_bias
-        self.vocab_pad_multiple = vocab_pad_multiple
-        self.document_attention = document_attention  # packed documents do not see each other
-        self.compute_dtype = compute_dtype  # matmul dtype; norms, softmax, rotary and loss stay float32
-        # Kernel choices with MindFormers' names and meanings (mindformers/models/llama/llama_config.py:165-186);
-        # Ascend only, none of them changes a parameter.
-        self.use_flash_attention = use_flash_attention
-        self.use_attn_mask_compression = use_attn_mask_compression
-        self.use_eod_attn_mask_compression = use_eod_attn_mask_compression
-        self.fused_rms_norm = fused_rms_norm
+    def __init__(self, **kwargs):
+        # models/config.py's fields and defaults; sizes not given are Llama 2 7B's (MindFormers builds a
+        # default instance to list a config's non-default keys).
+        values = {**DEFAULT_SIZES, **{name: kwargs.pop(name) for name in FIELDS if name in kwargs}}
+        cfg = ModelConfig(**values)
+        super().__init__(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                         pad_token_id=cfg.pad_token_id, **kwargs)
+        for name in FIELDS:
+            setattr(self, name, getattr(cfg, name))
+        self.num_kv_heads = cfg.kv_heads  # vocab_size: real tokens; the tables are padded (padded_vocab_size)
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads  # already resolved from ModelConfig.kv_heads
 
     @property
     def tensor_parallel(self) -> int:

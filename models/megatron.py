@@ -2,9 +2,11 @@
 
     from_megatron(CKPT_DIR, OUT_DIR)  a Megatron save directory (latest_checkpointed_iteration.txt)
                                       or one iter_NNNNNNN directory, legacy or torch_dist
-    from_torch(FILE, OUT_DIR, model_config, key_map)  a torch.save'd state dict
-    to_megatron(OURS, OUT_DIR, tp, pp)  legacy mp_rank_TT[_PPP]/model_optim_rng.pt files
-    write_recipe(...)                  a recipe on base/ascend.yaml continuing the Megatron run
+    from_torch(FILE, OUT_DIR, cfg, ...)  a torch.save'd state dict, for a given ModelConfig
+    to_megatron(CKPT, cfg, OUT_DIR, tp, pp)  legacy mp_rank_TT[_PPP]/model_optim_rng.pt files
+
+training/export.py resolves what a user names (a run directory, a recipe as --model-config) into
+these functions' arguments and writes the recipe continuing a converted run (--write-recipe).
 
 Output is what models/convert.py's --from-hf writes (weights.safetensors, model_config.yaml,
 conversion.json), through its tensor plan, writer and atomic publish: the Megatron tensors are
@@ -30,22 +32,22 @@ import math
 import os
 import re
 import shutil
-import sys
 import time
 
 import numpy as np
 import yaml
 
+from ascend_llm_recipes.common.errors import ConversionError
+from ascend_llm_recipes.common.schema import to_plain
+from ascend_llm_recipes.models.arithmetic import round_up
 from ascend_llm_recipes.models.checkpoint_io import CkptFile, SafetensorsFile, TorchBinFile
+from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, FORMAT_VERSION, MANIFEST_FILE, MODEL_SECTION_FILE,
                                                TIED_HEAD, HFWeights, _check_tied_copy, _progress, _write_weights,
-                                               check_tensors, check_parity, compare_logits, dimensions,
-                                               existing_conversion, find_our_checkpoint, fingerprint, load_our_model,
-                                               model_config_from_hf, model_section_yaml, publish, read_model_section,
-                                               recipe_keys, tensor_plan, work_dir_for)
-from ascend_llm_recipes.training.errors import ConversionError
-from ascend_llm_recipes.training.recipe import ModelConfig
-from ascend_llm_recipes.training.schema import to_plain
+                                               check_tensors, check_parity, compare_logits, existing_conversion,
+                                               fingerprint, load_our_model, model_section_yaml, publish, recipe_keys,
+                                               tensor_plan, work_dir_for)
+from ascend_llm_recipes.models.shapes import dimensions
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 OPTIMIZER_DIR = "optimizer"  # of a conversion: adam_m.safetensors, adam_v.safetensors (weights' names)
@@ -532,7 +534,7 @@ class MegatronWeights(HFWeights):
 def split_qkv(fused: np.ndarray, cfg: ModelConfig, layout: str = "grouped") -> dict:
     """Megatron's fused qkv (weight or bias, rows first) -> q, k, v in our (= HF) row order."""
     head_dim = cfg.hidden_size // cfg.num_heads
-    groups = cfg.num_kv_heads or cfg.num_heads
+    groups = cfg.kv_heads
     per_group = cfg.num_heads // groups
     rest = fused.shape[1:]
     if layout == "separate":
@@ -548,7 +550,7 @@ def split_qkv(fused: np.ndarray, cfg: ModelConfig, layout: str = "grouped") -> d
 def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """The inverse of split_qkv: HF q, k, v rows -> Megatron's grouped fused rows."""
     head_dim = cfg.hidden_size // cfg.num_heads
-    groups = cfg.num_kv_heads or cfg.num_heads
+    groups = cfg.kv_heads
     rest = q.shape[1:]
     grouped = np.concatenate([q.reshape(groups, -1, head_dim, *rest), k.reshape(groups, 1, head_dim, *rest),
                               v.reshape(groups, 1, head_dim, *rest)], axis=1)
@@ -662,7 +664,7 @@ def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.
     def rms(x, weight):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * weight
 
-    head_dim, groups, tp = cfg.hidden_size // cfg.num_heads, cfg.num_kv_heads or cfg.num_heads, ckpt.tp
+    head_dim, groups, tp = cfg.hidden_size // cfg.num_heads, cfg.kv_heads, ckpt.tp
     per_group = cfg.num_heads // groups
     batch, seq = tokens.shape
     ids = torch.from_numpy(tokens).long()
@@ -779,23 +781,13 @@ def apply_key_map(names, rules: list, where: str) -> tuple:
     return mapped, ignored
 
 
-def from_torch(path: str, out_dir: str, model_config: str, key_map: str = None, show_progress: bool = True) -> dict:
-    """Convert a torch.save'd state dict (HF names, or others through a key map) into OUT_DIR."""
+def from_torch(path: str, out_dir: str, cfg: ModelConfig, model_config: str, key_map: str = None,
+               show_progress: bool = True) -> dict:
+    """Convert a torch.save'd state dict (HF names, or others through a key map) for `cfg` into OUT_DIR.
+
+    `model_config` is the file cfg was read from, recorded in the manifest (training/export.py reads it).
+    """
     path = os.path.abspath(path)
-    if not os.path.isfile(path):
-        raise ConversionError(f"{path}: no such file (expected a torch.save'd state dict)")
-    if model_config is None:
-        raise ConversionError(f"{path}: a state dict does not say which model it holds",
-                              hint="pass --model-config with a HuggingFace config.json, a model_config.yaml or "
-                                   "a recipe")
-    if model_config.endswith(".json"):
-        try:
-            with open(model_config, encoding="utf-8") as f:
-                cfg = model_config_from_hf(json.load(f), model_config)
-        except (OSError, ValueError) as err:
-            raise ConversionError(f"{model_config}: cannot read the model config ({err})") from None
-    else:
-        cfg, _ = read_model_section(model_config)
     reader = TorchStateFile(path)
     rules = read_key_map(key_map) if key_map else []
     mapped, ignored = apply_key_map(reader.tensors, rules, key_map or path)
@@ -826,18 +818,20 @@ class _Renamed:
 
 # --- ours -> Megatron (legacy) ----------------------------------------------------------------
 
-def to_megatron(source: str, out_dir: str, tp: int = 1, pp: int = 1, iteration: int = None,
-                model_config: str = None, show_progress: bool = True) -> dict:
-    """Write Megatron-LM legacy files (mp_rank_TT[_PPP]/model_optim_rng.pt) for TP x PP, one rank file at a time."""
+def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp: int = 1, iteration: int = None,
+                source: str = None, section_path: str = None, show_progress: bool = True) -> dict:
+    """Write Megatron-LM legacy files (mp_rank_TT[_PPP]/model_optim_rng.pt) for TP x PP, one rank file at a time.
+
+    `source`: the converted directory whose conversion.json may hold the original Megatron arguments;
+    `section_path`: where cfg was read, for the manifest. training/export.py's to_megatron finds both.
+    """
     import torch
 
     start = time.perf_counter()
-    ckpt_path, section_path, _ = find_our_checkpoint(source, model_config)
-    cfg, _ = read_model_section(section_path)
     ckpt = CkptFile(ckpt_path) if ckpt_path.endswith(".ckpt") else SafetensorsFile(ckpt_path)
     plan = {p.hf: p for p in tensor_plan(cfg)}
     problems = [f"{p.ours}: missing" for p in plan.values() if p.ours not in ckpt.tensors]
-    groups = cfg.num_kv_heads or cfg.num_heads
+    groups = cfg.kv_heads
     for what, value in (("num_kv_heads", groups), ("intermediate_size", cfg.intermediate_size)):
         if value % tp:
             problems.append(f"--tp {tp} does not divide {what} ({value})")
@@ -846,7 +840,7 @@ def to_megatron(source: str, out_dir: str, tp: int = 1, pp: int = 1, iteration: 
     if problems:
         raise ConversionError(f"{ckpt_path}: cannot write TP {tp} x PP {pp}:\n" +
                               "\n".join(f"  - {p}" for p in problems))
-    args = _megatron_args_for(cfg, tp, pp, source, iteration)
+    args = _megatron_args_for(cfg, tp, pp, source or os.path.dirname(ckpt_path), iteration)
     iteration = args["iteration"]
     padded = args["padded_vocab_size"]
     if os.path.exists(out_dir) and os.listdir(out_dir):
@@ -915,7 +909,7 @@ def _megatron_layer(ours, cfg: ModelConfig, n: int, local: int, t: int, tp: int)
         # whole KV groups per rank: split q, k and v by group, then fuse each rank's groups
         q, k, v = (np.split(x, tp)[t] for x in (q, k, v))
         local_cfg = ModelConfig(vocab_size=1, hidden_size=cfg.hidden_size // tp, num_layers=1,
-                                num_heads=cfg.num_heads // tp, num_kv_heads=(cfg.num_kv_heads or cfg.num_heads) // tp,
+                                num_heads=cfg.num_heads // tp, num_kv_heads=cfg.kv_heads // tp,
                                 intermediate_size=1, seq_length=1)
         layer[prefix + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, local_cfg)
     layer[prefix + "self_attention.linear_proj.weight"] = np.split(ours(hf + "self_attn.o_proj.weight"), tp, 1)[t]
@@ -930,7 +924,7 @@ def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteratio
     original = _source_manifest(source).get("source", {})
     args = dict(original.get("megatron_args") or {})
     divisible = args.get("make_vocab_size_divisible_by", 128)
-    groups = cfg.num_kv_heads or cfg.num_heads
+    groups = cfg.kv_heads
     args.update(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads,
                 group_query_attention=groups != cfg.num_heads, num_query_groups=groups,
                 kv_channels=cfg.hidden_size // cfg.num_heads, ffn_hidden_size=cfg.intermediate_size,
@@ -941,7 +935,7 @@ def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteratio
                 add_bias_linear=False, add_qkv_bias=cfg.qkv_bias,
                 untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
                 vocab_size=cfg.vocab_size, make_vocab_size_divisible_by=divisible,
-                padded_vocab_size=-(-cfg.vocab_size // (divisible * tp)) * divisible * tp,
+                padded_vocab_size=round_up(cfg.vocab_size, divisible * tp),
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                 iteration=iteration if iteration is not None else original.get("iteration", 0),
                 init_method_std=cfg.initializer_range)
@@ -958,172 +952,3 @@ def _source_manifest(source: str) -> dict:
 
 
 # --- A recipe continuing the run --------------------------------------------------------------
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ASCEND_BASE = os.path.join(REPO_ROOT, "recipes", "base", "ascend.yaml")
-LR_SCHEDULES = {"cosine": "CosineWithWarmUpLR", "linear": "LinearWithWarmUpLR", "constant": "ConstantWarmUpLR"}
-DATASET_PLACEHOLDER = "datasets/CHANGE_ME"
-
-
-def megatron_lr(args: dict, iteration: int) -> float:
-    """Megatron-LM's learning rate at `iteration` (OptimizerParamScheduler: linear warm-up, then decay)."""
-    peak, low = args["lr"], args.get("min_lr", 0.0)
-    warmup, decay = args.get("lr_warmup_iters", 0) or 0, args.get("lr_decay_iters") or args.get("train_iters")
-    if warmup and iteration <= warmup:
-        return peak * iteration / warmup
-    if args.get("lr_decay_style") == "constant":
-        return peak
-    if iteration > decay:
-        return low
-    ratio = (iteration - warmup) / max(1, decay - warmup)
-    coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0) if args.get("lr_decay_style") == "cosine" else 1.0 - ratio
-    return low + coeff * (peak - low)
-
-
-def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir: str = None) -> dict:
-    """A recipe on base/ascend.yaml training from converted_dir, with a Megatron run's hyper-parameters.
-
-    Validated with the strict loader (planning mode) and the planner before it appears. Returns
-    {"path", "notes", "plan"}.
-    """
-    from ascend_llm_recipes.training.errors import RecipeError
-    from ascend_llm_recipes.training.planner import plan, verdict
-    from ascend_llm_recipes.training.recipe import load_recipe
-
-    converted_dir = os.path.abspath(converted_dir)
-    cfg, _ = read_model_section(os.path.join(converted_dir, MODEL_SECTION_FILE))
-    source = _source_manifest(converted_dir).get("source", {})
-    args = source.get("megatron_args") or {}
-    model_config = {k: v for k, v in to_plain(cfg).items() if k != "compute_dtype"}
-    data = {"base": os.path.relpath(ASCEND_BASE, os.path.dirname(os.path.abspath(path))),
-            "output_dir": f"runs/{os.path.splitext(os.path.basename(path))[0]}",
-            "load_checkpoint": converted_dir, "load_ckpt_format": "safetensors",
-            "model": {"model_config": model_config},
-            "train_dataset": {"data_loader": {"dataset_dir": dataset_dir or DATASET_PLACEHOLDER}}}
-    notes = [f"weights: {converted_dir} ({source.get('format', 'converted')})"]
-    if args:
-        notes += _continue_megatron_run(data, args, source.get("iteration", 0), devices, cfg, converted_dir,
-                                        _source_manifest(converted_dir).get("optimizer") or {})
-    else:
-        data["runner_config"] = {"batch_size": 1}
-        data["parallel_config"] = {"data_parallel": devices or 1}
-        data["use_parallel"] = True
-        notes.append("hyper-parameters: base/ascend.yaml's (the source records no training run)")
-    if not dataset_dir:
-        notes.append(f"train_dataset.data_loader.dataset_dir is {DATASET_PLACEHOLDER}: point it at a dataset made "
-                     "by scripts/prepare_data.py before launching")
-    lines = ["Continues a run from converted weights (scripts/convert_checkpoint.py --write-recipe).", *notes]
-    header = "".join(f"# {line}\n" for line in lines)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    partial = f"{path}.partial-{os.getpid()}"
-    with open(partial, "w", encoding="utf-8") as f:
-        f.write(header + yaml.safe_dump(data, sort_keys=False))
-    try:
-        recipe = load_recipe(partial, planning=True)
-        result = plan(recipe)
-    except RecipeError as err:
-        os.remove(partial)
-        raise ConversionError(f"{path}: the proposed recipe does not validate:\n{err.message}",
-                              hint="pass --devices with a device count the run's parallel layout fits") from None
-    os.replace(partial, path)
-    return {"path": os.path.abspath(path), "notes": notes, "plan": verdict(result)}
-
-
-def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int, cfg: ModelConfig,
-                           converted_dir: str, optimizer: dict) -> list:
-    """Fill data with the Megatron run's batch, optimizer, LR schedule and parallel layout; returns notes."""
-    from ascend_llm_recipes.models.parallel import layout_problems
-
-    notes = []
-    micro, global_batch = args.get("micro_batch_size") or 1, args.get("global_batch_size") or 1
-    tp0, pp0 = args.get("tensor_model_parallel_size", 1), args.get("pipeline_model_parallel_size", 1)
-    devices = devices or args.get("world_size") or tp0 * pp0 * (args.get("data_parallel_size") or 1)
-    layout = None
-    for tp, pp in dict.fromkeys([(tp0, pp0), (tp0, 1), (1, pp0), (1, 1)]):
-        if devices % (tp * pp) or global_batch % (micro * (devices // (tp * pp))):
-            continue
-        accumulation = global_batch // (micro * (devices // (tp * pp)))
-        if not layout_problems(cfg, devices // (tp * pp), tp, pp, accumulation if pp > 1 else 1):
-            layout = (devices // (tp * pp), tp, pp, accumulation)
-            break
-    if layout is None:
-        raise ConversionError(f"--devices {devices}: no layout keeps the run's global batch {global_batch} with "
-                              f"micro-batch {micro} (TP {tp0} x PP {pp0} tried, then smaller)",
-                              hint="pass --devices with a count that divides the global batch / micro-batch")
-    dp, tp, pp, accumulation = layout
-    data["use_parallel"] = True
-    data["parallel_config"] = {"data_parallel": dp, "model_parallel": tp, "pipeline_stage": pp,
-                               "micro_batch_num": accumulation if pp > 1 else 1}
-    data["runner_config"] = {"batch_size": micro, "gradient_accumulation_steps": 1 if pp > 1 else accumulation}
-    notes.append(f"parallel layout for {devices} devices: DP {dp} x TP {tp} x PP {pp} (Megatron ran TP {tp0} x "
-                 f"PP {pp0}); global batch {global_batch} = micro-batch {micro} x DP {dp} x {accumulation}")
-    train_iters = args.get("train_iters")
-    if train_iters:
-        data["runner_config"]["stop_step"] = max(1, train_iters - iteration)
-    data["optimizer"] = {"betas": [args.get("adam_beta1", 0.9), args.get("adam_beta2", 0.999)],
-                         "eps": args.get("adam_eps", 1e-8), "weight_decay": args.get("weight_decay", 0.01)}
-    clip = args.get("clip_grad", 1.0)
-    data["runner_wrapper"] = {"use_clip_grad": bool(clip), **({"max_grad_norm": clip} if clip else {})}
-    style = args.get("lr_decay_style", "linear")
-    if style not in LR_SCHEDULES:
-        raise ConversionError(f"lr_decay_style: {style!r} has no counterpart here ({', '.join(LR_SCHEDULES)})")
-    warmup = args.get("lr_warmup_iters", 0) or 0
-    decay = args.get("lr_decay_iters") or train_iters or iteration + 1
-    carried = optimizer.get("carried") and tp == pp == 1
-    # MindFormers evaluates the schedule at the optimizer's step: it starts at the carried step, else at 0
-    start = iteration - (optimizer["global_step"] if carried else 0)
-    schedule = {"type": LR_SCHEDULES[style], "learning_rate": args["lr"], "lr_end": args.get("min_lr", 0.0),
-                "warmup_steps": warmup, "warmup_ratio": None, "total_steps": max(1, decay), "start_step": start}
-    notes.append(f"LR: Megatron's own schedule ({style}, warm-up {warmup}, decay to min_lr "
-                 f"{args.get('min_lr', 0.0):g} at iteration {decay}), entered at iteration {iteration} "
-                 f"(lr_schedule.start_step {start}): the first step's LR is {megatron_lr(args, iteration):.6g}")
-    data["lr_schedule"] = schedule
-    if optimizer.get("carried") and tp == pp == 1:
-        data["load_optimizer_state"] = converted_dir
-        notes.append(f"continues Megatron iteration {iteration} with its AdamW moments and step "
-                     f"{optimizer['global_step']} (load_optimizer_state)")
-    else:
-        why = optimizer.get("note", "") if not optimizer.get("carried") else \
-            f"training restarts the optimizer: the moments in {OPTIMIZER_DIR}/ load under data parallelism only"
-        notes.append(f"continues Megatron iteration {iteration}; {why}")
-    return notes
-
-
-def run_cli(parser, args) -> int:
-    """scripts/convert_checkpoint.py for --from-megatron, --from-torch, --to-megatron and --write-recipe."""
-    from ascend_llm_recipes.models.convert import from_hf, summary
-    from ascend_llm_recipes.training.errors import PretrainError
-
-    if args.key_map and not args.from_torch:
-        parser.error("--key-map applies to --from-torch")
-    if args.write_recipe and args.to_megatron or args.write_recipe and args.to_hf:
-        parser.error("--write-recipe applies to --from-megatron, --from-hf and --from-torch")
-    if args.verify and (args.from_torch or args.to_megatron):
-        parser.error("--verify applies to --from-hf and --from-megatron")
-    try:
-        if args.from_megatron:
-            manifest = from_megatron(args.from_megatron, args.output, iteration=args.iteration,
-                                     vocab_size=args.vocab_size, verify=args.verify, show_progress=not args.quiet)
-        elif args.from_torch:
-            manifest = from_torch(args.from_torch, args.output, args.model_config, args.key_map,
-                                  show_progress=not args.quiet)
-        elif args.to_megatron:
-            manifest = to_megatron(args.to_megatron, args.output, args.tp, args.pp, args.iteration,
-                                   args.model_config, show_progress=not args.quiet)
-            print(f"wrote Megatron-LM legacy files (TP {args.tp} x PP {args.pp}, {manifest['checkpoint']}) into "
-                  f"{os.path.abspath(args.output)} in {manifest['seconds']:.1f} s; load them with Megatron-LM's "
-                  "--load and --ckpt-format torch")
-            return 0
-        else:
-            manifest = from_hf(args.from_hf, args.output, seq_length=args.seq_length, verify=args.verify,
-                               show_progress=not args.quiet)
-        print(summary(manifest, args.output))
-        if manifest["source"].get("iteration") is not None:
-            print(f"Megatron iteration {manifest['source']['iteration']}; {manifest['optimizer']['note']}.")
-        if args.write_recipe:
-            written = write_recipe(args.write_recipe, args.output, devices=args.devices)
-            print(f"recipe: {written['path']} ({written['plan']})\n" + "\n".join(f"  {n}" for n in written["notes"]))
-    except PretrainError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0

@@ -14,7 +14,7 @@ across the output projection (and, unless vocab_emb_dp, the embedding table).
 
 from dataclasses import dataclass, field
 
-from ascend_llm_recipes.models.arithmetic import VOCAB_ALIGN, padded_vocab_size
+from ascend_llm_recipes.models.shapes import dimensions
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 # recompute_config keys MindSpore's Cell.recompute acts on (mindspore/nn/cell.py:3685-3692); its third,
@@ -55,8 +55,8 @@ def layout_problems(cfg, dp: int, tp: int, pp: int, micro_batches: int = 1, stag
                     recompute: str = "none") -> list:
     """Every reason the degrees do not fit the model, each naming the recipe keys involved."""
     problems = []
-    kv_heads = cfg.num_kv_heads or cfg.num_heads
-    vocab = padded_vocab_size(cfg.vocab_size, getattr(cfg, "vocab_pad_multiple", VOCAB_ALIGN), tp)
+    kv_heads = cfg.kv_heads
+    vocab = dimensions(cfg, tp)["padded_vocab"]
     for what, value in (("model.model_config.num_heads", cfg.num_heads),
                         ("model.model_config.num_kv_heads", kv_heads),
                         ("model.model_config.intermediate_size", cfg.intermediate_size),

@@ -5,7 +5,7 @@ recipe. Parameter counts follow from models/arithmetic.py (tested against the pu
 totals).
 """
 
-from types import SimpleNamespace
+from ascend_llm_recipes.models.config import ModelConfig
 
 LLAMA2 = "Touvron et al. 2023, 'Llama 2', table 1; HF meta-llama/Llama-2-{}-hf config.json"
 LLAMA3 = "Meta 2024, 'The Llama 3 Herd of Models', table 3; HF meta-llama/Meta-Llama-3-{}B config.json"
@@ -44,8 +44,8 @@ PUBLISHED_PARAMETERS = {
 }
 
 
-def preset(name: str) -> SimpleNamespace:
-    """A preset as an object with the model_config field names (plus `source`)."""
+def preset(name: str) -> ModelConfig:
+    """A preset as a model_config (its `source` stays in PRESETS)."""
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    return SimpleNamespace(**PRESETS[name])
+    return ModelConfig(**{key: value for key, value in PRESETS[name].items() if key != "source"})

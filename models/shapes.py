@@ -1,36 +1,53 @@
 """Parameter names and shapes of models/llama.py's LlamaForCausalLM, without building it.
 
-Used to check a checkpoint against a recipe before any weight is loaded (a checkpoint of
-another model would otherwise fail an hour later, or load silently into the wrong shapes).
+The one description of the architecture's tensors: the converter's tensor list (models/convert.py),
+the checkpoint checks against a recipe, and the parameter and FLOP counts (models/arithmetic.py,
+the planner) derive from it. `cfg` is a ModelConfig (models/config.py) or a LlamaConfig.
 """
 
-from ascend_llm_recipes.models.arithmetic import VOCAB_ALIGN, padded_vocab_size
+from ascend_llm_recipes.models.arithmetic import padded_vocab_size
+
+# Every tensor ({n}: layer index), its shape in named dimensions (see dimensions()) and the config flag it
+# depends on. Names are the HuggingFace checkpoint's: models/llama.py names its parameters after it.
+# Linear weights are (out, in).
+TENSORS = (
+    ("model.embed_tokens.weight", ("vocab", "hidden"), None),
+    ("model.layers.{n}.input_layernorm.weight", ("hidden",), None),
+    ("model.layers.{n}.self_attn.q_proj.weight", ("q", "hidden"), None),
+    ("model.layers.{n}.self_attn.q_proj.bias", ("q",), "qkv_bias"),
+    ("model.layers.{n}.self_attn.k_proj.weight", ("kv", "hidden"), None),
+    ("model.layers.{n}.self_attn.k_proj.bias", ("kv",), "qkv_bias"),
+    ("model.layers.{n}.self_attn.v_proj.weight", ("kv", "hidden"), None),
+    ("model.layers.{n}.self_attn.v_proj.bias", ("kv",), "qkv_bias"),
+    ("model.layers.{n}.self_attn.o_proj.weight", ("hidden", "q"), None),
+    ("model.layers.{n}.post_attention_layernorm.weight", ("hidden",), None),
+    ("model.layers.{n}.mlp.gate_proj.weight", ("ffn", "hidden"), None),
+    ("model.layers.{n}.mlp.up_proj.weight", ("ffn", "hidden"), None),
+    ("model.layers.{n}.mlp.down_proj.weight", ("hidden", "ffn"), None),
+    ("model.norm.weight", ("hidden",), None),
+    ("lm_head.weight", ("vocab", "hidden"), "untied"),
+)
 
 
-def parameter_shapes(cfg, tensor_parallel: int = 1) -> dict:
-    """{parameter name: shape} for a config with the LlamaConfig / recipe model_config fields."""
-    h = cfg.hidden_size
-    head_dim = h // cfg.num_heads
-    kv = (cfg.num_kv_heads or cfg.num_heads) * head_dim
-    vocab = padded_vocab_size(cfg.vocab_size, getattr(cfg, "vocab_pad_multiple", VOCAB_ALIGN), tensor_parallel)
-    shapes = {"model.embed_tokens.weight": (vocab, h)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (h, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, h),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
-        })
-        if getattr(cfg, "qkv_bias", False):
-            shapes.update({p + "self_attn.q_proj.bias": (h,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
-    shapes["model.norm.weight"] = (h,)
-    if not getattr(cfg, "tie_word_embeddings", False):
-        shapes["lm_head.weight"] = (vocab, h)
-    return shapes
+def dimensions(cfg, tensor_parallel: int = 1) -> dict:
+    """Sizes of the named dimensions; `padded_vocab` is the rows of the tables (see padded_vocab_size)."""
+    head_dim = cfg.hidden_size // cfg.num_heads
+    return {"vocab": cfg.vocab_size, "hidden": cfg.hidden_size, "q": cfg.num_heads * head_dim,
+            "kv": cfg.kv_heads * head_dim, "ffn": cfg.intermediate_size,
+            "padded_vocab": padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple, tensor_parallel)}
+
+
+def tensor_dimensions(cfg, layers: range = None) -> list:
+    """[(name pattern, name, dimension names)] of the tensors cfg's model has, in TENSORS order (all layers)."""
+    flags = {None: True, "qkv_bias": cfg.qkv_bias, "untied": not cfg.tie_word_embeddings}
+    layers = range(cfg.num_layers) if layers is None else layers
+    return [(pattern, pattern.format(n=n), dims) for pattern, dims, flag in TENSORS if flags[flag]
+            for n in (layers if "{n}" in pattern else (None,))]
+
+
+def parameter_shapes(cfg, tensor_parallel: int = 1, padded: bool = True, layers: range = None) -> dict:
+    """{parameter name: shape}; with padded=True the vocabulary tables have their padding rows."""
+    dims = dimensions(cfg, tensor_parallel)
+    if padded:
+        dims["vocab"] = dims["padded_vocab"]
+    return {name: tuple(dims[d] for d in names) for _, name, names in tensor_dimensions(cfg, layers)}

@@ -19,8 +19,9 @@ import argparse
 import sys
 import traceback
 
-from ascend_llm_recipes.models.convert import from_hf, summary, to_hf
-from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.models.convert import from_hf, summary
+from ascend_llm_recipes.training.export import to_hf
+from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.training.preflight import check_writable_dir
 from ascend_llm_recipes.training.relayout import export_source
 
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model-config", metavar="YAML",
                         help="--to-hf: recipe or model_config.yaml, when not found beside the checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    # Megatron-LM and plain PyTorch files (models/megatron.py)
+    # Megatron-LM and plain PyTorch files (models/megatron.py, through training/export.py)
     direction.add_argument("--from-megatron", metavar="CKPT_DIR",
                            help="Megatron-LM save directory (latest_checkpointed_iteration.txt) or iter_NNNNNNN "
                                 "directory, legacy or torch_dist, any TP/PP")
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
         parser.error("--verify and --seq-length apply to --from-hf")
     try:
         if megatron:
-            from ascend_llm_recipes.models.megatron import run_cli
+            from ascend_llm_recipes.training.export import run_cli
 
             return run_cli(parser, args)
         check_writable_dir(args.output, "--output")

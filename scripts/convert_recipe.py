@@ -12,7 +12,7 @@ import argparse
 import sys
 
 
-from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.training.mindformers_config import from_mindformers, to_mindformers, write_output
 
 

@@ -10,7 +10,7 @@ import os
 import sys
 
 
-from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.training.plots import plot_runs
 
 

@@ -25,7 +25,7 @@ import sys
 import traceback
 
 
-from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.training.preflight import check_writable_dir
 
 
@@ -95,7 +95,9 @@ def main(argv=None) -> int:
     try:
         if args.validate:
             from ascend_llm_recipes.data.inspection import validate_dataset
-            print(validate_dataset(args.validate, args.recipe))
+            from ascend_llm_recipes.training.recipe import load_recipe
+            model = load_recipe(args.recipe).model.model_config if args.recipe else None
+            print(validate_dataset(args.validate, args.recipe, model))
         elif args.report:
             from ascend_llm_recipes.data.inspection import report_dataset
             text, plots = report_dataset(args.report, args.report_output)

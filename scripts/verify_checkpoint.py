@@ -18,7 +18,7 @@ import sys
 
 
 from ascend_llm_recipes.training.checkpoint import describe_step, step_world_size, steps_to_verify, verify_step
-from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.training.run_files import CHECKPOINTS, INVALID, REASON
 
 

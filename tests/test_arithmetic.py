@@ -1,5 +1,7 @@
 """Closed-form parameter and FLOP counts, checked against published totals and real Cells."""
 
+import math
+
 import pytest
 
 from ascend_llm_recipes.models.arithmetic import flops_per_token, padded_vocab_size, param_count
@@ -41,3 +43,24 @@ def test_count_matches_real_cells(fields):
     cfg = LlamaConfig(**base)
     real = sum(int(p.size) for p in LlamaForCausalLM(cfg).get_parameters())
     assert real == param_count(cfg)
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(tie_word_embeddings=True, num_kv_heads=1), dict(qkv_bias=True)])
+def test_shapes_converter_plan_and_counts_agree_with_the_cell(fields):
+    """models/shapes.py is the architecture: the real Cell's parameters, the converter's plan and the counts."""
+    from ascend_llm_recipes.models.config import ModelConfig
+    from ascend_llm_recipes.models.convert import tensor_plan
+    from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
+    from ascend_llm_recipes.models.shapes import parameter_shapes
+
+    cfg = ModelConfig(**{**dict(vocab_size=100, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                intermediate_size=96, seq_length=32), **fields})
+    net = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in vars(cfg).items() if k != "type"}))
+    real = {p.name: tuple(p.shape) for p in net.get_parameters()}
+    assert parameter_shapes(cfg) == real
+    assert {p.ours: p.our_shape for p in tensor_plan(cfg)} == real
+    assert param_count(cfg) == sum(math.prod(s) for s in real.values())
+    plan = tensor_plan(cfg, tensor_parallel=4)  # vocabulary tables padded to 16 x TP rows, nothing else changes
+    assert {p.ours: p.our_shape for p in plan} == parameter_shapes(cfg, 4)
+    assert {p.ours: p.our_shape[0] for p in plan if p.hf_shape != p.our_shape} == \
+        {name: 128 for name in ("model.embed_tokens.weight", "lm_head.weight") if name in real}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT
-from ascend_llm_recipes.training.errors import RecipeError
+from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.training.recipe import load_recipe
 
 TINY_ASCEND = os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml")
@@ -196,7 +196,7 @@ def test_logged_loss_is_the_mean_of_the_summing_wrappers_output(tmp_path, tiny_d
 
 def test_portable_wrapper_refuses_a_network_that_sums_micro_batches():
     from mindspore import nn
-    from ascend_llm_recipes.training.errors import LaunchError
+    from ascend_llm_recipes.common.errors import LaunchError
     from ascend_llm_recipes.training.train_step import PortableTrainOneStepCell
 
     net = tiny_net()

@@ -152,7 +152,7 @@ def files_and_bytes(directory):
 
 
 def test_rerun_of_a_complete_run_does_nothing(baseline, tiny_dataset, capsys):
-    from ascend_llm_recipes.training.errors import LaunchError
+    from ascend_llm_recipes.common.errors import LaunchError
     from ascend_llm_recipes.training.launch import launch
 
     before = files_and_bytes(baseline)
@@ -186,7 +186,7 @@ def corrupt_bytes(step_directory):
 def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_dataset, tmp_path):
     """Newest step corrupt, the one before it with a truncated state.json, metrics.jsonl torn: amended to stop at 12."""
     from scripts.verify_checkpoint import main as verify
-    from ascend_llm_recipes.training.errors import LaunchError
+    from ascend_llm_recipes.common.errors import LaunchError
     from ascend_llm_recipes.training.resume import prepare_run_dir
     from ascend_llm_recipes.training.recipe import load_recipe
 

@@ -21,13 +21,14 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO_ROOT, TINY_RECIPE
-from ascend_llm_recipes.data.prepare import prepare_dataset
+from ascend_llm_recipes.common.errors import ConversionError, LaunchError
 from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
+from ascend_llm_recipes.data.prepare import prepare_dataset
 from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, HF_WEIGHTS_FILE, KL_TOLERANCE, MODEL_SECTION_FILE,
-                                               from_hf, summary, to_hf, verify_logits)
+                                               from_hf, summary, verify_logits)
 from ascend_llm_recipes.training.checkpoint import MANIFEST, STATE, read_json, step_dir, write_rank
-from ascend_llm_recipes.training.errors import ConversionError, LaunchError
 from ascend_llm_recipes.training.datasets import check_load_checkpoint
+from ascend_llm_recipes.training.export import to_hf
 from ascend_llm_recipes.training.launch import launch
 from ascend_llm_recipes.training.recipe import load_recipe
 from ascend_llm_recipes.training.train import check_checkpoint_parameters
@@ -523,7 +524,7 @@ WRITER_DRILL = """
 import sys
 import numpy as np
 from ascend_llm_recipes.models.checkpoint_io import SafetensorsWriter
-from ascend_llm_recipes.training.errors import ConversionError
+from ascend_llm_recipes.common.errors import ConversionError
 
 writer = SafetensorsWriter(sys.argv[1], {"a": (2, 3), "b": (4,)}, metadata={})
 try:

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT, TINY_RECIPE
+from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.models.arithmetic import param_count
-from ascend_llm_recipes.training.errors import RecipeError
 from ascend_llm_recipes.training.launch import plan_report
 from ascend_llm_recipes.training.mindformers_config import (LLAMA_CONFIG_ARGS, MF_DEFAULTS, _leaves, from_mindformers,
                                                             mindformers_ffn_width, to_mindformers)

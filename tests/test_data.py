@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from oracles import CleanStats, clean_documents, pack_documents, read_documents
+from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.data.clean import clean_text
 from ascend_llm_recipes.data.corpus import python_stdlib_files
 from ascend_llm_recipes.data.mindrecord_io import MANIFEST, partial_dir, read_manifest, read_samples, verify_files
 from ascend_llm_recipes.data.packing import PackStats
 from ascend_llm_recipes.data.prepare import check_dataset, prepare_dataset
 from ascend_llm_recipes.data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
-from ascend_llm_recipes.training.errors import DataError
 
 
 def test_clean_text_keeps_cjk_and_drops_controls():

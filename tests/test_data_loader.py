@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT, TINY_RECIPE
+from ascend_llm_recipes.common.errors import DataError, RecipeError
 from ascend_llm_recipes.data.corpus import python_stdlib_files
 from ascend_llm_recipes.data.loader import blend_order, build_train_dataset, data_parallel_layout, rank_samples
 from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
 from ascend_llm_recipes.data.prepare import prepare_dataset
-from ascend_llm_recipes.training.errors import DataError, RecipeError
 from ascend_llm_recipes.training.datasets import check_blend
 from ascend_llm_recipes.training.launch import launch
 from ascend_llm_recipes.training.recipe import load_recipe

@@ -147,7 +147,7 @@ def test_a_run_directory_has_one_owner_and_ctrl_c_stops_the_whole_job(tiny_datas
 
 def test_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, capsys):
     import platform
-    from ascend_llm_recipes.training.errors import LaunchError
+    from ascend_llm_recipes.common.errors import LaunchError
     from ascend_llm_recipes.training.job import process_id
     from ascend_llm_recipes.training.run_files import LOCK_FILE
     from ascend_llm_recipes.training.launch import Cluster, lock_run_dir
@@ -257,7 +257,7 @@ def test_bad_values_are_refused(bad, tmp_path):
 def test_slurm_and_explicit_cluster_resolution():
     from ascend_llm_recipes.training.launch import first_slurm_host, resolve_cluster
     from ascend_llm_recipes.training.recipe import load_recipe
-    from ascend_llm_recipes.training.errors import LaunchError
+    from ascend_llm_recipes.common.errors import LaunchError
 
     assert first_slurm_host("gpu[03-06,09],login1") == "gpu03"
     assert first_slurm_host("node7") == "node7"

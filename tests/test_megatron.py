@@ -19,10 +19,11 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, TINY_RECIPE
-from ascend_llm_recipes.models.convert import HF_WEIGHTS_FILE, MODEL_SECTION_FILE, to_hf
-from ascend_llm_recipes.models.megatron import from_megatron, from_torch, to_megatron, write_recipe
+from ascend_llm_recipes.models.convert import HF_WEIGHTS_FILE, MODEL_SECTION_FILE
+from ascend_llm_recipes.models.megatron import from_megatron
 from test_convert import assert_nothing_written, make_hf_model
-from ascend_llm_recipes.training.errors import ConversionError
+from ascend_llm_recipes.common.errors import ConversionError
+from ascend_llm_recipes.training.export import from_torch, to_megatron, write_recipe, to_hf
 from ascend_llm_recipes.training.launch import launch
 from ascend_llm_recipes.training.planner import plan
 from ascend_llm_recipes.training.recipe import load_recipe

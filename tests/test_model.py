@@ -100,3 +100,20 @@ def test_family_options_build_and_train(fields):
     ids = ms.Tensor(np.random.default_rng(4).integers(4, 128, size=(2, 33)).astype(np.int32))
     loss = float(net(ids).asnumpy())
     assert loss == pytest.approx(np.log(128), abs=0.15)
+
+
+def test_config_defaults_are_the_recipe_model_sections():
+    """LlamaConfig and the recipe's model.model_config are one definition (models/config.py): same fields, defaults."""
+    import dataclasses
+
+    from ascend_llm_recipes.models.config import ModelConfig
+
+    sizes = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=96, seq_length=32)
+    recipe_section, model_config = ModelConfig(**sizes), LlamaConfig(**sizes)
+    for f in dataclasses.fields(ModelConfig):
+        if f.name != "type":
+            assert getattr(model_config, f.name) == getattr(recipe_section, f.name) or \
+                f.name == "num_kv_heads" and model_config.num_kv_heads == recipe_section.kv_heads, f.name
+    assert model_config.pad_token_id == recipe_section.pad_token_id == 3
+    assert LlamaConfig(**sizes, num_kv_heads=None).num_kv_heads == recipe_section.kv_heads == 4
+    assert LlamaConfig().to_dict()["hidden_size"] == 4096  # MindFormers builds a default instance to diff against

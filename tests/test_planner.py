@@ -3,8 +3,8 @@
 import pytest
 
 from conftest import DEMO_RECIPE, TINY_RECIPE
+from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.models.arithmetic import flops_per_token, param_count
-from ascend_llm_recipes.training.errors import PretrainError
 from ascend_llm_recipes.training.planner import (DEVICES, GB, format_plan, layer_activation_bytes, plan,
                                                  recompute_working_bytes, stage_memory, stage_parameters)
 from ascend_llm_recipes.training.recipe import load_recipe

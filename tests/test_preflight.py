@@ -19,7 +19,7 @@ from ascend_llm_recipes.training.preflight import (MIN_MAX_MAP_COUNT, check_devi
                                                    checkpoint_bytes, format_findings, has_errors, hccl_env,
                                                    installed_versions, load_table, run_checks, training_processes,
                                                    visible_npus, write_findings)
-from ascend_llm_recipes.training.errors import LaunchError, PretrainError
+from ascend_llm_recipes.common.errors import LaunchError, PretrainError
 from ascend_llm_recipes.training.recipe import load_recipe
 
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import DEMO_RECIPE, REPO_ROOT, TINY_RECIPE
-from ascend_llm_recipes.training.errors import RecipeError
+from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.training.planner import plan
 from ascend_llm_recipes.training.recipe import (CheckpointMonitorConfig, Recipe, apply_override, load_recipe,
                                                 read_recipe_file, recipe_from_dict)
@@ -554,7 +554,7 @@ def small_dataset(tmp_path_factory, tiny_dataset):
 
 def test_a_missing_dataset_is_built_only_when_it_is_the_recipes_own(tmp_path, tiny_dataset, capsys):
     from ascend_llm_recipes.data.mindrecord_io import read_manifest
-    from ascend_llm_recipes.training.errors import DataError
+    from ascend_llm_recipes.common.errors import DataError
     from ascend_llm_recipes.training.datasets import ensure_dataset
 
     typo = tmp_path / "pystdlib-sp512-s64-n6O"
@@ -581,7 +581,7 @@ def test_eval_dataset_must_share_the_tokenizer_and_hold_a_batch(tmp_path, tiny_d
     from ascend_llm_recipes.data.corpus import python_stdlib_files
     from ascend_llm_recipes.data.mindrecord_io import read_manifest
     from ascend_llm_recipes.data.prepare import prepare_dataset
-    from ascend_llm_recipes.training.errors import DataError
+    from ascend_llm_recipes.common.errors import DataError
     from ascend_llm_recipes.training.datasets import check_datasets
 
     def with_eval(eval_dir, *overrides):
@@ -604,7 +604,7 @@ def test_eval_dataset_must_share_the_tokenizer_and_hold_a_batch(tmp_path, tiny_d
 
 
 def test_model_vocabulary_against_the_tokenizer(tiny_dataset):
-    from ascend_llm_recipes.training.errors import DataError
+    from ascend_llm_recipes.common.errors import DataError
     from ascend_llm_recipes.training.datasets import check_datasets
 
     larger = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",

@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from conftest import DATA_PARALLEL_STEPS, DP2_RECIPE, REPO_ROOT, TINY_RECIPE
-from ascend_llm_recipes.training.errors import ConversionError, LaunchError, RecipeError
+from ascend_llm_recipes.common.errors import ConversionError, LaunchError, RecipeError
 from ascend_llm_recipes.training.recipe import load_recipe
 
 TINY_ASCEND = os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml")

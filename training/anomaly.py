@@ -9,7 +9,7 @@ from mindspore.train.callback import Callback
 
 from ascend_llm_recipes.training.callbacks import StepRecorder
 from ascend_llm_recipes.training.checkpointer import Checkpointer
-from ascend_llm_recipes.training.errors import LaunchError
+from ascend_llm_recipes.common.errors import LaunchError
 
 
 class AnomalyMonitor(Callback):

@@ -10,7 +10,7 @@ import mindspore as ms
 import numpy as np
 from mindspore.train.callback import Callback
 
-from ascend_llm_recipes.training.errors import LaunchError
+from ascend_llm_recipes.common.errors import LaunchError
 from ascend_llm_recipes.training.heartbeat import Heartbeat
 from ascend_llm_recipes.training.metrics import device_memory_bytes, host_memory_bytes, model_flops_utilisation
 

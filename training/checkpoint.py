@@ -20,8 +20,8 @@ import re
 import shutil
 import time
 
-from ascend_llm_recipes.data.tokenizer import file_sha256
-from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.common.files import file_sha256, write_atomic
+from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.training.run_files import CHECKPOINTS, INVALID, REASON
 
 MANIFEST = "manifest.json"
@@ -51,16 +51,6 @@ def step_dir(run_dir: str, step: int, kind: str = "step") -> str:
 def ckpt_name(prefix: str, rank: int, epoch: int, step: int) -> str:
     # MindFormers resumes a checkpoint by this name pattern (rank_N is replaced per rank).
     return f"{prefix}_rank_{rank}-{epoch}_{step}.ckpt"
-
-
-def write_atomic(path: str, text: str) -> None:
-    """`path` holds the old or the whole new text, even after a crash; ranks may write the same path at once."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def snapshot(cell) -> list:

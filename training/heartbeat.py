@@ -1,16 +1,10 @@
 """Per-rank heartbeat files: the launcher reads them to name a rank that stopped making progress."""
 
-import json
 import os
 import time
 
+from ascend_llm_recipes.common.files import write_json_atomic
 from ascend_llm_recipes.training.run_files import heartbeat_path
-
-
-def write_json_atomic(path: str, data: dict) -> None:
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(path + ".tmp", path)
 
 
 class Heartbeat:
@@ -23,4 +17,4 @@ class Heartbeat:
 
     def beat(self, phase: str, step: int = 0) -> None:
         write_json_atomic(self.path, {"rank": self.rank, "phase": phase, "step": step, "time": time.time(),
-                                      "pid": os.getpid()})
+                                      "pid": os.getpid()}, fsync=False)

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from ascend_llm_recipes.training.errors import LaunchError
+from ascend_llm_recipes.common.errors import LaunchError
 from ascend_llm_recipes.training.run_files import LOCK_FILE
 
 LAUNCHER_ENV = "ASCEND_RECIPES_LAUNCHER"

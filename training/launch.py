@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from ascend_llm_recipes.training.datasets import check_load_checkpoint, ensure_dataset
-from ascend_llm_recipes.training.errors import LaunchError, PretrainError
+from ascend_llm_recipes.common.errors import LaunchError, PretrainError
 from ascend_llm_recipes.training.job import (LAUNCHER_ENV, RunDirLock, describe_holder, job_processes,
                                              process_id, send, start_time)
 from ascend_llm_recipes.training.recipe import Recipe, load_recipe

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from ascend_llm_recipes.common.errors import RecipeError
+from ascend_llm_recipes.common.files import write_atomic
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
-from ascend_llm_recipes.models.arithmetic import param_count
-from ascend_llm_recipes.training.checkpoint import write_atomic
-from ascend_llm_recipes.training.errors import RecipeError
+from ascend_llm_recipes.models.arithmetic import param_count, round_up
 from ascend_llm_recipes.training.recipe import (Recipe, deep_merge, load_recipe, read_recipe_file, read_yaml_file,
                                                 recipe_from_dict)
 
@@ -724,7 +724,7 @@ def mindformers_ffn_width(hidden_size: int, multiple_of: int = 256, ffn_dim_mult
     if ffn_dim_multiplier is not None:
         width = int((ffn_dim_multiplier + 0.01) * width)
     width = int(2 * width / 3)
-    return multiple_of * ((width + multiple_of - 1) // multiple_of)
+    return round_up(width, multiple_of)
 
 
 def _read_yaml(path: str) -> dict:
@@ -794,7 +794,7 @@ def to_mindformers(recipe_path: str) -> tuple:
         raise RecipeError(recipe_path, problems, hint="MindFormers' LlamaForCausalLM has no such option")
     model_config = {
         "type": MF_CONFIG_TYPE, "seq_length": cfg.seq_length, "hidden_size": cfg.hidden_size,
-        "num_layers": cfg.num_layers, "num_heads": cfg.num_heads, "n_kv_heads": cfg.num_kv_heads or cfg.num_heads,
+        "num_layers": cfg.num_layers, "num_heads": cfg.num_heads, "n_kv_heads": cfg.kv_heads,
         "vocab_size": cfg.vocab_size, "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
         "theta": cfg.rope_theta, "qkv_has_bias": cfg.qkv_bias, "tie_word_embeddings": cfg.tie_word_embeddings,
         "init_method_std": cfg.initializer_range, "bos_token_id": cfg.bos_token_id,

@@ -98,7 +98,7 @@ class LoadOptimizerState(Callback):
         import os
 
         import mindspore as ms
-        from ascend_llm_recipes.training.errors import PretrainError
+        from ascend_llm_recipes.common.errors import PretrainError
 
         cb_params = run_context.original_args()
         optimizer = getattr(cb_params.train_network, "optimizer", None) or cb_params.optimizer

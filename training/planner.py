@@ -22,10 +22,10 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from ascend_llm_recipes.models.arithmetic import (VOCAB_ALIGN, flops_per_token, layer_matmul_params, layer_params,
-                                                  padded_vocab_size, param_count)
+from ascend_llm_recipes.common.errors import PretrainError
+from ascend_llm_recipes.models.arithmetic import flops_per_token, layer_matmul_params, layer_params, param_count
 from ascend_llm_recipes.models.parallel import balanced_stages
-from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.models.shapes import dimensions
 
 GB = 2 ** 30
 BYTES_PER_PARAM = {"weights": 4, "gradients": 4, "optimizer": 8}  # fp32 master, fp32 grad, AdamW m + v (fp32)
@@ -194,7 +194,7 @@ def activation_terms(cfg, micro_batch: int, tensor_parallel: int = 1) -> dict:
     """
     e = DTYPE_BYTES[getattr(cfg, "compute_dtype", "float32")]
     s, b, h, t, a = cfg.seq_length, micro_batch, cfg.hidden_size, tensor_parallel, cfg.num_heads
-    kv = (cfg.num_kv_heads or a) * (h // a)
+    kv = cfg.kv_heads * (h // a)
     sb, sbf, scores = s * b, s * b * cfg.intermediate_size, a * s * s * b
     flash = getattr(cfg, "use_flash_attention", False)
     terms = {
@@ -258,7 +258,7 @@ def logits_bytes(cfg, micro_batch: int, tensor_parallel: int = 1) -> int:
     """
     e = DTYPE_BYTES[getattr(cfg, "compute_dtype", "float32")]
     sb, t = cfg.seq_length * micro_batch, tensor_parallel
-    padded = padded_vocab_size(cfg.vocab_size, getattr(cfg, "vocab_pad_multiple", VOCAB_ALIGN), t)
+    padded = dimensions(cfg, t)["padded_vocab"]
     return e * sb * padded // t + 4 * 4 * sb * padded // t
 
 
@@ -273,7 +273,7 @@ def stage_parameters(cfg, stage: int, layers: int, pipeline_stages: int, tensor_
     Tied embeddings with pipelining are refused (models/parallel.py layout_problems).
     """
     t, h = tensor_parallel, cfg.hidden_size
-    vocab = padded_vocab_size(cfg.vocab_size, getattr(cfg, "vocab_pad_multiple", VOCAB_ALIGN), t)
+    vocab = dimensions(cfg, t)["padded_vocab"]
     table = vocab * h
     matmul = layer_matmul_params(cfg)
     count = layers * (matmul // t + layer_params(cfg) - matmul)

@@ -3,7 +3,7 @@
 import os
 import sys
 
-from ascend_llm_recipes.training.errors import PretrainError
+from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.training.metrics import read_jsonl
 from ascend_llm_recipes.training.run_files import METRICS
 

@@ -29,8 +29,8 @@ from typing import Literal, Optional
 
 import yaml
 
+from ascend_llm_recipes.common.errors import LaunchError, PretrainError
 from ascend_llm_recipes.models.arithmetic import param_count
-from ascend_llm_recipes.training.errors import LaunchError, PretrainError
 from ascend_llm_recipes.training.run_files import PREFLIGHT_JSON, PREFLIGHT_TXT
 
 SUPPORTED_VERSIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supported_versions.yaml")

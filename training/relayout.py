@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 
-from ascend_llm_recipes.training.errors import ConversionError, LaunchError
+from ascend_llm_recipes.common.errors import ConversionError, LaunchError
 from ascend_llm_recipes.training.run_files import CHECKPOINTS, LAYOUT_FILE, MERGED_DIR, STRATEGY_DIR
 
 # MindFormers saves a rank's strategy as get_output_root_path()/strategy/ckpt_strategy_rank_N.ckpt:

@@ -9,7 +9,7 @@ import os
 import shutil
 import time
 
-from ascend_llm_recipes.training.errors import LaunchError
+from ascend_llm_recipes.common.errors import LaunchError
 from ascend_llm_recipes.training.recipe import Recipe
 from ascend_llm_recipes.training.relayout import check_relayout, keep_source_strategy
 from ascend_llm_recipes.training.run_files import (AMENDMENTS, CHECKPOINTS, HEARTBEAT, METRICS, METRICS_PATTERN,
@@ -32,7 +32,7 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> st
                           hint=f"restore {os.path.join(run_dir, RESOLVED_RECIPE)} to resume, or set another "
                                "output_dir")
     os.makedirs(run_dir, exist_ok=True)
-    from ascend_llm_recipes.training.checkpoint import write_atomic
+    from ascend_llm_recipes.common.files import write_atomic
     write_atomic(os.path.join(run_dir, RESOLVED_RECIPE),
                  f"# resolved from {os.path.abspath(recipe_path)}\n" + recipe.to_yaml())
     return run_dir
@@ -232,7 +232,7 @@ def resumed_step(recipe: Recipe) -> int:
 
 def truncate_metrics(run_dir: str, step: int) -> None:
     """Drop per-step records after `step` (and torn lines, with a warning): the resumed run writes them again."""
-    from ascend_llm_recipes.training.checkpoint import write_atomic
+    from ascend_llm_recipes.common.files import write_atomic
     from ascend_llm_recipes.training.metrics import read_jsonl
 
     for name in sorted(os.listdir(run_dir)):

@@ -16,7 +16,8 @@ import traceback
 
 import yaml
 
-from ascend_llm_recipes.training.errors import LaunchError, PretrainError
+from ascend_llm_recipes.common.errors import LaunchError, PretrainError
+from ascend_llm_recipes.common.files import write_json_atomic
 from ascend_llm_recipes.training.heartbeat import Heartbeat
 from ascend_llm_recipes.training.job import stop_orphan, watch_launcher
 from ascend_llm_recipes.training.recipe import START_STEP_LR, Recipe, recipe_from_dict
@@ -31,10 +32,9 @@ def rank_id() -> int:
 def write_status(run_dir: str, state: str, **extra) -> None:
     path = status_path(run_dir, rank_id())
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        # The PID in every state: the launcher matches it with msrun's report of how the process ended.
-        json.dump({"rank": rank_id(), "state": state, "time": time.time(), "pid": os.getpid(), **extra}, f)
-    os.replace(path + ".tmp", path)
+    # The PID in every state: the launcher matches it with msrun's report of how the process ended.
+    write_json_atomic(path, {"rank": rank_id(), "state": state, "time": time.time(), "pid": os.getpid(), **extra},
+                      fsync=False)
 
 
 def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
@@ -117,7 +117,7 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
     """
     from ascend_llm_recipes.models.checkpoint_io import tensor_shapes
     from ascend_llm_recipes.models.shapes import parameter_shapes
-    from ascend_llm_recipes.training.errors import ConversionError
+    from ascend_llm_recipes.common.errors import ConversionError
 
     if not recipe.load_checkpoint:
         return
@@ -200,7 +200,7 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
 
 def state_hashes(recipe: Recipe, run_dir: str) -> dict:
     """What a checkpoint was trained with: the resolved recipe and the dataset manifest, by sha256."""
-    from ascend_llm_recipes.training.checkpoint import file_sha256
+    from ascend_llm_recipes.common.files import file_sha256
 
     return {"recipe_sha256": file_sha256(os.path.join(run_dir, RESOLVED_RECIPE)),
             "dataset_manifest_sha256": dataset_manifest_sha256(recipe)}
@@ -209,7 +209,7 @@ def state_hashes(recipe: Recipe, run_dir: str) -> dict:
 def dataset_manifest_sha256(recipe: Recipe) -> str:
     """sha256 of the training dataset's manifest.json: a checkpoint records it, a resume compares it."""
     from ascend_llm_recipes.data.mindrecord_io import MANIFEST as DATA_MANIFEST
-    from ascend_llm_recipes.training.checkpoint import file_sha256
+    from ascend_llm_recipes.common.files import file_sha256
 
     return file_sha256(os.path.join(recipe.dataset_dir, DATA_MANIFEST))
 

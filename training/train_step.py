@@ -22,7 +22,7 @@ from mindformers.core.clip_grad import get_square_sum
 from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 from mindformers.wrapper import MFTrainOneStepCell
 
-from ascend_llm_recipes.training.errors import LaunchError
+from ascend_llm_recipes.common.errors import LaunchError
 
 WRAPPER_TYPE = "PortableTrainOneStepCell"
 PIPELINE_WRAPPER_TYPE = "MFPipelineWithLossScaleCell"

@@ -1,0 +1,42 @@
+"""Atomic file writes and file hashing, the one copy every package uses."""
+
+import hashlib
+import json
+import os
+
+
+def write_atomic(path: str, data, fsync: bool = True) -> None:
+    """Write text or bytes so that `path` holds the old or the whole new content, never a part.
+
+    The temporary file sits in the same directory (so os.replace is atomic) under a per-process
+    name, so several processes (ranks) may write the same path at once. With fsync (the default) the
+    data is on disk before the rename, so it survives a power loss as well as a crash; frequent,
+    disposable writes (heartbeats, status) pass fsync=False.
+    """
+    tmp = f"{path}.{os.getpid()}.tmp"
+    binary = isinstance(data, bytes)
+    try:
+        with open(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_json_atomic(path: str, data, fsync: bool = True, indent: int = None) -> None:
+    """write_atomic of `data` as JSON."""
+    write_atomic(path, json.dumps(data, indent=indent), fsync=fsync)
+
+
+def file_sha256(path: str) -> str:
+    """sha256 hex digest of a file's bytes, read in 1 MB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
