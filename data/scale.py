@@ -77,7 +77,7 @@ class ScaleRun(Run):
         self.tasks = tasks
         super().__init__(*args, **kwargs)
         self.scratch = os.path.join(self.state, "scale")
-        self.logs = self.output_dir.rstrip("/") + ".logs"
+        self.logs = os.path.abspath(self.output_dir.rstrip("/") + ".logs")  # sbatch scripts name it
         self.parts: list = []
 
     def _fingerprint(self) -> str:
@@ -440,7 +440,7 @@ def _env_command() -> str:
     lives there), and this PYTHONPATH if one is set."""
     command = f"export PATH={os.path.dirname(sys.executable)}:$PATH"
     if os.environ.get("PYTHONPATH"):
-        command += f"\nexport PYTHONPATH={os.environ['PYTHONPATH']}"
+        command += f"; export PYTHONPATH={os.environ['PYTHONPATH']}"
     return command
 
 
