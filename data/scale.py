@@ -344,7 +344,9 @@ def merge(run: ScaleRun, rank: int = 0) -> dict:
                                               else None, **start.as_dict()},
                       "stop": stop.as_dict(), "documents": record["meta"]["documents"],
                       "samples": train["samples"], "tokens": train["tokens"],
-                      "padding_tokens": train["padding_tokens"], "shards": [s["file"] for s in train["shards"]]})
+                      "padding_tokens": train["padding_tokens"], "shards": [s["file"] for s in train["shards"]],
+                      **({"validation_shards": [s["file"] for s in record["splits"]["val"]["shards"]]}
+                         if "val" in splits else {})})
     if tallies.documents["kept"] == 0:
         raise run._no_usable_document(tallies)
     near_log = run.path("decide", NEAR_DUPLICATES)

@@ -51,12 +51,15 @@ def task_documents(dataset_dir):
     """Each task's stream-packed shards -> its token stream -> documents split at EOD, decoded; tasks in order."""
     manifest = read_manifest(dataset_dir)
     sp = load_tokenizer(os.path.join(dataset_dir, "tokenizer.model"))
-    by_file = dict(zip([s["file"] for s in manifest["shards"]], read_samples(dataset_dir, manifest)))
-    groups = [t["shards"] for t in manifest["tasks"]["list"]] if "tasks" in manifest else \
+    rows, by_file = list(read_samples(dataset_dir, manifest)), {}
+    for shard in manifest["shards"]:
+        by_file[shard["file"]], rows = rows[:shard["samples"]], rows[shard["samples"]:]
+    key = "validation_shards" if manifest["split"] == "validation" else "shards"
+    groups = [t[key] for t in manifest["tasks"]["list"]] if "tasks" in manifest else \
         [[s["file"] for s in manifest["shards"]]]
     docs = []
     for shards in groups:
-        samples = [by_file[name] for name in shards]
+        samples = [row for name in shards for row in by_file[name]]
         if not samples:
             continue
         stream = list(samples[0]) + [t for s in samples[1:] for t in s[1:]]
@@ -87,7 +90,8 @@ def test_four_tasks_keep_the_single_process_documents_and_tokens(corpus):
     # The tokenizer is trained once, on the same hash-chosen sample as the single process's.
     assert four["tokenizer"]["sha256"] == one["tokenizer"]["sha256"] and four["tokenizer"]["trained_on"] \
         == one["tokenizer"]["trained_on"]
-    assert (root / "four" / "near_duplicates.jsonl").read_bytes() == (root / "one" / "near_duplicates.jsonl").read_bytes()
+    assert (root / "four" / "near_duplicates.jsonl").read_bytes() == \
+        (root / "one" / "near_duplicates.jsonl").read_bytes()
     tasks = four["tasks"]["list"]
     assert len(tasks) == 4 and sum(t["tokens"] for t in tasks) == four["tokens"]
     assert any(t["start"]["offset"] > 0 for t in tasks), "no task starts inside a file"
@@ -120,7 +124,8 @@ def test_a_killed_task_is_redone_alone_and_changed_arguments_are_refused(corpus,
     finished = sorted(os.listdir(done.parent))
     assert "00003" not in finished
     task0 = partial_dir(str(out)) + "/state/scale/tasks/00000"
-    inodes = {name: os.stat(os.path.join(task0, name)).st_ino for name in os.listdir(task0) if name.endswith("mindrecord")}
+    inodes = {name: os.stat(os.path.join(task0, name)).st_ino for name in os.listdir(task0)
+              if name.endswith("mindrecord")}
 
     changed = subprocess.run(command(root, inputs, out, tasks=3), capture_output=True, text=True, timeout=120)
     assert changed.returncode == 2 and "holds an interrupted run with other arguments" in changed.stderr
