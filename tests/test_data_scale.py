@@ -16,6 +16,7 @@ from ascend_llm_recipes.data.loader import load_sources
 from ascend_llm_recipes.data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_files
 from ascend_llm_recipes.data.prepare import check_dataset, prepare_dataset
 from ascend_llm_recipes.data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
+from ascend_llm_recipes.training.errors import DataError
 
 pytest.importorskip("datatrove", reason="datatrove is not installed: pip install -e .[scale]")
 
@@ -104,16 +105,18 @@ def test_four_tasks_keep_the_single_process_documents_and_tokens(corpus):
     assert not os.path.exists(partial_dir(str(root / "four")))
 
 
-def command(corpus_root, inputs, out, tasks=4):
-    return [sys.executable, SCRIPT, "--input", *inputs, "--output", str(out), "--tasks", str(tasks),
-            "--workers", "1", *FLAGS]
+def command(inputs, out, tokenizer):
+    # The 4-task dataset's own tokenizer: the same tokens as training it again, for less CPU.
+    return [sys.executable, SCRIPT, "--input", *inputs, "--output", str(out), "--tasks", "4", "--workers", "1",
+            "--tokenizer", tokenizer, *FLAGS]
 
 
 def test_a_killed_task_is_redone_alone_and_changed_arguments_are_refused(corpus, tmp_path):
     root, inputs, _, four = corpus
     out = tmp_path / "ds"
     done = tmp_path / "ds.logs" / "pack" / "completions" / "00000"
-    proc = subprocess.Popen(command(root, inputs, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    tokenizer = str(root / "four" / "tokenizer.model")
+    proc = subprocess.Popen(command(inputs, out, tokenizer), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 240
     while not done.exists() and proc.poll() is None and time.time() < deadline:
@@ -127,11 +130,13 @@ def test_a_killed_task_is_redone_alone_and_changed_arguments_are_refused(corpus,
     inodes = {name: os.stat(os.path.join(task0, name)).st_ino for name in os.listdir(task0)
               if name.endswith("mindrecord")}
 
-    changed = subprocess.run(command(root, inputs, out, tasks=3), capture_output=True, text=True, timeout=120)
-    assert changed.returncode == 2 and "holds an interrupted run with other arguments" in changed.stderr
-    assert "tasks 4 -> 3" in changed.stderr
+    options = {**OPTIONS, "samples_per_shard": 32}
+    with pytest.raises(DataError, match=r"holds an interrupted run with other arguments .*samples_per_shard 64 -> 32"
+                                        r".*tasks 4 -> 3"):
+        prepare_dataset(str(out), 64, inputs=inputs, tokenizer=tokenizer, show_progress=False, tasks=3, workers=1,
+                        **options)
 
-    rerun = subprocess.run(command(root, inputs, out), capture_output=True, text=True, timeout=240)
+    rerun = subprocess.run(command(inputs, out, tokenizer), capture_output=True, text=True, timeout=240)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"Skipping {len(finished)} already completed tasks" in rerun.stderr
     assert {name: os.stat(out / name).st_ino for name in inodes} == inodes  # task 0's shards were not rewritten
