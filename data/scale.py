@@ -25,8 +25,10 @@ the earlier stages, so a rerun is byte-identical. Scratch lives in OUTPUT.partia
 
 import json
 import os
+import resource
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,7 +161,13 @@ class Stage:
         self.name, self.run = name, run
 
     def __call__(self, data, rank: int = 0, world_size: int = 1):
+        began, cpu = time.perf_counter(), time.process_time()
         {"signatures": signatures, "decide": decide, "pack": pack, "merge": merge}[self.name](self.run, rank)
+        # Per-task cost, beside datatrove's logs (never in the dataset, which must not depend on timing).
+        os.makedirs(os.path.join(self.run.logs, self.name, "costs"), exist_ok=True)
+        write_json_atomic(os.path.join(self.run.logs, self.name, "costs", f"{rank:05d}.json"),
+                          {"seconds": time.perf_counter() - began, "cpu_seconds": time.process_time() - cpu,
+                           "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
     def __repr__(self) -> str:
         return f"prepare:{self.name}"
