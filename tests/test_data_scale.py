@@ -202,3 +202,14 @@ def test_slurm_run_on_a_real_cluster(corpus, tmp_path, request):
     manifest = read_manifest(str(out))
     assert manifest["documents"] == one["documents"] and manifest["tokens"] == one["tokens"]
     assert task_documents(str(out)) == task_documents(str(root / "one"))
+
+
+def test_the_single_machine_default_imports_neither_datatrove_nor_ray(corpus, tmp_path):
+    root, inputs, _, _ = corpus
+    code = ("import sys\nfrom ascend_llm_recipes.data.prepare import prepare_dataset\n"
+            f"prepare_dataset({str(tmp_path / 'one')!r}, 64, inputs={inputs[:1]!r}, "
+            f"tokenizer={str(root / 'one' / 'tokenizer.model')!r}, show_progress=False, workers=0)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('datatrove', 'ray')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
