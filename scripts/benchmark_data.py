@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     if not hf_tokenizer and {"ours_hf", "ceiling_hf"} & set(args.methods):
         hf_tokenizer = hf_conversion(tokenizer, os.path.join(args.workdir, f"hf-bpe{args.vocab_size}"))
     if args.executors:
-        return scale_benchmark(args, corpora[max(args.sizes)], tokenizer)
+        return scale_benchmark(args, corpora, tokenizer)
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} before; seq_length {args.seq_length}, "
           f"BPE {args.vocab_size}" + (f", HF tokenizer {hf_tokenizer}" if hf_tokenizer else ""), flush=True)
     rows = []
@@ -311,39 +311,58 @@ def cpu_model() -> str:
         return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
 
 
-def scale_benchmark(args, corpus: str, tokenizer: str) -> int:
-    """Today's single-process run vs N tasks on each executor, then the 1 TB projection."""
+def scale_benchmark(args, corpora: dict, tokenizer: str) -> int:
+    """Today's single-process run vs N tasks on each executor (each corpus size), then the 1 TB projection.
+
+    With two sizes it also prints the marginal CPU cost per million tokens (the difference between the
+    sizes), which leaves out the fixed start-up that a small corpus cannot amortise.
+    """
     import shutil
 
-    size = os.path.getsize(corpus)
-    print(f"{cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} before; corpus {corpus} "
-          f"({size / 2**20:.0f} MB), seq_length {args.seq_length}, BPE {args.vocab_size}", flush=True)
+    print(f"{cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} before; seq_length "
+          f"{args.seq_length}, BPE {args.vocab_size}", flush=True)
     configs = [("local", 1)] + [(e, t) for e in args.executors for t in args.tasks if (e, t) != ("local", 1)]
-    lines = ["| executor | tasks | tokens | seconds | tokens/s | CPU s / M tokens | vs 1 process | peak RSS "
-             "(largest task) | stage seconds: signatures / decide / pack / merge |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    base, widest = None, None
-    for executor, tasks in configs:
-        single = (executor, tasks) == ("local", 1)
-        out = os.path.join(args.workdir, f"out-{executor}-{tasks}")
-        shutil.rmtree(out, ignore_errors=True)
-        shutil.rmtree(out + ".logs", ignore_errors=True)
-        r = measure("ours" if single else f"scale:{executor}:{tasks}", corpus, tokenizer, out, args.seq_length)
-        costs = stage_costs(out)
-        cpu_per_m = r["cpu_s"] / r["tokens"] * 1e6
-        base = base or cpu_per_m
-        peak = max(c[2] for c in costs.values()) if costs else r["peak_rss"] / 2**20
-        stages = " / ".join(f"{costs[st][0]:.1f}" for st in costs) if costs else "(today's single-process path)"
-        lines.append(f"| {executor} | {tasks} | {r['tokens']:,} | {r['seconds']:.1f} | {r['tokens_per_s']:,.0f} | "
-                     f"{cpu_per_m:.2f} | {cpu_per_m / base:.0%} | {peak:,.0f} MB | {stages} |")
-        print(lines[-1], flush=True)
-        if costs and executor == "local":
-            widest = (r, costs)
-        shutil.rmtree(out, ignore_errors=True)
+    # CPU s / M tokens counts every process (start-ups included: each task process imports MindSpore);
+    # "in tasks" only the stages' own work, which is what grows with the corpus.
+    lines = ["| corpus | executor | tasks | tokens | seconds | tokens/s | CPU s / M tokens | vs 1 process | in tasks "
+             "| peak RSS (largest task) | stage seconds: signatures / decide / pack / merge |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    measured, widest = {}, None
+    for size, corpus in sorted(corpora.items()):
+        base = None
+        for executor, tasks in configs:
+            single = (executor, tasks) == ("local", 1)
+            out = os.path.join(args.workdir, f"out-{executor}-{tasks}-{size}MB")
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(out + ".logs", ignore_errors=True)
+            r = measure("ours" if single else f"scale:{executor}:{tasks}", corpus, tokenizer, out, args.seq_length)
+            costs = stage_costs(out)
+            cpu_per_m = r["cpu_s"] / r["tokens"] * 1e6
+            base = base or cpu_per_m
+            peak = max(c[2] for c in costs.values()) if costs else r["peak_rss"] / 2**20
+            stages = " / ".join(f"{costs[st][0]:.1f}" for st in costs) if costs else "(today's single process)"
+            in_tasks = f"{sum(c[1] for c in costs.values()) / r['tokens'] * 1e6:.2f}" if costs else "-"
+            lines.append(f"| {size} MB | {executor} | {tasks} | {r['tokens']:,} | {r['seconds']:.1f} | "
+                         f"{r['tokens_per_s']:,.0f} | {cpu_per_m:.2f} | {cpu_per_m / base:.0%} | {in_tasks} | "
+                         f"{peak:,.0f} MB | {stages} |")
+            print(lines[-1], flush=True)
+            measured.setdefault((executor, tasks), []).append((r["tokens"], r["cpu_s"]))
+            if costs and executor == "local":
+                widest = (os.path.getsize(corpus), r, costs)
+            shutil.rmtree(out, ignore_errors=True)
     print(f"load average {os.getloadavg()[0]:.2f} after\n")
     print("\n".join(lines))
+    if len(corpora) > 1:
+        small, large = min(corpora), max(corpora)
+        print(f"\nmarginal CPU s per M tokens ({small} MB -> {large} MB: start-up cancels out):")
+        first = None
+        for config, points in measured.items():
+            (t0, c0), (t1, c1) = points[0], points[-1]
+            marginal = (c1 - c0) / (t1 - t0) * 1e6
+            first = first or marginal
+            print(f"  {config[0]:<5} {config[1]} task(s): {marginal:.2f} ({marginal / first:.0%} of one process)")
     if widest:
-        print("\n" + projection(size, *widest))
+        print("\n" + projection(*widest))
     return 0
 
 
