@@ -64,7 +64,12 @@ class ClusterOptions:
     dry_run: bool = False       # Slurm: print the sbatch scripts, submit nothing
 
     def problems(self) -> list:
-        checks = [(self.executor in EXECUTORS, f"executor {self.executor!r}: use one of {', '.join(EXECUTORS)}"),
+        from importlib.util import find_spec
+
+        needs = [name for name in ("datatrove", "ray") if (name != "ray" or self.executor == "ray")
+                 and not find_spec(name)]
+        checks = [(not needs, f"--executor/--tasks need {' and '.join(needs)}: pip install -e '.[scale]'"),
+                  (self.executor in EXECUTORS, f"executor {self.executor!r}: use one of {', '.join(EXECUTORS)}"),
                   (self.tasks >= 1, f"tasks {self.tasks}: must be >= 1"),
                   (self.executor != "slurm" or bool(self.partition), "--executor slurm needs --partition"),
                   (not self.dry_run or self.executor == "slurm", "--dry-run applies to --executor slurm"),

@@ -213,3 +213,12 @@ def test_the_single_machine_default_imports_neither_datatrove_nor_ray(corpus, tm
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_scheduler_arguments_are_checked_before_anything_is_written(corpus, tmp_path):
+    _, inputs, _, _ = corpus
+    with pytest.raises(DataError, match="--executor slurm needs --partition.*--max-documents needs the single"):
+        prepare_dataset(str(tmp_path / "x"), 64, inputs=inputs, executor="slurm", tasks=2, max_documents=5)
+    with pytest.raises(DataError, match="tasks 0: must be >= 1"):
+        prepare_dataset(str(tmp_path / "x"), 64, inputs=inputs, tasks=0)
+    assert not os.listdir(tmp_path)
