@@ -23,6 +23,7 @@ leaves nothing that looks finished. Every task of a stage is a pure function of 
 the earlier stages, so a rerun is byte-identical. Scratch lives in OUTPUT.partial/state/scale/.
 """
 
+import hashlib
 import json
 import os
 import resource
@@ -88,7 +89,6 @@ class ScaleRun(Run):
         self.parts: list = []
 
     def _fingerprint(self) -> str:
-        import hashlib
         return hashlib.sha256(f"{super()._fingerprint()} tasks={self.tasks}".encode()).hexdigest()
 
     def _identity(self) -> dict:
