@@ -131,12 +131,15 @@ class ChunkReader:
         self.text_field = text_field
         self.chunk_bytes = chunk_bytes
 
-    def chunks(self, start: Position, first_index: int = 0) -> Iterator[Chunk]:
+    def chunks(self, start: Position, first_index: int = 0, stop: Optional[Position] = None) -> Iterator[Chunk]:
+        """Chunks from `start` up to `stop` (exclusive; a byte offset there must follow a newline; None: the end)."""
         index = first_index
         chunk = Chunk(index, Position(**start.as_dict()))
-        for file_index in range(start.file, len(self.files)):
+        last = len(self.files) if stop is None else min(len(self.files), stop.file + (1 if stop.offset else 0))
+        for file_index in range(start.file, last):
             begin = start if file_index == start.file else Position(file_index)
-            for item, after in self._read_file(file_index, begin):
+            end = stop.offset if stop is not None and file_index == stop.file else 0
+            for item, after in self._read_file(file_index, begin, end):
                 if isinstance(item, BadInput):
                     chunk.bad.append(item)
                 else:
@@ -150,15 +153,15 @@ class ChunkReader:
         if chunk.pieces or chunk.bad:
             yield chunk
 
-    def _read_file(self, file_index: int, begin: Position) -> Iterator:
-        """Yield (Piece or BadInput, Position after it) for one file, from `begin`."""
+    def _read_file(self, file_index: int, begin: Position, end: int = 0) -> Iterator:
+        """Yield (Piece or BadInput, Position after it) for one file, from `begin` to byte `end` (0: its end)."""
         path = self.files[file_index]
         fmt, compressed = input_format(path)
         try:
             if fmt == PARQUET:
                 yield from self._parquet(file_index, path, begin)
             elif fmt == JSONL or self.lines:
-                yield from self._line_blocks(file_index, path, compressed, begin)
+                yield from self._line_blocks(file_index, path, compressed, begin, end)
             else:
                 yield from self._whole_file(file_index, path, compressed)
         except (gzip.BadGzipFile, EOFError, zlib.error) as err:
@@ -178,7 +181,7 @@ class ChunkReader:
             return
         yield Piece("file", file_index, 1, raw, os.path.getsize(path)), after
 
-    def _line_blocks(self, file_index: int, path: str, compressed: bool, begin: Position) -> Iterator:
+    def _line_blocks(self, file_index: int, path: str, compressed: bool, begin: Position, end: int = 0) -> Iterator:
         kind = "jsonl" if input_format(path)[0] == JSONL else "lines"
         with (gzip.open(path, "rb") if compressed else open(path, "rb")) as f:
             raw_file = f.fileobj if compressed else f
@@ -188,7 +191,8 @@ class ChunkReader:
             buffer, cut = bytearray(), 0  # cut: the end of the last whole line in buffer
             last_disk = raw_file.tell()
             while True:
-                block = f.read(self.chunk_bytes // 8)  # small reads: a piece overshoots the chunk size by little
+                size = self.chunk_bytes // 8  # small reads: a piece overshoots the chunk size by little
+                block = f.read(min(size, end - offset - len(buffer)) if end else size)
                 if offset == 0 and not buffer:
                     bad = _sniff(block[:SNIFF_BYTES], file_index)
                     if bad:

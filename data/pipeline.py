@@ -145,6 +145,29 @@ class Tallies:
                 "duplicate_ratio": round(removed / d["read"], 6) if d["read"] else 0.0}
 
 
+class TokenizerSample:
+    """The tokenizer's training sample: distinct documents with the smallest digests, up to a character budget."""
+
+    def __init__(self, budget: int):
+        self.budget, self.heap, self.digests, self.chars = budget, [], set(), 0
+
+    def offer(self, order: int, digest: int, text: str) -> None:
+        """Consider one kept document; `order` is its place among the kept documents in corpus order."""
+        if digest in self.digests:
+            return
+        heapq.heappush(self.heap, (-digest, order, text))
+        self.digests.add(digest)
+        self.chars += len(text)
+        while self.chars > self.budget and len(self.heap) > 1:
+            neg, _, dropped = heapq.heappop(self.heap)
+            self.digests.discard(-neg)
+            self.chars -= len(dropped)
+
+    def documents(self) -> list:
+        """The sample in corpus order."""
+        return [text for _, _, text in sorted(self.heap, key=lambda item: item[1])]
+
+
 class Split:
     """One output dataset (train or validation): its packer and its shard writer."""
 
@@ -184,6 +207,7 @@ class Run:
         self.sizes = [_size(f) for f in files]
         self.workers = default_workers(sum(self.sizes)) if opts.workers < 0 else opts.workers
         self.fingerprint = self._fingerprint()
+        self.provenance: dict = {}  # extra manifest entries (data/scale.py: the tasks that built the dataset)
 
     # ---- the run -------------------------------------------------------------------------------
 
@@ -350,15 +374,11 @@ class Run:
         Hash order is independent of input order and needs one pass with bounded memory;
         the sample is returned in corpus order.
         """
-        budget = self.opts.tokenizer_sample_chars
-        total = max(1, sum(self.sizes))
-        # Workers send back only texts whose digest is below this (4x the budget's share: headroom for
-        # compressed inputs and filtered documents); below the budget everything comes back.
-        below = 1 << 64 if 4 * budget >= total else int((1 << 64) * 4 * budget / total)
+        below = self._sample_below()
         config = WorkerConfig(self.opts.clean(), self.opts.text_field, None, EOD_ID, False, below)
         # Cleaning is cheap next to shipping every text back from a worker: below the budget, stay inline.
         workers = self.workers if below < 1 << 64 else 0
-        heap, digests, chars, order = [], set(), 0, 0
+        sample, order = TokenizerSample(self.opts.tokenizer_sample_chars), 0
         tallies = Tallies(len(self.files))
         self._record_missing(tallies)
         for chunk, result, count in self._results(config, Position(), 0, "sample for tokenizer", tallies, workers):
@@ -366,17 +386,16 @@ class Run:
             self._record_filtered(result, count, tallies)     # and these for a message if nothing is usable
             kept_before = int((result.status[:count] == KEPT).sum())
             for kept_index, digest, text in result.texts:
-                if kept_index >= kept_before or digest in digests:
-                    continue
-                heapq.heappush(heap, (-digest, order + kept_index, text))
-                digests.add(digest)
-                chars += len(text)
-                while chars > budget and len(heap) > 1:
-                    neg, _, dropped = heapq.heappop(heap)
-                    digests.discard(-neg)
-                    chars -= len(dropped)
+                if kept_index < kept_before:
+                    sample.offer(order + kept_index, digest, text)
             order += kept_before
-        return [text for _, _, text in sorted(heap, key=lambda item: item[1])], tallies
+        return sample.documents(), tallies
+
+    def _sample_below(self) -> int:
+        """Digests below this are sample candidates (4x the budget's share of the input: headroom for
+        compressed inputs and filtered documents); below the budget every document is one."""
+        budget, total = self.opts.tokenizer_sample_chars, max(1, sum(self.sizes))
+        return 1 << 64 if 4 * budget >= total else int((1 << 64) * 4 * budget / total)
 
     # ---- the main pass ---------------------------------------------------------------------------
 
@@ -548,17 +567,9 @@ class Run:
     def _consume(self, result, count: int, tallies: Tallies, splits: dict, seen: KeyIndex, near,
                  val_below: int) -> int:
         """Dedup, split and pack one chunk's documents; returns the number of shards this completed."""
-        status = result.status[:count]
+        is_kept, kept = self._count_read(result, count, tallies)
         d = tallies.documents
-        d["read"] += count
-        for code, name in ((INVALID_UTF8, "invalid_utf8"), (TOO_SHORT, "too_short"), (TOO_LONG, "too_long"),
-                           (MALFORMED_JSON, "malformed_json"), (MISSING_FIELD, "missing_field")):
-            d[name] += int((status == code).sum())
-        d["invalid_utf8"] += int(result.replaced[:count].sum())
-        is_kept = status == KEPT
-        kept = int(is_kept.sum())
-        digests, lengths = result.digest[:kept], result.lengths[:kept]
-        tokens = result.tokens[:int(lengths.sum())]
+        digests = result.digest[:kept]
         keep = np.ones(kept, bool)
         fresh = set()
         for i, digest in enumerate(digests.tolist()):
@@ -576,6 +587,27 @@ class Run:
                 if near.check(result.bands[i], shingles, int(files[i]), int(lines[i]), int(digests[i])):
                     keep[i] = False
                     d["near_duplicates"] += 1
+        return self._take(result, count, tallies, splits, keep, val_below)
+
+    def _count_read(self, result, count: int, tallies: Tallies) -> tuple:
+        """Count a chunk's documents by status; returns (KEPT mask over its raw documents, their number)."""
+        status = result.status[:count]
+        d = tallies.documents
+        d["read"] += count
+        for code, name in ((INVALID_UTF8, "invalid_utf8"), (TOO_SHORT, "too_short"), (TOO_LONG, "too_long"),
+                           (MALFORMED_JSON, "malformed_json"), (MISSING_FIELD, "missing_field")):
+            d[name] += int((status == code).sum())
+        d["invalid_utf8"] += int(result.replaced[:count].sum())
+        is_kept = status == KEPT
+        return is_kept, int(is_kept.sum())
+
+    def _take(self, result, count: int, tallies: Tallies, splits: dict, keep: np.ndarray, val_below: int) -> int:
+        """Split and pack the chunk's KEPT documents that `keep` selects; returns the shards this completed."""
+        d = tallies.documents
+        is_kept = result.status[:count] == KEPT
+        kept = len(keep)
+        digests, lengths = result.digest[:kept], result.lengths[:kept]
+        tokens = result.tokens[:int(lengths.sum())]
         held_out = keep & (digests < np.uint64(val_below)) if val_below else np.zeros(kept, bool)
         d["kept"] += int(keep.sum())
         d["validation"] += int(held_out.sum())
@@ -605,7 +637,7 @@ class Run:
                   "bad_input": {"counts": tallies.bad, "first": tallies.first}, "tokenizer": tokenizer,
                   "seq_length": self.seq_length, "sample_length": self.seq_length + 1,
                   "doc_length_histogram": {"bin_start_tokens": [1 << k for k in range(LENGTH_BINS)],
-                                           "documents": tallies.lengths.tolist()}}
+                                           "documents": tallies.lengths.tolist()}, **self.provenance}
         if "val" in splits:
             val_dir = splits["val"].directory
             shutil.copyfile(tok.path, os.path.join(val_dir, tok.file))

@@ -53,16 +53,29 @@ def rerun_command(manifest: dict, output_dir: str, seq_length: int = None, vocab
 
 def prepare_dataset(output_dir: str, seq_length: int, vocab_size: int = 2048, source: str = "python_stdlib",
                     inputs=None, max_documents: int = 0, tokenizer: str = None, samples_per_shard: int = 4096,
-                    show_progress: bool = True, **options) -> dict:
+                    show_progress: bool = True, executor: str = "local", tasks: int = 1, cluster: dict = None,
+                    **options) -> dict:
     """Clean, deduplicate, tokenise and pack documents into `output_dir`; returns the manifest.
 
     inputs: paths, globs or directories (default: the `source` corpus). `options` are the
     fields of data.pipeline.PrepareOptions (input format, filters, near-dedup, packing,
     validation split, workers, --strict). An interrupted run, repeated with the same
     arguments, continues from its last completed shard.
+
+    executor/tasks: with more than one task or another executor than "local", the run is cut into
+    `tasks` ranges run by datatrove (data/scale.py); `workers` is then the number of tasks at once and
+    `cluster` holds data.scale.ClusterOptions' scheduler fields (partition, time, cpus_per_task, address,
+    dry_run). Needs the `scale` extra.
     """
     opts = PrepareOptions(**options)
     problems = opts.problems()
+    scaled = executor != "local" or tasks != 1
+    if scaled:
+        from ascend_llm_recipes.data.scale import ClusterOptions
+        cluster = ClusterOptions(executor=executor, tasks=tasks, workers=opts.workers, **(cluster or {}))
+        problems += cluster.problems()
+        if max_documents:
+            problems.append("--max-documents needs the single-process run (--executor local --tasks 1)")
     if seq_length <= 0:
         raise DataError(f"seq_length {seq_length} must be positive", hint="pass --seq-length, e.g. 2048")
     if seq_length % ALIGN:
@@ -90,8 +103,16 @@ def prepare_dataset(output_dir: str, seq_length: int, vocab_size: int = 2048, so
     if not files:
         raise DataError(f"no input file found: {missing[0][0]}: {missing[0][1]} ({len(missing)} in all)",
                         hint="check the --input paths and patterns")
-    return Run(output_dir, seq_length, vocab_size, source, [str(p) for p in inputs or []], files, missing,
-               max_documents, tokenizer, samples_per_shard, show_progress, opts).execute()
+    arguments = (output_dir, seq_length, vocab_size, source, [str(p) for p in inputs or []], files, missing,
+                 max_documents, tokenizer, samples_per_shard, show_progress, opts)
+    if scaled:
+        from dataclasses import replace
+
+        from ascend_llm_recipes.data.scale import ScaleRun, prepare_scaled
+        # Each task processes its range in its own process; parallelism is the number of tasks at once.
+        arguments = arguments[:-1] + (replace(opts, workers=0),)
+        return prepare_scaled(ScaleRun(*arguments, tasks=tasks), cluster)
+    return Run(*arguments).execute()
 
 
 def summary(output_dir: str, manifest: dict) -> str:

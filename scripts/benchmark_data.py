@@ -18,6 +18,15 @@ each in a fresh process:
              trained model, so the tokens are the same; --hf-tokenizer: e.g. a Llama 3 directory)
   ceiling_hf the `tokenizers` library's batch encoding alone (its own threads, all cores)
 
+With --executors (and --tasks), it measures data/scale.py instead: the same corpus prepared by
+N tasks on each executor (local: datatrove's LocalPipelineExecutor, one process per task at
+once up to the cores; ray: a local Ray with all cores), against today's single-process run
+(local, 1 task), with each stage's wall time, each task's CPU seconds and peak memory (from
+OUTPUT.logs/<stage>/costs/), and a projection of 1 TB on 16 nodes x 64 cores from the measured
+per-core rates:
+
+    python scripts/benchmark_data.py --executors local ray --tasks 1 2 4 --sizes 20
+
 Tokens are the documents' tokens (EOD separators not counted). Peak memory is the largest
 resident memory of the process plus its children's private memory, sampled every 20 ms.
 "ours" and "ceiling" run --repeat times, interleaved, and the fastest run of each is
@@ -134,8 +143,40 @@ def hf_conversion(sp_model: str, out_dir: str) -> str:
     return out_dir
 
 
+def run_scale(corpus: str, tokenizer: str, out: str, seq_length: int, executor: str, tasks: int) -> int:
+    from ascend_llm_recipes.data.prepare import prepare_dataset
+
+    if executor == "ray":
+        import ray
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    manifest = prepare_dataset(out, seq_length, inputs=[corpus], tokenizer=tokenizer, show_progress=False,
+                               samples_per_shard=max(256, (4 << 20) // (4 * (seq_length + 1))),
+                               executor=executor, tasks=tasks)
+    return manifest["tokens"] - manifest["documents"]["train"]
+
+
+def stage_costs(out: str) -> dict:
+    """{stage: (wall seconds of its slowest task, CPU seconds of all tasks, largest peak RSS MB)} from the logs."""
+    costs = {}
+    for stage in ("signatures", "decide", "pack", "merge"):
+        folder = os.path.join(out + ".logs", stage, "costs")
+        records = [json.load(open(os.path.join(folder, name))) for name in sorted(os.listdir(folder))] \
+            if os.path.isdir(folder) else []
+        if records:
+            costs[stage] = (max(r["seconds"] for r in records), sum(r["cpu_seconds"] for r in records),
+                            max(r["max_rss_mb"] for r in records))
+    return costs
+
+
 def child(method: str, corpus: str, tokenizer: str, out: str, seq_length: int) -> None:
     """Runs in the measured process; prints one JSON line."""
+    if method.startswith("scale:"):  # scale:EXECUTOR:TASKS
+        import ascend_llm_recipes.data.scale  # noqa: F401  (MindSpore before the clock, as for ours)
+        _, executor, tasks = method.split(":")
+        start = time.perf_counter()
+        tokens = run_scale(corpus, tokenizer, out, seq_length, executor, int(tasks))
+        print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - start}), flush=True)
+        return
     if method in ("ours", "ours_hf"):  # import MindSpore before the clock, as the others do
         import ascend_llm_recipes.data.prepare  # noqa: F401
     elif method == "baseline":
@@ -208,7 +249,10 @@ def main(argv=None) -> int:
                                                "(default: the trained model converted by transformers)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of ours and ceiling (best kept)")
     parser.add_argument("--workdir", default="/tmp/benchmark_data")
-    parser.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
+    parser.add_argument("--executors", nargs="+", choices=["local", "ray"],
+                        help="measure data/scale.py on these executors (with --tasks) instead of the methods")
+    parser.add_argument("--tasks", type=int, nargs="+", default=[1, 2, 4], help="with --executors: task counts")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -236,6 +280,8 @@ def main(argv=None) -> int:
     hf_tokenizer = args.hf_tokenizer
     if not hf_tokenizer and {"ours_hf", "ceiling_hf"} & set(args.methods):
         hf_tokenizer = hf_conversion(tokenizer, os.path.join(args.workdir, f"hf-bpe{args.vocab_size}"))
+    if args.executors:
+        return scale_benchmark(args, corpora, tokenizer)
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} before; seq_length {args.seq_length}, "
           f"BPE {args.vocab_size}" + (f", HF tokenizer {hf_tokenizer}" if hf_tokenizer else ""), flush=True)
     rows = []
@@ -258,6 +304,79 @@ def main(argv=None) -> int:
     print(f"load average {os.getloadavg()[0]:.2f} after\n")
     print(table(rows))
     return 0
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
+
+
+def scale_benchmark(args, corpora: dict, tokenizer: str) -> int:
+    """Today's single-process run vs N tasks on each executor (each corpus size), then the 1 TB projection.
+
+    With two sizes it also prints the marginal CPU cost per million tokens (the difference between the
+    sizes), which leaves out the fixed start-up that a small corpus cannot amortise.
+    """
+    import shutil
+
+    print(f"{cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} before; seq_length "
+          f"{args.seq_length}, BPE {args.vocab_size}", flush=True)
+    configs = [("local", 1)] + [(e, t) for e in args.executors for t in args.tasks if (e, t) != ("local", 1)]
+    # CPU s / M tokens counts every process (start-ups included: each task process imports MindSpore);
+    # "in tasks" only the stages' own work, which is what grows with the corpus.
+    lines = ["| corpus | executor | tasks | tokens | seconds | tokens/s | CPU s / M tokens | vs 1 process | in tasks "
+             "| peak RSS (largest task) | stage seconds: signatures / decide / pack / merge |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    measured, widest = {}, None
+    for size, corpus in sorted(corpora.items()):
+        base = None
+        for executor, tasks in configs:
+            single = (executor, tasks) == ("local", 1)
+            out = os.path.join(args.workdir, f"out-{executor}-{tasks}-{size}MB")
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(out + ".logs", ignore_errors=True)
+            r = measure("ours" if single else f"scale:{executor}:{tasks}", corpus, tokenizer, out, args.seq_length)
+            costs = stage_costs(out)
+            cpu_per_m = r["cpu_s"] / r["tokens"] * 1e6
+            base = base or cpu_per_m
+            peak = max(c[2] for c in costs.values()) if costs else r["peak_rss"] / 2**20
+            stages = " / ".join(f"{costs[st][0]:.1f}" for st in costs) if costs else "(today's single process)"
+            in_tasks = f"{sum(c[1] for c in costs.values()) / r['tokens'] * 1e6:.2f}" if costs else "-"
+            lines.append(f"| {size} MB | {executor} | {tasks} | {r['tokens']:,} | {r['seconds']:.1f} | "
+                         f"{r['tokens_per_s']:,.0f} | {cpu_per_m:.2f} | {cpu_per_m / base:.0%} | {in_tasks} | "
+                         f"{peak:,.0f} MB | {stages} |")
+            print(lines[-1], flush=True)
+            measured.setdefault((executor, tasks), []).append((r["tokens"], r["cpu_s"]))
+            if costs and executor == "local":
+                widest = (os.path.getsize(corpus), r, costs)
+            shutil.rmtree(out, ignore_errors=True)
+    print(f"load average {os.getloadavg()[0]:.2f} after\n")
+    print("\n".join(lines))
+    if len(corpora) > 1:
+        small, large = min(corpora), max(corpora)
+        print(f"\nmarginal CPU s per M tokens ({small} MB -> {large} MB: start-up cancels out):")
+        first = None
+        for config, points in measured.items():
+            (t0, c0), (t1, c1) = points[0], points[-1]
+            marginal = (c1 - c0) / (t1 - t0) * 1e6
+            first = first or marginal
+            print(f"  {config[0]:<5} {config[1]} task(s): {marginal:.2f} ({marginal / first:.0%} of one process)")
+    if widest:
+        print("\n" + projection(*widest))
+    return 0
+
+
+def projection(corpus_bytes: int, run: dict, costs: dict) -> str:
+    """PROJECTION (arithmetic, not a measurement) of 1 TB on 16 nodes x 64 cores from this run's CPU costs."""
+    scale, cores = (1 << 40) / corpus_bytes, 16 * 64
+    spread = (costs["signatures"][1] + costs["pack"][1]) * scale / cores  # per-range stages: every core busy
+    once = (costs["decide"][1] + costs["merge"][1]) * scale               # one task each, linear in the corpus
+    return (f"PROJECTION, not a measurement: 1 TB is {scale:,.0f} x this corpus ({run['tokens'] / corpus_bytes:.2f} "
+            f"tokens per byte, about {run['tokens'] * scale / 1e9:,.0f}B tokens). Signatures + pack "
+            f"({costs['signatures'][1] + costs['pack'][1]:.1f} CPU s here) spread over {cores} cores: "
+            f"{spread / 3600:,.1f} h, assuming shared storage keeps up and per-core speed as measured here; "
+            f"decide + merge run as one task ({costs['decide'][1] + costs['merge'][1]:.2f} CPU s here, linear in the "
+            f"corpus): {once / 3600:,.1f} h. Total about {(spread + once) / 3600:,.1f} h.")
 
 
 def table(rows: list) -> str:

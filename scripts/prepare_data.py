@@ -81,11 +81,24 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--max-documents", type=int, default=0, help="use only the first N documents")
     build.add_argument("--samples-per-shard", type=int, default=4096)
     build.add_argument("--workers", type=int, default=-1,
-                       help="tokenizing processes (default: one per core, none for corpora under 8 MB)")
+                       help="tokenizing processes (default: one per core, none for corpora under 8 MB); with "
+                            "--tasks > 1: tasks running at once")
     build.add_argument("--tokenizer-sample-chars", type=int, default=32_000_000,
                        help="characters of text the tokenizer is trained on (a hash-chosen sample)")
     build.add_argument("--strict", action="store_true", help="stop at the first bad input instead of skipping it")
     build.add_argument("--no-progress", action="store_true")
+
+    scale = parser.add_argument_group("many machines (datatrove; pip install -e .[scale])")
+    scale.add_argument("--executor", default="local", choices=["local", "slurm", "ray"],
+                       help="where the tasks run (default local: this machine)")
+    scale.add_argument("--tasks", type=int, default=1,
+                       help="cut the input into this many ranges, each cleaned, tokenized and packed by its own task, "
+                            "then merged into one dataset (the same documents as one task; samples depend on it)")
+    scale.add_argument("--partition", help="Slurm partition")
+    scale.add_argument("--time", default="24:00:00", help="Slurm time limit per task")
+    scale.add_argument("--cpus-per-task", type=int, default=1, help="Slurm CPUs per task")
+    scale.add_argument("--address", default="", help="Ray cluster address (default: start a local Ray)")
+    scale.add_argument("--dry-run", action="store_true", help="with --executor slurm: print the sbatch scripts only")
     return parser
 
 
@@ -146,8 +159,11 @@ def build(parser: argparse.ArgumentParser, args, argv) -> int:
         max_chars=args.max_chars, invalid_utf8=args.invalid_utf8, near_dedup=args.near_dedup, packing=args.packing,
         tail=args.tail, val_fraction=args.val_fraction, val_output=args.val_output or "", strict=args.strict,
         workers=args.workers, tokenizer_sample_chars=args.tokenizer_sample_chars, model_vocab_size=model_vocab,
-        command=command)
-    print(summary(args.output, manifest))
+        command=command, executor=args.executor, tasks=args.tasks,
+        cluster={"partition": args.partition or "", "time": args.time, "cpus_per_task": args.cpus_per_task,
+                 "address": args.address, "dry_run": args.dry_run} if args.executor != "local" else None)
+    if manifest is not None:  # None: Slurm jobs submitted, or their scripts printed
+        print(summary(args.output, manifest))
     return 0
 
 

@@ -1,0 +1,224 @@
+"""Dataset preparation in N tasks on datatrove (data/scale.py): the same documents and tokens as one process,
+duplicates removed across tasks, a killed task redone alone, changed arguments refused, Ray and Slurm."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO_ROOT
+from ascend_llm_recipes.data.corpus import python_stdlib_files
+from ascend_llm_recipes.data.loader import load_sources
+from ascend_llm_recipes.data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_files
+from ascend_llm_recipes.data.prepare import check_dataset, prepare_dataset
+from ascend_llm_recipes.data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
+from ascend_llm_recipes.training.errors import DataError
+
+pytest.importorskip("datatrove", reason="datatrove is not installed: pip install -e .[scale]")
+
+SCRIPT = os.path.join(REPO_ROOT, "scripts", "prepare_data.py")
+# Small enough to be quick, large enough that the tokenizer trains on a hash-chosen sample (4x this < input).
+OPTIONS = {"near_dedup": True, "val_fraction": 0.1, "vocab_size": 512, "tokenizer_sample_chars": 100_000,
+           "samples_per_shard": 64}
+FLAGS = ["--near-dedup", "--val-fraction", "0.1", "--vocab-size", "512", "--tokenizer-sample-chars", "100000",
+         "--samples-per-shard", "64", "--seq-length", "64", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Two JSONL files of stdlib modules (the second one large enough to be cut inside), with exact and near
+    duplicates across files (so across tasks); the single-process dataset and the 4-task one built from them."""
+    root = tmp_path_factory.mktemp("scale")
+    texts = [f.read_text(encoding="utf-8") for f in python_stdlib_files()[60:150]]
+    texts = [t for t in texts if len(t) > 200]
+    near = [t.replace("def ", "def  ", 2) + "\n# one more comment line" for t in texts[3:6]]
+    first = texts[:30]
+    second = texts[30:] + texts[10:14] + near  # exact copies of first-file documents, then near copies
+    inputs = []
+    for name, docs in (("a.jsonl", first), ("b.jsonl", second)):
+        with open(root / name, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"text": t}) + "\n" for t in docs)
+        inputs.append(str(root / name))
+    one = prepare_dataset(str(root / "one"), 64, inputs=inputs, show_progress=False, workers=0, **OPTIONS)
+    four = prepare_dataset(str(root / "four"), 64, inputs=inputs, show_progress=False, tasks=4, workers=1, **OPTIONS)
+    return root, inputs, one, four
+
+
+def task_documents(dataset_dir):
+    """Each task's stream-packed shards -> its token stream -> documents split at EOD, decoded; tasks in order."""
+    manifest = read_manifest(dataset_dir)
+    sp = load_tokenizer(os.path.join(dataset_dir, "tokenizer.model"))
+    rows, by_file = list(read_samples(dataset_dir, manifest)), {}
+    for shard in manifest["shards"]:
+        by_file[shard["file"]], rows = rows[:shard["samples"]], rows[shard["samples"]:]
+    key = "validation_shards" if manifest["split"] == "validation" else "shards"
+    groups = [t[key] for t in manifest["tasks"]["list"]] if "tasks" in manifest else \
+        [[s["file"] for s in manifest["shards"]]]
+    docs = []
+    for shards in groups:
+        samples = [row for name in shards for row in by_file[name]]
+        if not samples:
+            continue
+        stream = list(samples[0]) + [t for s in samples[1:] for t in s[1:]]
+        while stream and stream[-1] == PAD_ID:
+            stream.pop()
+        current = []
+        for token in stream:
+            if token == EOD_ID:
+                docs.append(sp.decode(current))
+                current = []
+            else:
+                current.append(int(token))
+        assert not current
+    return docs
+
+
+def shard_bytes(dataset_dir):
+    return [open(os.path.join(dataset_dir, s["file"]), "rb").read() for s in read_manifest(dataset_dir)["shards"]]
+
+
+def test_four_tasks_keep_the_single_process_documents_and_tokens(corpus):
+    root, _, one, four = corpus
+    assert four["documents"] == one["documents"]
+    assert (one["documents"]["duplicates"], one["documents"]["near_duplicates"]) == (4, 3)  # across files/tasks
+    assert four["tokens"] == one["tokens"] and four["validation"]["tokens"] == one["validation"]["tokens"]
+    assert task_documents(str(root / "four")) == task_documents(str(root / "one"))
+    assert task_documents(str(root / "four-val")) == task_documents(str(root / "one-val"))
+    # The tokenizer is trained once, on the same hash-chosen sample as the single process's.
+    assert four["tokenizer"]["sha256"] == one["tokenizer"]["sha256"] and four["tokenizer"]["trained_on"] \
+        == one["tokenizer"]["trained_on"]
+    assert (root / "four" / "near_duplicates.jsonl").read_bytes() == \
+        (root / "one" / "near_duplicates.jsonl").read_bytes()
+    tasks = four["tasks"]["list"]
+    assert len(tasks) == 4 and sum(t["tokens"] for t in tasks) == four["tokens"]
+    assert any(t["start"]["offset"] > 0 for t in tasks), "no task starts inside a file"
+    assert four["padding_rate"] < 0.001 and four["samples"] >= one["samples"]
+    # One dataset that training reads as it reads any other: verified, checked against the model, blendable.
+    verify_files(str(root / "four"), four)
+    check_dataset(str(root / "four"), 64, 512, PAD_ID, EOD_ID)
+    sources = load_sources([(str(root / "four"), 1.0, "four"), (str(root / "one"), 1.0, "one")])
+    assert [s.samples for s in sources] == [four["samples"], one["samples"]]
+    assert not os.path.exists(partial_dir(str(root / "four")))
+
+
+def command(inputs, out, tokenizer):
+    # The 4-task dataset's own tokenizer: the same tokens as training it again, for less CPU.
+    return [sys.executable, SCRIPT, "--input", *inputs, "--output", str(out), "--tasks", "4", "--workers", "1",
+            "--tokenizer", tokenizer, *FLAGS]
+
+
+def test_a_killed_task_is_redone_alone_and_changed_arguments_are_refused(corpus, tmp_path):
+    root, inputs, _, four = corpus
+    out = tmp_path / "ds"
+    done = tmp_path / "ds.logs" / "pack" / "completions" / "00000"
+    tokenizer = str(root / "four" / "tokenizer.model")
+    proc = subprocess.Popen(command(inputs, out, tokenizer), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 240
+    while not done.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # the job, in the middle of its pack stage
+    proc.wait()
+    assert done.exists() and not out.exists(), "the run ended before it could be killed"
+    finished = sorted(os.listdir(done.parent))
+    assert "00003" not in finished
+    task0 = partial_dir(str(out)) + "/state/scale/tasks/00000"
+    inodes = {name: os.stat(os.path.join(task0, name)).st_ino for name in os.listdir(task0)
+              if name.endswith("mindrecord")}
+
+    options = {**OPTIONS, "samples_per_shard": 32}
+    with pytest.raises(DataError, match=r"holds an interrupted run with other arguments .*samples_per_shard 64 -> 32"
+                                        r".*tasks 4 -> 3"):
+        prepare_dataset(str(out), 64, inputs=inputs, tokenizer=tokenizer, show_progress=False, tasks=3, workers=1,
+                        **options)
+
+    rerun = subprocess.run(command(inputs, out, tokenizer), capture_output=True, text=True, timeout=240)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"Skipping {len(finished)} already completed tasks" in rerun.stderr
+    assert {name: os.stat(out / name).st_ino for name in inodes} == inodes  # task 0's shards were not rewritten
+    manifest = read_manifest(str(out))
+    assert manifest["shards"] == four["shards"] and manifest["documents"] == four["documents"]
+    assert shard_bytes(str(out)) == shard_bytes(str(root / "four"))
+
+
+def test_ray_run_writes_the_same_dataset_as_local_tasks(corpus, tmp_path, request):
+    ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e .[scale]")
+    try:  # tests/clusters.py's Ray head when this checkout has it; otherwise a Ray started here
+        address = request.getfixturevalue("ray_cluster").address
+    except pytest.FixtureLookupError:
+        address = None
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    root, inputs, _, four = corpus
+    try:
+        manifest = prepare_dataset(str(tmp_path / "ray"), 64, inputs=inputs, show_progress=False, tasks=4,
+                                   executor="ray", cluster={"address": address or ""}, **OPTIONS)
+    finally:
+        ray.shutdown()
+    assert manifest["documents"] == four["documents"] and manifest["shards"] == four["shards"]
+    assert shard_bytes(str(tmp_path / "ray")) == shard_bytes(str(root / "four"))
+
+
+def test_slurm_dry_run_prints_one_sbatch_script_per_stage_with_dependencies(corpus, tmp_path, capsys):
+    _, inputs, _, _ = corpus
+    out = tmp_path / "slurm"
+    result = prepare_dataset(str(out), 64, inputs=inputs, show_progress=False, tasks=3, executor="slurm",
+                             cluster={"partition": "batch", "time": "02:00:00", "cpus_per_task": 2, "dry_run": True},
+                             **OPTIONS)
+    assert result is None and not out.exists() and not os.path.exists(partial_dir(str(out)))
+    printed = capsys.readouterr().out
+    stages = printed.split("# stage ")[1:]
+    assert [s.split(":")[0] for s in stages] == ["1/4 signatures", "2/4 decide", "3/4 pack", "4/4 merge"]
+    for stage, array in zip(stages, ("0-2", "0-0", "0-2", "0-0")):
+        header, script = stage.split("\n", 1)
+        assert f"#SBATCH --array={array}\n" in script and "#SBATCH --partition=batch\n" in script
+        assert "#SBATCH --time=02:00:00\n" in script and "#SBATCH --cpus-per-task=2\n" in script
+        assert "srun -l launch_pickled_pipeline " in script and os.path.dirname(sys.executable) in script
+        assert ("--dependency=afterok:" in header) == (not stage.startswith("1/4"))
+        assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # a valid script
+
+
+def test_slurm_run_on_a_real_cluster(corpus, tmp_path, request):
+    try:  # tests/clusters.py's one-node Slurm cluster when this checkout has it
+        cluster = request.getfixturevalue("slurm_cluster")
+    except pytest.FixtureLookupError:
+        pytest.skip("no slurm_cluster fixture in this checkout (tests/clusters.py): the sbatch scripts are tested "
+                    "by the dry run")
+    root, inputs, one, _ = corpus
+    out = tmp_path / "slurm"
+    submit = subprocess.run([sys.executable, SCRIPT, "--input", *inputs, "--output", str(out), "--tasks", "2",
+                             "--executor", "slurm", "--partition", cluster.partition, "--time", "00:10:00", *FLAGS],
+                            capture_output=True, text=True, timeout=120, env=cluster.env, cwd=tmp_path)
+    assert submit.returncode == 0, submit.stderr[-3000:]
+    deadline = time.time() + 240
+    while not (out / "manifest.json").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    assert (out / "manifest.json").exists(), "the Slurm stages did not finish: " + \
+        "".join(open(os.path.join(d, f)).read()[-2000:] for d, _, fs in os.walk(str(out) + ".logs") for f in fs
+                if f.endswith(".out"))
+    manifest = read_manifest(str(out))
+    assert manifest["documents"] == one["documents"] and manifest["tokens"] == one["tokens"]
+    assert task_documents(str(out)) == task_documents(str(root / "one"))
+
+
+def test_the_single_machine_default_imports_neither_datatrove_nor_ray(corpus, tmp_path):
+    root, inputs, _, _ = corpus
+    code = ("import sys\nfrom ascend_llm_recipes.data.prepare import prepare_dataset\n"
+            f"prepare_dataset({str(tmp_path / 'one')!r}, 64, inputs={inputs[:1]!r}, "
+            f"tokenizer={str(root / 'one' / 'tokenizer.model')!r}, show_progress=False, workers=0)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('datatrove', 'ray')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_scheduler_arguments_are_checked_before_anything_is_written(corpus, tmp_path):
+    _, inputs, _, _ = corpus
+    with pytest.raises(DataError, match="--executor slurm needs --partition.*--max-documents needs the single"):
+        prepare_dataset(str(tmp_path / "x"), 64, inputs=inputs, executor="slurm", tasks=2, max_documents=5)
+    with pytest.raises(DataError, match="tasks 0: must be >= 1"):
+        prepare_dataset(str(tmp_path / "x"), 64, inputs=inputs, tasks=0)
+    assert not os.listdir(tmp_path)
