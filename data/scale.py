@@ -43,7 +43,7 @@ from ascend_llm_recipes.data.packing import PackStats
 from ascend_llm_recipes.data.pipeline import TOKENIZER, Run, Split, Tallies, TokenizerSample, _dataset
 from ascend_llm_recipes.data.tokenizer import EOD_ID, train_tokenizer
 from ascend_llm_recipes.data.workers import WorkerConfig, init_worker, process_chunk
-from ascend_llm_recipes.training.errors import DataError
+from ascend_llm_recipes.common.errors import DataError
 
 EXECUTORS = ("local", "slurm", "ray")
 STAGES = ("signatures", "decide", "pack", "merge")

@@ -16,7 +16,7 @@ from ascend_llm_recipes.data.loader import load_sources
 from ascend_llm_recipes.data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_files
 from ascend_llm_recipes.data.prepare import check_dataset, prepare_dataset
 from ascend_llm_recipes.data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
-from ascend_llm_recipes.training.errors import DataError
+from ascend_llm_recipes.common.errors import DataError
 
 pytest.importorskip("datatrove", reason="datatrove is not installed: pip install -e .[scale]")
 
