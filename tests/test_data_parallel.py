@@ -6,11 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import REPO_ROOT, TINY_RECIPE
+from conftest import DP2_RECIPE, DP_STEPS as STEPS, TINY_RECIPE
 from ascend_llm_recipes.training.launch import launch
-
-DP2_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml")
-STEPS = 8
 
 
 def losses(path):
@@ -29,14 +26,8 @@ def final_weights(run_dir, rank):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_dataset):
-    common = [f"train_dataset.data_loader.dataset_dir={tiny_dataset}", "train_dataset.data_loader.shuffle=False",
-              f"runner_config.stop_step={STEPS}", f"callbacks.1.save_checkpoint_steps={STEPS}"]
-    one = str(tmp_path_factory.mktemp("dp") / "dp1")
-    two = str(tmp_path_factory.mktemp("dp") / "dp2")
-    assert launch(TINY_RECIPE, [f"output_dir={one}", *common], show_progress=False) == 0
-    assert launch(DP2_RECIPE, [f"output_dir={two}", *common], show_progress=False) == 0
-    return one, two
+def runs(data_parallel_runs):
+    return data_parallel_runs
 
 
 def records(path):
