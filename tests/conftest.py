@@ -6,6 +6,8 @@ import tempfile
 
 import pytest
 
+from netns import netns_nodes  # noqa: F401 (a fixture: network-namespace "nodes" for the multi-node tests)
+
 # Importing MindFormers creates ./output/log unless told where to log; keep the checkout clean.
 os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers-log-"))
 

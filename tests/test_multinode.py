@@ -15,15 +15,15 @@ import time
 import pytest
 
 from conftest import DP2_RECIPE, DP_STEPS, REPO_ROOT
-from netns import netns_nodes  # noqa: F401 (a fixture)
 
 LAUNCHER = os.path.join(REPO_ROOT, "scripts", "run_distributed.sh")
-STOP = 30  # steps of the two-node runs: long enough to kill one mid-run; the LR schedule ends at DP_STEPS as the DP2 run's
+STOP = 30  # steps of the two-node runs: enough to kill one mid-run; the LR schedule ends at DP_STEPS as in the DP2 run
 
 
 def settings(run_dir, dataset):
     return ["--set", "hardware.devices_per_node=1", "--set", f"output_dir={run_dir}",
-            "--set", f"train_dataset.data_loader.dataset_dir={dataset}", "--set", "train_dataset.data_loader.shuffle=False",
+            "--set", f"train_dataset.data_loader.dataset_dir={dataset}",
+            "--set", "train_dataset.data_loader.shuffle=False",
             "--set", f"runner_config.stop_step={STOP}", "--set", f"lr_schedule.total_steps={DP_STEPS}",
             "--set", "callbacks.1.save_checkpoint_steps=4"]
 
@@ -76,7 +76,7 @@ def losses(run_dir, name="metrics.jsonl"):
 
 
 @pytest.fixture(scope="module")
-def slurm_run(netns_nodes, tiny_dataset, tmp_path_factory):  # noqa: F811
+def slurm_run(netns_nodes, tiny_dataset, tmp_path_factory):
     """An uninterrupted two-node run, each launcher told only what a two-node Slurm allocation sets."""
     run_dir = tmp_path_factory.mktemp("multinode") / "slurm"
     launches = [Launch(node, [DP2_RECIPE, *settings(run_dir, tiny_dataset)], f"{run_dir}.node{rank}",
@@ -99,12 +99,12 @@ def test_two_nodes_through_slurm_train_as_one_node_with_two_workers(slurm_run, d
     _, dp2 = data_parallel_runs
     assert losses(run_dir)[:DP_STEPS] == losses(dp2)  # exactly: the same global batch, the same all-reduce
     assert losses(run_dir, "metrics_rank_1.jsonl") == losses(run_dir)
-    assert sorted(os.listdir(run_dir / "logs")) == ["msrun.node_0.log", "msrun.node_1.log", "scheduler.log",
-                                                     "worker_0.log", "worker_1.log"]
+    logs = ["msrun.node_0.log", "msrun.node_1.log", "scheduler.log", "worker_0.log", "worker_1.log"]
+    assert sorted(os.listdir(run_dir / "logs")) == logs  # one msrun log per node in the shared run directory
 
 
-def test_a_killed_node_is_named_and_both_nodes_resume_from_the_newest_checkpoint(netns_nodes, tiny_dataset,  # noqa: F811
-                                                                                 slurm_run, tmp_path):
+def test_a_killed_node_is_named_and_both_nodes_resume_from_the_newest_checkpoint(netns_nodes, tiny_dataset, slurm_run,
+                                                                                 tmp_path):
     run_dir = tmp_path / "run"
     args = [DP2_RECIPE, *settings(run_dir, tiny_dataset)]
     launches = [Launch(node, [*args, *cluster_args(netns_nodes, rank, 8120)], f"{run_dir}.node{rank}")
@@ -143,8 +143,7 @@ def test_a_killed_node_is_named_and_both_nodes_resume_from_the_newest_checkpoint
     assert losses(run_dir, "metrics_rank_1.jsonl") == losses(uninterrupted, "metrics_rank_1.jsonl")
 
 
-def test_a_node_that_never_comes_is_named_with_its_command_and_given_up_on(netns_nodes, tiny_dataset,  # noqa: F811
-                                                                          tmp_path):
+def test_a_node_that_never_comes_is_named_with_its_command_and_given_up_on(netns_nodes, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     started = time.time()
     alone = Launch(netns_nodes[0], [DP2_RECIPE, *settings(run_dir, tiny_dataset),
@@ -162,8 +161,7 @@ def test_a_node_that_never_comes_is_named_with_its_command_and_given_up_on(netns
     assert not (run_dir / "logs").exists() and job_processes_of(alone.proc.pid) == []
 
 
-def test_a_node_with_another_recipe_and_other_code_is_refused_at_rendezvous(netns_nodes, tiny_dataset,  # noqa: F811
-                                                                            tmp_path):
+def test_a_node_with_another_recipe_and_other_code_is_refused_at_rendezvous(netns_nodes, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     args = [DP2_RECIPE, *settings(run_dir, tiny_dataset)]
     # Node 1 runs a copy of the package with one file changed (first on its PYTHONPATH), and another weight decay.
@@ -189,7 +187,7 @@ def test_a_node_with_another_recipe_and_other_code_is_refused_at_rendezvous(netn
     assert differences in err1 and not (run_dir / "logs").exists()
 
 
-def test_two_nodes_on_one_address_get_a_clear_message(netns_nodes, tiny_dataset, tmp_path):  # noqa: F811
+def test_two_nodes_on_one_address_get_a_clear_message(netns_nodes, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     args = [DP2_RECIPE, *settings(run_dir, tiny_dataset), "--nodes", "2", "--master-port", "8128"]
     # Both "nodes" on 127.0.0.1, and node 1 given its own address: msrun would start a second scheduler there.
@@ -197,11 +195,43 @@ def test_two_nodes_on_one_address_get_a_clear_message(netns_nodes, tiny_dataset,
         code, _, err = Launch(node, [*args, "--node-rank", str(rank), "--master-addr", address],
                               f"{tmp_path}/same{rank}").finish(timeout=60)
         assert code == 2 and "Traceback" not in err
-        assert (f"error: --master-addr {address} is an address of this machine, but this is node 1: two nodes on one "
-                "address cannot work (msrun would start a second scheduler on port 8128 here, which cannot bind)") in err
+        assert (f"error: --master-addr {address} is an address of this machine, but this is node 1: two nodes on "
+                "one address cannot work (msrun would start a second scheduler on port 8128 here, which cannot "
+                "bind)") in err
     code, _, err = Launch(netns_nodes[0], [*args, "--node-rank", "0", "--master-addr", "node02"],
                           f"{tmp_path}/wrong0").finish(timeout=60)
     assert code == 2
     assert ("error: --master-addr node02 (10.231.0.2) is not an address of this machine, but this is node 0, which "
             "runs msrun's scheduler and the rendezvous there") in err
     assert not run_dir.exists()
+
+
+def test_a_silent_node_is_lost_after_the_node_timeout_and_a_closed_one_at_once():
+    """The node heartbeat over a real socket pair; the clock of the last message is moved instead of waiting 30 s."""
+    import socket
+    from ascend_llm_recipes.training.rendezvous import NODE_TIMEOUT_SECONDS, Link
+
+    def until(condition):
+        deadline = time.time() + 10
+        while not condition():
+            assert time.time() < deadline
+            time.sleep(0.01)
+
+    ours, theirs = socket.socketpair()
+    link, peer = Link(ours, "node 1 (10.0.0.2, ranks 2, 3)"), Link(theirs, "node 0")
+    peer.send({"type": "beat", "phases": {"2": {"phase": "step 7", "time": time.time() - 3}, "3": None}})
+    until(lambda: link.phases)
+    assert link.problem() == ""
+    link.last_seen -= NODE_TIMEOUT_SECONDS + 1
+    assert link.problem() == (f"node 1 (10.0.0.2, ranks 2, 3) is gone (no heartbeat for {NODE_TIMEOUT_SECONDS + 1} "
+                              "s); rank 2 in phase 'step 7' (3 s before), rank 3 not started")
+    link.last_seen = time.time()
+    peer.close()
+    until(lambda: link.closed)
+    assert link.problem().startswith("node 1 (10.0.0.2, ranks 2, 3) is gone (its launcher's connection closed); rank 2")
+
+    ours, theirs = socket.socketpair()
+    link, peer = Link(ours, "node 1"), Link(theirs, "node 0")
+    peer.end(True, "")  # a node that finished says so before it closes: not lost
+    until(lambda: link.closed)
+    assert link.problem() == ""

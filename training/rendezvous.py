@@ -88,8 +88,10 @@ def code_hashes() -> dict:
         root = os.path.realpath(importlib.import_module(f"ascend_llm_recipes.{package}").__path__[0])
         for folder, dirs, names in os.walk(root):
             dirs[:] = [d for d in dirs if d != "__pycache__"]
-            files.update((os.path.join(package, os.path.relpath(os.path.join(folder, n), root)), os.path.join(folder, n))
-                         for n in names if n.endswith((".py", ".yaml")))
+            for name in names:
+                if name.endswith((".py", ".yaml")):
+                    path = os.path.join(folder, name)
+                    files[os.path.join(package, os.path.relpath(path, root))] = path
         if package == "training":  # the worker script lives beside the package folders (launch.WORKER_SCRIPT)
             files["scripts/train.py"] = os.path.join(os.path.dirname(root), "scripts", "train.py")
     hashes = {}
