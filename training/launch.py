@@ -778,6 +778,15 @@ def failure_report(run_dir: str, ranks, outcome: JobOutcome) -> str:
     return "\n".join(parts)
 
 
+def report_failure(run_dir: str, cluster: Cluster, outcome: JobOutcome, group: NodeGroup = None) -> str:
+    """failure_report for this node's ranks; the other nodes are told its headline (which rank, how, where)."""
+    report = failure_report(run_dir, cluster.ranks, outcome)
+    if group is not None:
+        group.failure = "; ".join(line[len("[launch] "):] for line in report.splitlines()[1:]
+                                  if line.startswith("[launch] ") and not line.startswith("[launch] training failed"))
+    return report
+
+
 def job_complete(run_dir: str, ranks, world_size: int) -> bool:
     """Every rank of this node wrote 'done' and, on the node of rank 0, the summary's final checkpoint is complete."""
     from ascend_llm_recipes.training.checkpoint import complete_steps
@@ -938,7 +947,7 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
     command = msrun_command(cluster, run_dir)
     env = worker_env(run_dir, cluster.local_workers, hccl)
     if group is not None:
-        group.phases = lambda: {rank: read_heartbeat(run_dir, rank) for rank in cluster.ranks}
+        group.heartbeats = lambda ranks: {rank: read_heartbeat(run_dir, rank) for rank in ranks}
     print(f"[launch] node {cluster.node_rank} of {cluster.nodes}: ranks {cluster.ranks.start}-"
           f"{cluster.ranks.stop - 1} of {cluster.world_size}; "
           + " ".join(f"{k}={v}" for k, v in sorted(hccl.items())), flush=True)
@@ -960,13 +969,13 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
                   file=sys.stderr, flush=True)
             return KILLED_EXIT_CODE if outcome.killed else PREEMPTED_EXIT_CODE
         if outcome.hung:
-            print(failure_report(run_dir, cluster.ranks, outcome), file=sys.stderr, flush=True)
+            print(report_failure(run_dir, cluster, outcome, group), file=sys.stderr, flush=True)
             return HANG_EXIT_CODE
         if complete and outcome.returncode != 0:
             print(f"[launch] note: msrun exited with code {outcome.returncode} after every rank had finished and "
                   "saved (a process ended badly during teardown); the run is complete", flush=True)
         elif outcome.returncode != 0 or failed_ranks(run_dir, cluster.ranks):
-            print(failure_report(run_dir, cluster.ranks, outcome), file=sys.stderr, flush=True)
+            print(report_failure(run_dir, cluster, outcome, group), file=sys.stderr, flush=True)
             return 1
         rollback = requested_rollback(run_dir, cluster.ranks)
         if rollback is None:

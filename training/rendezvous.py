@@ -155,6 +155,7 @@ class Link:
         self.messages = queue.Queue()
         self.last_seen = time.time()
         self.phases = {}     # the peer's ranks' last heartbeats, from its beats
+        self.ranks = []      # the peer's ranks
         self.ended = None    # the peer's "end" message
         self.closed = False  # the connection closed (or broke)
         self._send_lock = threading.Lock()
@@ -242,7 +243,7 @@ EXIT_MEANINGS = {1: "a rank failed", 2: "a check failed", 3: "a rank stalled",
 
 def exit_reason(node_rank: int, code: int) -> str:
     meaning = EXIT_MEANINGS.get(code, "see its output")
-    return f"node {node_rank}'s launcher ended with exit code {code} ({meaning}; its output says more)"
+    return f"node {node_rank}'s launcher ended with exit code {code} ({meaning})"
 
 
 class NodeGroup:
@@ -252,7 +253,13 @@ class NodeGroup:
         self.cluster = cluster
         self.timeout = timeout
         self.links = {}  # node rank -> Link
-        self.phases = dict  # set by the launcher once its run directory is known: {rank: last heartbeat}
+        # Set by the launcher once its run directory is known: {rank: last heartbeat} of the given ranks.
+        self.heartbeats = lambda ranks: {}
+        self.failure = ""  # set by the launcher: how this node's part failed (which rank, how, in which phase)
+
+    def phases(self) -> dict:
+        """This node's ranks' last heartbeats, sent to the other nodes."""
+        return self.heartbeats(self.cluster.ranks)
 
     @property
     def address(self) -> str:
@@ -260,12 +267,18 @@ class NodeGroup:
 
     def problem(self) -> str:
         """The first lost node, or ''."""
+        for link in self.links.values():  # the shared run directory may hold fresher heartbeats than the last beat
+            for rank, beat in self.heartbeats(link.ranks).items():
+                old = link.phases.get(str(rank))
+                if beat and (not old or beat["time"] > old["time"]):
+                    link.phases[str(rank)] = beat
         return next((p for p in (link.problem() for _, link in sorted(self.links.items())) if p), "")
 
     def end(self, code: int) -> None:
         """Tell the other nodes how this launch ended (a failure stops theirs), then close."""
+        reason = exit_reason(self.cluster.node_rank, code) + (f": {self.failure}" if self.failure else "")
         for link in self.links.values():
-            link.end(code == 0, exit_reason(self.cluster.node_rank, code))
+            link.end(code == 0, reason)
         self.links = {}
 
     def abort(self, reason: str) -> None:
@@ -318,6 +331,7 @@ class NodeZero(NodeGroup):
             return
         rank = hello["node_rank"]
         link.peer = f"node {rank} ({host}, ranks {', '.join(map(str, hello['ranks']))})"
+        link.ranks = hello["ranks"]
         problems = []
         with self._lock:
             if hello["nodes"] != self.cluster.nodes:
@@ -335,7 +349,7 @@ class NodeZero(NodeGroup):
                 return
             self.links[rank] = link
         link.send({"type": "welcome"})
-        link.start_beating(lambda: self.phases())
+        link.start_beating(self.phases)
         print(f"[launch] {link.peer} joined", flush=True)
 
     def _wait(self, what: str, done: Callable[[], bool]) -> None:
@@ -416,6 +430,7 @@ class NodeK(NodeGroup):
                     said = True
                 time.sleep(1)
         link = Link(sock, f"node 0 ({cluster.master_addr})")
+        link.ranks = list(range(cluster.local_workers))
         link.send({"type": "hello", "node_rank": cluster.node_rank, "nodes": cluster.nodes,
                    "ranks": list(cluster.ranks), "host": platform.node(), "fingerprint": mine})
         answer = link.receive(time.time() + timeout)
@@ -426,7 +441,7 @@ class NodeK(NodeGroup):
                               hint="start every node with the same recipe, the same --set overrides and the same "
                                    "code and versions")
         self.links[0] = link
-        link.start_beating(lambda: self.phases())
+        link.start_beating(self.phases)
         print(f"[launch] node {cluster.node_rank} joined node 0 at {self.address}; waiting for it to prepare the "
               "run directory", flush=True)
 
