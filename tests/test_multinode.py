@@ -180,7 +180,7 @@ def test_a_node_with_another_recipe_and_other_code_is_refused_at_rendezvous(netn
                    f"{tmp_path}/node1", env=env)
     (code0, _, err0), (code1, _, err1) = node0.finish(), node1.finish()
     assert code0 == code1 == 2
-    differences = ("  - recipe key optimizer.weight_decay: 0.0 here, 0.1 there\n"
+    differences = ("  - recipe key optimizer.weight_decay: 0.0 on node 0, 0.1 on node 1\n"
                    "  - code: 1 source file(s) differ (training/optim.py)\n")
     assert "error: node 1 (10.231.0.2) does not match node 0 (10.231.0.1):\n" + differences in err0
     assert "error: refused by node 0 at 10.231.0.1:8125: node 1 (10.231.0.2) does not match" in err1

@@ -980,6 +980,11 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
         rollback = requested_rollback(run_dir, cluster.ranks)
         if rollback is None:
             break
+        if cluster.nodes > 1:  # one node's launcher cannot restart the others' msrun: every node reruns
+            print(f"[launch] loss spike at step {rollback['spike_step']}: rerun the command on every node to roll back "
+                  f"to step {rollback['rolled_back_to']}, skipping {rollback['skipped_samples']} samples (see "
+                  f"{os.path.join(run_dir, 'data_skips.json')})", file=sys.stderr, flush=True)
+            return PREEMPTED_EXIT_CODE
         # A loss spike: the workers stopped at the spike step and recorded the samples to skip;
         # resume from the newest checkpoint before it, as a rerun of the same command would.
         print(f"[launch] loss spike at step {rollback['spike_step']}: rolling back to step "

@@ -115,14 +115,15 @@ def fingerprint(recipe) -> dict:
     return {"recipe": recipe.to_dict(), "code": code_hashes(), "versions": versions}
 
 
-def differences(mine: dict, theirs: dict) -> list:
+def differences(mine: dict, theirs: dict, here: str = "here", there: str = "there") -> list:
     """What differs between two nodes' fingerprints, each item naming the recipe key, file or package."""
-    found = [f"recipe key {key}: {a!r} here, {b!r} there" for key, a, b in _diff(mine["recipe"], theirs["recipe"])]
+    found = [f"recipe key {key}: {a!r} on {here}, {b!r} on {there}"
+             for key, a, b in _diff(mine["recipe"], theirs["recipe"])]
     files = sorted(k for k in set(mine["code"]) | set(theirs["code"]) if mine["code"].get(k) != theirs["code"].get(k))
     if files:
         more = ", ..." if len(files) > 5 else ""
         found.append(f"code: {len(files)} source file(s) differ ({', '.join(files[:5])}{more})")
-    found += [f"{name} {mine['versions'].get(name)} here, {theirs['versions'].get(name)} there"
+    found += [f"{name} {mine['versions'].get(name)} on {here}, {theirs['versions'].get(name)} on {there}"
               for name in sorted(set(mine["versions"]) | set(theirs["versions"]))
               if mine["versions"].get(name) != theirs["versions"].get(name)]
     return found
@@ -339,7 +340,7 @@ class NodeZero(NodeGroup):
                                 f"{self.cluster.nodes}")
             elif rank in self.links:
                 problems.append(f"node {rank} has joined already (from {self.links[rank].peer})")
-            problems += differences(self.mine, hello["fingerprint"])
+            problems += differences(self.mine, hello["fingerprint"], "node 0", f"node {rank}")
             if problems:
                 reason = (f"node {rank} ({host}) does not match node 0 ({self.cluster.master_addr}):\n"
                           + "\n".join(f"  - {p}" for p in problems))
