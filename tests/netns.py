@@ -31,27 +31,32 @@ def _ip(*args) -> subprocess.CompletedProcess:
 
 
 def create_nodes(count: int = 2, prefix: str = None) -> list:
-    """`count` namespaces on one bridge-less link (a veth pair for two, a bridge in the first for more)."""
+    """`count` namespaces, each with a veth pair to a bridge in the first one; removed again if anything fails."""
     prefix = prefix or f"mn{os.getpid()}"
     nodes = [Node(f"{prefix}n{i}", f"10.231.0.{i + 1}", f"node{i + 1:02d}") for i in range(count)]
     hosts = "127.0.0.1 localhost\n" + "".join(f"{n.address} {n.hostname}\n" for n in nodes)
-    for node in nodes:
-        _checked("netns", "add", node.name)
-        _checked("-n", node.name, "link", "set", "lo", "up")
-        os.makedirs(os.path.join(NETNS_ETC, node.name), exist_ok=True)
-        with open(os.path.join(NETNS_ETC, node.name, "hosts"), "w", encoding="utf-8") as f:
-            f.write(hosts)
-    # A bridge in the first namespace, one veth pair from it to every node (the first included).
-    _checked("-n", nodes[0].name, "link", "add", "br0", "type", "bridge")
-    _checked("-n", nodes[0].name, "link", "set", "br0", "up")
-    for i, node in enumerate(nodes):
-        outer, inner = f"{prefix}b{i}", f"{prefix}e{i}"
-        _checked("link", "add", outer, "type", "veth", "peer", "name", inner)
-        _checked("link", "set", outer, "netns", nodes[0].name)
-        _checked("link", "set", inner, "netns", node.name)
-        _checked("-n", nodes[0].name, "link", "set", outer, "master", "br0", "up")
-        _checked("-n", node.name, "addr", "add", f"{node.address}/24", "dev", inner)
-        _checked("-n", node.name, "link", "set", inner, "up")
+    try:
+        for node in nodes:
+            _checked("netns", "add", node.name)
+            _checked("-n", node.name, "link", "set", "lo", "up")
+            os.makedirs(os.path.join(NETNS_ETC, node.name), exist_ok=True)
+            with open(os.path.join(NETNS_ETC, node.name, "hosts"), "w", encoding="utf-8") as f:
+                f.write(hosts)
+        _checked("-n", nodes[0].name, "link", "add", "br0", "type", "bridge")
+        _checked("-n", nodes[0].name, "link", "set", "br0", "up")
+        for i, node in enumerate(nodes):
+            outer, inner = f"{prefix}b{i}", f"{prefix}e{i}"
+            _checked("link", "add", outer, "type", "veth", "peer", "name", inner)
+            _checked("link", "set", outer, "netns", nodes[0].name)
+            _checked("link", "set", inner, "netns", node.name)
+            _checked("-n", nodes[0].name, "link", "set", outer, "master", "br0", "up")
+            _checked("-n", node.name, "addr", "add", f"{node.address}/24", "dev", inner)
+            _checked("-n", node.name, "link", "set", inner, "up")
+    except BaseException:
+        for i in range(count):  # a veth pair still in this namespace (made, not yet moved)
+            _ip("link", "del", f"{prefix}b{i}")
+        remove_nodes(nodes)
+        raise
     return nodes
 
 
@@ -92,9 +97,8 @@ def netns_nodes():
     reason = why_no_namespaces()
     if reason:
         pytest.skip(reason)
-    nodes = []
+    nodes = create_nodes(2)
     try:
-        nodes = create_nodes(2)
         yield nodes
     finally:
-        remove_nodes(nodes or [Node(f"mn{os.getpid()}n{i}", "", "") for i in range(2)])
+        remove_nodes(nodes)

@@ -31,21 +31,38 @@ def settings(run_dir, dataset):
 class Launch:
     """One node's launcher, started inside its namespace; stdout and stderr go to files (a full pipe would block)."""
 
+    started = []  # every launch of this module: any still running after a test is stopped (stop_leftovers)
+
     def __init__(self, node, args, out_prefix, env=None):
         self.out, self.err = f"{out_prefix}.stdout", f"{out_prefix}.stderr"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             # ip netns exec and the launcher script exec: the launcher's Python keeps this PID
             self.proc = subprocess.Popen(node.command(["bash", LAUNCHER, *args]), stdout=out, stderr=err,
                                          env=dict(os.environ, **(env or {})))
+        Launch.started.append(self)
 
     def finish(self, timeout=240):
-        try:
-            self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
+        self.proc.wait(timeout)
         with open(self.out) as out, open(self.err) as err:
             return self.proc.returncode, out.read(), err.read()
+
+    def stop(self):
+        """Ctrl-C twice (the launcher kills its job at once), then SIGKILL if it is still there."""
+        for sig in (signal.SIGINT, signal.SIGINT, signal.SIGKILL):
+            if self.proc.poll() is None:
+                self.proc.send_signal(sig)
+                try:
+                    self.proc.wait(15 if sig == signal.SIGINT else None)
+                except subprocess.TimeoutExpired:
+                    pass
+
+
+@pytest.fixture(autouse=True)
+def stop_leftovers():
+    """A failed or interrupted test leaves no launcher (nor, through it, any job process) running."""
+    yield
+    while Launch.started:
+        Launch.started.pop().stop()
 
 
 def cluster_args(nodes, rank, port, *extra):
@@ -112,7 +129,7 @@ def test_a_killed_node_is_named_and_both_nodes_resume_from_the_newest_checkpoint
     manifest = run_dir / "checkpoints" / "step_00000004" / "rank_1" / "manifest.json"
     deadline = time.time() + 200
     while not manifest.exists():
-        assert time.time() < deadline and all(la.proc.poll() is None for la in launches), launches[0].finish(1)
+        assert time.time() < deadline and all(la.proc.poll() is None for la in launches), "no step-4 checkpoint"
         time.sleep(0.02)
     node1 = launches[1].proc.pid
     victims = [node1, *job_processes_of(node1)]

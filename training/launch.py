@@ -863,7 +863,8 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
             group.abort(getattr(err, "message", "") or stopped)
         raise
     if group is not None:
-        group.end(code)
+        # A stop on request is all-reduced (every rank stops and saves at the same step): not a failure for the others.
+        group.end(code, ok=code in (0, PREEMPTED_EXIT_CODE))
     return code
 
 

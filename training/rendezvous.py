@@ -275,11 +275,11 @@ class NodeGroup:
                     link.phases[str(rank)] = beat
         return next((p for p in (link.problem() for _, link in sorted(self.links.items())) if p), "")
 
-    def end(self, code: int) -> None:
-        """Tell the other nodes how this launch ended (a failure stops theirs), then close."""
+    def end(self, code: int, ok: bool) -> None:
+        """Tell the other nodes how this launch ended (`ok` False stops their part), then close."""
         reason = exit_reason(self.cluster.node_rank, code) + (f": {self.failure}" if self.failure else "")
         for link in self.links.values():
-            link.end(code == 0, reason)
+            link.end(ok, reason)
         self.links = {}
 
     def abort(self, reason: str) -> None:
