@@ -7,6 +7,7 @@ import tempfile
 import pytest
 
 from clusters import RayCluster, SlurmCluster
+from netns import netns_nodes  # noqa: F401 (a fixture: network-namespace "nodes" for the multi-node tests)
 
 # Importing MindFormers creates ./output/log unless told where to log; keep the checkout clean.
 os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers-log-"))
@@ -14,6 +15,8 @@ os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_cpu.yaml")
+DP2_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml")
+DP_STEPS = 8  # data_parallel_runs
 DEMO_RECIPE = os.path.join(REPO_ROOT, "recipes", "demo_cpu.yaml")
 # Mistral-7B's tokenizer.model.v1, shipped in the Apache-2.0 package mistral-common (test extra; only this data
 # file is read): 32,000 pieces, unk 0, bos 1, eos 2 and no pad id, the layout of Llama 2's tokenizer.
@@ -34,18 +37,16 @@ def tiny_dataset(tmp_path_factory):
     return out
 
 
-DP2_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml")
-DATA_PARALLEL_STEPS = 8
-
-
 @pytest.fixture(scope="session")
 def data_parallel_runs(tmp_path_factory, tiny_dataset):
-    """(DP1 run dir, DP2 run dir) of the tiny recipe at one global batch, checkpoint at the last step; read-only."""
+    """The tiny recipe trained DP_STEPS steps as one process and as two (tiny_dp2_cpu.yaml): (dp1 dir, dp2 dir).
+
+    Shared by the data-parallel and the multi-node tests (both compare layouts against it).
+    """
     from ascend_llm_recipes.training.launch import launch
 
     common = [f"train_dataset.data_loader.dataset_dir={tiny_dataset}", "train_dataset.data_loader.shuffle=False",
-              f"runner_config.stop_step={DATA_PARALLEL_STEPS}",
-              f"callbacks.1.save_checkpoint_steps={DATA_PARALLEL_STEPS}"]
+              f"runner_config.stop_step={DP_STEPS}", f"callbacks.1.save_checkpoint_steps={DP_STEPS}"]
     one = str(tmp_path_factory.mktemp("dp") / "dp1")
     two = str(tmp_path_factory.mktemp("dp") / "dp2")
     assert launch(TINY_RECIPE, [f"output_dir={one}", *common], show_progress=False) == 0

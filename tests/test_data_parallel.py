@@ -6,10 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import DATA_PARALLEL_STEPS, DP2_RECIPE, TINY_RECIPE
+from conftest import DP2_RECIPE, DP_STEPS as STEPS, TINY_RECIPE
 from ascend_llm_recipes.training.launch import launch
-
-STEPS = DATA_PARALLEL_STEPS
 
 
 def losses(path):

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from conftest import DATA_PARALLEL_STEPS, DP2_RECIPE, REPO_ROOT, TINY_RECIPE
+from conftest import DP_STEPS, DP2_RECIPE, REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.common.errors import ConversionError, LaunchError, RecipeError
 from ascend_llm_recipes.training.recipe import load_recipe
 
@@ -102,7 +102,7 @@ def test_resume_at_another_layout_is_decided_on_a_real_run_dir(dp2_run, tmp_path
 
     run, _ = dp2_run
     assert not os.listdir(os.path.join(run, "strategy"))  # MindFormers makes the folder; data parallel writes none
-    step_dir = os.path.join(run, "checkpoints", f"step_{DATA_PARALLEL_STEPS:08d}")
+    step_dir = os.path.join(run, "checkpoints", f"step_{DP_STEPS:08d}")
     previous = saved_recipe(run)
     recipe_yaml = os.path.join(run, "recipe.yaml")
     check_relayout(previous, load_recipe(recipe_yaml, planning=True), run, step_dir)  # same layout
@@ -116,7 +116,7 @@ def test_resume_at_another_layout_is_decided_on_a_real_run_dir(dp2_run, tmp_path
         check_relayout(previous, tp2, run, step_dir)
     # The same shards recorded as a semi-auto DP1 x TP2 run's (recipe.yaml written by the loader), resumed at DP2.
     tp_run = as_tp2(run, tmp_path)
-    tp_step = os.path.join(tp_run, "checkpoints", f"step_{DATA_PARALLEL_STEPS:08d}")
+    tp_step = os.path.join(tp_run, "checkpoints", f"step_{DP_STEPS:08d}")
     tp_previous = saved_recipe(tp_run)
     semi_dp2 = [*AS_TP2, "parallel_config.data_parallel=2", "parallel_config.model_parallel=1",
                 "runner_config.batch_size=2"]
@@ -153,7 +153,7 @@ def test_to_hf_of_a_data_parallel_run_is_unchanged_and_a_tp_run_needs_its_strate
     run, _ = dp2_run
     assert export_source(run) == (run, None)
     tp_run = as_tp2(run, tmp_path)
-    with pytest.raises(ConversionError, match=rf"step_{DATA_PARALLEL_STEPS:08d}: a DP1 x TP2 x PP1 checkpoint holds "
+    with pytest.raises(ConversionError, match=rf"step_{DP_STEPS:08d}: a DP1 x TP2 x PP1 checkpoint holds "
                                               r"each rank's slice .*"
                                               r"2 are missing: .*tp2_run/strategy/ckpt_strategy_rank_0\.ckpt"):
         export_source(tp_run)
@@ -184,7 +184,7 @@ def test_acceptance_report_from_real_run_directories(dp2_run, tmp_path):
     assert set(report) == set(results) and all(r["status"] in ("PASS", "FAIL") for r in report.values())
     assert report["layout_dp2_tp2_pp2_vs_dp8"]["status"] == "PASS"  # the same losses: difference 0
     assert report["layout_dp2_tp2_pp2_vs_dp8"]["max_relative_difference"] == 0.0
-    assert report["kill_resume_tp_pp"]["steps"] == [DATA_PARALLEL_STEPS] * 2
+    assert report["kill_resume_tp_pp"]["steps"] == [DP_STEPS] * 2
     # Losses agree, but no checkpoint was re-sliced by MindFormers: not a pass.
     relayout = report["resume_dp8_from_dp2_tp2_pp2"]
     assert relayout["status"] == "FAIL" and relayout["transformed_files"] == 0
@@ -210,7 +210,7 @@ def test_the_relayout_launch_hands_mindformers_the_checkpoints_strategy(dp2_run,
 
     run = as_tp2(dp2_run[0], tmp_path)  # a copy recorded as a semi-auto DP1 x TP2 run's, resumed at semi-auto DP2
     previous = saved_recipe(run)
-    step_dir = os.path.join(run, "checkpoints", f"step_{DATA_PARALLEL_STEPS:08d}")
+    step_dir = os.path.join(run, "checkpoints", f"step_{DP_STEPS:08d}")
     recipe = load_recipe(os.path.join(run, "recipe.yaml"), ["auto_trans_ckpt=True", "parallel_config.data_parallel=2",
                                                             "parallel_config.model_parallel=1",
                                                             "runner_config.batch_size=2"], planning=True)

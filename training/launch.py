@@ -30,15 +30,18 @@ from ascend_llm_recipes.training.job import (LAUNCHER_ENV, RunDirLock, describe_
                                              process_id, send, start_time)
 from ascend_llm_recipes.training.recipe import Recipe, load_recipe
 from ascend_llm_recipes.training.resume import check_data_position, prepare_run_dir, resumed_step
+from ascend_llm_recipes.training.rendezvous import (DEFAULT_RENDEZVOUS_TIMEOUT, NodeGroup, check_node_address,
+                                                    open_rendezvous, report_lost)
 from ascend_llm_recipes.training.run_files import (AMENDMENTS, LOCK_FILE, MSRUN_LOG, RESOLVED_RECIPE, SUMMARY,
-                                                   node_lock_file, read_status)
+                                                   read_status)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # realpath: the package may be a symlink
 WORKER_SCRIPT = os.path.join(REPO_ROOT, "scripts", "train.py")
 LOG_TAIL_LINES = 25
 HANG_EXIT_CODE = 3
 PREEMPTED_EXIT_CODE = 4   # stopped on request (SIGTERM, Ctrl-C): each rank saved at the end of its step
 KILLED_EXIT_CODE = 5      # stopped hard (a second Ctrl-C, or the grace ran out): nothing saved at the stop
+NODE_LOST_EXIT_CODE = 6   # another node's launcher died, fell silent or failed: this node's part was stopped
 INTERNAL_ERROR_EXIT_CODE = 70
 STOP_GRACE_SECONDS = 120  # after Ctrl-C/SIGTERM: time for the ranks to finish their step and save
 FAILURE_GRACE_SECONDS = 10  # after a rank failed: time for msrun to stop the rest before the launcher kills them
@@ -107,6 +110,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def msrun_log_name(cluster: Cluster) -> str:
+    """logs/msrun.log, one per node when several nodes share the run directory."""
+    return MSRUN_LOG if cluster.nodes == 1 else f"msrun.node_{cluster.node_rank}.log"
+
+
 def msrun_command(cluster: Cluster, run_dir: str) -> list:
     msrun = shutil.which("msrun") or "msrun"
     return [msrun, f"--worker_num={cluster.world_size}", f"--local_worker_num={cluster.local_workers}",
@@ -153,22 +161,26 @@ class JobOutcome:
     killed: str = ""               # why the launcher killed the job's processes, if it did
     hung: bool = False
     seen_failing: dict = field(default_factory=dict)  # rank -> poll round the launcher first saw it fail or die
+    node_lost: str = ""            # another node lost during the run (training/rendezvous.py), why and where
+    msrun_log: str = MSRUN_LOG     # this node's msrun output, in RUN_DIR/logs
 
 
-def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: float, poll: float = 1.0) -> JobOutcome:
+def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: float, poll: float = 1.0,
+                msrun_log: str = MSRUN_LOG, nodes: NodeGroup = None) -> JobOutcome:
     """Run msrun and watch its job until every process of it is gone.
 
     Stops the job when a rank fails or dies (whatever msrun does meanwhile: its scheduler can
     wait minutes for a rank that is gone), when a rank's heartbeat stops for `hang_timeout`
-    seconds, and on SIGINT/SIGTERM/SIGHUP: every worker then saves at the end of its current
+    seconds, when another node is lost (`nodes`: its ranks are gone, ours would wait on them in
+    a collective), and on SIGINT/SIGTERM/SIGHUP: every worker then saves at the end of its current
     step and exits; a second signal, or STOP_GRACE_SECONDS, kills the job at once. msrun's own
-    output goes to logs/msrun.log (it must not depend on the launcher being alive) and is echoed here.
+    output goes to logs/`msrun_log` (it must not depend on the launcher being alive) and is echoed here.
     """
     launcher = process_id()
     env = dict(env, **{LAUNCHER_ENV: launcher})
-    log_path = os.path.join(run_dir, "logs", MSRUN_LOG)
+    log_path = os.path.join(run_dir, "logs", msrun_log)
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    outcome, signals = JobOutcome(returncode=0), []
+    outcome, signals = JobOutcome(returncode=0, msrun_log=msrun_log), []
     handlers = {sig: signal.signal(sig, lambda signum, _: signals.append(signal.Signals(signum).name))
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     started, rounds, proc, echo = time.time(), 0, None, None
@@ -204,9 +216,11 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
                 print(f"[launch] rank {rank} stalled in phase '{phase}' for {seconds:.0f} s "
                       f"(monitoring.hang_timeout {hang_timeout} s); stopping the job", file=sys.stderr, flush=True)
             workers_gone = (workers_gone or now) if seen_worker and not workers else None
+            outcome.node_lost = nodes.problem() if nodes is not None else ""
             # Once the job is ending, msrun only needs to note how its workers exited.
             settle = SETTLE_SECONDS if deadline is None else ENDING_SETTLE_SECONDS
-            why = ("a rank stalled" if stalled else
+            why = (outcome.node_lost if outcome.node_lost else
+                   "a rank stalled" if stalled else
                    f"second {signals[1]}" if len(signals) > 1 else
                    "the grace period ran out" if deadline is not None and now > deadline else
                    "its workers are gone" if workers_gone and now - workers_gone > settle else "")
@@ -328,11 +342,11 @@ def tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
         return f"(no log at {path})\n"
 
 
-def msrun_exit_codes(run_dir: str) -> dict:
+def msrun_exit_codes(run_dir: str, msrun_log: str = MSRUN_LOG) -> dict:
     """{pid: exit code} of the workers msrun saw exit with an error (negative: killed by that signal)."""
     codes = {}
     try:
-        with open(os.path.join(run_dir, "logs", MSRUN_LOG), encoding="utf-8", errors="replace") as f:
+        with open(os.path.join(run_dir, "logs", msrun_log), encoding="utf-8", errors="replace") as f:
             for match in re.finditer(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)", f.read()):
                 codes.setdefault(int(match.group(1)), int(match.group(2)))
     except OSError:
@@ -364,7 +378,7 @@ def first_failure(run_dir: str, failed: list, outcome: JobOutcome, codes: dict):
 
 def failure_report(run_dir: str, ranks, outcome: JobOutcome) -> str:
     """Which rank failed first, how (signal or exit code, error) and in which phase; then each failed rank's log."""
-    codes = msrun_exit_codes(run_dir)
+    codes = msrun_exit_codes(run_dir, outcome.msrun_log)
     failed = failed_ranks(run_dir, ranks)
     first = first_failure(run_dir, failed, outcome, codes)
     parts = [f"[launch] training failed (msrun exit code {outcome.returncode})"]
@@ -388,6 +402,15 @@ def failure_report(run_dir: str, ranks, outcome: JobOutcome) -> str:
         parts.append(f"rank {rank}: {state}{where}{': ' + error if error else ''}\n"
                      f"--- last {LOG_TAIL_LINES} lines of {log} ---\n{tail(log)}---")
     return "\n".join(parts)
+
+
+def report_failure(run_dir: str, cluster: Cluster, outcome: JobOutcome, group: NodeGroup = None) -> str:
+    """failure_report for this node's ranks; the other nodes are told its headline (which rank, how, where)."""
+    report = failure_report(run_dir, cluster.ranks, outcome)
+    if group is not None:
+        group.failure = "; ".join(line[len("[launch] "):] for line in report.splitlines()[1:]
+                                  if line.startswith("[launch] ") and not line.startswith("[launch] training failed"))
+    return report
 
 
 def job_complete(run_dir: str, ranks, world_size: int) -> bool:
@@ -433,15 +456,20 @@ def plan_report(recipe: Recipe, device: str = None) -> str:
 
 
 def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: int = None, node_rank: int = None,
-           master_addr: str = None, master_port: int = None, dry_run: bool = False, amend: bool = False) -> int:
+           master_addr: str = None, master_port: int = None, dry_run: bool = False, amend: bool = False,
+           rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT) -> int:
     """Validate, check, prepare, then run msrun on this node; returns the exit code.
 
     `amend`: continue a run whose recipe changed, recording the change (continue_run).
+    On several nodes, node 0 prepares the (shared) run directory and the others join it first
+    (training/rendezvous.py): `rendezvous_timeout` bounds how long any node waits for the others.
     """
     from ascend_llm_recipes.training.preflight import has_errors, hccl_env
 
     recipe = load_recipe(recipe_path, tuple(overrides))
     cluster = resolve_cluster(recipe, nodes, node_rank, master_addr, master_port)
+    if cluster.nodes > 1 and not dry_run:
+        check_node_address(cluster.nodes, cluster.node_rank, cluster.master_addr, cluster.master_port)
     findings = preflight(recipe, master_port=cluster.master_port if cluster.node_rank == 0 else None)
     hccl = hccl_env(recipe)
     if dry_run:
@@ -451,16 +479,63 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
     if has_errors(findings):
         raise LaunchError("preflight found errors (above); nothing was started",
                           hint="fix them, or see `bash scripts/run_distributed.sh RECIPE --check`")
+    group = open_rendezvous(cluster, recipe, rendezvous_timeout,
+                            lambda k: join_command(recipe_path, overrides, cluster, k, amend, rendezvous_timeout))
+    try:
+        code = launch_node(recipe, recipe_path, cluster, findings, hccl, amend, show_progress, group)
+    except BaseException as err:
+        if group is not None:
+            stopped = f"node {cluster.node_rank}'s launcher stopped ({type(err).__name__})"
+            group.abort(getattr(err, "message", "") or stopped)
+        raise
+    if group is not None:
+        # A stop on request is all-reduced (every rank stops and saves at the same step): not a failure for the others.
+        group.end(code, ok=code in (0, PREEMPTED_EXIT_CODE))
+    return code
+
+
+def launch_node(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, hccl: dict, amend: bool,
+                show_progress: bool, group: NodeGroup = None) -> int:
+    """This node's part once the checks passed: node 0 (or the only node) owns and prepares the run directory."""
+    if cluster.node_rank == 0:
+        ensure_dataset(recipe, show_progress)
+        check_load_checkpoint(recipe)
+        with lock_run_dir(recipe, cluster):
+            if group is not None:
+                group.wait_joined()  # before the run directory is touched
+            return run_job(recipe, recipe_path, cluster, findings, hccl, amend, group)
+    nothing_to_do = group.prepared(recipe.output_dir)  # the run directory (and dataset) node 0 prepared
+    if nothing_to_do:
+        print(f"[launch] {nothing_to_do}", flush=True)
+        return 0
     ensure_dataset(recipe, show_progress)
     check_load_checkpoint(recipe)
-    with lock_run_dir(recipe, cluster):
-        return run_job(recipe, recipe_path, cluster, findings, hccl, amend)
+    group.start()
+    return run_job(recipe, recipe_path, cluster, findings, hccl, amend, group)
+
+
+def join_command(recipe_path: str, overrides, cluster: Cluster, node_rank: int, amend: bool,
+                 rendezvous_timeout: float) -> str:
+    """The command another node runs to join this launch."""
+    import shlex
+    parts = ["bash", "scripts/run_distributed.sh", recipe_path, *[a for o in overrides for a in ("--set", o)],
+             "--nodes", str(cluster.nodes), "--node-rank", str(node_rank), "--master-addr", cluster.master_addr,
+             "--master-port", str(cluster.master_port)]
+    if amend:
+        parts.append("--amend")
+    if rendezvous_timeout != DEFAULT_RENDEZVOUS_TIMEOUT:
+        parts += ["--rendezvous-timeout", f"{rendezvous_timeout:g}"]
+    return " ".join(map(shlex.quote, parts))
 
 
 def lock_run_dir(recipe: Recipe, cluster: Cluster) -> RunDirLock:
-    """Own the run directory for this launch (one lock per node); a stale lock left by a dead launcher is taken over."""
+    """Own the run directory for this launch; a stale lock left by a dead launcher is taken over.
+
+    On several nodes only node 0 takes it: the others join node 0's launch at the rendezvous,
+    which admits one launcher per node rank.
+    """
     run_dir = os.path.abspath(recipe.output_dir)
-    lock = RunDirLock(run_dir, LOCK_FILE if cluster.nodes == 1 else node_lock_file(cluster.node_rank))
+    lock = RunDirLock(run_dir, LOCK_FILE)
     stale = lock.acquire()
     if stale:
         print(f"[launch] warning: taking over the stale lock {lock.path} of a launch that is gone "
@@ -469,32 +544,50 @@ def lock_run_dir(recipe: Recipe, cluster: Cluster) -> RunDirLock:
 
 
 def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, hccl: dict,
-            amend: bool = False) -> int:
-    """Prepare the (locked) run directory, run msrun until the job ends, report; returns the exit code."""
+            amend: bool = False, group: NodeGroup = None) -> int:
+    """Prepare the (locked) run directory, run msrun until the job ends, report; returns the exit code.
+
+    On several nodes node 0 prepares the run directory, then starts every node (`group`).
+    """
     from ascend_llm_recipes.data.loader import SKIPS_FILE
     from ascend_llm_recipes.training.preflight import write_findings
 
-    run_dir = prepare_run_dir(recipe, recipe_path, amend)
-    if recipe.resume_training and recipe.load_checkpoint and \
-            not os.path.abspath(recipe.load_checkpoint).startswith(run_dir + os.sep):
-        check_data_position(recipe, run_dir)  # resuming another run's checkpoint in a new run directory
-    if recipe.resume_training and recipe.runner_config.stop_step and \
-            resumed_step(recipe) >= recipe.runner_config.stop_step:
-        print(f"[launch] {run_dir} is already complete (step {resumed_step(recipe)} of runner_config.stop_step "
-              f"{recipe.runner_config.stop_step}); nothing to do", flush=True)
-        return 0
-    write_findings(findings, run_dir)
+    if cluster.node_rank == 0:
+        run_dir = prepare_run_dir(recipe, recipe_path, amend)
+        if recipe.resume_training and recipe.load_checkpoint and \
+                not os.path.abspath(recipe.load_checkpoint).startswith(run_dir + os.sep):
+            check_data_position(recipe, run_dir)  # resuming another run's checkpoint in a new run directory
+        if recipe.resume_training and recipe.runner_config.stop_step and \
+                resumed_step(recipe) >= recipe.runner_config.stop_step:
+            done = (f"{run_dir} is already complete (step {resumed_step(recipe)} of runner_config.stop_step "
+                    f"{recipe.runner_config.stop_step}); nothing to do")
+            print(f"[launch] {done}", flush=True)
+            if group is not None:
+                group.start(run_dir, nothing_to_do=done)
+            return 0
+        write_findings(findings, run_dir)
+        if group is not None:
+            group.start(run_dir)
+    else:
+        run_dir = recipe.output_dir
     print(f"[launch] resolved recipe (saved as {os.path.join(run_dir, RESOLVED_RECIPE)}):\n{recipe.to_yaml()}",
           flush=True)
     command = msrun_command(cluster, run_dir)
     env = worker_env(run_dir, cluster.local_workers, hccl)
+    if group is not None:
+        group.heartbeats = lambda ranks: {rank: read_heartbeat(run_dir, rank) for rank in ranks}
     print(f"[launch] node {cluster.node_rank} of {cluster.nodes}: ranks {cluster.ranks.start}-"
           f"{cluster.ranks.stop - 1} of {cluster.world_size}; "
           + " ".join(f"{k}={v}" for k, v in sorted(hccl.items())), flush=True)
     print(f"[launch] {' '.join(command)}", flush=True)
     while True:
-        outcome = run_watched(command, env, run_dir, cluster.ranks, recipe.monitoring.hang_timeout)
+        outcome = run_watched(command, env, run_dir, cluster.ranks, recipe.monitoring.hang_timeout,
+                              msrun_log=msrun_log_name(cluster), nodes=group)
         complete = job_complete(run_dir, cluster.ranks, cluster.world_size)
+        lost = outcome.node_lost or (group.problem() if group is not None and not complete else "")
+        if lost:
+            print(report_lost(lost, cluster, run_dir), file=sys.stderr, flush=True)
+            return NODE_LOST_EXIT_CODE
         reported_failure = any(state == "failed" for _, state, _ in failed_ranks(run_dir, cluster.ranks))
         if outcome.stopped_by and not complete and not reported_failure:
             print(f"[launch] stopped ({outcome.stopped_by}) "
@@ -504,17 +597,22 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
                   file=sys.stderr, flush=True)
             return KILLED_EXIT_CODE if outcome.killed else PREEMPTED_EXIT_CODE
         if outcome.hung:
-            print(failure_report(run_dir, cluster.ranks, outcome), file=sys.stderr, flush=True)
+            print(report_failure(run_dir, cluster, outcome, group), file=sys.stderr, flush=True)
             return HANG_EXIT_CODE
         if complete and outcome.returncode != 0:
             print(f"[launch] note: msrun exited with code {outcome.returncode} after every rank had finished and "
                   "saved (a process ended badly during teardown); the run is complete", flush=True)
         elif outcome.returncode != 0 or failed_ranks(run_dir, cluster.ranks):
-            print(failure_report(run_dir, cluster.ranks, outcome), file=sys.stderr, flush=True)
+            print(report_failure(run_dir, cluster, outcome, group), file=sys.stderr, flush=True)
             return 1
         rollback = requested_rollback(run_dir, cluster.ranks)
         if rollback is None:
             break
+        if cluster.nodes > 1:  # one node's launcher cannot restart the others' msrun: every node reruns
+            print(f"[launch] loss spike at step {rollback['spike_step']}: rerun the command on every node to roll back "
+                  f"to step {rollback['rolled_back_to']}, skipping {rollback['skipped_samples']} samples (see "
+                  f"{os.path.join(run_dir, 'data_skips.json')})", file=sys.stderr, flush=True)
+            return PREEMPTED_EXIT_CODE
         # A loss spike: the workers stopped at the spike step and recorded the samples to skip;
         # resume from the newest checkpoint before it, as a rerun of the same command would.
         print(f"[launch] loss spike at step {rollback['spike_step']}: rolling back to step "
@@ -550,7 +648,11 @@ def main(argv=None) -> int:
     parser.add_argument("--nodes", type=int, help="number of nodes (default: SLURM_NNODES or 1)")
     parser.add_argument("--node-rank", type=int, help="this node's index (default: SLURM_NODEID or 0)")
     parser.add_argument("--master-addr", help="node 0's address (default: first Slurm host or 127.0.0.1)")
-    parser.add_argument("--master-port", type=int, help=f"default {DEFAULT_MULTINODE_PORT} on several nodes")
+    parser.add_argument("--master-port", type=int, help=f"default {DEFAULT_MULTINODE_PORT} on several nodes (node 0's "
+                                                        "launcher also listens on the next port, for the rendezvous)")
+    parser.add_argument("--rendezvous-timeout", type=float, default=DEFAULT_RENDEZVOUS_TIMEOUT, metavar="SECONDS",
+                        help="on several nodes: how long a node waits for the others to join before giving up "
+                             f"(default {DEFAULT_RENDEZVOUS_TIMEOUT})")
     parser.add_argument("--amend", action="store_true",
                         help=f"continue a run with a changed recipe; the change is recorded in RUN_DIR/{AMENDMENTS}")
     args = parser.parse_args(argv)
@@ -573,7 +675,8 @@ def main(argv=None) -> int:
             return 2 if has_errors(preflight(recipe, master_port=args.master_port)) else 0
         return launch(args.recipe, args.overrides, nodes=args.nodes, node_rank=args.node_rank,
                       master_addr=args.master_addr, master_port=args.master_port,
-                      dry_run=os.environ.get("DRY_RUN", "") not in ("", "0"), amend=args.amend)
+                      dry_run=os.environ.get("DRY_RUN", "") not in ("", "0"), amend=args.amend,
+                      rendezvous_timeout=args.rendezvous_timeout)
     except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@ RUN_DIR/
   recipe.yaml              the resolved recipe the run trains with (a resume compares against it)
   amendments.jsonl         recipe changes accepted on resume with --amend, one per line
   preflight.json, .txt     the launcher's environment checks
-  launch.lock              held by the launcher that owns the run (launch.node_N.lock per node on several)
+  launch.lock              held by the launcher that owns the run (node 0's on several nodes)
+  rendezvous.json          on several nodes: node 0's record of the nodes it admitted (training/rendezvous.py)
   status/rank_N.json       each rank's state: running, done or failed
   heartbeat/rank_N.json    each rank's phase, for the launcher's hang detection
   metrics.jsonl            rank 0's per-step records (metrics_rank_N.jsonl: another rank's)
@@ -45,11 +46,6 @@ STRATEGY_DIR = "strategy"
 LAYOUT_FILE = "layout.json"
 MERGED_DIR = "merged_checkpoint"
 MINDFORMERS_DIRS = ("checkpoint", "strategy", "log")
-
-
-def node_lock_file(node_rank: int) -> str:
-    """The lock of one node's launcher when a run spans several nodes (they share the run directory)."""
-    return f"launch.node_{node_rank}.lock"
 
 
 def metrics_file(rank: int) -> str:
