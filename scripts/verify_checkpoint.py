@@ -31,10 +31,10 @@ def main(argv=None) -> int:
     shapes = None
     try:
         if args.recipe:
-            from ascend_llm_recipes.models.shapes import parameter_shapes
+            from ascend_llm_recipes.training.checkpoint import rank_shapes
             from ascend_llm_recipes.training.recipe import load_recipe
             recipe = load_recipe(args.recipe, tuple(args.overrides), planning=True)
-            shapes = parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
+            shapes = rank_shapes(recipe)
         directories = steps_to_verify(args.path)
     except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)

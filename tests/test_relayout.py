@@ -227,3 +227,19 @@ def test_the_relayout_launch_hands_mindformers_the_checkpoints_strategy(dp2_run,
     # The next launch at the same layout resumes its own newer checkpoint: nothing to re-slice.
     recipe.load_checkpoint = os.path.join(run, "checkpoints", "step_00000009")
     assert mindformers_config(recipe, run)["auto_trans_ckpt"] is False
+
+
+def test_a_semi_auto_runs_checkpoints_are_not_held_to_whole_model_shapes(dp2_run, tmp_path):
+    """A semi-auto rank saves its slice or stage: resume and verify_checkpoint must not set its steps aside by shape."""
+    from ascend_llm_recipes.models.shapes import parameter_shapes
+    from ascend_llm_recipes.training.checkpoint import rank_shapes, scan_steps
+    from ascend_llm_recipes.training.resume import saved_recipe
+
+    run, _ = dp2_run
+    previous = saved_recipe(run)
+    assert rank_shapes(previous) == parameter_shapes(previous.model.model_config, 1)  # data parallel: whole tensors
+    tp_run = as_tp2(run, tmp_path)
+    tp_previous = saved_recipe(tp_run)
+    assert rank_shapes(tp_previous) is None
+    (step, _), invalid = scan_steps(tp_run, tp_previous.world_size, rank_shapes(tp_previous))
+    assert step == DP_STEPS and not invalid

@@ -157,6 +157,23 @@ def step_entries(run_dir: str, kind: str = "step") -> list:
     return sorted((e for e in entries if re.fullmatch(kind + r"_\d+", e)), reverse=True)
 
 
+def rank_shapes(recipe):
+    """The tensor shapes every rank's checkpoint must hold, or None where a rank holds only its slice or stage.
+
+    Under data parallel each rank saves the whole model. Under semi-auto parallel (TP, PP, optimizer
+    parallel) MindSpore keeps a parameter at its slice shape on each rank (mindspore/common/parameter.py
+    Parameter.init_data) and a pipeline stage holds its own layers only, so comparing a rank's file with
+    the whole model would set every valid checkpoint aside; files, hashes and the manifest are still
+    verified, and MindSpore checks the slices against the strategy at load.
+    """
+    from ascend_llm_recipes.models.shapes import parameter_shapes
+    from ascend_llm_recipes.training.relayout import semi_auto
+
+    if semi_auto(recipe):
+        return None
+    return parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
+
+
 def scan_steps(run_dir: str, world_size: int, expected_shapes: dict = None) -> tuple:
     """((step, directory) of the newest valid step or (None, None), [(directory, problems)] of invalid ones).
 

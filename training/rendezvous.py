@@ -29,7 +29,7 @@ import uuid
 from importlib import metadata
 from typing import Callable, Optional
 
-from ascend_llm_recipes.training.errors import LaunchError
+from ascend_llm_recipes.common.errors import LaunchError
 
 RENDEZVOUS_PORT_OFFSET = 1
 DEFAULT_RENDEZVOUS_TIMEOUT = 600  # --rendezvous-timeout: how long a node waits for the others to come

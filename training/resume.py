@@ -52,8 +52,7 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
     is written; then invalid step directories are moved to checkpoints/invalid/ (so retention
     counts valid checkpoints only) and the metrics are cut back to the resumed step.
     """
-    from ascend_llm_recipes.models.shapes import parameter_shapes
-    from ascend_llm_recipes.training.checkpoint import MANIFEST, read_json, scan_steps, set_aside
+    from ascend_llm_recipes.training.checkpoint import MANIFEST, rank_shapes, read_json, scan_steps, set_aside
 
     previous = saved_recipe(run_dir)
     if previous.model != recipe.model:
@@ -62,8 +61,7 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
         raise LaunchError(f"output_dir {run_dir} holds a run of another model (changed: "
                           f"{', '.join('model.model_config.' + k for k in changed) or 'model'})",
                           hint="a changed model cannot resume these checkpoints; choose a new output_dir")
-    shapes = parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
-    (step, directory), invalid = scan_steps(run_dir, recipe.world_size, shapes)
+    (step, directory), invalid = scan_steps(run_dir, recipe.world_size, rank_shapes(previous))
     if step is not None:
         recipe.load_checkpoint = directory
         recipe.resume_training = read_json(os.path.join(directory, "rank_0", MANIFEST))["file"]
