@@ -14,6 +14,8 @@ PACKAGE_FOLDERS = ("common", "models", "data", "training")
 OPTIONAL = {
     "torch": "reading .bin/.pt and Megatron checkpoints, --verify",
     "transformers": "--verify's reference model",
+    "datatrove": "prepare_data.py --executor/--tasks (the scale extra)",
+    "ray": "prepare_data.py --executor ray (the scale extra)",
 }
 
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from ascend_llm_recipes.training.run_files import METRICS, METRICS_PATTERN
+from ascend_llm_recipes.training.run_files import CHECKPOINTS, METRICS, METRICS_PATTERN
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(REPO_ROOT, "scripts", "run_distributed.sh")
@@ -118,7 +118,7 @@ def relayout_result(run_dir: str, reference: dict, code) -> dict:
     from ascend_llm_recipes.training.relayout import LAYOUT_FILE
 
     result = compare(logged_losses(run_dir), reference, LAYOUT_RTOL)
-    kept = glob.glob(os.path.join(run_dir, "checkpoints", "step_*", LAYOUT_FILE))
+    kept = glob.glob(os.path.join(run_dir, CHECKPOINTS, "step_*", LAYOUT_FILE))
     transformed = glob.glob(os.path.join(run_dir, "transformed_checkpoint", "step_*", "rank_*", "*.ckpt"))
     result.update(exit_code=code, strategy_kept=len(kept), transformed_files=len(transformed))
     if code != 0 or not kept or not transformed:

@@ -32,8 +32,8 @@ from ascend_llm_recipes.training.recipe import Recipe, load_recipe
 from ascend_llm_recipes.training.resume import check_data_position, prepare_run_dir, resumed_step
 from ascend_llm_recipes.training.rendezvous import (DEFAULT_RENDEZVOUS_TIMEOUT, NodeGroup, check_node_address,
                                                     open_rendezvous, report_lost)
-from ascend_llm_recipes.training.run_files import (AMENDMENTS, LOCK_FILE, MSRUN_LOG, RESOLVED_RECIPE, SUMMARY,
-                                                   read_status)
+from ascend_llm_recipes.training.run_files import (AMENDMENTS, LOCK_FILE, LOGS, MSRUN_LOG, RESOLVED_RECIPE, SUMMARY,
+                                                   heartbeat_path, read_status, worker_log)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # realpath: the package may be a symlink
 WORKER_SCRIPT = os.path.join(REPO_ROOT, "scripts", "train.py")
@@ -119,7 +119,7 @@ def msrun_command(cluster: Cluster, run_dir: str) -> list:
     msrun = shutil.which("msrun") or "msrun"
     return [msrun, f"--worker_num={cluster.world_size}", f"--local_worker_num={cluster.local_workers}",
             f"--master_addr={cluster.master_addr}", f"--master_port={cluster.master_port}",
-            f"--node_rank={cluster.node_rank}", f"--log_dir={os.path.join(run_dir, 'logs')}", "--join=True",
+            f"--node_rank={cluster.node_rank}", f"--log_dir={os.path.join(run_dir, LOGS)}", "--join=True",
             WORKER_SCRIPT, "--run-dir", run_dir]
 
 
@@ -135,7 +135,7 @@ def worker_env(run_dir: str, local_workers: int, hccl: dict = None) -> dict:
 
 def read_heartbeat(run_dir: str, rank: int):
     try:
-        with open(os.path.join(run_dir, "heartbeat", f"rank_{rank}.json"), encoding="utf-8") as f:
+        with open(heartbeat_path(run_dir, rank), encoding="utf-8") as f:
             return json.load(f)
     except (OSError, json.JSONDecodeError):
         return None
@@ -178,7 +178,7 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
     """
     launcher = process_id()
     env = dict(env, **{LAUNCHER_ENV: launcher})
-    log_path = os.path.join(run_dir, "logs", msrun_log)
+    log_path = os.path.join(run_dir, LOGS, msrun_log)
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     outcome, signals = JobOutcome(returncode=0, msrun_log=msrun_log), []
     handlers = {sig: signal.signal(sig, lambda signum, _: signals.append(signal.Signals(signum).name))
@@ -346,7 +346,7 @@ def msrun_exit_codes(run_dir: str, msrun_log: str = MSRUN_LOG) -> dict:
     """{pid: exit code} of the workers msrun saw exit with an error (negative: killed by that signal)."""
     codes = {}
     try:
-        with open(os.path.join(run_dir, "logs", msrun_log), encoding="utf-8", errors="replace") as f:
+        with open(os.path.join(run_dir, LOGS, msrun_log), encoding="utf-8", errors="replace") as f:
             for match in re.finditer(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)", f.read()):
                 codes.setdefault(int(match.group(1)), int(match.group(2)))
     except OSError:
@@ -383,7 +383,7 @@ def failure_report(run_dir: str, ranks, outcome: JobOutcome) -> str:
     first = first_failure(run_dir, failed, outcome, codes)
     parts = [f"[launch] training failed (msrun exit code {outcome.returncode})"]
     if first is None:
-        parts.append("no rank reported a failure; see the logs in " + os.path.join(run_dir, "logs"))
+        parts.append("no rank reported a failure; see the logs in " + os.path.join(run_dir, LOGS))
     elif not outcome.hung:  # a stalled rank was named already, and killed by the launcher
         rank, state, error = first
         status = read_status(run_dir, rank) or {}
@@ -396,7 +396,7 @@ def failure_report(run_dir: str, ranks, outcome: JobOutcome) -> str:
         failed.remove(first)
         failed.insert(0, first)
     for rank, state, error in failed:
-        log = os.path.join(run_dir, "logs", f"worker_{rank}.log")
+        log = worker_log(run_dir, rank)
         beat = read_heartbeat(run_dir, rank)
         where = f" (last phase '{beat['phase']}', {time.time() - beat['time']:.0f} s ago)" if beat else ""
         parts.append(f"rank {rank}: {state}{where}{': ' + error if error else ''}\n"
@@ -611,7 +611,7 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
         if cluster.nodes > 1:  # one node's launcher cannot restart the others' msrun: every node reruns
             print(f"[launch] loss spike at step {rollback['spike_step']}: rerun the command on every node to roll back "
                   f"to step {rollback['rolled_back_to']}, skipping {rollback['skipped_samples']} samples (see "
-                  f"{os.path.join(run_dir, 'data_skips.json')})", file=sys.stderr, flush=True)
+                  f"{os.path.join(run_dir, SKIPS_FILE)})", file=sys.stderr, flush=True)
             return PREEMPTED_EXIT_CODE
         # A loss spike: the workers stopped at the spike step and recorded the samples to skip;
         # resume from the newest checkpoint before it, as a rerun of the same command would.

@@ -18,7 +18,7 @@ import os
 import shutil
 
 from ascend_llm_recipes.common.errors import ConversionError, LaunchError
-from ascend_llm_recipes.training.run_files import CHECKPOINTS, LAYOUT_FILE, MERGED_DIR, STRATEGY_DIR
+from ascend_llm_recipes.training.run_files import CHECKPOINTS, LAYOUT_FILE, MERGED_DIR, RESOLVED_RECIPE, STRATEGY_DIR
 
 # MindFormers saves a rank's strategy as get_output_root_path()/strategy/ckpt_strategy_rank_N.ckpt:
 # mindformers/utils/file_utils.py:53-65 (set_strategy_save_path) from the "./ckpt_strategy.ckpt" default of
@@ -203,7 +203,7 @@ def _run_recipe(run_dir: str):
     import yaml
     from ascend_llm_recipes.training.recipe import recipe_from_dict
 
-    path = os.path.join(run_dir, "recipe.yaml")
+    path = os.path.join(run_dir, RESOLVED_RECIPE)
     with open(path, encoding="utf-8") as f:
         return recipe_from_dict(yaml.safe_load(f), path, planning=True)
 
@@ -221,7 +221,8 @@ def export_source(source: str, model_config: str = None) -> tuple:
     run_dir = os.path.abspath(source)
     if os.path.basename(run_dir) == CHECKPOINTS:
         run_dir = os.path.dirname(run_dir)
-    if not (os.path.isdir(os.path.join(run_dir, CHECKPOINTS)) and os.path.isfile(os.path.join(run_dir, "recipe.yaml"))):
+    if not (os.path.isdir(os.path.join(run_dir, CHECKPOINTS))
+            and os.path.isfile(os.path.join(run_dir, RESOLVED_RECIPE))):
         return source, model_config
     recipe = _run_recipe(run_dir)
     if not semi_auto(recipe):
@@ -248,7 +249,7 @@ def export_source(source: str, model_config: str = None) -> tuple:
         _merge(step_dir, strategies, lay, merged)
     print(f"[convert] merged the {devices(lay)} shards of step {step} ({describe(lay)}) with {strategies} into {file}",
           flush=True)
-    return file, model_config or os.path.join(run_dir, "recipe.yaml")
+    return file, model_config or os.path.join(run_dir, RESOLVED_RECIPE)
 
 
 def _merge(step_dir: str, strategies: str, lay: dict, merged: str) -> None:
