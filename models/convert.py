@@ -197,8 +197,8 @@ def recipe_keys(out_dir: str) -> str:
             f"recipe and set load_checkpoint: {out_dir} and load_ckpt_format: safetensors")
 
 
-def read_model_file(path: str) -> ModelConfig:
-    """The model configuration of a model_config.yaml (a recipe's `model:` section and nothing else)."""
+def read_model_yaml(path: str) -> dict:
+    """A YAML mapping with a `model:` section (a model_config.yaml, or a whole recipe), as read."""
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
@@ -206,7 +206,12 @@ def read_model_file(path: str) -> ModelConfig:
         raise ConversionError(f"{path}: cannot read the model section ({err})") from None
     if not isinstance(data, dict) or "model" not in data:
         raise ConversionError(f"{path}: no `model:` section")
-    return model_section(data, path)
+    return data
+
+
+def read_model_file(path: str) -> ModelConfig:
+    """The model configuration of a model_config.yaml (a recipe's `model:` section and nothing else)."""
+    return model_section(read_model_yaml(path), path)
 
 
 def model_section(data: dict, path: str) -> ModelConfig:

@@ -19,24 +19,18 @@ from ascend_llm_recipes.common.files import file_sha256
 from ascend_llm_recipes.common.schema import to_plain
 from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, MODEL_SECTION_FILE, model_config_from_hf,
-                                               model_section, write_hf)
+                                               model_section, read_model_yaml, write_hf)
 from ascend_llm_recipes.models.megatron import OPTIMIZER_DIR, _source_manifest, from_megatron
 from ascend_llm_recipes.models.megatron import from_torch as _from_torch
 from ascend_llm_recipes.models.megatron import to_megatron as _to_megatron
-from ascend_llm_recipes.training.checkpoint import CHECKPOINTS
+from ascend_llm_recipes.training.run_files import CHECKPOINTS
 from ascend_llm_recipes.training.recipe import load_recipe
-from ascend_llm_recipes.training.train import RESOLVED_RECIPE as RUN_RECIPE
+from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE as RUN_RECIPE
 
 
 def read_model_section(path: str) -> tuple:
     """(ModelConfig, tensor-parallel degree) from a model_config.yaml or from a recipe."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as err:
-        raise ConversionError(f"{path}: cannot read the model section ({err})") from None
-    if not isinstance(data, dict) or "model" not in data:
-        raise ConversionError(f"{path}: no `model:` section")
+    data = read_model_yaml(path)
     if set(data) != {"model"}:  # a whole recipe: resolve and validate it like the launcher does
         recipe = load_recipe(path)
         return recipe.model.model_config, recipe.parallel_config.model_parallel
@@ -59,13 +53,14 @@ def recorded_model_section(path: str):
     return None
 
 
-def _run_recipe(run_dir: str):
+def run_recipe(run_dir: str):
+    """RUN_DIR/recipe.yaml as recorded; read for planning (an Ascend run's record also loads on this CPU)."""
     from ascend_llm_recipes.training.recipe import recipe_from_dict
 
     path = os.path.join(run_dir, RUN_RECIPE)
     try:
         with open(path, encoding="utf-8") as f:
-            return recipe_from_dict(yaml.safe_load(f), path)
+            return recipe_from_dict(yaml.safe_load(f), path, planning=True)
     except (OSError, yaml.YAMLError) as err:
         raise ConversionError(f"{path}: cannot read the run's recipe ({err})") from None
 
@@ -75,7 +70,7 @@ def _newest_valid_checkpoint(run_dir: str, model_config: str = None) -> tuple:
     from ascend_llm_recipes.models.shapes import parameter_shapes
     from ascend_llm_recipes.training.checkpoint import MANIFEST, newest_valid_step, read_json
 
-    recipe = _run_recipe(run_dir)
+    recipe = run_recipe(run_dir)
     section = model_config or os.path.join(run_dir, RUN_RECIPE)
     cfg, tensor_parallel = read_model_section(section)
     notes = []
@@ -148,7 +143,7 @@ def run_tokenizer(section_path: str) -> tuple:
     if os.path.basename(section_path) != RUN_RECIPE:
         return None, "not copied: the source is not a training run (no dataset names a tokenizer)"
     try:
-        dataset_dir = _run_recipe(os.path.dirname(section_path)).dataset_dir
+        dataset_dir = run_recipe(os.path.dirname(section_path)).dataset_dir
         with open(os.path.join(dataset_dir, DATA_MANIFEST), encoding="utf-8") as f:
             entry = json.load(f)["tokenizer"]
     except (OSError, ValueError, KeyError, PretrainError) as err:

@@ -199,15 +199,6 @@ def mindformers_keys(recipe, run_dir: str, rank: int) -> dict:
     return keys
 
 
-def _run_recipe(run_dir: str):
-    import yaml
-    from ascend_llm_recipes.training.recipe import recipe_from_dict
-
-    path = os.path.join(run_dir, RESOLVED_RECIPE)
-    with open(path, encoding="utf-8") as f:
-        return recipe_from_dict(yaml.safe_load(f), path, planning=True)
-
-
 def export_source(source: str, model_config: str = None) -> tuple:
     """(checkpoint, model section) for `--to-hf SOURCE`: a semi-auto run's newest step merged into one unsliced file.
 
@@ -224,7 +215,9 @@ def export_source(source: str, model_config: str = None) -> tuple:
     if not (os.path.isdir(os.path.join(run_dir, CHECKPOINTS))
             and os.path.isfile(os.path.join(run_dir, RESOLVED_RECIPE))):
         return source, model_config
-    recipe = _run_recipe(run_dir)
+    from ascend_llm_recipes.training.export import run_recipe
+
+    recipe = run_recipe(run_dir)
     if not semi_auto(recipe):
         return source, model_config
     (step, step_dir), invalid = scan_steps(run_dir, recipe.world_size)
