@@ -718,21 +718,26 @@ def verify_logits(hf_dir: str, converted_dir: str, batch: int = 2, max_tokens: i
     either exceeds its tolerance.
     """
     import mindspore as ms
-    import torch
-    from transformers import AutoModelForCausalLM
 
     net, cfg = load_our_model(converted_dir)
     length = min(cfg.seq_length, max_tokens)
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, length))
     ours = net.logits(ms.Tensor(tokens.astype(np.int32))).asnumpy().astype(np.float64)
     del net
-    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        theirs = reference.eval()(torch.from_numpy(tokens)).logits.double().numpy()
-    result = compare_logits(theirs, ours)
+    result = compare_logits(reference_logits(hf_dir, tokens), ours)
     result.update(batch=batch, tokens=length)
     check_parity(result, hf_dir)
     return result
+
+
+def reference_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
+    """transformers' float32 CPU logits (float64) of an HF directory on `tokens` (B, S): the parity reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return reference.eval()(torch.from_numpy(tokens)).logits.double().numpy()
 
 
 def compare_logits(reference: np.ndarray, ours: np.ndarray) -> dict:

@@ -26,7 +26,7 @@ AS_TP2 = ["use_parallel=True", "parallel.parallel_mode=1", "parallel.full_batch=
 @pytest.fixture(scope="module")
 def dp2_run(data_parallel_runs, tmp_path_factory):
     """The shared real data-parallel run (2 msrun workers, checkpoint at its last step) and its --to-hf export."""
-    from ascend_llm_recipes.models.convert import to_hf
+    from ascend_llm_recipes.training.export import to_hf
 
     _, run = data_parallel_runs
     hf = str(tmp_path_factory.mktemp("relayout") / "hf")

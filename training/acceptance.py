@@ -131,16 +131,14 @@ def hf_export_result(hf_dir: str, code=0, tokens: int = 32) -> dict:
     conversion read (conversion.json names it; for a TP/PP run, the shards merged with the strategy files)."""
     import mindspore as ms
     import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM
-    from ascend_llm_recipes.models.convert import KL_TOLERANCE, compare_logits, read_model_section
+    from ascend_llm_recipes.models.convert import KL_TOLERANCE, compare_logits, reference_logits
     from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
-    from ascend_llm_recipes.training.relayout import MERGED_DIR
+    from ascend_llm_recipes.training.export import read_model_section
+    from ascend_llm_recipes.training.run_files import MERGED_DIR
 
     try:
         with open(os.path.join(hf_dir, "conversion.json"), encoding="utf-8") as f:
             source = json.load(f)["source"]
-        reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     except (OSError, ValueError, KeyError) as err:
         return {"status": "FAIL", "exit_code": code, "error": f"{type(err).__name__}: {err}"}
     cfg, tensor_parallel = read_model_section(source["model_section"])
@@ -157,8 +155,10 @@ def hf_export_result(hf_dir: str, code=0, tokens: int = 32) -> dict:
         return {"status": "FAIL", "exit_code": code, "checkpoint": source["path"], "error": f"{err}"[:500]}
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, min(tokens, cfg.seq_length)))
     ours = net.logits(ms.Tensor(ids.astype(np.int32))).asnumpy().astype(np.float64)
-    with torch.no_grad():
-        theirs = reference.eval()(torch.from_numpy(ids)).logits.double().numpy()
+    try:
+        theirs = reference_logits(hf_dir, ids)
+    except (OSError, ValueError) as err:  # the export does not load in transformers
+        return {"status": "FAIL", "exit_code": code, "error": f"{type(err).__name__}: {err}"}
     figures = compare_logits(theirs, ours)
     merged = f"{os.sep}{MERGED_DIR}{os.sep}" in source["path"]
     passed = (code == 0 and not not_loaded and figures["max_abs_delta"] <= figures["max_abs_tolerance"]
