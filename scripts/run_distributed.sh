@@ -7,4 +7,11 @@ if ! python -c "import ascend_llm_recipes.training" 2>/dev/null; then
   echo "  install it once from the repository root: pip install -e \"$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)\"" >&2
   exit 2
 fi
+# The installed package must be this checkout's, or another checkout's code would run without a word.
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
+INSTALLED="$(python -c "import os, ascend_llm_recipes.training as t; print(os.path.dirname(os.path.dirname(os.path.realpath(t.__file__))))" 2>/dev/null || true)"
+if [[ -n "${INSTALLED}" && "${INSTALLED}" != "${HERE}" ]]; then
+  echo "warning: this is ${HERE}, but python imports ascend_llm_recipes from ${INSTALLED}: that checkout's code runs;" >&2
+  echo "  to run this one: pip install -e \"${HERE}\"" >&2
+fi
 exec python -m ascend_llm_recipes.training.launch "$@"

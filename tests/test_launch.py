@@ -272,6 +272,19 @@ def test_slurm_and_explicit_cluster_resolution():
         resolve_cluster(recipe, nodes=2, env={})
     with pytest.raises(LaunchError, match="cannot be split evenly over 3 nodes"):
         resolve_cluster(recipe, nodes=3, env={})
+    # Wrong cluster arguments are named, never taken for one node or reported as a bug.
+    with pytest.raises(LaunchError, match=r"--nodes 0: the node count must be at least 1"):
+        resolve_cluster(recipe, nodes=0, env={"SLURM_NNODES": "4"})
+    with pytest.raises(LaunchError, match=r"--node-rank 4 must be in \[0, 4\).*\n.*number the nodes 0 \.\. nodes-1"):
+        resolve_cluster(recipe, nodes=4, node_rank=4, env={})
+    with pytest.raises(LaunchError, match=r"SLURM_NNODES='x' is not a whole number"):
+        resolve_cluster(recipe, env={"SLURM_NNODES": "x"})
+    for port in (0, 65535, 99999):
+        with pytest.raises(LaunchError, match=rf"--master-port {port}: must be in \[1, 65534\]"):
+            resolve_cluster(recipe, nodes=4, node_rank=0, master_port=port, env={})
+    from ascend_llm_recipes.training.launch import main
+    with pytest.raises(SystemExit):
+        main([TINY_RECIPE, "--rendezvous-timeout", "0"])
 
 
 def test_dry_run_prints_the_msrun_command(tmp_path):

@@ -41,6 +41,7 @@ LOG_TAIL_LINES = 25
 HANG_EXIT_CODE = 3
 PREEMPTED_EXIT_CODE = 4   # stopped on request (SIGTERM, Ctrl-C): each rank saved at the end of its step
 KILLED_EXIT_CODE = 5      # stopped hard (a second Ctrl-C, or the grace ran out): nothing saved at the stop
+MAX_MASTER_PORT = 65534  # the rendezvous listens on master_port + 1
 NODE_LOST_EXIT_CODE = 6   # another node's launcher died, fell silent or failed: this node's part was stopped
 INTERNAL_ERROR_EXIT_CODE = 70
 STOP_GRACE_SECONDS = 120  # after Ctrl-C/SIGTERM: time for the ranks to finish their step and save
@@ -81,8 +82,19 @@ def resolve_cluster(recipe: Recipe, nodes=None, node_rank=None, master_addr=None
                     env=None) -> Cluster:
     """Node count, this node's rank and the master address, from arguments, then Slurm, then one node."""
     env = os.environ if env is None else env
-    nodes = nodes or int(env.get("SLURM_NNODES", 1))
-    node_rank = node_rank if node_rank is not None else int(env.get("SLURM_NODEID", 0))
+    nodes = nodes if nodes is not None else _slurm_int(env, "SLURM_NNODES", 1)
+    node_rank = node_rank if node_rank is not None else _slurm_int(env, "SLURM_NODEID", 0)
+    if nodes < 1:
+        raise LaunchError(f"--nodes {nodes}: the node count must be at least 1",
+                          hint="pass the number of nodes the job runs on (under Slurm, SLURM_NNODES gives it)")
+    if not 0 <= node_rank < nodes:
+        raise LaunchError(f"--node-rank {node_rank} must be in [0, {nodes}) for --nodes {nodes}",
+                          hint="number the nodes 0 .. nodes-1, node 0 being the one at --master-addr")
+    if master_port is not None and not 1 <= master_port <= MAX_MASTER_PORT:
+        raise LaunchError(f"--master-port {master_port}: must be in [1, {MAX_MASTER_PORT}] (msrun's scheduler takes "
+                          "it and the launchers' rendezvous the port after it)",
+                          hint="pick a free port, the same on every node, e.g. the default "
+                               f"{DEFAULT_MULTINODE_PORT}")
     if master_addr is None:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         master_addr = first_slurm_host(nodelist) if nodelist and nodes > 1 else "127.0.0.1"
@@ -90,9 +102,7 @@ def resolve_cluster(recipe: Recipe, nodes=None, node_rank=None, master_addr=None
         master_port = DEFAULT_MULTINODE_PORT if nodes > 1 else free_port()
     world = recipe.world_size
     problems = []
-    if nodes < 1 or not 0 <= node_rank < nodes:
-        problems.append(f"--node-rank {node_rank} must be in [0, {nodes}) for --nodes {nodes}")
-    elif world % nodes:
+    if world % nodes:
         problems.append(f"parallel_config: {world} devices (data x model x pipeline parallel) cannot be split "
                         f"evenly over {nodes} nodes")
     elif recipe.hardware.devices_per_node and world // nodes != recipe.hardware.devices_per_node:
@@ -102,6 +112,14 @@ def resolve_cluster(recipe: Recipe, nodes=None, node_rank=None, master_addr=None
     if problems:
         raise LaunchError("; ".join(problems), hint="fix the parallel degrees or the node count before launching")
     return Cluster(nodes, node_rank, master_addr, master_port, world // nodes, world)
+
+
+def _slurm_int(env, name: str, default: int) -> int:
+    try:
+        return int(env.get(name, default))
+    except ValueError:
+        raise LaunchError(f"{name}={env.get(name)!r} is not a whole number",
+                          hint="run under a real Slurm allocation, or pass --nodes/--node-rank and unset it") from None
 
 
 def free_port() -> int:
@@ -466,6 +484,10 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
     """
     from ascend_llm_recipes.training.preflight import has_errors, hccl_env
 
+    if not os.path.isfile(WORKER_SCRIPT):  # a non-editable install carries the package, not scripts/ or recipes/
+        raise LaunchError(f"the msrun worker {WORKER_SCRIPT} is missing: ascend_llm_recipes is installed without its "
+                          "repository (pip install . copies the package only)",
+                          hint="install it editable from a checkout: pip install -e /path/to/checkout")
     recipe = load_recipe(recipe_path, tuple(overrides))
     cluster = resolve_cluster(recipe, nodes, node_rank, master_addr, master_port)
     if cluster.nodes > 1 and not dry_run:
@@ -656,6 +678,8 @@ def main(argv=None) -> int:
     parser.add_argument("--amend", action="store_true",
                         help=f"continue a run with a changed recipe; the change is recorded in RUN_DIR/{AMENDMENTS}")
     args = parser.parse_args(argv)
+    if not args.rendezvous_timeout > 0:
+        parser.error(f"--rendezvous-timeout {args.rendezvous_timeout:g}: must be more than 0 seconds")
     if args.dry_run and not args.check:
         parser.error("--dry-run goes with --check (a compile-only check); to print the msrun command without "
                      "running it, set DRY_RUN=1")

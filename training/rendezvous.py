@@ -370,7 +370,7 @@ class NodeZero(NodeGroup):
                     raise LaunchError(f"node(s) {', '.join(map(str, missing))} did not join within "
                                       f"{self.timeout:.0f} s (--rendezvous-timeout); nothing was started",
                                       hint=f"start them with:\n{commands}\n  and check that they reach {self.address} "
-                                           "(firewall, --master-addr)")
+                                           "(firewall, the same --master-addr and --master-port on every node)")
                 raise LaunchError(f"node(s) did not become {what} within {self.timeout:.0f} s (--rendezvous-timeout)")
             time.sleep(0.2)
 
@@ -424,7 +424,8 @@ class NodeK(NodeGroup):
                     raise LaunchError(f"node 0 did not answer at {self.address} within {timeout:.0f} s "
                                       f"(--rendezvous-timeout; last: {err.strerror or err}); nothing was started",
                                       hint="start node 0 (--node-rank 0) with the same command, and check that this "
-                                           "node reaches it (--master-addr, firewall)") from None
+                                           "node reaches it (firewall, the same --master-addr and --master-port on "
+                                           "every node)") from None
                 if not said:
                     print(f"[launch] node {cluster.node_rank} of {cluster.nodes}: waiting up to {timeout:.0f} s "
                           f"(--rendezvous-timeout) for node 0 at {self.address}", flush=True)
