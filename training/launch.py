@@ -449,7 +449,8 @@ def job_complete(run_dir: str, ranks, world_size: int) -> bool:
 
 def format_summary(summary: dict) -> str:
     mfu = f"MFU {summary['mfu']:.1%}, " if summary.get("mfu") is not None else ""
-    return (f"[launch] done: {summary['steps']} steps ({summary['tokens']:,} tokens), loss "
+    ended = "interrupted after" if summary.get("preempted") else "done:"
+    return (f"[launch] {ended} {summary['steps']} steps ({summary['tokens']:,} tokens), loss "
             f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s "
             f"({mfu}data wait {summary['data_wait']:.1%}) after a {summary['first_step_time']:.1f} s first step "
             f"(graph compile ~{summary['compile_time']:.1f} s), graph mode "
@@ -649,9 +650,15 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
         if summary.get("preempted"):
             why = f"stopped ({outcome.stopped_by})" if outcome.stopped_by else "preempted (SIGTERM)"
             print(f"[launch] {why} after step {summary['last_step']}, checkpoint saved, no process of the job left; "
-                  "rerun the same command to resume", flush=True)
+                  f"rerun the same command{' on every node' if cluster.nodes > 1 else ''} to resume", flush=True)
             return PREEMPTED_EXIT_CODE
-    return PREEMPTED_EXIT_CODE if any((read_status(run_dir, r) or {}).get("preempted") for r in cluster.ranks) else 0
+    preempted = any((read_status(run_dir, r) or {}).get("preempted") for r in cluster.ranks)
+    if cluster.node_rank > 0:  # node 0 prints the run's summary; this node says how its part ended
+        print(f"[launch] node {cluster.node_rank}: ranks {cluster.ranks.start}-{cluster.ranks.stop - 1} "
+              + ("stopped on request (another node was interrupted), checkpoint saved; rerun the command on every "
+                 "node to resume" if preempted else "finished") + f"; node 0 prints the run's summary ({run_dir})",
+              flush=True)
+    return PREEMPTED_EXIT_CODE if preempted else 0
 
 
 def main(argv=None) -> int:
