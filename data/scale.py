@@ -99,9 +99,10 @@ class ScaleRun(Run):
         return {**super()._identity(), "tasks": self.tasks}
 
     def _has_progress(self) -> bool:
-        """Whether any task of any stage completed (datatrove's completion records)."""
+        """Whether a task that writes the dataset (pack, merge) completed: signatures and decide are redone by
+        any run with other arguments anyway, so a run that failed there (bad input) has nothing worth keeping."""
         return any(os.listdir(os.path.join(self.logs, stage, "completions"))
-                   for stage in STAGES if os.path.isdir(os.path.join(self.logs, stage, "completions")))
+                   for stage in ("pack", "merge") if os.path.isdir(os.path.join(self.logs, stage, "completions")))
 
     def part(self, rank: int) -> tuple:
         start, stop = self.parts[rank]
