@@ -313,10 +313,18 @@ class Run:
             except (OSError, json.JSONDecodeError):
                 previous = None  # interrupted before it recorded anything worth keeping
             if previous is not None and previous["fingerprint"] != self.fingerprint:
-                raise DataError(f"{self.work} holds an interrupted run with other arguments or inputs (differs in: "
-                                f"{', '.join(_differences(previous['identity'], self._identity())) or 'inputs'})",
-                                hint=f"rerun it with the same arguments to continue it, or delete {self.work} to "
-                                     "start over")
+                changed = _differences(previous["identity"], self._identity())
+                if changed and not self._has_progress():
+                    # Nothing completed (e.g. it failed on a vocabulary too large for the corpus): the rerun with
+                    # the fixed arguments starts over instead of being refused.
+                    print(f"prepare: {self.work} holds a failed run with other arguments ({', '.join(changed)}) and "
+                          "nothing completed: starting over", file=sys.stderr, flush=True)
+                    previous = None
+                else:
+                    raise DataError(f"{self.work} holds an interrupted run with other arguments or inputs (differs "
+                                    f"in: {', '.join(changed) or 'inputs'})",
+                                    hint=f"rerun it with the same arguments to continue it, or delete {self.work} to "
+                                         "start over with these")
             if previous is not None:
                 if self._ours(self.val_output):  # stopped while moving the validation dataset out
                     os.rename(self.val_output, os.path.join(self.work, "val"))
@@ -329,6 +337,10 @@ class Run:
         os.makedirs(self.state)
         write_json_atomic(run_file, {"fingerprint": self.fingerprint, "identity": self._identity()}, indent=2)
         return None
+
+    def _has_progress(self) -> bool:
+        """Whether OUTPUT.partial holds completed work a rerun would lose (the single pass keeps it on failure)."""
+        return True
 
     def _identity(self) -> dict:
         return {"seq_length": self.seq_length, "vocab_size": self.vocab_size, "source": self.source,
@@ -723,7 +735,12 @@ def _read_snapshot(state: str):
     return meta, arrays
 
 
+# Identity keys one kind of run does not record, with the value that kind means (the single pass is one task).
+IDENTITY_DEFAULTS = {"tasks": 1}
+
+
 def _differences(before: dict, now: dict) -> list:
+    before, now = {**IDENTITY_DEFAULTS, **before}, {**IDENTITY_DEFAULTS, **now}
     return [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
             if before.get(k) != now.get(k)]
 

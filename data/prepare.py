@@ -4,6 +4,8 @@
 restartable); `check_dataset` is what the launcher asks before training.
 """
 
+import contextlib
+import fcntl
 import os
 import shlex
 
@@ -103,6 +105,45 @@ def prepare_dataset(output_dir: str, seq_length: int, vocab_size: int = 2048, so
     if not files:
         raise DataError(f"no input file found: {missing[0][0]}: {missing[0][1]} ({len(missing)} in all)",
                         hint="check the --input paths and patterns")
+    with output_lock(output_dir):
+        return _prepare(output_dir, seq_length, vocab_size, source, inputs, files, missing, max_documents, tokenizer,
+                        samples_per_shard, show_progress, opts, scaled, tasks, cluster)
+
+
+@contextlib.contextmanager
+def output_lock(output_dir: str):
+    """Hold OUTPUT.lock (an flock, gone with its holder even after kill -9) so that two runs never write one output;
+    the file names the holder's PID and is removed on release."""
+    path = os.path.abspath(output_dir).rstrip("/") + ".lock"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise DataError(f"{output_dir} is being prepared by {holder} (lock {path})",
+                            hint="wait for that run to finish or stop it, or choose another --output") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder removed the file between our open and flock: lock the new one
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        os.unlink(path)  # while still holding it: a run waiting on this inode re-checks and takes the new file
+        os.close(fd)
+
+
+def _prepare(output_dir, seq_length, vocab_size, source, inputs, files, missing, max_documents, tokenizer,
+             samples_per_shard, show_progress, opts, scaled, tasks, cluster) -> dict:
+    """prepare_dataset's work once its arguments are checked and the output is locked."""
     arguments = (output_dir, seq_length, vocab_size, source, [str(p) for p in inputs or []], files, missing,
                  max_documents, tokenizer, samples_per_shard, show_progress, opts)
     if scaled:

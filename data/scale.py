@@ -28,6 +28,7 @@ import json
 import os
 import resource
 import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -72,9 +73,12 @@ class ClusterOptions:
         checks = [(not needs, f"--executor/--tasks need {' and '.join(needs)}: pip install -e '.[scale]'"),
                   (self.executor in EXECUTORS, f"executor {self.executor!r}: use one of {', '.join(EXECUTORS)}"),
                   (self.tasks >= 1, f"tasks {self.tasks}: must be >= 1"),
+                  (self.workers >= 1 or self.workers == -1,
+                   f"--workers {self.workers}: tasks at once, must be >= 1 (or -1: no limit)"),
                   (self.executor != "slurm" or bool(self.partition), "--executor slurm needs --partition"),
                   (not self.dry_run or self.executor == "slurm", "--dry-run applies to --executor slurm"),
-                  (self.cpus_per_task >= 1, f"cpus_per_task {self.cpus_per_task}: must be >= 1")]
+                  (self.cpus_per_task >= 1, f"cpus_per_task {self.cpus_per_task}: must be >= 1"),
+                  (not self.address or self.executor == "ray", "--address applies to --executor ray")]
         return [message for ok, message in checks if not ok]
 
 
@@ -93,6 +97,12 @@ class ScaleRun(Run):
 
     def _identity(self) -> dict:
         return {**super()._identity(), "tasks": self.tasks}
+
+    def _has_progress(self) -> bool:
+        """Whether a task that writes the dataset (pack, merge) completed: signatures and decide are redone by
+        any run with other arguments anyway, so a run that failed there (bad input) has nothing worth keeping."""
+        return any(os.listdir(os.path.join(self.logs, stage, "completions"))
+                   for stage in ("pack", "merge") if os.path.isdir(os.path.join(self.logs, stage, "completions")))
 
     def part(self, rank: int) -> tuple:
         start, stop = self.parts[rank]
@@ -412,7 +422,9 @@ def ray_executor_class():
 
         def run(self):
             import ray
-            remote = ray.remote(num_cpus=self.cpus_per_task, max_retries=0)(_ray_run_rank)
+            # Per task too: a Ray that was already initialised (by the caller) did not get ray.init's runtime_env.
+            remote = ray.remote(num_cpus=self.cpus_per_task, max_retries=0,
+                                runtime_env=ray_runtime_env())(_ray_run_rank)
             pending, running = self.get_incomplete_ranks(), []
             limit = self.workers if self.workers > 0 else len(pending)
             while pending or running:
@@ -474,6 +486,52 @@ def sbatch_scripts(executors: list) -> str:
     return "\n".join(out)
 
 
+# Set by mindspore in this (driver) process only: a Ray worker started by a user's `ray start` lacks it, and its
+# mindspore import then dies in protobuf ("Descriptors cannot be created directly").
+WORKER_ENV = ("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION",)
+CONNECT_SECONDS = 10.0
+
+
+def ray_runtime_env() -> dict:
+    """The runtime_env that gives Ray tasks the variables this process needs for its imports."""
+    env = {name: os.environ[name] for name in WORKER_ENV if name in os.environ}
+    env.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+    return {"env_vars": env}
+
+
+def check_ray_address(address: str, seconds: float = CONNECT_SECONDS) -> None:
+    """Refuse an --address that is not host:port, does not resolve or does not answer (ray.init would retry forever)."""
+    check = ("check the address printed by `ray start --head` (or `ray status` on the head) and that its port is "
+             "reachable from here")
+    host, colon, port = address.strip().rpartition(":")
+    if address.startswith(("ray://", "auto")) or address == "local":
+        return  # Ray's own forms: Ray Client, and "find the cluster on this machine"
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DataError(f"--address {address!r} is not HOST:PORT", hint=f"pass the head's GCS address, e.g. "
+                        f"10.0.0.1:6379; {check}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=seconds).close()
+    except socket.gaierror as err:
+        raise DataError(f"--address {address}: cannot resolve {host!r} ({err.strerror or err})",
+                        hint=check + "; nothing was written") from None
+    except OSError as err:
+        raise DataError(f"--address {address}: no Ray head answers there within {seconds:g} s "
+                        f"({err.strerror or err})", hint=check + "; nothing was written") from None
+
+
+def connect_ray(address: str) -> None:
+    """ray.init on `address` ("" starts a local Ray), its failures turned into a DataError naming the address."""
+    import ray
+    if address:
+        check_ray_address(address)
+    try:
+        ray.init(address=address or None, log_to_driver=False, runtime_env=ray_runtime_env())
+    except (ConnectionError, TimeoutError, ValueError, RuntimeError) as err:
+        raise DataError(f"cannot connect to the Ray cluster at {address or '(a new local Ray)'}: {err}",
+                        hint="check `ray status` on the head; token authentication (RAY_AUTH_MODE, "
+                             "~/.ray/auth_token) must match the cluster's") from None
+
+
 # ---- the run ---------------------------------------------------------------------------------------
 
 def prepare_scaled(run: ScaleRun, cluster: ClusterOptions):
@@ -487,9 +545,13 @@ def prepare_scaled(run: ScaleRun, cluster: ClusterOptions):
     if cluster.dry_run:
         print(sbatch_scripts(build_executors(run, cluster)))
         return None
+    if cluster.executor == "ray":  # before OUTPUT.partial exists: a wrong --address leaves nothing behind
+        import ray
+        if not ray.is_initialized():
+            connect_ray(cluster.address)
     fresh = not os.path.isfile(os.path.join(run.state, "run.json"))
     run._open_work()  # refuses an interrupted run with other arguments, naming the differences
-    if fresh:  # completion records of an earlier, abandoned run must not mark this one's tasks as done
+    if fresh or not run._has_progress():  # an earlier, abandoned run's records must not mark this one's tasks done
         shutil.rmtree(run.logs, ignore_errors=True)
     os.makedirs(run.scratch, exist_ok=True)
     write_json_atomic(run.path("plan.json"), {"tasks": run.tasks, "parts": run.parts})
@@ -500,10 +562,6 @@ def prepare_scaled(run: ScaleRun, cluster: ClusterOptions):
               f"completion records in {run.logs}; rerun the same command to resubmit unfinished tasks",
               file=sys.stderr)
         return None
-    if cluster.executor == "ray":
-        import ray
-        if not ray.is_initialized():
-            ray.init(address=cluster.address or None, log_to_driver=False)
     for name, executor in zip(STAGES, executors):
         executor.run()
         left = executor.get_incomplete_ranks()

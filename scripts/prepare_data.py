@@ -25,7 +25,7 @@ import sys
 import traceback
 
 
-from ascend_llm_recipes.common.errors import PretrainError
+from ascend_llm_recipes.common.errors import DataError, PretrainError
 from ascend_llm_recipes.training.preflight import check_writable_dir
 
 
@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cut the input into this many ranges, each cleaned, tokenized and packed by its own task, "
                             "then merged into one dataset (the same documents as one task; samples depend on it)")
     scale.add_argument("--partition", help="Slurm partition")
-    scale.add_argument("--time", default="24:00:00", help="Slurm time limit per task")
-    scale.add_argument("--cpus-per-task", type=int, default=1, help="Slurm CPUs per task")
+    scale.add_argument("--time", help="Slurm time limit per task (default 24:00:00)")
+    scale.add_argument("--cpus-per-task", type=int, help="Slurm CPUs per task (default 1)")
     scale.add_argument("--address", default="", help="Ray cluster address (default: start a local Ray)")
     scale.add_argument("--dry-run", action="store_true", help="with --executor slurm: print the sbatch scripts only")
     return parser
@@ -149,6 +149,14 @@ def build(parser: argparse.ArgumentParser, args, argv) -> int:
         model_vocab = model.vocab_size
     if not args.output or not args.seq_length:
         parser.error("building a dataset needs --output and --seq-length (or --recipe)")
+    misplaced = [problem for applies, problem in (
+        (not args.dry_run or args.executor == "slurm", "--dry-run applies to --executor slurm"),
+        (not args.address or args.executor == "ray", "--address applies to --executor ray"),
+        (args.executor == "slurm" or (args.partition, args.time, args.cpus_per_task) == (None, None, None),
+         "--partition/--time/--cpus-per-task apply to --executor slurm"),
+    ) if not applies]
+    if misplaced:
+        raise DataError("; ".join(misplaced), hint="fix the arguments; nothing was written")
     check_writable_dir(args.output, "--output")
     given = sys.argv[1:] if argv is None else argv
     command = " ".join(shlex.quote(a) for a in ["python", "scripts/prepare_data.py", *given])
@@ -160,8 +168,10 @@ def build(parser: argparse.ArgumentParser, args, argv) -> int:
         tail=args.tail, val_fraction=args.val_fraction, val_output=args.val_output or "", strict=args.strict,
         workers=args.workers, tokenizer_sample_chars=args.tokenizer_sample_chars, model_vocab_size=model_vocab,
         command=command, executor=args.executor, tasks=args.tasks,
-        cluster={"partition": args.partition or "", "time": args.time, "cpus_per_task": args.cpus_per_task,
-                 "address": args.address, "dry_run": args.dry_run} if args.executor != "local" else None)
+        cluster={"partition": args.partition or "", "time": args.time or "24:00:00",
+                 "cpus_per_task": 1 if args.cpus_per_task is None else args.cpus_per_task,
+                 "address": args.address,
+                 "dry_run": args.dry_run} if args.executor != "local" else None)
     if manifest is not None:  # None: Slurm jobs submitted, or their scripts printed
         print(summary(args.output, manifest))
     return 0

@@ -251,6 +251,9 @@ class SlurmCluster:
                                  capture_output=True, text=True)
             state = out.stdout.strip()
         self.startup_seconds = time.monotonic() - t0
+        # In-process clients (ray.init in the test) read it from os.environ; restored by stop().
+        self._saved_auth = (os.environ.get("RAY_AUTH_MODE"),)
+        os.environ["RAY_AUTH_MODE"] = "disabled"
 
     def run(self, *argv):
         """Run a Slurm client command against this cluster; returns its stdout, raises with its stderr on failure."""
@@ -312,7 +315,11 @@ class RayCluster:
         self.root = tempfile.mkdtemp(prefix="ray-")
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.env = dict(os.environ, RAY_ADDRESS=self.address, **{MARK: self.root})
+        # Like a user's `ray start`: without the protobuf variable mindspore sets in its importer only (so a test
+        # sees what a user's cluster does), and with token auth off whatever ~/.ray/auth_token holds.
+        self.env = {k: v for k, v in os.environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
+        self.env.update(RAY_ADDRESS=self.address, RAY_AUTH_MODE="disabled", **{MARK: self.root})
+        self._saved_auth = None
         self.log = os.path.join(self.root, "ray-start.out")
         self.proc = None
         self.startup_seconds = None
@@ -340,6 +347,9 @@ class RayCluster:
                 raise RuntimeError(f"ray start not ready after {timeout} s:\n{_tail(self.log)}")
             time.sleep(0.1)
         self.startup_seconds = time.monotonic() - t0
+        # In-process clients (ray.init in the test) read it from os.environ; restored by stop().
+        self._saved_auth = (os.environ.get("RAY_AUTH_MODE"),)
+        os.environ["RAY_AUTH_MODE"] = "disabled"
 
     def processes(self):
         """{pid: start time} of the cluster's processes now: head services, agents and workers."""
@@ -350,6 +360,12 @@ class RayCluster:
 
         Returns the pids that outlived the graceful stop and had to be killed (none when Ray cleaned up).
         """
+        if self._saved_auth is not None:
+            if self._saved_auth[0] is None:
+                os.environ.pop("RAY_AUTH_MODE", None)
+            else:
+                os.environ["RAY_AUTH_MODE"] = self._saved_auth[0]
+            self._saved_auth = None
         try:
             procs = self.processes()
             if self.proc is not None and self.proc.poll() is None:

@@ -222,3 +222,70 @@ def test_scheduler_arguments_are_checked_before_anything_is_written(corpus, tmp_
     with pytest.raises(DataError, match="tasks 0: must be >= 1"):
         prepare_dataset(str(tmp_path / "x"), 64, inputs=inputs, tasks=0)
     assert not os.listdir(tmp_path)
+
+
+def run_cli(args, capsys):
+    """scripts/prepare_data.py's main in this process: (exit code, stderr)."""
+    from ascend_llm_recipes.scripts.prepare_data import main
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
+def test_a_wrong_ray_address_is_refused_at_once_and_leaves_nothing(corpus, tmp_path, capsys):
+    pytest.importorskip("ray", reason="ray is not installed: pip install -e .[scale]")
+    from clusters import free_port
+    _, inputs, _, _ = corpus
+    out = str(tmp_path / "out")
+    for address, message in (("garbage", "--address 'garbage' is not HOST:PORT"),
+                             (f"127.0.0.1:{free_port()}", "no Ray head answers there"),
+                             ("no-such-host.invalid:6379", "cannot resolve 'no-such-host.invalid'")):
+        began = time.monotonic()
+        code, err = run_cli(["--input", *inputs, "--output", out, *FLAGS, "--executor", "ray", "--tasks", "2",
+                             "--address", address], capsys)
+        assert code == 2 and message in err and "ray status" in err and "internal error" not in err, err
+        assert time.monotonic() - began < 15
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_options_of_another_executor_are_refused(corpus, tmp_path, capsys):
+    _, inputs, _, _ = corpus
+    base = ["--input", *inputs, "--output", str(tmp_path / "out"), *FLAGS]
+    for extra, message in ((["--dry-run"], "--dry-run applies to --executor slurm"),
+                           (["--executor", "local", "--tasks", "2", "--dry-run"], "--dry-run applies to --executor"),
+                           (["--address", "127.0.0.1:6379"], "--address applies to --executor ray"),
+                           (["--tasks", "2", "--partition", "batch"], "--partition/--time/--cpus-per-task apply to"),
+                           (["--time", "1:00:00"], "--partition/--time/--cpus-per-task apply to"),
+                           (["--tasks", "2", "--workers", "0"], "--workers 0: tasks at once, must be >= 1")):
+        code, err = run_cli(base + extra, capsys)
+        assert code == 2 and message in err, (extra, err)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_second_run_into_the_same_output_is_refused_naming_the_holder(corpus, tmp_path):
+    from ascend_llm_recipes.data.prepare import output_lock
+    root, inputs, _, _ = corpus
+    out = str(tmp_path / "out")
+    tokenizer = str(root / "one" / "tokenizer.model")
+    with output_lock(out):  # another open file description: flock refuses it as it would another process
+        for tasks in (1, 2):
+            with pytest.raises(DataError, match=rf"out is being prepared by pid {os.getpid()} \(lock .*out\.lock\)"):
+                prepare_dataset(out, 64, inputs=inputs, tokenizer=tokenizer, tasks=tasks, show_progress=False)
+    assert os.listdir(tmp_path) == []
+    prepare_dataset(out, 64, inputs=inputs[:1], tokenizer=tokenizer, show_progress=False, workers=0)
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # the lock file goes with its holder
+
+
+def test_a_run_that_failed_before_writing_shards_restarts_with_the_fixed_arguments(corpus, tmp_path, capsys):
+    _, inputs, _, _ = corpus
+    out, work = str(tmp_path / "out"), str(tmp_path / "out.partial")
+    kwargs = {**OPTIONS, "near_dedup": False, "val_fraction": 0.0}
+    with pytest.raises(DataError, match="a tokenizer of 65536 pieces cannot be trained"):
+        prepare_dataset(out, 64, inputs=inputs[:1], show_progress=False, tasks=2, workers=1,
+                        **{**kwargs, "vocab_size": 65536})
+    refused = r"(?s)differs in: tasks 2 -> 1, vocab_size 65536 -> 512\).*delete .*out\.partial"
+    with pytest.raises(DataError, match=refused):  # the single pass is one task, not None
+        prepare_dataset(out, 64, inputs=inputs[:1], show_progress=False, workers=0, **kwargs)
+    capsys.readouterr()
+    manifest = prepare_dataset(out, 64, inputs=inputs[:1], show_progress=False, tasks=2, workers=1, **kwargs)
+    assert "vocab_size 65536 -> 512) and nothing completed: starting over" in capsys.readouterr().err
+    assert manifest["tokenizer"]["vocab_size"] == 512 and not os.path.exists(work)
