@@ -226,8 +226,12 @@ def test_scheduler_arguments_are_checked_before_anything_is_written(corpus, tmp_
 
 def run_cli(args, capsys):
     """scripts/prepare_data.py's main in this process: (exit code, stderr)."""
-    from ascend_llm_recipes.scripts.prepare_data import main
-    code = main(args)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_data_script", SCRIPT)  # scripts/ is not a package
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    code = script.main(args)
     return code, capsys.readouterr().err
 
 
