@@ -24,6 +24,19 @@ LLAMA2_LAYOUT_SP_MODEL = os.path.join(importlib.util.find_spec("mistral_common")
                                       "data", "tokenizer.model.v1")
 
 
+def load_script(name: str):
+    """scripts/NAME.py as a module (scripts/ is not a package), to call its main() in the test process."""
+    import importlib.util
+    import sys
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, "scripts", f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory):
     """The tiny recipe's dataset, prepared once per test session."""

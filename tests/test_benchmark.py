@@ -4,18 +4,12 @@ import ast
 import glob
 import math
 import os
-import sys
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, load_script
 
 
 def benchmark_script():
-    sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
-    try:
-        import benchmark_training
-    finally:
-        sys.path.pop(0)
-    return benchmark_training
+    return load_script("benchmark_training")
 
 
 def test_smoke_shape_trains_both_frameworks_side_by_side(tmp_path):

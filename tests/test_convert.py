@@ -20,7 +20,7 @@ import transformers
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO_ROOT, TINY_RECIPE
+from conftest import TINY_RECIPE, load_script
 from ascend_llm_recipes.common.errors import ConversionError, LaunchError
 from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
 from ascend_llm_recipes.data.prepare import prepare_dataset
@@ -325,12 +325,7 @@ def test_output_holding_a_different_model_is_refused(tmp_path):
 
 
 def cli():
-    sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
-    try:
-        import convert_checkpoint
-    finally:
-        sys.path.pop(0)
-    return convert_checkpoint
+    return load_script("convert_checkpoint")
 
 
 def test_cli_converts_and_reports_errors_with_exit_code_2(tmp_path, capsys):

@@ -2,7 +2,6 @@
 split, restart after a real kill, bad input, and the --validate/--report/--show commands."""
 
 import gzip
-import importlib.util
 import json
 import os
 import re
@@ -17,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, load_script
 from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.data.clean import clean_text
 from ascend_llm_recipes.data.corpus import python_stdlib_files
@@ -353,10 +352,7 @@ def test_tokenizer_that_does_not_fit_is_refused(tmp_path, docs, tokenizer):
 
 def run_script(capsys, *args):
     """scripts/prepare_data.py's main(), in this process: (exit code, stdout, stderr)."""
-    spec = importlib.util.spec_from_file_location("prepare_data_script", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    code = script.main([str(a) for a in args])
+    code = load_script("prepare_data").main([str(a) for a in args])
     out, err = capsys.readouterr()
     return code, out, err
 

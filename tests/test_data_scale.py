@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, load_script
 from ascend_llm_recipes.data.corpus import python_stdlib_files
 from ascend_llm_recipes.data.loader import load_sources
 from ascend_llm_recipes.data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_files
@@ -226,12 +226,7 @@ def test_scheduler_arguments_are_checked_before_anything_is_written(corpus, tmp_
 
 def run_cli(args, capsys):
     """scripts/prepare_data.py's main in this process: (exit code, stderr)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("prepare_data_script", SCRIPT)  # scripts/ is not a package
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    code = script.main(args)
+    code = load_script("prepare_data").main(args)
     return code, capsys.readouterr().err
 
 

@@ -18,7 +18,7 @@ import transformers
 import yaml
 from safetensors.torch import load_file
 
-from conftest import REPO_ROOT, TINY_RECIPE
+from conftest import REPO_ROOT, TINY_RECIPE, load_script
 from ascend_llm_recipes.models.convert import HF_WEIGHTS_FILE, MODEL_SECTION_FILE
 from ascend_llm_recipes.models.megatron import from_megatron
 from test_convert import assert_nothing_written, make_hf_model
@@ -215,11 +215,7 @@ def test_write_recipe_continues_the_run_and_plans(tmp_path, megatron_dir):
 
 def test_converted_fixture_trains_and_exports(tmp_path, megatron_dir, tiny_dataset, capsys):
     """Done-when, for TP2xPP2 torch_dist: convert (CLI), train 2 steps with the tiny recipe, export --to-hf."""
-    sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
-    try:
-        import convert_checkpoint
-    finally:
-        sys.path.pop(0)
+    convert_checkpoint = load_script("convert_checkpoint")
     ours, run_dir = tmp_path / "ours", tmp_path / "run"
     assert convert_checkpoint.main(["--from-megatron", str(megatron_dir / "tp2pp2" / "torch_dist"),
                                     "--output", str(ours), "--quiet"]) == 0
