@@ -316,5 +316,12 @@ class SafetensorsWriter:
 
 def tensor_shapes(path: str) -> dict:
     """{tensor name: shape} of a .ckpt or .safetensors file, from its framing or header alone."""
+    return {name: shape for name, (shape, _) in tensor_layouts(path).items()}
+
+
+def tensor_layouts(path: str) -> dict:
+    """{tensor name: (shape, bytes per element)} of a .ckpt or .safetensors file (None: not a float type)."""
     reader = CkptFile(path) if path.endswith(".ckpt") else SafetensorsFile(path)
-    return {name: tuple(info[1]) for name, info in reader.tensors.items()}
+    codes = {name: CKPT_DTYPES.get(info[0]) if path.endswith(".ckpt") else info[0]
+             for name, info in reader.tensors.items()}
+    return {name: (tuple(info[1]), SAFETENSORS_SIZES.get(codes[name])) for name, info in reader.tensors.items()}

@@ -299,3 +299,26 @@ def apply_layout(net, layout: LlamaLayout) -> None:
             layer.recompute(**layout.recompute_options)
         elif layout.recompute == "selective":
             attn.core.recompute(**layout.recompute_options)
+
+
+def optimizer_shard_shape(shape: tuple, itemsize: int, copies: int, threshold_kb: int) -> tuple:
+    """The shape one rank holds of a parameter that `copies` data-parallel ranks share, under optimizer parallel.
+
+    MindSpore 2.9 (semi-auto parallel with enable_parallel_optimizer, every optimizer_level) stores each
+    rank's part of such a parameter and all-gathers it where it is used. Its compile decides per parameter
+    (sources of the 2.9 tree, not in the wheel): step_parallel.cc SetParallelShape takes the optimizer
+    slice shape whenever OptParamMgr::ShardOptGroup gives a group; parallel_optimizer/opt_param_mgr.cc
+    SplitParam refuses a parameter whose whole size in its own dtype is below parallel_optimizer_threshold
+    KB (default 64); tensor_layout.cc GenerateOptShardSliceShape then splits the first dimension over the
+    copies (optimizer_weight_shard_size -1, the default: all of them) and refuses one it does not divide.
+    AdamW's moments are clones of their parameter and take its shape (parameter_manager.cc
+    SetClonedTensorShapeForOptimizer). The slice of rank r is the r-th block of rows within its group, as
+    MindSpore's checkpoint transform cuts it (mindspore/parallel/_tensor.py:243-276 _load_tensor_by_layout).
+    """
+    shape = tuple(shape)
+    size = itemsize
+    for d in shape:
+        size *= d
+    if copies <= 1 or not shape or size < threshold_kb * 1024 or shape[0] % copies:
+        return shape
+    return (shape[0] // copies, *shape[1:])

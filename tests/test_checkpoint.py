@@ -430,3 +430,81 @@ def test_loss_spike_rolls_back_and_skips_the_offending_samples(tiny_dataset, tmp
     os.remove(os.path.join(run_dir, "data_skips.json"))
     code, output = rerun(run_dir, dataset, *settings)
     assert code == 2 and "was trained without the samples at training-order positions" in output, output
+
+
+def rank_slices(net, rank: int, shard: int, held) -> list:
+    """Every parameter of `net` (weights, AdamW moments, step) as `rank` holds it, cut by MindSpore's own
+    checkpoint-transform code from the optimizer-shard layout of a data-parallel-only strategy file."""
+    import mindspore as ms
+    import numpy as np
+    from mindspore.parallel._tensor import _construct_tensor_layout_for_opt_shard, _load_tensor
+
+    out = []
+    for p in net.get_parameters():
+        whole = p.asnumpy()
+        if held(p.name, whole) == whole.shape:
+            out.append({"name": p.name, "data": ms.Tensor(whole)})
+            continue
+        dev, tensor_map, full = _construct_tensor_layout_for_opt_shard([shard], [-1] * whole.ndim, 1, shard,
+                                                                       list(whole.shape))
+        part = _load_tensor(ms.Tensor(whole), dev, tensor_map, full, rank).reshape(-1, *whole.shape[1:])
+        out.append({"name": p.name, "data": ms.Tensor(np.ascontiguousarray(part))})
+    return out
+
+
+def test_a_dp_only_semi_auto_rank_resumes_from_the_slices_optimizer_parallel_gives_it(tmp_path, tiny_dataset):
+    """llama2_7b_8dev's layout (semi-auto DP 8, optimizer parallel): each rank saves its slices, and resume checks
+    them against the slice it holds, not the whole model (which refused every resume of that recipe)."""
+    import mindspore as ms
+    from mindspore import nn
+    from ascend_llm_recipes.common.errors import LaunchError
+    from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
+    from ascend_llm_recipes.training.checkpoint import rank_shapes, verify_step
+    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.train import check_checkpoint_parameters
+
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml"),
+                         [f"train_dataset.data_loader.dataset_dir={tiny_dataset}", f"output_dir={tmp_path}",
+                          "parallel.parallel_optimizer_config.optimizer_level=level3"], planning=True)
+    shapes = rank_shapes(recipe)
+    assert (shapes.optimizer_shard, shapes.threshold_kb) == (8, 64)
+    # 64 KB threshold in the parameter's dtype: the (512, 64) float32 table (128 KB) is sliced, a (64, 64)
+    # projection (16 KB) and the norms stay whole; a bfloat16 table (64 KB) is still sliced.
+    assert shapes.shape("model.embed_tokens.weight", 4) == (64, 64) == shapes.shape("model.embed_tokens.weight", 2)
+    assert shapes.shape("model.layers.0.self_attn.q_proj.weight", 4) == (64, 64)
+    assert shapes.shape("model.norm.weight", 4) == (64,)
+    seven_b = rank_shapes(load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_8dev.yaml"), planning=True))
+    assert seven_b.shape("model.layers.0.self_attn.q_proj.weight", 4) == (512, 4096)  # the issue's (512, 4096)
+    assert seven_b.shape("model.layers.0.mlp.gate_proj.weight", 2) == (1376, 4096)
+    assert seven_b.shape("model.layers.0.input_layernorm.weight", 4) == (4096,)  # 16 KB: whole
+
+    cfg = recipe.model.model_config
+    net = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in vars(cfg).items() if k != "type"}))
+    optimizer = nn.AdamWeightDecay(net.trainable_params())  # moments named adam_m./adam_v. as MindFormers' AdamW
+    cell = nn.TrainOneStepCell(net, optimizer)  # what the checkpointer snapshots: the train network's parameters
+
+    def held(name, array):
+        base = name.split(".", 1)[1] if name.startswith(("adam_m.", "adam_v.")) else name
+        return shapes.shape(base, array.dtype.itemsize) if base in shapes else array.shape
+
+    step = os.path.join(str(tmp_path), "checkpoints", "step_00000010")
+    meta = {"step": 10, "epoch": 1, "world_size": 8, "kind": "step"}
+    for rank in range(8):
+        write_rank(os.path.join(step, f"rank_{rank}"), f"llama_rank_{rank}-1_10.ckpt",
+                   rank_slices(cell, rank, 8, held), {"epoch_num": 1, "step_num": 10}, {**meta, "rank": rank})
+    manifest = read_json(os.path.join(step, "rank_3", MANIFEST))["tensors"]
+    assert manifest["adam_m.model.embed_tokens.weight"]["shape"] == [64, 64]
+    assert manifest["model.layers.0.self_attn.q_proj.weight"]["shape"] == [64, 64]
+    assert verify_step(step, 8, shapes, need_optimizer=False) == []
+    recipe.load_checkpoint, recipe.resume_training = step, True
+    check_checkpoint_parameters(recipe, 3)  # rank 3's own slices: accepted
+
+    # A rank file holding the whole table where the rank keeps 1/8 of it is refused, naming the slice rule.
+    whole = [{"name": p.name, "data": ms.Tensor(p.asnumpy())} for p in cell.get_parameters()]
+    write_rank(os.path.join(step, "rank_3"), "llama_rank_3-1_10.ckpt", whole, {}, {**meta, "rank": 3})
+    with pytest.raises(LaunchError, match=r"model\.embed_tokens\.weight: checkpoint shape \(512, 64\), rank 3 of the "
+                                          r"recipe's model holds \(64, 64\) \(optimizer parallel: the whole \(512, 64\) "
+                                          r"sliced over 8"):
+        check_checkpoint_parameters(recipe, 3)
+    assert any("tensor adam_v.model.embed_tokens.weight has shape (512, 64), this rank holds (64, 64)" in p
+               for p in verify_step(step, 8, shapes, need_optimizer=False))

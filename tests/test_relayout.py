@@ -237,7 +237,8 @@ def test_a_semi_auto_runs_checkpoints_are_not_held_to_whole_model_shapes(dp2_run
 
     run, _ = dp2_run
     previous = saved_recipe(run)
-    assert rank_shapes(previous) == parameter_shapes(previous.model.model_config, 1)  # data parallel: whole tensors
+    assert rank_shapes(previous).whole == parameter_shapes(previous.model.model_config, 1)  # data parallel: whole
+    assert rank_shapes(previous).optimizer_shard == 1
     tp_run = as_tp2(run, tmp_path)
     tp_previous = saved_recipe(tp_run)
     assert rank_shapes(tp_previous) is None

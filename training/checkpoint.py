@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 
 from ascend_llm_recipes.common.files import file_sha256, write_atomic
 from ascend_llm_recipes.common.errors import PretrainError
@@ -93,13 +94,15 @@ def complete_steps(run_dir: str, world_size: int, kind: str = "step") -> list:
     return steps
 
 
-def verify_step(directory: str, world_size: int, expected_shapes: dict = None, need_optimizer: bool = True,
+def verify_step(directory: str, world_size: int, expected_shapes: "RankShapes" = None, need_optimizer: bool = True,
                 deep: bool = True) -> list:
     """Every problem with one step directory: missing/corrupt files, wrong shapes, missing optimizer or data state.
 
     `need_optimizer`: the step must be resumable (AdamW moments and a readable state.json).
     `deep=False` skips the file hashes (sizes are still compared): a cheap check for older steps.
     """
+    if isinstance(expected_shapes, dict):
+        expected_shapes = RankShapes(expected_shapes)
     problems = []
     for rank in range(world_size):
         rank_dir = os.path.join(directory, f"rank_{rank}")
@@ -120,12 +123,7 @@ def verify_step(directory: str, world_size: int, expected_shapes: dict = None, n
         if deep and file_sha256(path) != sha256:
             problems.append(f"{path}: sha256 differs from {MANIFEST} (corrupt)")
             continue
-        for name, shape in (expected_shapes or {}).items():
-            if name not in tensors:
-                problems.append(f"{path}: tensor {name} missing (checkpoint of another model?)")
-            elif tuple(tensors[name]["shape"]) != tuple(shape):
-                problems.append(f"{path}: tensor {name} has shape {tuple(tensors[name]['shape'])}, the recipe's "
-                                f"model needs {tuple(shape)}")
+        problems.extend(shape_problems(path, tensors, expected_shapes))
         if need_optimizer and expected_shapes:
             missing = [n for n in expected_shapes if f"adam_m.{n}" not in tensors or f"adam_v.{n}" not in tensors]
             if missing:
@@ -135,6 +133,29 @@ def verify_step(directory: str, world_size: int, expected_shapes: dict = None, n
     if need_optimizer:
         problems.extend(state_problems(directory))
     return problems
+
+
+def shape_problems(path: str, tensors: dict, expected) -> list:
+    """A rank's tensors (manifest entries) against RankShapes: each parameter and its AdamW moments at the
+    shape this rank holds."""
+    problems = []
+    for name in expected or ():
+        if name not in tensors:
+            problems.append(f"{path}: tensor {name} missing (checkpoint of another model?)")
+            continue
+        need = expected.shape(name, itemsize(tensors[name]["dtype"]))
+        for key in (name, f"adam_m.{name}", f"adam_v.{name}"):
+            if key in tensors and tuple(tensors[key]["shape"]) != need:
+                problems.append(f"{path}: tensor {key} has shape {tuple(tensors[key]['shape'])}, this rank holds "
+                                f"{need} of it under the recipe's layout{held_note(expected, name)}")
+    return problems
+
+
+def held_note(expected, name: str) -> str:
+    if expected.optimizer_shard <= 1:
+        return ""
+    return (f" (optimizer parallel: the whole {tuple(expected.whole[name])} sliced over {expected.optimizer_shard} "
+            f"data-parallel ranks when >= {expected.threshold_kb} KB and its first dimension divides)")
 
 
 def state_problems(directory: str) -> list:
@@ -157,24 +178,66 @@ def step_entries(run_dir: str, kind: str = "step") -> list:
     return sorted((e for e in entries if re.fullmatch(kind + r"_\d+", e)), reverse=True)
 
 
-def rank_shapes(recipe):
-    """The tensor shapes every rank's checkpoint must hold, or None where a rank holds only its slice or stage.
+@dataclass(frozen=True)
+class RankShapes:
+    """The model parameters a rank's checkpoint holds, each at the shape that rank keeps of it.
 
-    Under data parallel each rank saves the whole model. Under semi-auto parallel (TP, PP, optimizer
-    parallel) MindSpore keeps a parameter at its slice shape on each rank (mindspore/common/parameter.py
-    Parameter.init_data) and a pipeline stage holds its own layers only, so comparing a rank's file with
-    the whole model would set every valid checkpoint aside; files, hashes and the manifest are still
-    verified, and MindSpore checks the slices against the strategy at load.
+    `whole` are the model's shapes; with `optimizer_shard` > 1 (semi-auto parallel with optimizer
+    parallel, no TP or PP) a parameter is kept sliced over that many data-parallel copies when it is
+    large enough (models/parallel.py optimizer_shard_shape). The threshold is in the parameter's own
+    dtype, so the held shape takes the itemsize of the tensor as the file stores it.
+    """
+    whole: dict
+    optimizer_shard: int = 1
+    threshold_kb: int = 0
+
+    def __iter__(self):
+        return iter(self.whole)
+
+    def __contains__(self, name) -> bool:
+        return name in self.whole
+
+    def shape(self, name: str, itemsize: int = 4) -> tuple:
+        from ascend_llm_recipes.models.parallel import optimizer_shard_shape
+
+        return optimizer_shard_shape(self.whole[name], itemsize, self.optimizer_shard, self.threshold_kb)
+
+
+# numpy's dtype names as the manifest records them (bfloat16 has no numpy name without ml_dtypes).
+ITEMSIZES = {"bfloat16": 2}
+
+
+def itemsize(dtype: str) -> int:
+    import numpy as np
+
+    return ITEMSIZES.get(dtype) or np.dtype(dtype).itemsize
+
+
+def rank_shapes(recipe):
+    """What every rank's checkpoint must hold (RankShapes), or None where MindSpore alone knows a rank's part.
+
+    Under data parallel each rank saves the whole model. In semi-auto parallel without TP and PP (e.g.
+    llama2_7b_8dev's DP 8) every rank holds the same parts: whole tensors, or with optimizer parallel the
+    slices MindSpore keeps (RankShapes). Under TP or PP a rank holds its strategy's slices and its stage's
+    layers only, which the strategy file decides; files, hashes and the manifest are still verified and
+    MindSpore checks the slices against the strategy at load. Auto parallel (mode 2) searches strategies
+    itself: None too.
     """
     from ascend_llm_recipes.models.shapes import parameter_shapes
     from ascend_llm_recipes.training.relayout import semi_auto
 
-    if semi_auto(recipe):
+    p = recipe.parallel_config
+    whole = parameter_shapes(recipe.model.model_config, p.model_parallel)
+    if not semi_auto(recipe):
+        return RankShapes(whole)
+    if p.model_parallel > 1 or p.pipeline_stage > 1 or recipe.parallel.parallel_mode != 1:
         return None
-    return parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
+    if not recipe.parallel.enable_parallel_optimizer:
+        return RankShapes(whole)
+    return RankShapes(whole, p.data_parallel, recipe.parallel.parallel_optimizer_config.parallel_optimizer_threshold)
 
 
-def scan_steps(run_dir: str, world_size: int, expected_shapes: dict = None) -> tuple:
+def scan_steps(run_dir: str, world_size: int, expected_shapes: "RankShapes" = None) -> tuple:
     """((step, directory) of the newest valid step or (None, None), [(directory, problems)] of invalid ones).
 
     Steps newer than the one found are fully verified (file hashes); older ones get the cheap
@@ -191,7 +254,7 @@ def scan_steps(run_dir: str, world_size: int, expected_shapes: dict = None) -> t
     return found, invalid
 
 
-def newest_valid_step(run_dir: str, world_size: int, expected_shapes: dict = None, log=print):
+def newest_valid_step(run_dir: str, world_size: int, expected_shapes: "RankShapes" = None, log=print):
     """(step, directory) of the newest complete, verified step, warning about each invalid one."""
     found, invalid = scan_steps(run_dir, world_size, expected_shapes)
     for directory, problems in invalid:

@@ -115,17 +115,21 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
     then train from their random initialisation (e.g. lm_head of a tied-embedding checkpoint
     loaded into an untied model); weights it does not use are dropped without a word.
     """
-    from ascend_llm_recipes.models.checkpoint_io import tensor_shapes
+    from ascend_llm_recipes.models.checkpoint_io import tensor_layouts
     from ascend_llm_recipes.models.shapes import parameter_shapes
     from ascend_llm_recipes.common.errors import ConversionError
+    from ascend_llm_recipes.training.checkpoint import RankShapes, held_note, rank_shapes
+    from ascend_llm_recipes.training.relayout import pending_source_strategy
 
     if not recipe.load_checkpoint:
         return
-    parallel = recipe.parallel_config
     files, per_rank = loaded_checkpoint_files(recipe, rank)
-    from ascend_llm_recipes.training.relayout import pending_source_strategy
-    if per_rank and (parallel.model_parallel > 1 or parallel.pipeline_stage > 1 or pending_source_strategy(recipe)):
-        return  # a rank's file holds its slice or stage only (or is re-sliced at load); MindSpore checks those
+    # A rank's own file holds what the rank keeps (its slices under optimizer parallel); a file of complete
+    # weights (a conversion) is sliced by MindSpore at load and holds whole tensors.
+    model = rank_shapes(recipe) if per_rank else RankShapes(parameter_shapes(recipe.model.model_config,
+                                                                             recipe.parallel_config.model_parallel))
+    if model is None or (per_rank and pending_source_strategy(recipe)):
+        return  # TP/PP slices and stages, or re-sliced at load: MindSpore checks those against the strategy
     where = f"load_checkpoint {recipe.load_checkpoint}"
     if not files:
         raise LaunchError(f"{where}: no {recipe.load_ckpt_format} checkpoint file for rank {rank} in it",
@@ -134,14 +138,18 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
     found = {}
     try:
         for path in files:
-            found.update(tensor_shapes(path))
+            found.update(tensor_layouts(path))
     except (OSError, ConversionError) as err:
         raise LaunchError(f"{where}: {err}") from None
-    model = parameter_shapes(recipe.model.model_config, parallel.model_parallel)
     problems = [f"{name}: not in the checkpoint (would train from its random initialisation)"
                 for name in model if name not in found]
-    problems += [f"{name}: checkpoint shape {found[name]}, the recipe's model needs {tuple(shape)}"
-                 for name, shape in model.items() if name in found and found[name] != tuple(shape)]
+    for name in model:
+        if name in found:
+            shape, size = found[name]
+            need = model.shape(name, size or 4)
+            if shape != need:
+                problems.append(f"{name}: checkpoint shape {shape}, rank {rank} of the recipe's model holds {need}"
+                                + held_note(model, name))
     problems += [f"{name}: in the checkpoint but not a parameter of the recipe's model (would be dropped)"
                  for name in found if name not in model and name.startswith(("model.", "lm_head."))]
     if problems:
