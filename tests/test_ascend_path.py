@@ -177,7 +177,7 @@ def test_logged_loss_is_the_mean_of_the_summing_wrappers_output(tmp_path, tiny_d
     """MindSpore's GradAccumulationCell / PipelineCell on CPU sum 4 micro-batch losses; the record divides by 4."""
     import mindspore as ms
     from mindspore import nn
-    from ascend_llm_recipes.training.callbacks import StepRecorder
+    from ascend_llm_recipes.training.callbacks import StepRecord, StepRecorder
     from ascend_llm_recipes.training.heartbeat import Heartbeat
 
     recipe = ascend_recipe(tmp_path, tiny_dataset, *LAYOUTS[layout])
@@ -190,8 +190,10 @@ def test_logged_loss_is_the_mean_of_the_summing_wrappers_output(tmp_path, tiny_d
     assert float(summed.asnumpy()) == pytest.approx(4 * mean, rel=1e-5)  # the raw output: 4x too high
     recorder = StepRecorder(recipe, str(tmp_path / "metrics.jsonl"), Heartbeat(str(tmp_path), 0), 1)
     one = ms.Tensor(1.0, ms.float32)
-    record = recorder.record(1, (summed, ms.Tensor(False), one, one, one), 1.0, 0.0, True)
-    assert record["loss"] == pytest.approx(mean, rel=1e-5)
+    # This rank's record before the ranks agree (with pipeline stages they all-reduce the last stage's loss:
+    # test_stage_ranks_agree_on_the_last_stages_loss_and_nan_in_real_processes).
+    record = StepRecord.from_outputs(1, (summed, ms.Tensor(False), one, one, one), recorder.loss_divisor)
+    assert record.loss == pytest.approx(mean, rel=1e-5)
 
 
 def test_portable_wrapper_refuses_a_network_that_sums_micro_batches():
@@ -331,3 +333,85 @@ def test_throughput_check_reads_tokens_per_device_mfu_and_compile_time(tmp_path)
     assert result["compile_s"] == 95.0 and result["steps_measured"] == 29 and result["mfu"] == 0.5
     assert result["mindformers_tokens_per_s_per_device"] == MINDFORMERS_TOKENS_PER_S_PER_DEVICE == 4160
     assert throughput(str(tmp_path / "missing"))["status"] == "FAIL"
+
+
+def test_pipeline_loss_is_the_last_stages_and_its_nan_every_ranks():
+    """The decision on the all-reduced vector, for DP 2 x PP 4: ranks 6 and 7 compute the loss, the others output 0."""
+    from dataclasses import replace
+    from ascend_llm_recipes.training.callbacks import StepRecord, agree, last_stage_ranks
+
+    recipe = load_recipe(TINY_ASCEND, ["parallel_config.data_parallel=2", "parallel_config.pipeline_stage=4",
+                                       "parallel_config.micro_batch_num=4"], planning=True)
+    assert list(last_stage_ranks(recipe)) == [6, 7]
+    assert list(last_stage_ranks(load_recipe(TINY_ASCEND, planning=True))) == list(range(8))  # DP 8: all
+    first = StepRecord(step=1, loss=0.0, lr=1e-3, grad_norm=1.0, loss_scale=1.0, overflow=False)
+    last = replace(first, loss=3.0)
+    sums = [3.0 + 3.0, 2, 0, 0]  # all_reduce_sum of the 8 ranks' [loss x computes, computes, stop, non_finite]
+    for local, computes in ((first, False), (last, True)):
+        agreed = agree(local, sums, reduce_loss=True, agree_on_stop=True, computes=computes)
+        assert agreed.loss == 3.0 and not agreed.non_finite and not agreed.stop
+        assert agreed.rank_loss == (3.0 if computes else None)
+    nan = [float("nan"), 2, 1, 1]  # a NaN on the last stage, a stop request on some rank
+    agreed = agree(first, nan, reduce_loss=True, agree_on_stop=True, computes=False)
+    assert agreed.non_finite and agreed.stop  # stage 0 stops with it instead of waiting for a timeout
+
+
+PIPELINE_WORKER = """
+import json, os, sys
+import mindspore as ms
+from mindspore.communication import get_rank, init
+ms.set_context(mode=0, device_target="CPU")
+init()
+if os.environ.get("MS_ROLE") == "MS_SCHED":
+    sys.exit(0)
+ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", full_batch=True)  # the training context
+from ascend_llm_recipes.training.callbacks import StepRecord, StepRecorder
+from ascend_llm_recipes.training.heartbeat import Heartbeat
+from ascend_llm_recipes.training.recipe import load_recipe
+rank = get_rank()
+recipe = load_recipe(os.environ["TINY_ASCEND"], ["parallel_config.data_parallel=1", "parallel_config.pipeline_stage=2",
+                                                 "parallel_config.micro_batch_num=2", "hardware.devices_per_node=2"],
+                     planning=True)
+recorder = StepRecorder(recipe, "metrics.jsonl", Heartbeat(os.getcwd(), rank), 1, agree_on_stop=True, rank=rank)
+out = []
+for step, loss in ((1, 5.0), (2, float("nan"))):  # the wrapper's sum over 2 micro-batches; stage 0 outputs 0
+    outputs = [ms.Tensor(loss if rank == 1 else 0.0, ms.float32), ms.Tensor(False), ms.Tensor(1.0), ms.Tensor(1e-3),
+               ms.Tensor(0.5)]
+    record = recorder.agreed(StepRecord.from_outputs(step, outputs, recorder.loss_divisor))
+    out.append([record.loss, record.rank_loss, record.non_finite, record.stop])
+print("RESULT", rank, json.dumps(out))
+"""
+
+
+def test_stage_ranks_agree_on_the_last_stages_loss_and_nan_in_real_processes(tmp_path):
+    """Two msrun CPU processes stand in for a 2-stage pipeline (rank 0: stage 0, rank 1: the last stage) and run
+    StepRecorder.agreed over the real host all-reduce: both record the last stage's loss, both see its NaN."""
+    import glob
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(PIPELINE_WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logs = tmp_path / "logs"
+    # msrun started by this Python, so its workers import the package this test runs (not another install).
+    msrun = [sys.executable, "-c", "import sys; from mindspore.parallel.cluster.run import main; sys.exit(main())"]
+    result = subprocess.run([*msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={port}",
+                             f"--log_dir={logs}", "--join=True", str(script)],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, TINY_ASCEND=TINY_ASCEND))
+    worker_logs = "".join(open(p).read()[-1500:] for p in glob.glob(str(logs / "worker_*.log")))
+    assert result.returncode == 0, result.stdout[-2000:] + worker_logs
+    got = {}
+    for path in glob.glob(str(logs / "worker_*.log")):
+        for line in open(path, encoding="utf-8"):
+            if line.startswith("RESULT"):
+                _, rank, values = line.split(" ", 2)
+                got[int(rank)] = json.loads(values.replace("NaN", "null"))
+    # 5.0 summed over 2 micro-batches -> 2.5 on both; step 2's NaN is non-finite on both.
+    assert got == {0: [[2.5, None, False, False], [None, None, True, False]],
+                   1: [[2.5, 2.5, False, False], [None, None, True, False]]}, worker_logs

@@ -1,7 +1,6 @@
 """The anomaly monitor callback: what to do about a non-finite loss or a loss spike (recipe section `anomaly`)."""
 
 import json
-import math
 import os
 import time
 
@@ -44,7 +43,7 @@ class AnomalyMonitor(Callback):
         record = self.recorder.last
         step, loss = record.step, record.loss
         params = run_context.original_args()
-        if not math.isfinite(loss) or (record.grad_norm is not None and not math.isfinite(record.grad_norm)):
+        if record.non_finite:  # on any rank, any pipeline stage: StepRecorder agreed it
             if self.anomaly.on_nan == "stop":
                 where = self.checkpointer.save(params, step, kind="nan")
                 raise LaunchError(f"step {step}: non-finite loss {loss} / grad norm {record.grad_norm}; "

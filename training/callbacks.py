@@ -25,20 +25,49 @@ def _scalar(value):
 class StepRecord:
     """One training step as the callbacks after StepRecorder see it: the train step's outputs, named."""
     step: int
-    loss: float                        # mean over micro-batches and, under data parallel, over every rank
+    loss: float                        # mean over micro-batches and over the ranks that compute it (see StepRecorder)
     lr: float
     grad_norm: Optional[float]         # None when the train step does not report one
     loss_scale: float
     overflow: bool
     stop: bool = False                 # a stop was requested (SIGTERM); under data parallel: on any rank
     rank_loss: Optional[float] = None  # this rank's own loss, when `loss` is the mean over ranks
+    non_finite: bool = False           # loss or grad norm not finite, on any rank when the step was agreed
 
     @classmethod
     def from_outputs(cls, step: int, outputs, loss_divisor: int = 1, stop: bool = False) -> "StepRecord":
         """MindFormers' train steps return (loss, overflow, loss scale, learning rate[, global grad norm, ...])."""
-        return cls(step=step, loss=_scalar(outputs[0]) / loss_divisor, lr=_scalar(outputs[3]),
-                   grad_norm=_scalar(outputs[4]) if len(outputs) > 4 else None, loss_scale=_scalar(outputs[2]),
-                   overflow=bool(_scalar(outputs[1])), stop=stop)
+        loss, grad_norm = _scalar(outputs[0]) / loss_divisor, _scalar(outputs[4]) if len(outputs) > 4 else None
+        return cls(step=step, loss=loss, lr=_scalar(outputs[3]), grad_norm=grad_norm, loss_scale=_scalar(outputs[2]),
+                   overflow=bool(_scalar(outputs[1])), stop=stop,
+                   non_finite=not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)))
+
+
+def last_stage_ranks(recipe) -> range:
+    """The ranks that compute the loss: all of them, or under pipeline parallelism the last stage's.
+
+    MindSpore numbers a stage's ranks contiguously, stage s holding ranks s x per_stage to
+    (s + 1) x per_stage - 1 (MindFormers' _get_pipeline_group, mindformers/core/callback/callback.py:567-577);
+    only the last stage's loss is real (callback.py:549-551 warns of it), the others output 0.
+    """
+    stages = recipe.parallel_config.pipeline_stage if recipe.use_parallel and recipe.parallel.parallel_mode in (1, 2) \
+        else 1
+    per_stage = recipe.world_size // stages
+    return range((stages - 1) * per_stage, recipe.world_size)
+
+
+def agree(local: StepRecord, sums, reduce_loss: bool, agree_on_stop: bool, computes: bool = True) -> StepRecord:
+    """The step every rank takes from the all-reduced [loss x computes, computes, stop, non_finite] (`sums`).
+
+    The loss is the mean over the ranks that compute one (a rank of an earlier pipeline stage adds
+    nothing), so a NaN on the last stage reaches every rank; a stop request or a non-finite value on
+    any rank is every rank's.
+    """
+    loss_sum, computing, stop, non_finite = (float(v) for v in sums)
+    if reduce_loss and computing:
+        local = replace(local, loss=loss_sum / computing, rank_loss=local.loss if computes else None)
+    local = replace(local, non_finite=non_finite > 0 or not math.isfinite(local.loss))
+    return replace(local, stop=stop > 0) if agree_on_stop else local
 
 
 class StepRecorder(Callback):
@@ -52,8 +81,11 @@ class StepRecorder(Callback):
     Under data parallel (DATA_PARALLEL mode) each rank's loss is the mean over its slice of
     the batch; `loss` is the mean over every rank (all-reduced, so all ranks record and act on
     the same value) and `rank_loss` this rank's own. In semi-auto parallel the graph's loss
-    is already global. Files stay open until close(): held-out results of the final step are
-    written after the other callbacks' on_train_end.
+    is already global, but with pipeline stages only the last stage computes it: `loss` is then
+    the last stage's, all-reduced to every rank (rank 0's metrics, the summary and the launcher's
+    line included), and a NaN there is every rank's (AnomalyMonitor stops all of them). Files
+    stay open until close(): held-out results of the final step are written after the other
+    callbacks' on_train_end.
 
     `last` is the step's StepRecord for the callbacks that follow. With `agree_on_stop`, a stop
     request (`stop_requested`, set on SIGTERM) is agreed between the ranks in the same host
@@ -62,7 +94,7 @@ class StepRecorder(Callback):
 
     def __init__(self, recipe, metrics_path: str, heartbeat: Heartbeat, flops_per_token: int,
                  peak_flops: float = None, tensorboard_dir: str = None, initial_step: int = 0,
-                 agree_on_stop: bool = False):
+                 agree_on_stop: bool = False, rank: int = 0):
         super().__init__()
         self.initial_step = initial_step  # the step a resumed run starts after
         self.metrics_path = metrics_path
@@ -77,7 +109,10 @@ class StepRecorder(Callback):
         self.tensorboard_dir = tensorboard_dir
         from ascend_llm_recipes.training.train_step import summed_micro_batches
         self.loss_divisor = summed_micro_batches(recipe)  # the wrapper's loss sums micro-batches
-        self.reduce_loss = recipe.use_parallel and recipe.parallel.parallel_mode == 0 and recipe.world_size > 1
+        computing = last_stage_ranks(recipe)
+        self.computes_loss = rank in computing
+        self.reduce_loss = recipe.world_size > 1 and recipe.use_parallel and (
+            recipe.parallel.parallel_mode == 0 or len(computing) < recipe.world_size)
         self.agree_on_stop = agree_on_stop and recipe.world_size > 1
         self.stop_requested = False  # SIGTERM may set it at any moment
         self.last: Optional[StepRecord] = None
@@ -151,15 +186,15 @@ class StepRecorder(Callback):
         return record
 
     def agreed(self, local: StepRecord) -> StepRecord:
-        """The step as every rank sees it: loss averaged over ranks and stop agreed, in one host all-reduce."""
+        """The step as every rank sees it: loss of the ranks computing it, stop and NaN agreed, in one all-reduce."""
         if not (self.reduce_loss or self.agree_on_stop):
             return local
         from ascend_llm_recipes.training.collectives import all_reduce_sum
 
-        loss, stop = all_reduce_sum([local.loss if self.reduce_loss else 0.0, 1.0 if local.stop else 0.0])
-        if self.reduce_loss:
-            local = replace(local, loss=float(loss) / self.devices, rank_loss=local.loss)
-        return replace(local, stop=bool(stop > 0)) if self.agree_on_stop else local
+        computes = self.computes_loss and self.reduce_loss
+        sums = all_reduce_sum([local.loss if computes else 0.0, 1.0 if computes else 0.0,
+                               1.0 if local.stop else 0.0, 1.0 if local.non_finite else 0.0])
+        return agree(local, sums, self.reduce_loss, self.agree_on_stop, self.computes_loss)
 
     def log(self, record: dict) -> None:
         mfu = f"{record['mfu']:.1%}" if record["mfu"] is not None else record.get("mfu_flag", "n/a")

@@ -184,7 +184,7 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
     tensorboard = os.path.join(run_dir, TENSORBOARD) if recipe.monitoring.tensorboard and rank == 0 else None
     recorder = StepRecorder(recipe, os.path.join(run_dir, metrics_file(rank)), heartbeat,
                             training_flops_per_token(recipe), peak, tensorboard, initial_step,
-                            agree_on_stop=recipe.checkpointing is not None)
+                            agree_on_stop=recipe.checkpointing is not None, rank=rank)
     callbacks = [recorder]
     if recipe.load_optimizer_state:
         from ascend_llm_recipes.training.optim import LoadOptimizerState
