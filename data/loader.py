@@ -215,6 +215,19 @@ def rank_samples(recipe, rank: int, start_step: int = 0, skips=()) -> tuple:
     return sources, ids[positions], batch
 
 
+def simulated_train_dataset(recipe, rank: int, steps: int):
+    """Batches of zeros of the training data's shape, for MindSpore's DryRun (MS_SIMULATION_LEVEL).
+
+    A simulated compile computes no values (mindspore/utils/dryrun.py:37-57), so it needs the shapes
+    only: the recipe's placeholder dataset does not have to exist on the machine that compiles.
+    """
+    import mindspore.dataset as ds
+
+    _, _, batch = data_parallel_layout(recipe, rank)
+    rows = np.zeros((steps * batch, recipe.model.model_config.seq_length + 1), np.int32)
+    return ds.NumpySlicesDataset({"input_ids": rows}, shuffle=False).batch(batch, drop_remainder=True)
+
+
 def build_train_dataset(recipe, rank: int, start_step: int = 0, skips=()):
     """The MindSpore dataset rank `rank` trains on: batches of (batch, seq_length + 1) int32 `input_ids`."""
     import mindspore.dataset as ds

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Acceptance run for an Ascend node with 8 devices (not run by this repository's CI, which has no NPU).
 # Runs every Ascend claim (start-up of each shipped layout, layout agreement on the tiny recipe, BF16
-# vs FP32, kill -9 and resume under TP/PP, resume at another layout through MindFormers' auto_trans_ckpt,
-# --to-hf of a TP/PP run merged with its strategy files, peak device memory next to --plan) and writes
-# OUT/acceptance.json + OUT/acceptance.md with PASS / FAIL per check (training/acceptance.py).
+# vs FP32, kill -9 and resume under TP/PP and under the 7B's DP-only optimizer-parallel layout,
+# FlashAttention and fused RmsNorm against the math path at seq 2048, resume at another layout through
+# MindFormers' auto_trans_ckpt, --to-hf of a TP/PP run merged with its strategy files, checkpoint size
+# against the bytes resume needs, the pipeline run's logged loss, peak device memory next to --plan,
+# throughput against the published figures) and writes OUT/acceptance.json + OUT/acceptance.md with
+# PASS / FAIL per check (training/acceptance.py).
 #   bash scripts/ascend_acceptance.sh [OUT_DIR]
 #   DRY_RUN=1 bash scripts/ascend_acceptance.sh [OUT_DIR]     # print every command, run nothing
 set -euo pipefail

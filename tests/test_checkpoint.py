@@ -502,9 +502,9 @@ def test_a_dp_only_semi_auto_rank_resumes_from_the_slices_optimizer_parallel_giv
     # A rank file holding the whole table where the rank keeps 1/8 of it is refused, naming the slice rule.
     whole = [{"name": p.name, "data": ms.Tensor(p.asnumpy())} for p in cell.get_parameters()]
     write_rank(os.path.join(step, "rank_3"), "llama_rank_3-1_10.ckpt", whole, {}, {**meta, "rank": 3})
-    with pytest.raises(LaunchError, match=r"model\.embed_tokens\.weight: checkpoint shape \(512, 64\), rank 3 of the "
-                                          r"recipe's model holds \(64, 64\) \(optimizer parallel: the whole \(512, 64\) "
-                                          r"sliced over 8"):
+    with pytest.raises(LaunchError, match=r"model\.embed_tokens\.weight: checkpoint shape \(512, 64\), rank 3 of "
+                                          r"the recipe's model holds \(64, 64\) \(optimizer parallel: the whole "
+                                          r"\(512, 64\) sliced over 8"):
         check_checkpoint_parameters(recipe, 3)
     assert any("tensor adam_v.model.embed_tokens.weight has shape (512, 64), this rank holds (64, 64)" in p
                for p in verify_step(step, 8, shapes, need_optimizer=False))

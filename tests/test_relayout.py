@@ -174,7 +174,8 @@ def test_acceptance_report_from_real_run_directories(dp2_run, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     for name in [*acceptance.LAYOUTS, "killed", f"float32_{acceptance.BF16_STEPS}",
-                 f"bfloat16_{acceptance.BF16_STEPS}", *(f"relayout_{t}" for t in acceptance.RELAYOUT_TARGETS)]:
+                 f"bfloat16_{acceptance.BF16_STEPS}", *(f"relayout_{t}" for t in acceptance.RELAYOUT_TARGETS),
+                 "dp8_opt", "killed_dp_opt", *(f"{p}_s{acceptance.FUSED_SEQ}" for p in acceptance.FUSED_PATHS)]:
         os.symlink(run, out / name)
     os.symlink(hf, out / acceptance.HF_EXPORT)
     codes = {check: 0 for check, _, _ in acceptance.plan_commands(str(out))}
@@ -196,9 +197,38 @@ def test_acceptance_report_from_real_run_directories(dp2_run, tmp_path):
     assert export["merged_from_shards"] is False and export["status"] == "FAIL" and export["not_loaded"] == []
     assert acceptance.hf_export_result(hf)["status"] == "PASS"
     assert report["memory_llama2_7b_8dev"]["measured_peak_gb"] is None  # no device memory on CPU
+    assert report["kill_resume_dp_opt"]["status"] == "PASS" == report["fused_kernels_vs_math"]["status"]
+    # The run's rank 0 file: weights and AdamW moments at the shapes the rank holds, counters, nothing else.
+    size = report["checkpoint_size_dp8_opt"]
+    assert size["status"] == "PASS" and size["rank_shapes_checked"] and size["not_needed_bytes_by_prefix"] == {}
+    assert size["needed_bytes"] <= size["file_bytes"] <= size["needed_bytes"] * 1.01 + (1 << 20)
+    assert report["checkpoint_size_startup_llama2_7b_8dev"]["status"] == "FAIL"  # no run directory: no checkpoint
+    # Data parallel: every rank computes the loss, and rank 0 logged the mean of their own losses.
+    assert report["pipeline_logged_loss"]["status"] == "PASS"
+    assert report["pipeline_logged_loss"]["last_stage_ranks"] == [0, 1]
     table = (out / "acceptance.md").read_text().splitlines()
     assert table[2] == "| check | verdict | figures |" and len(table) == 4 + len(results)
     assert "| resume_dp2_tp4_from_dp2_tp2_pp2 | FAIL |" in "\n".join(table)
+
+
+def test_the_kit_fails_a_run_that_logs_zero_losses(dp2_run, tmp_path):
+    """A run whose rank 0 logged 0 (the loss of a rank that computes none) fails, however well it agrees."""
+    from ascend_llm_recipes.training import acceptance
+
+    run, _ = dp2_run
+    zeroed = str(tmp_path / "zeroed")
+    shutil.copytree(run, zeroed)
+    path = os.path.join(zeroed, "metrics.jsonl")
+    records = [json.loads(line) for line in open(path, encoding="utf-8")]
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({**r, "loss": 0.0} if r["step"] > 3 and "val_loss" not in r else r) + "\n"
+                     for r in records)
+    losses = acceptance.logged_losses(zeroed)
+    assert len(losses) == DP_STEPS and losses[4] == 0.0  # kept, not dropped
+    result = acceptance.compare(losses, losses, 0.0)
+    assert result["status"] == "FAIL" and result["zero_or_non_finite_loss_steps"] == list(range(4, DP_STEPS + 1))
+    pipeline = acceptance.pipeline_loss_result(zeroed)
+    assert pipeline["status"] == "FAIL" and pipeline["zero_or_non_finite_loss_steps"][0] == 4
 
 
 def test_the_relayout_launch_hands_mindformers_the_checkpoints_strategy(dp2_run, tmp_path, monkeypatch):

@@ -5,18 +5,21 @@ scripts/run_distributed.sh and scripts/convert_checkpoint.py), then writes OUT/a
 OUT/acceptance.md with PASS or FAIL per check and its figures. `DRY_RUN=1` prints every command instead.
 Nothing here has executed on Ascend: this repository's machines have no NPU and no CANN.
 
-Losses are compared as logged (metrics*.jsonl), which StepRecorder normalises by the
-micro-batches MindFormers' wrappers sum (training/train_step.py summed_micro_batches).
+Losses are compared as rank 0 logged them (metrics.jsonl): StepRecorder normalises them by the
+micro-batches MindFormers' wrappers sum (training/train_step.py summed_micro_batches) and, under
+pipeline parallelism, takes them from the last stage. A loss of 0 or a non-finite one fails a comparison.
 """
 
 import glob
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 
+from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.training.run_files import CHECKPOINTS, METRICS, METRICS_PATTERN
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,11 +37,38 @@ LAYOUTS = {  # all at the tiny recipe's global batch of 8 sequences
                 "parallel_config.micro_batch_num=4"],
 }
 THROUGHPUT_RECIPE, THROUGHPUT_STEPS = "llama2_7b_8dev", 30
-# MindFormers' published Llama2-7B figure (BF16, seq 4096, 8 x 910B, DP8 TP1, FlashAttention, no recompute).
+# Published Llama 2 7B figures, BF16, seq 4096, 8 x 910B: MindFormers (DP8 TP1, FlashAttention, no recompute)
+# and MindSpeed-LLM (4,672 tokens/s/device at 69% MFU).
 MINDFORMERS_TOKENS_PER_S_PER_DEVICE = 4160
+MINDSPEED_TOKENS_PER_S_PER_DEVICE, MINDSPEED_MFU = 4672, 0.69
+# Verdict: PASS at >= 85% of MindFormers' figure. A run of MindFormers' own scheme is expected within 5-10% of
+# it (issue 25's estimate); 85% leaves room for a node slower than the one published, and still fails the
+# 70-77% the audit estimates for fp32 master weights re-gathered under level3 without overlap.
+THROUGHPUT_PASS_RATIO = 0.85
 LAYOUT_RTOL = 1e-3          # float32 compute: layouts differ only in reduction order
 BF16_STEPS, BF16_RTOL = 50, 0.03  # bf16 vs fp32: per-step loss within 3% over 50 steps
 KILL_AT, RESUME_STEPS = 12, 20
+# llama2_7b_8dev's layout on the tiny model: semi-auto DP 8, TP 1, PP 1, optimizer parallel level3, gradient
+# accumulation 8; threshold 0 so every tensor is sliced as the 7B's are (the tiny ones are below 64 KB).
+DP_OPT_LAYOUT = ["parallel.parallel_optimizer_config.optimizer_level=level3",
+                 "parallel.parallel_optimizer_config.parallel_optimizer_threshold=0",
+                 "runner_config.gradient_accumulation_steps=8"]
+# FlashAttention and the fused RmsNorm against the math path: the tiny model in BF16 at seq 2048, head_dim 64
+# (one head of 64). Per-step losses within 2%: BF16 keeps 8 mantissa bits (0.4% per value) and the kernels
+# sum in another order than the math path, so the two runs drift apart slowly; a wrong mask, scale or eps
+# is off by far more from the first step.
+FUSED_SEQ, FUSED_STEPS, FUSED_RTOL = 2048, 20, 0.02
+FUSED_DATA = f"datasets/pystdlib-sp512-s{FUSED_SEQ}-n60"
+FUSED_MODEL = [f"model.model_config.seq_length={FUSED_SEQ}", "model.model_config.compute_dtype=bfloat16",
+               "model.model_config.num_heads=1", "model.model_config.num_kv_heads=1",
+               f"data_preparation.output_dir={FUSED_DATA}", f"train_dataset.data_loader.dataset_dir={FUSED_DATA}",
+               f"runner_config.stop_step={FUSED_STEPS}"]
+FUSED_PATHS = {"fused": ["model.model_config.use_flash_attention=True", "model.model_config.fused_rms_norm=True"],
+               "math": ["model.model_config.use_flash_attention=False", "model.model_config.fused_rms_norm=False"]}
+# A checkpoint file holds its tensors plus protobuf framing (names, dims): at most 1% and 1 MiB more.
+CHECKPOINT_SLACK, CHECKPOINT_SLACK_BYTES = 0.01, 1 << 20
+COUNTER_ELEMENTS = 16  # tensors this small are counters and scalars (global_step, loss scale), always needed
+PIPELINE_LAYOUT, PIPELINE_RTOL = "dp2_tp2_pp2", 1e-6
 # Resume at another layout: DP2 x TP2 x PP2 for RELAYOUT_AT of 20 steps (the LR schedule sized for all 20),
 # then the same run directory at each target through MindFormers' auto_trans_ckpt (training/relayout.py).
 RELAYOUT_FROM, RELAYOUT_TARGETS, RELAYOUT_AT = "dp2_tp2_pp2", ("dp8", "dp2_tp4"), 10
@@ -72,6 +102,16 @@ def plan_commands(out: str) -> list:
     steps.append(("kill_resume_tp_pp", f"train, kill -9 after step {KILL_AT}",
                   launch_argv(TINY, f"{out}/killed", *resume)))
     steps.append(("kill_resume_tp_pp", "rerun the same command (resumes)", launch_argv(TINY, f"{out}/killed", *resume)))
+    dp_opt = [*DP_OPT_LAYOUT, f"runner_config.stop_step={RESUME_STEPS}", "callbacks.1.save_checkpoint_steps=5"]
+    steps.append(("kill_resume_dp_opt", f"train the 7B layout uninterrupted {RESUME_STEPS} steps",
+                  launch_argv(TINY, f"{out}/dp8_opt", *dp_opt)))
+    steps.append(("kill_resume_dp_opt", f"train the 7B layout, kill -9 after step {KILL_AT}",
+                  launch_argv(TINY, f"{out}/killed_dp_opt", *dp_opt)))
+    steps.append(("kill_resume_dp_opt", "rerun the same command (resumes from the sliced checkpoint)",
+                  launch_argv(TINY, f"{out}/killed_dp_opt", *dp_opt)))
+    for path, overrides in FUSED_PATHS.items():
+        steps.append(("fused_kernels_vs_math", f"train {FUSED_STEPS} steps bf16 seq {FUSED_SEQ} {path}",
+                      launch_argv(TINY, f"{out}/{path}_s{FUSED_SEQ}", *FUSED_MODEL, *overrides)))
     schedule = [f"lr_schedule.total_steps={RESUME_STEPS}", f"callbacks.1.save_checkpoint_steps={RELAYOUT_AT}"]
     for target in RELAYOUT_TARGETS:
         check, run = f"resume_{target}_from_{RELAYOUT_FROM}", f"{out}/relayout_{target}"
@@ -93,24 +133,100 @@ def plan_commands(out: str) -> list:
     return steps
 
 
+def read_records(path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def derived_checks() -> list:
+    """[(check, what it reads)] for the checks that run nothing of their own: they read other checks' run dirs."""
+    sized = ("dp8_opt", *(f"startup_{n}" for n in NODE_RECIPES))
+    return ([(f"checkpoint_size_{n}", f"rank 0's newest checkpoint in {n}/ against the bytes resume needs")
+             for n in sized]
+            + [("pipeline_logged_loss", f"rank 0's logged loss in {PIPELINE_LAYOUT}/ against its last stage's ranks'")])
+
+
 def logged_losses(run_dir: str) -> dict:
-    """step -> the mean of the losses the ranks that compute one logged (the last pipeline stage)."""
-    per_step = {}
-    for path in glob.glob(os.path.join(run_dir, METRICS_PATTERN)):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                record = json.loads(line)
-                if record.get("loss") and "val_loss" not in record:
-                    per_step.setdefault(record["step"], []).append(record["loss"])
-    return {step: sum(v) / len(v) for step, v in sorted(per_step.items())}
+    """step -> the loss rank 0 logged (every rank logs the one the ranks agreed, StepRecorder), zeros included."""
+    path = os.path.join(run_dir, METRICS)
+    records = read_records(path) if os.path.isfile(path) else []
+    return {r["step"]: r["loss"] for r in sorted(records, key=lambda r: r["step"]) if "val_loss" not in r}
+
+
+def unusable_losses(losses: dict) -> list:
+    """Steps whose logged loss is 0 or not finite: a run logging 0 took its loss from a rank that computes none."""
+    return [step for step, loss in losses.items() if loss is None or not math.isfinite(loss) or loss == 0.0]
 
 
 def compare(a: dict, b: dict, rtol: float) -> dict:
-    """PASS when both have the same steps and every loss agrees within rtol (relative to b)."""
-    worst = max((abs(a[s] - b[s]) / max(abs(b[s]), 1e-12) for s in b if s in a), default=None)
-    passed = bool(a) and a.keys() == b.keys() and worst is not None and worst <= rtol
-    return {"status": "PASS" if passed else "FAIL", "steps": [len(a), len(b)], "max_relative_difference": worst,
-            "tolerance": rtol}
+    """PASS when both have the same steps, every loss is finite and non-zero, and they agree within rtol (of b)."""
+    worst = max((abs(a[s] - b[s]) / max(abs(b[s]), 1e-12) for s in b if s in a
+                 if not unusable_losses({s: a[s]}) and not unusable_losses({s: b[s]})), default=None)
+    bad = sorted(set(unusable_losses(a)) | set(unusable_losses(b)))
+    passed = bool(a) and a.keys() == b.keys() and worst is not None and worst <= rtol and not bad
+    result = {"status": "PASS" if passed else "FAIL", "steps": [len(a), len(b)], "max_relative_difference": worst,
+              "tolerance": rtol}
+    if bad:
+        result["zero_or_non_finite_loss_steps"] = bad[:10]
+    return result
+
+
+def pipeline_loss_result(run_dir: str) -> dict:
+    """Rank 0's logged loss of a (pipeline) run is non-zero, finite and the last stage's (their own rank_loss)."""
+    from ascend_llm_recipes.training.callbacks import last_stage_ranks
+    from ascend_llm_recipes.training.resume import saved_recipe
+    from ascend_llm_recipes.training.run_files import metrics_file
+
+    logged = logged_losses(run_dir)
+    try:
+        ranks = list(last_stage_ranks(saved_recipe(run_dir)))
+        own = [{r["step"]: r.get("rank_loss", r["loss"]) for r in read_records(os.path.join(run_dir, metrics_file(k)))
+                if "val_loss" not in r} for k in ranks]
+    except (OSError, ValueError, PretrainError) as err:
+        return {"status": "FAIL", "error": f"{type(err).__name__}: {err}"[:300]}
+    last = {step: sum(o[step] for o in own) / len(own) for step in logged if all(step in o for o in own)}
+    worst = max((abs(logged[s] - last[s]) / max(abs(last[s]), 1e-12) for s in last), default=None)
+    bad = unusable_losses(logged)
+    passed = bool(logged) and last.keys() == logged.keys() and not bad and worst is not None and worst <= PIPELINE_RTOL
+    return {"status": "PASS" if passed else "FAIL", "steps": len(logged), "last_stage_ranks": ranks,
+            "zero_or_non_finite_loss_steps": bad[:10], "max_relative_difference_to_last_stage": worst,
+            "tolerance": PIPELINE_RTOL}
+
+
+def checkpoint_size_result(run_dir: str) -> dict:
+    """Rank 0's newest checkpoint file against the bytes resume needs: the model's parameters and AdamW moments at
+    the shapes the rank holds (checkpoint.rank_shapes), in the dtypes saved, plus counters; anything else it holds
+    (e.g. MindFormers' accu_grads) is listed by name prefix with its bytes."""
+    from ascend_llm_recipes.models.shapes import parameter_shapes
+    from ascend_llm_recipes.training.checkpoint import (MANIFEST, itemsize, rank_shapes, read_json, shape_problems,
+                                                        step_entries)
+    from ascend_llm_recipes.training.resume import saved_recipe
+
+    try:
+        recipe = saved_recipe(run_dir)
+        newest = step_entries(run_dir)[0]
+        manifest = read_json(os.path.join(run_dir, CHECKPOINTS, newest, "rank_0", MANIFEST))
+    except (OSError, ValueError, IndexError, PretrainError) as err:
+        return {"status": "FAIL", "error": f"no checkpoint to measure in {run_dir} ({type(err).__name__}: {err})"[:300]}
+    shapes = rank_shapes(recipe)
+    tensors = manifest["tensors"]
+    model = parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
+    needed, others = 0, {}
+    for name, info in tensors.items():
+        elements = math.prod(info["shape"])
+        size = itemsize(info["dtype"]) * elements
+        base = name.split(".", 1)[1] if name.startswith(("adam_m.", "adam_v.")) else name
+        if base in model or elements <= COUNTER_ELEMENTS:
+            needed += size  # parameters, their moments, counters (global_step, loss scale, epoch and step)
+        else:
+            prefix = name.split(".", 1)[0]
+            others[prefix] = others.get(prefix, 0) + size
+    problems = shape_problems(newest, tensors, shapes) if shapes is not None else []
+    limit = needed * (1 + CHECKPOINT_SLACK) + CHECKPOINT_SLACK_BYTES
+    passed = manifest["bytes"] <= limit and not others and not problems
+    return {"status": "PASS" if passed else "FAIL", "step": newest, "file_bytes": manifest["bytes"],
+            "needed_bytes": needed, "not_needed_bytes_by_prefix": others, "shape_problems": problems[:5],
+            "rank_shapes_checked": shapes is not None}
 
 
 def relayout_result(run_dir: str, reference: dict, code) -> dict:
@@ -175,8 +291,10 @@ def peak_device_memory(run_dir: str):
 
 
 def throughput(run_dir: str) -> dict:
-    """Median tokens/s/device and MFU after the compiling step (rank 0's records), next to MindFormers' figure,
-    and the compile time (the first step)."""
+    """Median tokens/s/device and MFU after the compiling step (rank 0's records), their ratio to the published
+    figures (MindFormers, MindSpeed-LLM), and the compile time (the first step).
+
+    PASS at THROUGHPUT_PASS_RATIO (85%) of MindFormers' figure or more."""
     records = [json.loads(line) for path in sorted(glob.glob(os.path.join(run_dir, METRICS_PATTERN)))[:1]
                for line in open(path, encoding="utf-8")]
     records = [r for r in records if "tokens_per_s_per_device" in r]
@@ -184,11 +302,16 @@ def throughput(run_dir: str) -> dict:
     mfus = sorted(r["mfu"] for r in records if not r.get("compile") and r.get("mfu") is not None)
     compiling = [r["step_time"] for r in records if r.get("compile")]
     median = steady[len(steady) // 2] if steady else None
-    return {"status": "PASS" if median is not None and median > MINDFORMERS_TOKENS_PER_S_PER_DEVICE else "FAIL",
+    ratio = None if median is None else round(median / MINDFORMERS_TOKENS_PER_S_PER_DEVICE, 4)
+    return {"status": "PASS" if ratio is not None and ratio >= THROUGHPUT_PASS_RATIO else "FAIL",
             "tokens_per_s_per_device": median,
+            "mfu": mfus[len(mfus) // 2] if mfus else None,
+            "ratio_to_mindformers": ratio,
+            "ratio_to_mindspeed_llm": None if median is None else round(median / MINDSPEED_TOKENS_PER_S_PER_DEVICE, 4),
             "mindformers_tokens_per_s_per_device": MINDFORMERS_TOKENS_PER_S_PER_DEVICE,
-            "mfu": mfus[len(mfus) // 2] if mfus else None, "steps_measured": len(steady),
-            "compile_s": compiling[0] if compiling else None}
+            "mindspeed_llm_tokens_per_s_per_device": MINDSPEED_TOKENS_PER_S_PER_DEVICE,
+            "mindspeed_llm_mfu": MINDSPEED_MFU, "pass_at_ratio_to_mindformers": THROUGHPUT_PASS_RATIO,
+            "steps_measured": len(steady), "compile_s": compiling[0] if compiling else None}
 
 
 def evaluate(out: str, returncodes: dict) -> dict:
@@ -209,6 +332,16 @@ def evaluate(out: str, returncodes: dict) -> dict:
                                       logged_losses(os.path.join(out, f"float32_{BF16_STEPS}")), BF16_RTOL)
     killed, uninterrupted = logged_losses(os.path.join(out, "killed")), logged_losses(os.path.join(out, "dp2_tp2_pp2"))
     results["kill_resume_tp_pp"] = compare(killed, uninterrupted, 0.0)
+    results["kill_resume_dp_opt"] = compare(logged_losses(os.path.join(out, "killed_dp_opt")),
+                                            logged_losses(os.path.join(out, "dp8_opt")), 0.0)
+    results["kill_resume_dp_opt"]["exit_code"] = returncodes.get("kill_resume_dp_opt")
+    if returncodes.get("kill_resume_dp_opt") not in (0, None):
+        results["kill_resume_dp_opt"]["status"] = "FAIL"
+    for check, _ in derived_checks()[:-1]:
+        results[check] = checkpoint_size_result(os.path.join(out, check[len("checkpoint_size_"):]))
+    results["fused_kernels_vs_math"] = compare(logged_losses(os.path.join(out, f"fused_s{FUSED_SEQ}")),
+                                               logged_losses(os.path.join(out, f"math_s{FUSED_SEQ}")), FUSED_RTOL)
+    results["pipeline_logged_loss"] = pipeline_loss_result(os.path.join(out, PIPELINE_LAYOUT))
     for target in RELAYOUT_TARGETS:
         check = f"resume_{target}_from_{RELAYOUT_FROM}"
         results[check] = relayout_result(os.path.join(out, f"relayout_{target}"), uninterrupted,
@@ -221,9 +354,12 @@ def evaluate(out: str, returncodes: dict) -> dict:
     for name in NODE_RECIPES:
         planned = plan(load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), planning=True)).total_bytes
         measured = peak_device_memory(os.path.join(out, f"startup_{name}"))
+        # MindSpore reports one figure per device, the peak it allocated (ms.runtime.max_memory_allocated,
+        # training/metrics.py); the plan's terms are printed by --plan beside it.
         results[f"memory_{name}"] = {"status": "PASS" if measured is not None and measured <= planned else "FAIL",
                                      "planned_gb": round(planned / GB, 2),
-                                     "measured_peak_gb": None if measured is None else round(measured / GB, 2)}
+                                     "measured_peak_gb": None if measured is None else round(measured / GB, 2),
+                                     "measured_to_planned": None if measured is None else round(measured / planned, 3)}
     return results
 
 
@@ -237,6 +373,10 @@ def write_report(out: str, results: dict) -> None:
         lines.append(f"| {name} | {result['status']} | {figures} |")
     with open(os.path.join(out, "acceptance.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def output_dir_of(argv: list) -> str:
+    return next(a.split("=", 1)[1] for a in argv if a.startswith("output_dir="))
 
 
 def run_until_step(argv: list, run_dir: str, step: int) -> int:
@@ -260,13 +400,15 @@ def main(argv=None) -> int:
     if dry_run:
         for check, step, command in steps:
             print(f"[{check}] {step}: {' '.join(command)}")
+        for check, what in derived_checks():
+            print(f"[{check}] reads {what}")
         print(f"[report] {os.path.join(out, 'acceptance.json')} and acceptance.md")
         return 0
     returncodes = {}
     for check, step, command in steps:
         print(f"[acceptance] {check}: {step}", flush=True)
-        if step.startswith("train, kill -9"):
-            run_until_step(command, f"{out}/killed", KILL_AT)
+        if "kill -9 after step" in step:
+            run_until_step(command, output_dir_of(command), KILL_AT)
             continue
         code = subprocess.run(command).returncode
         returncodes[check] = code if returncodes.get(check) in (None, 0) else returncodes[check]

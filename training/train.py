@@ -232,9 +232,11 @@ def run(run_dir: str, started: float = None) -> dict:
     started = time.time() if started is None else started
     with open(os.path.join(run_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
         recipe = recipe_from_dict(yaml.safe_load(f), os.path.join(run_dir, RESOLVED_RECIPE))
-    # The launcher's dataset checks, on the same resolved recipe: the two cannot disagree.
+    # The launcher's dataset checks, on the same resolved recipe: the two cannot disagree. A DryRun
+    # compile (MS_SIMULATION_LEVEL, training/acceptance.py dry_run_compile) reads no data.
     from ascend_llm_recipes.training.datasets import check_datasets
-    datasets = check_datasets(recipe)
+    simulated = bool(os.environ.get("MS_SIMULATION_LEVEL"))
+    datasets = {"blend": None} if simulated else check_datasets(recipe)
 
     # MindFormers writes logs under LOCAL_DEFAULT_PATH (default ./output) from import time on.
     os.environ["LOCAL_DEFAULT_PATH"] = run_dir
@@ -243,7 +245,7 @@ def run(run_dir: str, started: float = None) -> dict:
     import ascend_llm_recipes.models.llama  # noqa: F401  (registers the model with MindFormers)
     from ascend_llm_recipes.training.train_step import install_cpu_barrier  # registers the train-step wrapper
     import ascend_llm_recipes.training.optim  # noqa: F401  (registers FoldedAdamW)
-    from ascend_llm_recipes.data.loader import build_train_dataset, read_skips, skip_ranges
+    from ascend_llm_recipes.data.loader import build_train_dataset, read_skips, simulated_train_dataset, skip_ranges
     install_cpu_barrier()  # before the Trainer: it calls MindFormers' barrier when resuming under data parallel
     imported = time.time()
 
@@ -256,7 +258,9 @@ def run(run_dir: str, started: float = None) -> dict:
         # A single worker under msrun still joins the cluster so the scheduler can finish.
         from mindspore.communication import init
         init()
-    if recipe.world_size > 1:
+    if recipe.world_size > 1 and not simulated:
+        # Under DryRun tensor values are not computed (mindspore/utils/dryrun.py:37-57): the sum could
+        # only fail, whatever the cluster does.
         collective_self_test()
     check_checkpoint_parameters(recipe, rank_id())
     initial_step = resume_step(recipe)
@@ -268,7 +272,10 @@ def run(run_dir: str, started: float = None) -> dict:
     # MindFormers skips `initial_step` batches of it (set_init_step), i.e. data_position samples.
     # Samples a loss-spike rollback removed stay out of it (RUN_DIR/data_skips.json).
     data_start = time.time()
-    train_dataset = build_train_dataset(recipe, rank_id(), skips=skip_ranges(read_skips(run_dir)))
+    if simulated:
+        train_dataset = simulated_train_dataset(recipe, rank_id(), recipe.runner_config.stop_step or 1)
+    else:
+        train_dataset = build_train_dataset(recipe, rank_id(), skips=skip_ranges(read_skips(run_dir)))
     data_seconds = time.time() - data_start
     trainer = Trainer(args=config, callbacks=callbacks, train_dataset=train_dataset)
     setup_done = time.time()
