@@ -138,6 +138,11 @@ def read_records(path: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def one_line(text: str, limit: int = 300) -> str:
+    """An error as one table cell of acceptance.md: no line breaks (a hint follows on its own line)."""
+    return " ".join(text.split())[:limit]
+
+
 def derived_checks() -> list:
     """[(check, what it reads)] for the checks that run nothing of their own: they read other checks' run dirs."""
     sized = ("dp8_opt", *(f"startup_{n}" for n in NODE_RECIPES))
@@ -183,7 +188,7 @@ def pipeline_loss_result(run_dir: str) -> dict:
         own = [{r["step"]: r.get("rank_loss", r["loss"]) for r in read_records(os.path.join(run_dir, metrics_file(k)))
                 if "val_loss" not in r} for k in ranks]
     except (OSError, ValueError, PretrainError) as err:
-        return {"status": "FAIL", "error": f"{type(err).__name__}: {err}"[:300]}
+        return {"status": "FAIL", "error": one_line(f"{type(err).__name__}: {err}")}
     last = {step: sum(o[step] for o in own) / len(own) for step in logged if all(step in o for o in own)}
     worst = max((abs(logged[s] - last[s]) / max(abs(last[s]), 1e-12) for s in last), default=None)
     bad = unusable_losses(logged)
@@ -207,7 +212,8 @@ def checkpoint_size_result(run_dir: str) -> dict:
         newest = step_entries(run_dir)[0]
         manifest = read_json(os.path.join(run_dir, CHECKPOINTS, newest, "rank_0", MANIFEST))
     except (OSError, ValueError, IndexError, PretrainError) as err:
-        return {"status": "FAIL", "error": f"no checkpoint to measure in {run_dir} ({type(err).__name__}: {err})"[:300]}
+        return {"status": "FAIL",
+                "error": one_line(f"no checkpoint to measure in {run_dir} ({type(err).__name__}: {err})")}
     shapes = rank_shapes(recipe)
     tensors = manifest["tensors"]
     model = parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
