@@ -4,7 +4,8 @@ layer-to-pipeline-stage assignment, and full or selective recompute.
 `plan_layout` is pure arithmetic (testable anywhere); `apply_layout` sets the strategies
 on the model's Primitives, `pipeline_stage` on its Cells and recompute flags. Strategies
 and stages only take effect under MindSpore's semi-auto parallel mode, which needs Ascend
-(or GPU); on CPU the plan is still computed, applied and checked.
+(or GPU); in other modes MindSpore ignores them (mindspore/ops/primitive.py:262-263), so they
+are set for every layout, data parallel only included, and checked on CPU.
 
 Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019): q/k/v and gate/up are split
 by output columns (attention heads, MLP width), o and down by input rows, so each
@@ -272,13 +273,20 @@ def flash_attention_strategy(cfg, dp: int, tp: int) -> tuple:
 
 
 def apply_layout(net, layout: LlamaLayout) -> None:
-    """Set strategies, stages and recompute flags on a LlamaForCausalLM."""
-    sharded = layout.tensor_parallel > 1 or layout.pipeline_stages > 1
+    """Set strategies, stages and recompute flags on a LlamaForCausalLM.
+
+    Every operator gets its strategy at every layout, TP 1 included, as MindFormers' Llama shards
+    its operators whenever the parallel mode is semi-auto, whatever the degrees
+    (mindformers/models/llama/llama.py:294-301, 548-559; llama_transformer.py:373-389, 967-991).
+    Left to MindSpore's default batch-parallel strategy, constants with a leading dimension of 1
+    (the (1, 1, S, S) mask, the rotary tables) would get replicated layouts and redistribution;
+    here they are (1, 1, 1, 1), read whole on every rank, as MindFormers' rotary tables are
+    (mindformers/modules/layers.py:1565).
+    """
     model = net.model
     last = layout.pipeline_stages - 1
-    if sharded:
-        for prim, strategy in operator_strategies(net, layout):
-            prim.shard(strategy)
+    for prim, strategy in operator_strategies(net, layout):
+        prim.shard(strategy)
     model.embed_tokens.pipeline_stage = 0
     model.norm.pipeline_stage = last
     if not net.tie_word_embeddings:

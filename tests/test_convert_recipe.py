@@ -254,3 +254,84 @@ def test_input_and_output_problems_are_messages(tmp_path):
         done = subprocess.run([sys.executable, SCRIPT, "--from-mindformers", str(source), "--output", str(output)],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_context_ascend_settings_are_carried_not_dropped(tmp_path):
+    """precision_mode, the compiler level and the memory-pool step reach the recipe (MindFormers passes them on)."""
+    path, report = import_config("finetune_qwen2_7b", tmp_path)
+    context = load_recipe(path, planning=True).context
+    assert context.ascend_config.precision_mode == "must_keep_origin_dtype" and context.jit_config.jit_level == "O1"
+    by_key = {e.key: e for e in report.entries}
+    assert by_key["context.ascend_config.precision_mode"].status == "carried"
+    assert by_key["context.jit_config.jit_level"].status == "carried"
+    path, report = import_config("pretrain_llama3_70b", tmp_path)
+    assert load_recipe(path, planning=True).context.mempool_block_size == "52.5GB"
+    # absent in the source: pinned by our base recipe, and said so
+    assert {e.key: e.status for e in report.entries}["context.ascend_config.precision_mode"] == "default"
+
+
+def test_parallel_speed_up_file_is_carried_checked_or_dropped_with_the_reason(tmp_path):
+    source = mf_config("pretrain_llama2_7b")
+    source["context"]["ascend_config"] = {"precision_mode": "force_fp16",
+                                          "parallel_speed_up_json_path": "./speed_up.json"}
+    config = tmp_path / "mf" / "pretrain.yaml"
+    config.parent.mkdir()
+    config.write_text(yaml.safe_dump(source))
+    (config.parent / "speed_up.json").write_text('{"matmul_grad_comm_overlap": true}')
+    text, report = from_mindformers(str(config), str(tmp_path / "out.yaml"))
+    ascend = yaml.safe_load(text)["context"]["ascend_config"]
+    # found next to the config (MindFormers would resolve it against its own working directory)
+    assert ascend["parallel_speed_up_json_path"] == str(config.parent / "speed_up.json")
+    assert "precision_mode" not in ascend  # must_keep_origin_dtype, as the base recipe already has it
+    entry = {e.key: e for e in report.entries}["context.ascend_config.precision_mode"]
+    assert entry.status == "translated" and "'force_fp16' would let CANN lower" in entry.reason
+    (config.parent / "speed_up.json").write_text('{"matmul_grad_comm_overlapp": true, "pp_1f1b_overlap": 3}')
+    with pytest.raises(RecipeError, match=r"context\.ascend_config\.parallel_speed_up_json_path: .*speed_up\.json: "
+                                          r"'matmul_grad_comm_overlapp' is not an option of MindSpore 2\.9; did you "
+                                          r"mean matmul_grad_comm_overlap\?") as err:
+        from_mindformers(str(config), str(tmp_path / "out.yaml"))
+    assert "'pp_1f1b_overlap' must be str, got 3" in str(err.value)
+    (config.parent / "speed_up.json").unlink()
+    text, report = from_mindformers(str(config), str(tmp_path / "out.yaml"))
+    assert "parallel_speed_up_json_path" not in yaml.safe_load(text)["context"].get("ascend_config", {})
+    entry = {e.key: e for e in report.entries}["context.ascend_config.parallel_speed_up_json_path"]
+    assert entry.status == "dropped" and "./speed_up.json is not found here" in entry.reason
+
+
+def test_ascend_config_reaches_mindspore_through_mindformers_context_applier(tmp_path):
+    """MindFormers' own applier passes the worker's ascend_config to MindSpore's set_context (build_context.py:277-318;
+    its later routing entry wins over _apply_ascend's, lines 63-82), whose set_ascend_config knows both keys."""
+    import mindspore as ms
+    from mindformers.core.context.build_context import _MSContextApplier
+    from ascend_llm_recipes.training.train import mindformers_config
+
+    speed_up = tmp_path / "speed_up.json"
+    speed_up.write_text('{"matmul_grad_comm_overlap": true}')
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_8dev.yaml"),
+                         [f"context.ascend_config.parallel_speed_up_json_path={speed_up}"], planning=True)
+    context = mindformers_config(recipe, str(tmp_path / "run"))["context"]
+    groups = _MSContextApplier().split_params(context)
+    assert groups["set_context_remaining"]["ascend_config"] == {
+        "precision_mode": "must_keep_origin_dtype", "parallel_speed_up_json_path": str(speed_up)}
+    assert "ascend_config" not in groups.get("set_context_excluded", {})
+    accepted = inspect.getsource(ms.context._Context.set_ascend_config)
+    assert "'precision_mode':" in accepted and "'parallel_speed_up_json_path':" in accepted
+    text, _ = to_mindformers(os.path.join(REPO_ROOT, "recipes", "llama2_7b_8dev.yaml"))
+    assert yaml.safe_load(text)["context"]["ascend_config"] == {"precision_mode": "must_keep_origin_dtype"}
+
+
+def test_speed_up_options_are_mindspores_own():
+    """SPEED_UP_KEYS is the list MindSpore 2.9 checks the file against (context.py:852-888); it also takes a bool for
+    the two recompute overlap keys (its own exception, context.py:912-913)."""
+    import re
+    import mindspore as ms
+    from ascend_llm_recipes.training.recipe import SPEED_UP_KEYS
+
+    source = inspect.getsource(ms.context._Context._set_speedup_config_path)
+    theirs = dict(re.findall(r'"(\w+)":\s*\(\s*ms_ctx_param\.\w+,\s*\(?([\w, ]+?)\)?\)', source))
+    assert set(theirs) == set(SPEED_UP_KEYS)
+    for key, types in theirs.items():
+        expected = {t.strip() for t in types.split(",")}
+        if key in ("recompute_comm_overlap", "recomputation_communication_overlap"):
+            expected.add("bool")
+        assert expected == {t.__name__ for t in SPEED_UP_KEYS[key]}, key

@@ -301,8 +301,29 @@ def test_dry_run_prints_the_msrun_command(tmp_path):
     assert not os.path.exists(tmp_path / "run")  # nothing prepared, nothing started
 
 
+def test_msrun_binds_cores_on_ascend_only(tmp_path):
+    """The command msrun's own argument parser reads: --bind_core=True for an Ascend recipe, absent on CPU."""
+    from mindspore.parallel.cluster.run import get_args
+    from ascend_llm_recipes.training.launch import binds_cores, msrun_command, resolve_cluster
+    from ascend_llm_recipes.training.recipe import load_recipe
+
+    parsed = {}
+    for name in ("llama2_7b_8dev", "tiny_dp2_cpu"):
+        recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), [f"output_dir={tmp_path}/{name}"],
+                             planning=True)
+        command = msrun_command(resolve_cluster(recipe, env={}), str(tmp_path), binds_cores(recipe))
+        old_argv = sys.argv
+        try:
+            sys.argv = command[:command.index("--run-dir")]
+            parsed[name] = get_args()
+        finally:
+            sys.argv = old_argv
+    assert parsed["llama2_7b_8dev"].bind_core is True and parsed["llama2_7b_8dev"].worker_num == 8
+    assert parsed["tiny_dp2_cpu"].bind_core is False and parsed["tiny_dp2_cpu"].worker_num == 2
+
+
 @pytest.mark.parametrize("name", ["llama2_7b_8dev", "llama2_13b_8dev", "llama2_70b_32dev", "dense_100b_64dev",
-                                  "demo_cpu", "tiny_dp2_cpu"])
+                                  "demo_cpu", "tiny_dp2_cpu", "llama2_7b_910a_16dev"])
 def test_plan_works_for_every_shipped_recipe_on_cpu(name):
     result = run_launcher(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), "--plan")
     assert result.returncode == 0, result.stderr

@@ -635,3 +635,82 @@ def test_blend_members_expected_repeats_are_printed_and_warned(tiny_dataset, sma
     assert f"[launch] warning: train_dataset.blend[1].dataset_dir: {small_dataset} ({small:,} samples at 90.0% of " \
            f"the blend) is read ~{repeats:.0f} times per pass" in out
     assert "[launch] warning: train_dataset.blend[0]" not in out
+
+
+# --- context.ascend_config, the 910A and float16 ---------------------------------------------------------------
+
+ASCEND_TINY = ("context.device_target=Ascend", "hardware.device=Ascend910B2")
+
+
+def test_ascend_precision_mode_is_pinned_and_checked():
+    recipe = load_recipe(TINY_RECIPE, ASCEND_TINY)  # no ascend_config written: filled in, never MindSpore's default
+    assert recipe.to_dict()["context"]["ascend_config"] == {"precision_mode": "must_keep_origin_dtype"}
+    assert load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_8dev.yaml")).context.ascend_config \
+        .precision_mode == "must_keep_origin_dtype"
+    with pytest.raises(RecipeError, match=r"context\.ascend_config\.precision_mode: 'force_fp16' lets CANN change"):
+        load_recipe(TINY_RECIPE, (*ASCEND_TINY, "context.ascend_config.precision_mode=force_fp16"))
+    with pytest.raises(RecipeError, match=r"context\.ascend_config\.precision_mode: 'fp16' is not one of 'force_fp16'"):
+        load_recipe(TINY_RECIPE, (*ASCEND_TINY, "context.ascend_config.precision_mode=fp16"))
+    with pytest.raises(RecipeError, match=r"context\.ascend_config: sets Ascend operator precision .* remove it for "
+                                          r"context\.device_target CPU"):
+        load_recipe(TINY_RECIPE, ("context.ascend_config={precision_mode: must_keep_origin_dtype}",))
+    with pytest.raises(RecipeError, match=r"context\.ascend_config\.precison_mode: unknown key; did you mean "
+                                          r"precision_mode\?"):
+        load_recipe(TINY_RECIPE, (*ASCEND_TINY, "context.ascend_config={precison_mode: must_keep_origin_dtype}"))
+
+
+def test_parallel_speed_up_file_is_resolved_and_checked_at_load(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "speed_up.json").write_text('{"matmul_grad_comm_overlap": true, "dataset_broadcast_opt_level": 3}')
+    key = "context.ascend_config.parallel_speed_up_json_path"
+    recipe = load_recipe(TINY_RECIPE, (*ASCEND_TINY, f"{key}=speed_up.json"))
+    assert recipe.context.ascend_config.parallel_speed_up_json_path == str(tmp_path / "speed_up.json")
+    for content, message in (
+            (None, r"missing\.json: cannot be read \(No such file or directory\)"),
+            ("[1, 2]", r"must hold a JSON object of options, got list"),
+            ("{'a': 1}", r"not valid JSON"),
+            ('{"enable_task_opt": "yes"}', r"'enable_task_opt' must be bool, got 'yes'"),
+            ('{"grad_matmul_comm_overlap": true}', r"'grad_matmul_comm_overlap' is not an option of MindSpore 2\.9; "
+                                                   r"did you mean grad_matmul_communication_overlap\?")):
+        name = "missing.json" if content is None else "bad.json"
+        if content is not None:
+            (tmp_path / name).write_text(content)
+        with pytest.raises(RecipeError, match=re.escape(key) + ": .*" + message):
+            load_recipe(TINY_RECIPE, (*ASCEND_TINY, f"{key}={name}"))
+
+
+def test_the_910a_refuses_what_it_lacks_and_float16_needs_loss_scaling():
+    on_910a = ("context.device_target=Ascend", "hardware.device=Ascend910A")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(TINY_RECIPE, (*on_910a, "model.model_config.compute_dtype=bfloat16",
+                                  "model.model_config.use_flash_attention=True", "model.model_config.fused_rms_norm=True"))
+    text = str(err.value)
+    assert "model.model_config.compute_dtype: bfloat16 has no kernels on the 910A (hardware.device Ascend910A)" in text
+    assert "model.model_config.use_flash_attention: FlashAttentionScore is not available on the 910A" in text
+    assert "model.model_config.fused_rms_norm: MindFormers does not use the RmsNorm kernel on the 910A" in text
+    with pytest.raises(RecipeError, match=r"runner_wrapper\.scale_sense: 1\.0 \(no loss scaling\) with "
+                                          r"model\.model_config\.compute_dtype float16"):
+        load_recipe(TINY_RECIPE, (*on_910a, "model.model_config.compute_dtype=float16"))
+    load_recipe(TINY_RECIPE, (*on_910a, "model.model_config.compute_dtype=float16",
+                              "runner_wrapper.scale_sense={type: DynamicLossScaleUpdateCell}"))
+    load_recipe(TINY_RECIPE, ("model.model_config.compute_dtype=float16",))  # CPU: float16 trains without scaling
+    with pytest.raises(RecipeError, match=r"hardware\.device: 'Ascend910C' is not a device of training/planner\.py's "
+                                          r"table; use one of .*Ascend910A"):
+        load_recipe(TINY_RECIPE, ("hardware.device=Ascend910C",))
+
+
+def test_910a_recipe_is_float16_with_dynamic_loss_scaling_and_fits_with_headroom():
+    from ascend_llm_recipes.training.planner import DEVICES, GB
+    from ascend_llm_recipes.training.recipe import FIRST_GENERATION_910, DynamicLossScaleConfig
+
+    assert all(not DEVICES[name].bf16 and DEVICES[name].memory_bytes == 32 * GB for name in FIRST_GENERATION_910)
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_910a_16dev.yaml"))
+    cfg, scale = recipe.model.model_config, recipe.runner_wrapper.scale_sense
+    assert recipe.hardware.device in FIRST_GENERATION_910 and cfg.compute_dtype == "float16"
+    assert isinstance(scale, DynamicLossScaleConfig)
+    assert (scale.loss_scale_value, scale.scale_factor, scale.scale_window) == (65536.0, 2, 1000)
+    assert not cfg.use_flash_attention and not cfg.fused_rms_norm
+    assert recipe.context.ascend_config.precision_mode == "must_keep_origin_dtype"
+    p = plan(recipe)
+    assert p.device == "Ascend910A" and p.device_memory_bytes == 28 * GB
+    assert p.fits and p.headroom_bytes >= 0.10 * p.device_memory_bytes

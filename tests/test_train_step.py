@@ -1,5 +1,10 @@
 """PortableTrainOneStepCell on CPU: overflow is read off the clip's gradient norm; a non-finite gradient
-skips the update."""
+skips the update; float16 training with a dynamic loss scale, overflows and a resume, end to end."""
+
+import json
+import math
+import os
+import shutil
 
 import mindspore as ms
 import numpy as np
@@ -7,7 +12,8 @@ import pytest
 from mindspore import Parameter, Tensor, nn, ops
 from mindformers.core.optim import AdamW
 
-from ascend_llm_recipes.training.train_step import PortableTrainOneStepCell
+from conftest import TINY_RECIPE
+from ascend_llm_recipes.training.train_step import LOSS_SCALE_STATE, PortableTrainOneStepCell
 
 
 class Weighted(nn.Cell):
@@ -60,3 +66,72 @@ def test_mindformers_is_patched_only_by_the_explicit_call():
     before, after = result.stdout.splitlines()[-2:]
     assert before == "[False, False, False, False, False]"
     assert after == "[True, True, True, True, True]"
+
+
+INITIAL_SCALE, FP16_STEPS = 2.0 ** 20, 7
+# float16 compute; a scale that overflows float16 gradients at the first step and, growing after every 2 clean
+# steps (scale_window 2), keeps reaching the overflow threshold again.
+FP16 = ["model.model_config.compute_dtype=float16",
+        f"runner_wrapper.scale_sense={{type: DynamicLossScaleUpdateCell, loss_scale_value: {INITIAL_SCALE}, "
+        "scale_factor: 2, scale_window: 2}", f"runner_config.stop_step={FP16_STEPS}",
+        "callbacks.1.save_checkpoint_steps=1", f"callbacks.1.keep_checkpoint_max={FP16_STEPS}"]
+
+
+def saved_state(run_dir: str, step: int) -> dict:
+    """{name: array} of every tensor rank 0 saved at `step`, plus the checkpoint's appended loss_scale."""
+    from ascend_llm_recipes.training.checkpoint import MANIFEST, read_json, step_dir
+
+    rank_dir = os.path.join(step_dir(run_dir, step), "rank_0")
+    params = ms.load_checkpoint(os.path.join(rank_dir, read_json(os.path.join(rank_dir, MANIFEST))["file"]))
+    return {name: value.asnumpy() for name, value in params.items()}
+
+
+def test_float16_overflow_skips_the_update_lowers_the_scale_and_resumes_bit_exactly(tiny_dataset, tmp_path):
+    """One drill: float16 training on CPU with DynamicLossScaleUpdateCell. An overflow step leaves weights, moments
+    and the optimizer step as they were and halves the scale; clean steps train and grow it again; metrics.jsonl
+    and every checkpoint hold the scale; a resume from a step whose scale is not the initial one continues with
+    the same scales, counters and losses, bit for bit."""
+    from ascend_llm_recipes.training.launch import launch
+
+    run_dir = str(tmp_path / "run")
+    command = [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}", *FP16]
+    assert launch(TINY_RECIPE, command, show_progress=False) == 0
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == list(range(1, FP16_STEPS + 1))
+    overflows = [r["step"] for r in records if r["overflow"]]
+    assert overflows and overflows[0] == 1 and any(step > 1 for step in overflows)
+    assert any(not r["overflow"] for r in records if r["step"] > overflows[0])  # training goes on
+    assert all(math.isfinite(r["loss"]) for r in records) and records[-1]["loss"] < records[0]["loss"]
+
+    states = {step: saved_state(run_dir, step) for step in range(1, FP16_STEPS + 1)}
+    before = INITIAL_SCALE
+    for r in records:
+        step, scale, state = r["step"], r["loss_scale"], states[r["step"]]
+        assert float(state["scale_sense"]) == scale and float(state["loss_scale"]) == scale  # in the checkpoint
+        assert scale == (before / 2 if r["overflow"] else before) or (not r["overflow"] and scale == 2 * before)
+        before = scale
+        if step == 1:
+            continue
+        kept = [name for name in state if name.startswith(("model.", "lm_head.", "adam_", "global_step"))
+                and np.array_equal(state[name], states[step - 1][name])]
+        trained = [name for name in state if name.startswith(("model.", "lm_head.", "adam_", "global_step"))]
+        if r["overflow"]:
+            assert kept == trained, f"step {step} overflowed but changed {sorted(set(trained) - set(kept))}"
+        else:
+            assert "global_step" not in kept and len(kept) < len(trained) / 2, f"step {step} did not train"
+    assert any(b["loss_scale"] == 2 * a["loss_scale"] for a, b in zip(records, records[1:]))  # the scale grew
+
+    # Resume from the newest step whose scale is not the recipe's initial one: a resume that fell back to it
+    # (or restarted the step counters) would compute other float16 gradients from there on.
+    resume_at = max(r["step"] for r in records[:-1] if r["loss_scale"] != INITIAL_SCALE)
+    for step in range(resume_at + 1, FP16_STEPS + 1):
+        shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{step:08d}"))
+    assert launch(TINY_RECIPE, command, show_progress=False) == 0
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        resumed = [json.loads(line) for line in f]
+    fields = ("step", "loss", "loss_scale", "overflow", "lr", "grad_norm")
+    assert [[r[k] for k in fields] for r in resumed] == [[r[k] for k in fields] for r in records]
+    final = saved_state(run_dir, FP16_STEPS)
+    for name in (*LOSS_SCALE_STATE, "loss_scale", "global_step", "model.norm.weight"):
+        np.testing.assert_array_equal(final[name], states[FP16_STEPS][name], err_msg=name)

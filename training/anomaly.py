@@ -8,6 +8,7 @@ from mindspore.train.callback import Callback
 
 from ascend_llm_recipes.training.callbacks import StepRecorder
 from ascend_llm_recipes.training.checkpointer import Checkpointer
+from ascend_llm_recipes.training.recipe import DynamicLossScaleConfig
 from ascend_llm_recipes.common.errors import LaunchError
 
 
@@ -38,12 +39,16 @@ class AnomalyMonitor(Callback):
         self.order_total = len(checkpointer.order) + sum(end - start for start, end in self.skips)
         self.rollback = None                 # set when this launch stops for a rollback
         self.last_spike = None               # (loss, moving mean or None when another rank saw it)
+        self.dynamic_scale = isinstance(recipe.runner_wrapper.scale_sense, DynamicLossScaleConfig)
 
     def on_train_step_end(self, run_context):
         record = self.recorder.last
         step, loss = record.step, record.loss
         params = run_context.original_args()
-        if record.non_finite:  # on any rank, any pipeline stage: StepRecorder agreed it
+        if self.scaled_away(record):
+            print(f"[loss scale] step {step}: the scaled gradients overflowed; the update was skipped and the loss "
+                  f"scale is now {record.loss_scale:g}", flush=True)
+        elif record.non_finite:  # on any rank, any pipeline stage: StepRecorder agreed it
             if self.anomaly.on_nan == "stop":
                 where = self.checkpointer.save(params, step, kind="nan")
                 raise LaunchError(f"step {step}: non-finite loss {loss} / grad norm {record.grad_norm}; "
@@ -58,6 +63,12 @@ class AnomalyMonitor(Callback):
             if self.anomaly.on_spike == "rollback" and self.roll_back(step, loss):
                 self.checkpointer.stop_without_saving()
                 run_context.request_stop()
+
+    def scaled_away(self, record) -> bool:
+        """An overflow dynamic loss scaling handles itself: the loss is finite, the train step skipped the update and
+        lowered the scale. At the scale's floor of 1 (mindspore/nn/wrap/loss_scale.py:157, 183-184) it cannot, and a
+        non-finite gradient there is an anomaly like any other."""
+        return self.dynamic_scale and record.overflow and math.isfinite(record.loss) and record.loss_scale > 1.0
 
     def spiked(self, step: int, loss: float) -> bool:
         """This step's loss is a spike (on any rank, when several train together); logs it."""

@@ -133,12 +133,23 @@ def msrun_log_name(cluster: Cluster) -> str:
     return MSRUN_LOG if cluster.nodes == 1 else f"msrun.node_{cluster.node_rank}.log"
 
 
-def msrun_command(cluster: Cluster, run_dir: str) -> list:
+def msrun_command(cluster: Cluster, run_dir: str, bind_core: bool = False) -> list:
+    """msrun for this node's workers; `bind_core` pins each worker to the CPU cores of its device's NUMA node.
+
+    MindFormers starts every job with `msrun --bind_core=True` (scripts/msrun_launcher.sh of r1.8.0, lines 128
+    and 136); msrun derives the binding from the machine (mindspore/parallel/cluster/run.py:178-185). It is
+    used on Ascend; on CPU the workers share the few cores through OMP_NUM_THREADS instead (worker_env).
+    """
     msrun = shutil.which("msrun") or "msrun"
-    return [msrun, f"--worker_num={cluster.world_size}", f"--local_worker_num={cluster.local_workers}",
+    return [msrun, *(["--bind_core=True"] if bind_core else []), f"--worker_num={cluster.world_size}",
+            f"--local_worker_num={cluster.local_workers}",
             f"--master_addr={cluster.master_addr}", f"--master_port={cluster.master_port}",
             f"--node_rank={cluster.node_rank}", f"--log_dir={os.path.join(run_dir, LOGS)}", "--join=True",
             WORKER_SCRIPT, "--run-dir", run_dir]
+
+
+def binds_cores(recipe: Recipe) -> bool:
+    return recipe.context.device_target == "Ascend"
 
 
 def worker_env(run_dir: str, local_workers: int, hccl: dict = None) -> dict:
@@ -496,7 +507,7 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
     findings = preflight(recipe, master_port=cluster.master_port if cluster.node_rank == 0 else None)
     hccl = hccl_env(recipe)
     if dry_run:
-        command = msrun_command(cluster, os.path.abspath(recipe.output_dir))
+        command = msrun_command(cluster, os.path.abspath(recipe.output_dir), binds_cores(recipe))
         print("[dry-run] " + " ".join(f"{k}={v}" for k, v in sorted(hccl.items())) + " " + " ".join(command))
         return 2 if has_errors(findings) else 0
     if has_errors(findings):
@@ -595,7 +606,7 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
         run_dir = recipe.output_dir
     print(f"[launch] resolved recipe (saved as {os.path.join(run_dir, RESOLVED_RECIPE)}):\n{recipe.to_yaml()}",
           flush=True)
-    command = msrun_command(cluster, run_dir)
+    command = msrun_command(cluster, run_dir, binds_cores(recipe))
     env = worker_env(run_dir, cluster.local_workers, hccl)
     if group is not None:
         group.heartbeats = lambda ranks: {rank: read_heartbeat(run_dir, rank) for rank in ranks}

@@ -22,8 +22,8 @@ from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.common.files import write_atomic
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.models.arithmetic import param_count, round_up
-from ascend_llm_recipes.training.recipe import (Recipe, deep_merge, load_recipe, read_recipe_file, read_yaml_file,
-                                                recipe_from_dict)
+from ascend_llm_recipes.training.recipe import (KEEP_DTYPES, Recipe, deep_merge, load_recipe, read_recipe_file,
+                                                read_yaml_file, recipe_from_dict)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASES = {"CPU": os.path.join(REPO_ROOT, "recipes", "base", "cpu.yaml"),
@@ -116,11 +116,7 @@ DROPPED = {
     "recompute_config.select_comm_recompute": "selective recompute of communication: memory only; ours "
                                               "recomputes whole layers (recompute_config.recompute)",
     "context.save_graphs_path": "graphs are not saved (context.save_graphs)",
-    "context.mempool_block_size": "device memory tuning: MindSpore's default applies",
-    "context.jit_config": "graph compiler level: MindSpore's default for the device applies",
     "context.memory_optimize_level": "device memory tuning: MindSpore's default applies",
-    "context.ascend_config": ("Ascend operator precision/tuning: MindSpore's default applies; check it when "
-                              "comparing numerics"),
     "context.enable_graph_kernel": "graph-kernel fusion: MindSpore's default (off) applies",
     "context.graph_kernel_flags": "graph-kernel fusion: MindSpore's default (off) applies",
     "context.runtime_num_threads": "host threads: MindSpore's default applies",
@@ -696,12 +692,49 @@ class _Importer:
         x = "context."
         for key in ("mode", "device_target", "max_call_depth", "max_device_memory", "save_graphs", "device_id"):
             self.carry(x + key)
+        ascend_only = ("context.jit_config", "context.mempool_block_size", "context.ascend_config")
+        if self.on_cpu:
+            for key in ascend_only:
+                self.drop(key, "Ascend compiler, memory-pool and operator settings: ours refuses them on CPU")
+        else:
+            self.carry(x + "jit_config.jit_level", reason="MindSpore's graph compiler level, passed as MindFormers "
+                                                          "passes it (core/context/build_context.py:316)")
+            self.carry(x + "mempool_block_size", reason="device memory pool growth step, passed as MindFormers "
+                                                        "passes it (core/context/build_context.py:184-192)")
+            self.ascend_config()
         world = 1
         for key in ("data_parallel", "model_parallel", "pipeline_stage"):
             world *= self.out.get("parallel_config", {}).get(key, 1)
         if not self.on_cpu:
             per_node = DEVICES_PER_NODE if world % DEVICES_PER_NODE == 0 else world
             self.put("hardware.devices_per_node", per_node)
+
+    def ascend_config(self):
+        """precision_mode pinned to what our float32 operators need; the speed-up file carried where it is found."""
+        a = "context.ascend_config."
+        mode = self.get(a + "precision_mode")
+        self.carry(a + "precision_mode", default=KEEP_DTYPES, convert=lambda _: KEEP_DTYPES,
+                   reason=("" if mode == KEEP_DTYPES else
+                           f"ours pins {KEEP_DTYPES}: the model keeps RMSNorm, softmax, rotary and the loss in "
+                           f"float32 (models/llama.py), which {mode!r} would let CANN lower to 16 bits"))
+        key = a + "parallel_speed_up_json_path"
+        path = self.get(key)
+        if not self.has(key):
+            return
+        if not path:
+            self.drop(key, "empty: no communication-overlap options")
+            return
+        # MindFormers resolves it against its working directory (usually its repository root); try ours, then the
+        # config file's directory.
+        found = next((os.path.abspath(p) for p in (path, os.path.join(os.path.dirname(self.where), path))
+                      if os.path.isfile(p)), None)
+        if found is None:
+            self.drop(key, f"{path} is not found here (neither relative to the working directory nor to the config "
+                           f"file); copy it and set {key} in the recipe")
+            return
+        self.carry(key, convert=lambda _: found,
+                   reason="communication-overlap options, checked against MindSpore's list at load (training/"
+                          "recipe.py SPEED_UP_KEYS) and passed as MindFormers passes them")
 
     def leftovers(self):
         m = "model.model_config."

@@ -20,7 +20,7 @@ from ascend_llm_recipes.common.errors import LaunchError, PretrainError
 from ascend_llm_recipes.common.files import write_json_atomic
 from ascend_llm_recipes.training.heartbeat import Heartbeat
 from ascend_llm_recipes.training.job import stop_orphan, watch_launcher
-from ascend_llm_recipes.training.recipe import START_STEP_LR, Recipe, recipe_from_dict
+from ascend_llm_recipes.training.recipe import START_STEP_LR, DynamicLossScaleConfig, Recipe, recipe_from_dict
 from ascend_llm_recipes.training.run_files import (CHECKPOINTS, PROFILE, RESOLVED_RECIPE, SUMMARY, TENSORBOARD,
                                                    metrics_file, status_path)
 
@@ -189,6 +189,9 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
     if recipe.load_optimizer_state:
         from ascend_llm_recipes.training.optim import LoadOptimizerState
         callbacks.insert(0, LoadOptimizerState(recipe.load_optimizer_state))
+    if initial_step and isinstance(recipe.runner_wrapper.scale_sense, DynamicLossScaleConfig):
+        from ascend_llm_recipes.training.train_step import RestoreLossScale  # MindFormers restores weights only
+        callbacks.insert(0, RestoreLossScale(loaded_checkpoint_files(recipe, rank)[0][0]))
     if recipe.do_eval:
         callbacks.append(HeldOutEval(recipe.eval_dataset.data_loader.dataset_dir, recipe.runner_config.batch_size,
                                      recipe.eval_step_interval, recipe.eval_dataset.max_batches, recorder,

@@ -15,6 +15,7 @@ IsFinite/ReduceAll pass over every gradient disappears.
 """
 
 from mindspore import context, nn, ops
+from mindspore.train.callback import Callback
 from mindspore.common import dtype as mstype
 from mindspore.nn.wrap.cell_wrapper import _VirtualDatasetCell
 from mindspore.nn.wrap.loss_scale import _ascend_grad_overflow
@@ -83,6 +84,48 @@ class PortableTrainOneStepCell(MFTrainOneStepCell):
         if self.is_distributed:
             flag = self.allreduce(flag)
         return self.less_equal(self.base, flag).reshape(())
+
+
+# The dynamic loss scale's state: the wrapper's current scale (TrainOneStepWithLossScaleCell keeps it as the Parameter
+# "scale_sense") and DynamicLossScaleUpdateCell's step counters (mindspore/nn/wrap/loss_scale.py:153-154), which
+# decide when the scale grows next. Checkpoints hold them (training/checkpoint.py snapshots the train network).
+LOSS_SCALE_STATE = ("scale_sense", "current_iterator_step", "last_overflow_iterator_step")
+
+
+class RestoreLossScale(Callback):
+    """On resume, before the first step: the dynamic loss scale and its counters as the checkpoint saved them.
+
+    MindFormers' resume loads the model's and the optimizer's parameters only (trainer/utils.py:759-766) and sets
+    the scale from the checkpoint only when a CheckpointMonitor callback is configured (trainer/utils.py:428-434),
+    which ours replaces (training/checkpointer.py); without this the resumed run would start again from the
+    recipe's initial scale, and with float16 every step after would differ from the uninterrupted run.
+    """
+
+    def __init__(self, checkpoint_file: str):
+        super().__init__()
+        self.checkpoint_file = checkpoint_file
+
+    def on_train_begin(self, run_context):
+        import mindspore as ms
+
+        network = run_context.original_args().train_network
+        params = {p.name: p for p in network.get_parameters() if p.name in LOSS_SCALE_STATE}
+        saved = ms.load_checkpoint(self.checkpoint_file, choice_func=lambda name: name in LOSS_SCALE_STATE)
+        missing = [name for name in LOSS_SCALE_STATE if name not in saved]
+        if missing:
+            print(f"[loss scale] {self.checkpoint_file} holds no {', '.join(missing)} (saved without a dynamic loss "
+                  "scale): the scale starts at runner_wrapper.scale_sense.loss_scale_value", flush=True)
+            return
+        if sorted(params) != sorted(LOSS_SCALE_STATE):
+            raise LaunchError(f"the train step has no dynamic loss-scale parameters {sorted(LOSS_SCALE_STATE)} "
+                              f"(found {sorted(params)}) to restore from {self.checkpoint_file}",
+                              hint="runner_wrapper.scale_sense must be a DynamicLossScaleUpdateCell section")
+        for name in LOSS_SCALE_STATE:
+            params[name].set_data(ms.Tensor(saved[name].asnumpy(), params[name].dtype))
+        scale = float(saved["scale_sense"].asnumpy())
+        print(f"[loss scale] restored from the checkpoint: scale {scale:g}, step counter "
+              f"{int(saved['current_iterator_step'].asnumpy())}, last overflow at "
+              f"{int(saved['last_overflow_iterator_step'].asnumpy())}", flush=True)
 
 
 def _allreduce_barrier(original):
