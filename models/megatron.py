@@ -622,13 +622,13 @@ def write_conversion(weights: HFWeights, cfg: ModelConfig, out_dir: str, directi
     work_dir = work_dir_for(out_dir)
     try:
         tensors = _write_weights(weights, plan, os.path.join(work_dir, CHECKPOINT_FILE), show_progress,
-                                 source["path"])
+                                 source["path"], direction)
         if TIED_HEAD in ignored:
             _check_tied_copy(weights, tensors)
         for prefix, values in (moments or {}).items():
             os.makedirs(os.path.join(work_dir, OPTIMIZER_DIR), exist_ok=True)
             _write_weights(values, plan, os.path.join(work_dir, OPTIMIZER_DIR, f"{prefix}.safetensors"),
-                           show_progress, f"{source['path']} ({MOMENT_FILES[prefix]})")
+                           show_progress, f"{source['path']} ({MOMENT_FILES[prefix]})", direction)
         with open(os.path.join(work_dir, MODEL_SECTION_FILE), "w", encoding="utf-8") as f:
             f.write(model_section_yaml(cfg, f"{header} by scripts/convert_checkpoint.py.\n{recipe_keys(out_dir)}"))
         manifest = {"format_version": FORMAT_VERSION, "direction": direction,

@@ -163,6 +163,63 @@ def test_from_torch_with_hf_names_and_with_a_key_map(tmp_path):
         json.loads((tmp_path / "a" / "conversion.json").read_text())["fingerprint"]
 
 
+def test_key_map_value_yaml_reads_as_a_mapping_is_refused_naming_the_file_and_key(tmp_path):
+    """`module.{rest}: {rest}` unquoted: YAML reads the value as the mapping {'rest': None}."""
+    model = make_hf_model(tmp_path / "hf")
+    torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, tmp_path / "ddp.pt")
+    key_map = tmp_path / "map.yaml"
+    key_map.write_text("module.{rest}: {rest}\n")
+    with pytest.raises(ConversionError, match=r"map\.yaml: module\.\{rest\}: the value \{'rest': None\} is a YAML "
+                                              r"mapping, not a name.*quote it: 'module\.\{rest\}': '\{rest\}'"):
+        from_torch(str(tmp_path / "ddp.pt"), str(tmp_path / "out"), str(tmp_path / "hf" / "config.json"),
+                   str(key_map), show_progress=False)
+    assert_nothing_written(tmp_path / "out")
+    key_map.write_text("'{x}': 3\n")
+    with pytest.raises(ConversionError, match=r"map\.yaml: \{x\}: the value 3 is not a name"):
+        from_torch(str(tmp_path / "ddp.pt"), str(tmp_path / "out"), str(tmp_path / "hf" / "config.json"),
+                   str(key_map), show_progress=False)
+    key_map.write_text("module.{rest}: '{rest}'\n")
+    from_torch(str(tmp_path / "ddp.pt"), str(tmp_path / "out"), str(tmp_path / "hf" / "config.json"),
+               str(key_map), show_progress=False)
+    assert (tmp_path / "out" / "conversion.json").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "0"], "argument --tp: 0 is not a positive integer"),
+    (["--pp", "0"], "argument --pp: 0 is not a positive integer"),
+    (["--pp", "-1"], "argument --pp: -1 is not a positive integer"),
+    (["--iteration", "-5"], "argument --iteration: -5 is not a non-negative integer"),
+])
+def test_to_megatron_numeric_arguments_are_refused_by_name(tmp_path, capsys, args, message):
+    make_hf_model(tmp_path / "hf")
+    convert_checkpoint = load_script("convert_checkpoint")
+    assert convert_checkpoint.main(["--from-hf", str(tmp_path / "hf"), "--output", str(tmp_path / "ours"),
+                                    "--quiet"]) == 0
+    with pytest.raises(SystemExit) as exit_code:
+        convert_checkpoint.main(["--to-megatron", str(tmp_path / "ours"), "--output", str(tmp_path / "m"), *args])
+    assert exit_code.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_to_megatron_refuses_layouts_and_iterations_it_cannot_write(tmp_path):
+    """Called as a library too: no ZeroDivisionError, no iter_-000005 that --from-megatron would refuse."""
+    make_hf_model(tmp_path / "hf")  # 4 heads, 2 KV heads, 2 layers
+    from ascend_llm_recipes.models.convert import from_hf
+    from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), show_progress=False)
+    for kwargs, message in ((dict(tp=0), "--tp 0: must be a positive integer"),
+                            (dict(pp=-1), "--pp -1: must be a positive integer"),
+                            (dict(iteration=-5), "--iteration -5: must be 0 or more"),
+                            (dict(tp=4), r"--tp 4 does not divide num_kv_heads \(2\)"),
+                            (dict(tp=3), r"--tp 3 does not divide num_heads \(4\)"),
+                            (dict(pp=3), r"--pp 3 does not divide num_layers \(2\)")):
+        with pytest.raises(ConversionError, match=message):
+            to_megatron(str(tmp_path / "ours"), str(tmp_path / "m"), show_progress=False, **kwargs)
+        assert_nothing_written(tmp_path / "m")
+    to_megatron(str(tmp_path / "ours"), str(tmp_path / "m"), iteration=5, show_progress=False)
+    assert (tmp_path / "m" / "latest_checkpointed_iteration.txt").read_text() == "5"
+    assert from_megatron(str(tmp_path / "m"), str(tmp_path / "again"), show_progress=False)["source"]["iteration"] == 5
+
+
 def _rewrite_args(src, dst, **changes):
     """A copy of a legacy TP1 checkpoint whose saved args say something else."""
     state = torch.load(src / "iter_0000040" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
