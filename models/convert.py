@@ -736,16 +736,24 @@ def verify_logits(hf_dir: str, converted_dir: str, batch: int = 2, max_tokens: i
     Returns max |delta logits| and the mean over positions of KL(hf || ours); raises when
     either exceeds its tolerance.
     """
+    return verify_against(lambda tokens: reference_logits(hf_dir, tokens), converted_dir, hf_dir, batch=batch,
+                          max_tokens=max_tokens, seed=seed)
+
+
+def verify_against(reference, converted_dir: str, where: str, name: str = "transformers",
+                   hint: str = "nothing was written; report the model's config.json", batch: int = 2,
+                   max_tokens: int = 128, seed: int = 0) -> dict:
+    """Our logits against reference(tokens) -> (B, S, vocab) logits on random tokens; raises outside PARITY_RULE."""
     import mindspore as ms
 
     net, cfg = load_our_model(converted_dir)
     length = min(cfg.seq_length, max_tokens)
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, length))
-    ours = net.logits(ms.Tensor(tokens.astype(np.int32))).asnumpy().astype(np.float64)
+    ours = net.logits(ms.Tensor(tokens.astype(np.int32))).asnumpy().astype(np.float64)[..., :cfg.vocab_size]
     del net
-    result = compare_logits(reference_logits(hf_dir, tokens), ours)
-    result.update(batch=batch, tokens=length)
-    check_parity(result, hf_dir)
+    result = compare_logits(reference(tokens), ours)
+    result.update(batch=batch, tokens=length, reference=name)
+    check_parity(result, where, reference=name if name != "transformers" else "transformers'", hint=hint)
     return result
 
 
