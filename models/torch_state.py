@@ -321,9 +321,13 @@ def meta_reference_logits(weights: MetaWeights, tokens: np.ndarray) -> np.ndarra
     return torch.cat([x @ t(s, "output.weight").T for s in shards], -1).numpy()
 
 
-def hf_reference_logits(weights: HFWeights, hf_config: dict, names: list, tokens: np.ndarray) -> np.ndarray:
-    """transformers' logits for the source tensors under their (mapped) HF names, saved as an HF directory."""
-    with tempfile.TemporaryDirectory(prefix="torch-reference-") as hf_dir:
+def hf_reference_logits(weights: HFWeights, hf_config: dict, names: list, tokens: np.ndarray,
+                        scratch: str) -> np.ndarray:
+    """transformers' logits for the source tensors under their (mapped) HF names, saved as an HF directory.
+
+    The directory is made in `scratch` (the conversion's work directory, so on the output's disk) and removed.
+    """
+    with tempfile.TemporaryDirectory(prefix=".reference-", dir=scratch) as hf_dir:
         with open(os.path.join(hf_dir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_config, f)
         writer = SafetensorsWriter(os.path.join(hf_dir, HF_WEIGHTS_FILE), {n: weights.tensors[n][2] for n in names},
@@ -404,8 +408,8 @@ def from_torch(path: str, out_dir: str, model_config: str, cfg: ModelConfig = No
     elif verify:
         hf_config = config if config is not None and not is_meta_params(config) else hf_config_from_model(cfg)
         kept = [p.hf for p in plan]
-        check = (lambda work_dir: verify_against(lambda tokens: hf_reference_logits(weights, hf_config, kept, tokens),
-                                                 work_dir, where))
+        check = (lambda work_dir: verify_against(
+            lambda tokens: hf_reference_logits(weights, hf_config, kept, tokens, work_dir), work_dir, where))
     header = f"Converted from {path}" + (f" (Meta's layout, {len(shards)} model-parallel shard(s))" if meta else "")
     return write_conversion(weights, cfg, out_dir, "from-torch", source, header, verify=check, ignored=ignored,
                             show_progress=show_progress)
