@@ -90,6 +90,13 @@ FAMILIES = {
         ("use_sliding_window", False, "attention is full causal attention, never a sliding window"),
     ), defaults={**COMMON_DEFAULTS, "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
                  "num_key_value_heads": 32, "use_sliding_window": False}),
+    # Mistral 7B v0.2/v0.3 (sliding_window null) are Llama's decoder under another model_type; v0.1's
+    # window of 4096 equals full attention only up to 4096 tokens, and transformers' default is that window.
+    "mistral": Family("mistral", "MistralForCausalLM", qkv_bias=False, requirements=(
+        ("sliding_window", None, "attention is full causal attention; a sliding window lets each token see only "
+                                 "the last sliding_window tokens"),
+    ), defaults={**COMMON_DEFAULTS, "max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": 2,
+                 "num_key_value_heads": 8, "sliding_window": 4096}),
 }
 
 # model_config field <-> config.json key. seq_length and qkv_bias are derived (see below).
@@ -146,7 +153,7 @@ def model_config_from_hf(hf_config: dict, where: str, seq_length: int = None) ->
         if hf.get(key) != supported:
             problems.append(f"{key}: {hf.get(key)!r} is not supported ({supported!r} only): {why}")
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hidden % heads or hf.get("head_dim", hidden // heads) != hidden // heads:
+    if hidden % heads or (hf.get("head_dim") or hidden // heads) != hidden // heads:  # Mistral writes null
         problems.append(f"head_dim: {hf.get('head_dim')!r} with hidden_size {hidden} and {heads} heads is not "
                         "supported: the model uses head_dim = hidden_size / num_attention_heads")
     if any(kind != "full_attention" for kind in hf.get("layer_types") or ()):
@@ -497,7 +504,8 @@ def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = Fa
 
     work_dir = work_dir_for(out_dir)
     try:
-        tensors = _write_weights(weights, plan, os.path.join(work_dir, CHECKPOINT_FILE), show_progress, hf_dir)
+        tensors = _write_weights(weights, plan, os.path.join(work_dir, CHECKPOINT_FILE), show_progress, hf_dir,
+                                 "from-hf")
         if TIED_HEAD in ignored:
             _check_tied_copy(weights, tensors)
         family = family_of(hf_config, where)
@@ -553,7 +561,8 @@ def copy_hf_tokenizer(hf_dir: str, work_dir: str, out_dir: str) -> tuple:
             f"scripts/prepare_data.py --tokenizer {os.path.abspath(out_dir)}"), files
 
 
-def _write_weights(weights: HFWeights, plan: list, path: str, show_progress: bool, where: str) -> list:
+def _write_weights(weights: HFWeights, plan: list, path: str, show_progress: bool, where: str,
+                   direction: str) -> list:
     # MindSpore's save_checkpoint(format="safetensors") marks its files the same way.
     writer = SafetensorsWriter(path, {p.ours: p.our_shape for p in plan}, metadata={"format": "ms"})
     records, non_finite = [], []
@@ -568,7 +577,7 @@ def _write_weights(weights: HFWeights, plan: list, path: str, show_progress: boo
             del source, tensor  # keep one tensor alive at a time
             bar.update()
     writer.close()
-    _refuse_non_finite(non_finite, where)
+    _refuse_non_finite(non_finite, where, direction)
     return records
 
 
@@ -623,7 +632,7 @@ def write_hf(ckpt_path: str, cfg: ModelConfig, out_dir: str, tensor_parallel: in
                 del tensor
                 bar.update()
         writer.close()
-        _refuse_non_finite(non_finite, ckpt_path)
+        _refuse_non_finite(non_finite, ckpt_path, "to-hf")
         with open(os.path.join(work_dir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_config, f, indent=2)
         if tokenizer:
@@ -658,13 +667,23 @@ def _non_finite(name: str, tensor: np.ndarray) -> list:
     return [f"{name} ({nan} NaN, {int(tensor.size - np.isfinite(tensor).sum()) - nan} inf)"]
 
 
-def _refuse_non_finite(problems: list, where: str) -> None:
+# What to do about a NaN or inf weight depends on where it came from (the conversion's direction).
+NON_FINITE_HINTS = {
+    "from-hf": "the HuggingFace checkpoint itself holds them: download it again (a damaged copy) or convert "
+               "another revision of the model",
+    "from-megatron": "the Megatron checkpoint itself holds them: convert an earlier iteration (--iteration N)",
+    "from-torch": "the state dict itself holds them: convert one saved before the weights diverged",
+    "to-hf": "export an earlier checkpoint (name its .ckpt file, or give the run directory for its newest "
+             "verified step)",
+}
+
+
+def _refuse_non_finite(problems: list, where: str, direction: str) -> None:
     if problems:
         raise ConversionError(f"{where}: non-finite values in {len(problems)} tensor(s): {', '.join(problems[:10])}"
                               + (f" and {len(problems) - 10} more" if len(problems) > 10 else "")
                               + "; nothing was written",
-                              hint="export an earlier checkpoint (name its .ckpt file); a NaN or inf weight "
-                                   "makes every prediction NaN")
+                              hint=f"{NON_FINITE_HINTS[direction]}; a NaN or inf weight makes every prediction NaN")
 
 
 HF_TOKENIZER_CONFIG = {  # what transformers' LlamaTokenizer needs for data/tokenizer.py's sentencepiece models
@@ -717,16 +736,24 @@ def verify_logits(hf_dir: str, converted_dir: str, batch: int = 2, max_tokens: i
     Returns max |delta logits| and the mean over positions of KL(hf || ours); raises when
     either exceeds its tolerance.
     """
+    return verify_against(lambda tokens: reference_logits(hf_dir, tokens), converted_dir, hf_dir, batch=batch,
+                          max_tokens=max_tokens, seed=seed)
+
+
+def verify_against(reference, converted_dir: str, where: str, name: str = "transformers",
+                   hint: str = "nothing was written; report the model's config.json", batch: int = 2,
+                   max_tokens: int = 128, seed: int = 0) -> dict:
+    """Our logits against reference(tokens) -> (B, S, vocab) logits on random tokens; raises outside PARITY_RULE."""
     import mindspore as ms
 
     net, cfg = load_our_model(converted_dir)
     length = min(cfg.seq_length, max_tokens)
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, length))
-    ours = net.logits(ms.Tensor(tokens.astype(np.int32))).asnumpy().astype(np.float64)
+    ours = net.logits(ms.Tensor(tokens.astype(np.int32))).asnumpy().astype(np.float64)[..., :cfg.vocab_size]
     del net
-    result = compare_logits(reference_logits(hf_dir, tokens), ours)
-    result.update(batch=batch, tokens=length)
-    check_parity(result, hf_dir)
+    result = compare_logits(reference(tokens), ours)
+    result.update(batch=batch, tokens=length, reference=name)
+    check_parity(result, where, reference=name if name != "transformers" else "transformers'", hint=hint)
     return result
 
 

@@ -1,8 +1,7 @@
-"""Megatron-LM checkpoints and plain torch.save files -> ours, and ours -> Megatron-LM (legacy format).
+"""Megatron-LM checkpoints -> ours, and ours -> Megatron-LM (legacy format).
 
     from_megatron(CKPT_DIR, OUT_DIR)  a Megatron save directory (latest_checkpointed_iteration.txt)
                                       or one iter_NNNNNNN directory, legacy or torch_dist
-    from_torch(FILE, OUT_DIR, cfg, ...)  a torch.save'd state dict, for a given ModelConfig
     to_megatron(CKPT, cfg, OUT_DIR, tp, pp)  legacy mp_rank_TT[_PPP]/model_optim_rng.pt files
 
 training/export.py resolves what a user names (a run directory, a recipe as --model-config) into
@@ -35,16 +34,15 @@ import shutil
 import time
 
 import numpy as np
-import yaml
 
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.common.schema import to_plain
 from ascend_llm_recipes.models.arithmetic import round_up
-from ascend_llm_recipes.models.checkpoint_io import CkptFile, SafetensorsFile, TorchBinFile
+from ascend_llm_recipes.models.checkpoint_io import CkptFile, SafetensorsFile
 from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, FORMAT_VERSION, MANIFEST_FILE, MODEL_SECTION_FILE,
                                                TIED_HEAD, HFWeights, _check_tied_copy, _progress, _write_weights,
-                                               check_tensors, check_parity, compare_logits, existing_conversion,
+                                               check_parity, compare_logits, existing_conversion,
                                                fingerprint, load_our_model, model_section_yaml, publish, recipe_keys,
                                                tensor_plan, work_dir_for)
 from ascend_llm_recipes.models.shapes import dimensions
@@ -105,6 +103,8 @@ REQUIRED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length
 def iteration_dir(ckpt_dir: str, iteration: int = None) -> tuple:
     """(iter_NNNNNNN directory, iteration) for a Megatron save directory or an iteration directory."""
     ckpt_dir = os.path.abspath(ckpt_dir)
+    if iteration is not None and iteration < 0:
+        raise ConversionError(f"{ckpt_dir}: --iteration {iteration}: must be 0 or more")
     if not os.path.isdir(ckpt_dir):
         raise ConversionError(f"{ckpt_dir}: not a directory (expected a Megatron save directory or an "
                               "iter_NNNNNNN directory)")
@@ -622,13 +622,13 @@ def write_conversion(weights: HFWeights, cfg: ModelConfig, out_dir: str, directi
     work_dir = work_dir_for(out_dir)
     try:
         tensors = _write_weights(weights, plan, os.path.join(work_dir, CHECKPOINT_FILE), show_progress,
-                                 source["path"])
+                                 source["path"], direction)
         if TIED_HEAD in ignored:
             _check_tied_copy(weights, tensors)
         for prefix, values in (moments or {}).items():
             os.makedirs(os.path.join(work_dir, OPTIMIZER_DIR), exist_ok=True)
             _write_weights(values, plan, os.path.join(work_dir, OPTIMIZER_DIR, f"{prefix}.safetensors"),
-                           show_progress, f"{source['path']} ({MOMENT_FILES[prefix]})")
+                           show_progress, f"{source['path']} ({MOMENT_FILES[prefix]})", direction)
         with open(os.path.join(work_dir, MODEL_SECTION_FILE), "w", encoding="utf-8") as f:
             f.write(model_section_yaml(cfg, f"{header} by scripts/convert_checkpoint.py.\n{recipe_keys(out_dir)}"))
         manifest = {"format_version": FORMAT_VERSION, "direction": direction,
@@ -724,98 +724,6 @@ def verify_against_megatron(ckpt, cfg: ModelConfig, converted_dir: str, batch: i
     return result
 
 
-# --- Plain torch.save files -------------------------------------------------------------------
-
-STATE_DICT_KEYS = ("model", "model_state_dict", "state_dict", "module")
-
-
-class TorchStateFile(TorchBinFile):
-    """A torch.save'd state dict, or a dict holding one under model / model_state_dict / state_dict / module."""
-
-    def _load(self) -> dict:
-        state = super()._load()
-        for key in STATE_DICT_KEYS:
-            if isinstance(state.get(key), dict):
-                return state[key]
-        return state
-
-
-def read_key_map(path: str) -> list:
-    """(compiled source pattern, target template) pairs of a --key-map YAML; target None = ignore."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as err:
-        raise ConversionError(f"{path}: cannot read the key map ({err})") from None
-    if not isinstance(data, dict) or not data:
-        raise ConversionError(f"{path}: expected a mapping `their name pattern: HF name pattern` ({{n}} = a layer "
-                              "number, {name} = any text; null = ignore)")
-    rules = []
-    for theirs, ours in data.items():
-        parts = re.split(r"(\{\w+\})", str(theirs))
-        regex = "".join(f"(?P<{p[1:-1]}>\\d+)" if p == "{n}" else f"(?P<{p[1:-1]}>.+?)" if p.startswith("{")
-                        else re.escape(p) for p in parts if p)
-        rules.append((re.compile(regex + r"\Z"), ours, theirs))
-    return rules
-
-
-def apply_key_map(names, rules: list, where: str) -> tuple:
-    """({HF name: their name}, [ignored]) for the names of a state dict."""
-    mapped, ignored, problems = {}, [], []
-    for name in names:
-        for regex, target, pattern in rules:
-            match = regex.match(name)
-            if match:
-                if target is None:
-                    ignored.append(name)
-                else:
-                    new = target.format(**match.groupdict())
-                    if new in mapped:
-                        problems.append(f"{name}: maps to {new}, as {mapped[new]} does")
-                    mapped[new] = name
-                break
-        else:
-            mapped.setdefault(name, name)  # unmapped names are taken as HF names (checked against the plan)
-    if problems:
-        raise ConversionError(f"{where}: key map collisions:\n" + "\n".join(f"  - {p}" for p in problems))
-    return mapped, ignored
-
-
-def from_torch(path: str, out_dir: str, cfg: ModelConfig, model_config: str, key_map: str = None,
-               show_progress: bool = True) -> dict:
-    """Convert a torch.save'd state dict (HF names, or others through a key map) for `cfg` into OUT_DIR.
-
-    `model_config` is the file cfg was read from, recorded in the manifest (training/export.py reads it).
-    """
-    path = os.path.abspath(path)
-    reader = TorchStateFile(path)
-    rules = read_key_map(key_map) if key_map else []
-    mapped, ignored = apply_key_map(reader.tensors, rules, key_map or path)
-    weights = HFWeights("torch", [os.path.basename(path)],
-                        {hf: (_Renamed(reader, theirs), *reader.tensors[theirs]) for hf, theirs in mapped.items()})
-    plan = tensor_plan(cfg)
-    found = {name: info[2] for name, info in weights.tensors.items()}
-    tied_copy = (TIED_HEAD,) if cfg.tie_word_embeddings else ()
-    ignored += check_tensors(found, {p.hf: p.hf_shape for p in plan}, (), path + (f" (through {key_map})"
-                                                                                  if key_map else ""),
-                             extra_ok=tied_copy)
-    source = {"path": path, "format": "torch", "model_config": os.path.abspath(model_config),
-              "key_map": os.path.abspath(key_map) if key_map else None,
-              "files": [{"file": os.path.basename(path), "bytes": os.path.getsize(path)}]}
-    return write_conversion(weights, cfg, out_dir, "from-torch", source, f"Converted from {path}",
-                            ignored=ignored, show_progress=show_progress)
-
-
-class _Renamed:
-    """Reads an HF-named tensor under the name the file uses."""
-
-    def __init__(self, reader, name: str):
-        self.reader, self.name = reader, name
-
-    def read(self, _hf_name: str) -> np.ndarray:
-        return self.reader.read(self.name)
-
-
 # --- ours -> Megatron (legacy) ----------------------------------------------------------------
 
 def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp: int = 1, iteration: int = None,
@@ -828,11 +736,18 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
     import torch
 
     start = time.perf_counter()
+    numbers = [f"--{name} {value}: must be a positive integer" for name, value in (("tp", tp), ("pp", pp))
+               if type(value) is not int or value < 1]
+    if iteration is not None and (type(iteration) is not int or iteration < 0):
+        numbers.append(f"--iteration {iteration}: must be 0 or more (Megatron names iter_NNNNNNN directories by it)")
+    if numbers:
+        raise ConversionError(f"{ckpt_path}: " + "; ".join(numbers))
     ckpt = CkptFile(ckpt_path) if ckpt_path.endswith(".ckpt") else SafetensorsFile(ckpt_path)
     plan = {p.hf: p for p in tensor_plan(cfg)}
     problems = [f"{p.ours}: missing" for p in plan.values() if p.ours not in ckpt.tensors]
     groups = cfg.kv_heads
-    for what, value in (("num_kv_heads", groups), ("intermediate_size", cfg.intermediate_size)):
+    for what, value in (("num_heads", cfg.num_heads), ("num_kv_heads", groups),
+                        ("intermediate_size", cfg.intermediate_size)):
         if value % tp:
             problems.append(f"--tp {tp} does not divide {what} ({value})")
     if cfg.num_layers % pp:

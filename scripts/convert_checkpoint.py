@@ -2,6 +2,7 @@
 
     python scripts/convert_checkpoint.py --from-hf HF_DIR --output OUT_DIR [--verify] [--seq-length N]
     python scripts/convert_checkpoint.py --to-hf OURS --output HF_DIR [--model-config YAML]
+    python scripts/convert_checkpoint.py --from-torch consolidated.00.pth --model-config params.json --output OUT_DIR
 
 --from-hf writes OUT_DIR/weights.safetensors, model_config.yaml (a recipe's model: section) and
 conversion.json; train from it with that model section and the recipe keys
@@ -26,6 +27,19 @@ from ascend_llm_recipes.training.preflight import check_writable_dir
 from ascend_llm_recipes.training.relayout import export_source
 
 
+def count(minimum: int):
+    """An argparse type: an integer of at least `minimum`, refused by the argument's name otherwise."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is not a {'positive' if minimum else 'non-negative'} integer")
+        return value
+    return parse
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = parser.add_mutually_exclusive_group(required=True)
@@ -34,36 +48,40 @@ def main(argv=None) -> int:
                            help="converted directory, run directory, or .ckpt/.safetensors file")
     parser.add_argument("--output", required=True, help="directory to create")
     parser.add_argument("--verify", action="store_true",
-                        help="--from-hf: compare logits with transformers (float32, CPU) before writing")
-    parser.add_argument("--seq-length", type=int,
-                        help="--from-hf: model_config seq_length (default: max_position_embeddings, at most 4096)")
+                        help="--from-hf, --from-torch: compare logits with transformers (float32, CPU) before writing "
+                             "(Meta's layout: with a forward after Meta's model.py; --from-megatron: Megatron's)")
+    parser.add_argument("--seq-length", type=count(1),
+                        help="--from-hf, --from-torch: model_config seq_length (default: max_position_embeddings, "
+                             "at most 4096)")
     parser.add_argument("--model-config", metavar="YAML",
-                        help="--to-hf: recipe or model_config.yaml, when not found beside the checkpoint")
+                        help="--to-hf: recipe or model_config.yaml, when not found beside the checkpoint; "
+                             "--from-torch: config.json, Meta's params.json, model_config.yaml or recipe")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     # Megatron-LM and plain PyTorch files (models/megatron.py, through training/export.py)
     direction.add_argument("--from-megatron", metavar="CKPT_DIR",
                            help="Megatron-LM save directory (latest_checkpointed_iteration.txt) or iter_NNNNNNN "
                                 "directory, legacy or torch_dist, any TP/PP")
     direction.add_argument("--from-torch", metavar="FILE",
-                           help="a torch.save'd state dict (.pt/.bin); needs --model-config (config.json, "
-                                "model_config.yaml or recipe)")
+                           help="a torch.save'd state dict (.pt/.bin), or Meta's consolidated.00.pth (every "
+                                "consolidated.NN.pth beside it is merged); needs --model-config")
     direction.add_argument("--to-megatron", metavar="OURS", help="converted or run directory -> Megatron-LM legacy "
                                                                  "files for --tp x --pp")
     parser.add_argument("--key-map", metavar="YAML", help="--from-torch: `their name: HF name` patterns ({n} = layer)")
-    parser.add_argument("--tp", type=int, default=1, help="--to-megatron: tensor-parallel degree")
-    parser.add_argument("--pp", type=int, default=1, help="--to-megatron: pipeline stages")
-    parser.add_argument("--iteration", type=int, help="--from-megatron: iteration to read (default: the latest); "
-                                                      "--to-megatron: iteration to write")
-    parser.add_argument("--vocab-size", type=int, help="--from-megatron: real vocabulary size when args lack it")
+    parser.add_argument("--tp", type=count(1), default=1, help="--to-megatron: tensor-parallel degree")
+    parser.add_argument("--pp", type=count(1), default=1, help="--to-megatron: pipeline stages")
+    parser.add_argument("--iteration", type=count(0),
+                        help="--from-megatron: iteration to read (default: the latest); --to-megatron: iteration "
+                             "to write")
+    parser.add_argument("--vocab-size", type=count(1), help="--from-megatron: real vocabulary size when args lack it")
     parser.add_argument("--write-recipe", metavar="YAML", help="--from-megatron/--from-hf/--from-torch: also write a "
                                                                "recipe (base/ascend.yaml) continuing the run")
-    parser.add_argument("--devices", type=int, help="--write-recipe: devices to lay the run out on")
+    parser.add_argument("--devices", type=count(1), help="--write-recipe: devices to lay the run out on")
     args = parser.parse_args(argv)
     megatron = args.from_megatron or args.from_torch or args.to_megatron or args.write_recipe
     if not megatron and args.from_hf and args.model_config:
         parser.error("--model-config applies to --to-hf")
     if args.to_hf and (args.verify or args.seq_length):
-        parser.error("--verify and --seq-length apply to --from-hf")
+        parser.error("--verify and --seq-length do not apply to --to-hf")
     try:
         if megatron:
             from ascend_llm_recipes.training.export import run_cli

@@ -41,7 +41,8 @@ TINY = dict(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 def make_hf_model(path, family="llama", dtype=torch.float32, seed=0, save_kwargs=None, **overrides):
     """A tiny random transformers model saved with save_pretrained; returns the model (float32 or dtype)."""
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "mistral": transformers.MistralConfig}[family]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config_class(**{**TINY, **overrides}))
     with torch.no_grad():
@@ -71,6 +72,7 @@ CASES = {
     "gqa": dict(),
     "tied": dict(tie_word_embeddings=True),
     "qwen2_qkv_bias": dict(family="qwen2"),
+    "mistral_no_sliding_window": dict(family="mistral", sliding_window=None),
     "rope_theta_500000": dict(rope_theta=500000.0),
     "bfloat16_weights": dict(dtype=torch.bfloat16),
     "sharded_safetensors": dict(save_kwargs=dict(max_shard_size="40KB")),
@@ -264,7 +266,7 @@ def test_unknown_architecture_is_refused(tmp_path):
     hf_dir, out = tmp_path / "hf", tmp_path / "out"
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf_dir)
-    with pytest.raises(ConversionError, match="model_type 'gpt2'.*not supported; supported: llama, qwen2"):
+    with pytest.raises(ConversionError, match="model_type 'gpt2'.*not supported; supported: llama, qwen2, mistral"):
         from_hf(str(hf_dir), str(out), show_progress=False)
     assert_nothing_written(out)
 
@@ -284,6 +286,16 @@ def test_qwen2_sliding_window_is_refused(tmp_path):
     make_hf_model(hf_dir, family="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
     with pytest.raises(ConversionError, match="use_sliding_window: True is not supported"):
         from_hf(str(hf_dir), str(out), show_progress=False)
+
+
+def test_mistral_sliding_window_is_refused_by_name(tmp_path):
+    """A window of 4096 equals full attention only up to 4096 tokens: refused, where null converts (CASES)."""
+    hf_dir, out = tmp_path / "hf", tmp_path / "out"
+    make_hf_model(hf_dir, family="mistral", sliding_window=4096)
+    with pytest.raises(ConversionError, match=r"sliding_window: 4096 is not supported \(None only\): attention "
+                                              r"is full causal attention"):
+        from_hf(str(hf_dir), str(out), show_progress=False)
+    assert_nothing_written(out)
 
 
 def test_tied_checkpoint_may_store_the_head_only_as_a_copy_of_the_embedding(tmp_path):
@@ -485,9 +497,11 @@ def test_to_hf_of_a_run_takes_its_newest_verified_step(converted_run, tmp_path, 
 
     # A newest step that verifies but holds +inf in lm_head: refused, naming the tensor.
     diverged = write_step(5, "step", inf_head)
-    with pytest.raises(ConversionError, match=r"non-finite values in 1 tensor\(s\): lm_head\.weight \(0 NaN, 64 inf\)"):
+    with pytest.raises(ConversionError,
+                       match=r"non-finite values in 1 tensor\(s\): lm_head\.weight \(0 NaN, 64 inf\)") as err:
         to_hf(str(run / "checkpoints"), str(out), show_progress=False)
     assert_nothing_written(out)
+    assert "export an earlier checkpoint" in err.value.hint
 
     # The same step damaged on disk no longer verifies: skipped with a note, step 2 taken.
     with open(diverged, "r+b") as f:
@@ -510,9 +524,12 @@ def test_non_finite_hf_weights_are_refused(tmp_path):
     with torch.no_grad():
         model.model.norm.weight[3] = float("nan")
     model.save_pretrained(hf_dir)
-    with pytest.raises(ConversionError, match=r"non-finite values in 1 tensor\(s\): model\.norm\.weight \(1 NaN"):
+    with pytest.raises(ConversionError, match=r"non-finite values in 1 tensor\(s\): model\.norm\.weight \(1 NaN") \
+            as err:
         from_hf(str(hf_dir), str(out), show_progress=False)
     assert_nothing_written(out)
+    # The hint fits a HuggingFace source (there is no earlier .ckpt file to name).
+    assert "HuggingFace checkpoint itself" in err.value.hint and ".ckpt" not in err.value.hint
 
 
 WRITER_DRILL = """

@@ -121,46 +121,218 @@ def test_from_torch_with_hf_names_and_with_a_key_map(tmp_path):
     model = make_hf_model(tmp_path / "hf")
     state = model.state_dict()
     torch.save({"model": state, "iteration": 7}, tmp_path / "hf_names.pt")
-    from_torch(str(tmp_path / "hf_names.pt"), str(tmp_path / "a"), str(tmp_path / "hf" / "config.json"),
-               show_progress=False)
+    manifest = from_torch(str(tmp_path / "hf_names.pt"), str(tmp_path / "a"), str(tmp_path / "hf" / "config.json"),
+                          verify=True, show_progress=False)
+    assert manifest["verify"]["reference"] == "transformers"
     to_hf(str(tmp_path / "a"), str(tmp_path / "a_hf"), show_progress=False)
     restored = load_file(str(tmp_path / "a_hf" / HF_WEIGHTS_FILE))
     assert all(torch.equal(restored[k], v) for k, v in state.items())
 
-    # Meta-style names (the seeds' torch.save'd GPU weights) through a key map
-    meta = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-            "lm_head.weight": "output.weight",
-            "model.layers.{n}.self_attn.q_proj.weight": "layers.{n}.attention.wq.weight",
-            "model.layers.{n}.self_attn.k_proj.weight": "layers.{n}.attention.wk.weight",
-            "model.layers.{n}.self_attn.v_proj.weight": "layers.{n}.attention.wv.weight",
-            "model.layers.{n}.self_attn.o_proj.weight": "layers.{n}.attention.wo.weight",
-            "model.layers.{n}.mlp.gate_proj.weight": "layers.{n}.feed_forward.w1.weight",
-            "model.layers.{n}.mlp.down_proj.weight": "layers.{n}.feed_forward.w2.weight",
-            "model.layers.{n}.mlp.up_proj.weight": "layers.{n}.feed_forward.w3.weight",
-            "model.layers.{n}.input_layernorm.weight": "layers.{n}.attention_norm.weight",
-            "model.layers.{n}.post_attention_layernorm.weight": "layers.{n}.ffn_norm.weight"}
-    renamed = {}
-    for hf_name, tensor in state.items():
-        for ours, theirs in meta.items():
-            parts = ours.split("{n}")
-            if len(parts) == 2 and hf_name.startswith(parts[0]) and hf_name.endswith(parts[1]):
-                renamed[theirs.format(n=hf_name[len(parts[0]):-len(parts[1])])] = tensor
-            elif hf_name == ours:
-                renamed[theirs] = tensor
-    renamed["rope.freqs"] = torch.zeros(8)
-    torch.save({"state_dict": renamed}, tmp_path / "meta.pt")
-    key_map = {theirs: ours for ours, theirs in meta.items()}
-    with pytest.raises(ConversionError, match=r"rope\.freqs: unknown tensor"):
-        (tmp_path / "map.yaml").write_text(yaml.safe_dump(key_map))
-        from_torch(str(tmp_path / "meta.pt"), str(tmp_path / "b"), str(tmp_path / "hf" / "config.json"),
+    # Other names (a training script's own module names) through a key map
+    renamed = {name.replace("model.layers.", "blocks.").replace("self_attn.", "attn."): tensor
+               for name, tensor in state.items()}
+    renamed["rope.cache"] = torch.zeros(8)
+    torch.save({"state_dict": renamed}, tmp_path / "mine.pt")
+    key_map = {"blocks.{n}.attn.{rest}": "model.layers.{n}.self_attn.{rest}",
+               "blocks.{n}.{rest}": "model.layers.{n}.{rest}"}
+    (tmp_path / "map.yaml").write_text(yaml.safe_dump(key_map))
+    with pytest.raises(ConversionError, match=r"rope\.cache: unknown tensor"):
+        from_torch(str(tmp_path / "mine.pt"), str(tmp_path / "b"), str(tmp_path / "hf" / "config.json"),
                    str(tmp_path / "map.yaml"), show_progress=False)
     assert_nothing_written(tmp_path / "b")
-    (tmp_path / "map.yaml").write_text(yaml.safe_dump({**key_map, "rope.freqs": None}))
-    manifest = from_torch(str(tmp_path / "meta.pt"), str(tmp_path / "b"), str(tmp_path / "a" / MODEL_SECTION_FILE),
-                          str(tmp_path / "map.yaml"), show_progress=False)
-    assert manifest["ignored"] == ["rope.freqs"]
+    (tmp_path / "map.yaml").write_text(yaml.safe_dump({**key_map, "rope.cache": None}))
+    manifest = from_torch(str(tmp_path / "mine.pt"), str(tmp_path / "b"), str(tmp_path / "a" / MODEL_SECTION_FILE),
+                          str(tmp_path / "map.yaml"), verify=True, show_progress=False)
+    assert manifest["ignored"] == ["rope.cache"]
     assert json.loads((tmp_path / "b" / "conversion.json").read_text())["fingerprint"] == \
         json.loads((tmp_path / "a" / "conversion.json").read_text())["fingerprint"]
+
+
+# --- Meta's original layout (consolidated.NN.pth + params.json) ---------------------------------------------------
+
+META_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+              "lm_head.weight": "output.weight",
+              "model.layers.{n}.self_attn.q_proj.weight": "layers.{n}.attention.wq.weight",
+              "model.layers.{n}.self_attn.k_proj.weight": "layers.{n}.attention.wk.weight",
+              "model.layers.{n}.self_attn.v_proj.weight": "layers.{n}.attention.wv.weight",
+              "model.layers.{n}.self_attn.o_proj.weight": "layers.{n}.attention.wo.weight",
+              "model.layers.{n}.mlp.gate_proj.weight": "layers.{n}.feed_forward.w1.weight",
+              "model.layers.{n}.mlp.down_proj.weight": "layers.{n}.feed_forward.w2.weight",
+              "model.layers.{n}.mlp.up_proj.weight": "layers.{n}.feed_forward.w3.weight",
+              "model.layers.{n}.input_layernorm.weight": "layers.{n}.attention_norm.weight",
+              "model.layers.{n}.post_attention_layernorm.weight": "layers.{n}.ffn_norm.weight"}
+# fairscale's model-parallel split of each Meta tensor (ColumnParallel rows, RowParallel columns, Llama 2's
+# ParallelEmbedding the hidden dimension); norms are replicated.
+META_SPLIT = {"tok_embeddings": 1, "wq": 0, "wk": 0, "wv": 0, "wo": 1, "w1": 0, "w2": 1, "w3": 0, "output": 0}
+META_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+
+
+def meta_name(hf_name):
+    for hf, meta in META_NAMES.items():
+        head, _, tail = hf.partition("{n}")
+        if tail and hf_name.startswith(head) and hf_name.endswith(tail):
+            return meta.format(n=hf_name[len(head):-len(tail)])
+        if hf_name == hf:
+            return meta
+
+
+def write_meta_checkpoint(model, directory, shards):
+    """model in Meta's layout: q/k rows back in Meta's rotary order, consolidated.NN.pth (torch.save) + params.json.
+
+    The inverse of transformers' convert_llama_weights_to_hf.py permute(w, n_heads) =
+    w.view(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(1, 2).reshape(dim1, dim2).
+    """
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+
+    def unpermute(w, n_heads):
+        return w.view(n_heads, 2, head_dim // 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+
+    meta = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("q_proj.weight"):
+            tensor = unpermute(tensor, config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            tensor = unpermute(tensor, config.num_key_value_heads)
+        meta[meta_name(name)] = tensor.to(torch.bfloat16)  # Meta's releases are bfloat16
+    os.makedirs(directory)
+    for rank in range(shards):
+        shard = {}
+        for name, tensor in meta.items():
+            split = META_SPLIT.get(name.split(".")[-2])
+            shard[name] = tensor.clone() if split is None else tensor.chunk(shards, split)[rank].clone()
+        torch.save(shard, os.path.join(directory, f"consolidated.{rank:02d}.pth"))
+    params = {"dim": config.hidden_size, "n_layers": config.num_hidden_layers, "n_heads": config.num_attention_heads,
+              "n_kv_heads": config.num_key_value_heads, "multiple_of": 64, "ffn_dim_multiplier": 1.1,
+              "norm_eps": config.rms_norm_eps, "vocab_size": -1}
+    (directory / "params.json").write_text(json.dumps(params))
+
+
+def bf16_hf_model(path):
+    """A tiny transformers Llama whose weights are bfloat16 values (Meta's dtype), held in float32."""
+    model = make_hf_model(path, **META_TINY)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_meta_layout_converts_by_itself_with_transformers_logits(tmp_path, shards):
+    """consolidated.NN.pth + params.json: names, shard merge and the rotary row permutation, proven by logits."""
+    model = bf16_hf_model(tmp_path / "hf")
+    write_meta_checkpoint(model, tmp_path / "meta", shards)
+    # intermediate size as Meta's FeedForward computes it: int(1.1 * int(8 * 64 / 3)) = 187, rounded up to 64
+    manifest = from_torch(str(tmp_path / "meta" / "consolidated.00.pth"), str(tmp_path / "ours"),
+                          str(tmp_path / "meta" / "params.json"), seq_length=64, verify=True, show_progress=False)
+    assert manifest["source"]["format"] == "meta" and len(manifest["source"]["files"]) == shards
+    assert manifest["model"]["vocab_size"] == 512 and manifest["model"]["intermediate_size"] == 192
+    print(f"\n[parity] Meta layout, {shards} shard(s): max |delta| against Meta's forward "
+          f"{manifest['verify']['max_abs_delta']:.2e}")
+
+    to_hf(str(tmp_path / "ours"), str(tmp_path / "back"), show_progress=False)
+    restored = load_file(str(tmp_path / "back" / HF_WEIGHTS_FILE))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(restored[name], tensor), name
+    tokens = np.random.default_rng(0).integers(0, 512, size=(2, 32))
+    expected = model.eval()(torch.from_numpy(tokens)).logits.double().detach().numpy()
+    delta = np.abs(transformers_logits(tmp_path / "back", tokens) - expected).max()
+    assert delta <= 1e-4 * max(1.0, np.abs(expected).max())
+
+
+def test_meta_layout_verify_catches_unpermuted_rotary_rows(tmp_path, monkeypatch):
+    """What the README's old --key-map example did (q/k copied in Meta's order) fails --verify."""
+    from ascend_llm_recipes.models import torch_state
+
+    write_meta_checkpoint(bf16_hf_model(tmp_path / "hf"), tmp_path / "meta", 2)
+    for hf_name in ("model.layers.{n}.self_attn.q_proj.weight", "model.layers.{n}.self_attn.k_proj.weight"):
+        meta, _, split = torch_state.META_LAYOUT[hf_name]
+        monkeypatch.setitem(torch_state.META_LAYOUT, hf_name, (meta, "identity", split))
+    with pytest.raises(ConversionError, match="converted logits differ from a pure-torch forward after Meta's"):
+        from_torch(str(tmp_path / "meta" / "consolidated.00.pth"), str(tmp_path / "out"),
+                   str(tmp_path / "meta" / "params.json"), seq_length=64, verify=True, show_progress=False)
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_meta_layout_is_refused_through_a_key_map_and_with_missing_shards_or_scaled_rope(tmp_path, capsys):
+    write_meta_checkpoint(bf16_hf_model(tmp_path / "hf"), tmp_path / "meta", 2)
+    first, params = tmp_path / "meta" / "consolidated.00.pth", tmp_path / "meta" / "params.json"
+    (tmp_path / "map.yaml").write_text(yaml.safe_dump({theirs: ours for ours, theirs in META_NAMES.items()}))
+    convert_checkpoint = load_script("convert_checkpoint")
+    assert convert_checkpoint.main(["--from-torch", str(first), "--model-config", str(params), "--key-map",
+                                    str(tmp_path / "map.yaml"), "--output", str(tmp_path / "out"), "--quiet"]) == 2
+    assert "holds Meta's Llama layout" in capsys.readouterr().err
+    with pytest.raises(ConversionError, match=r"name the first shard, .*consolidated\.00\.pth; all 2 shards"):
+        from_torch(str(tmp_path / "meta" / "consolidated.01.pth"), str(tmp_path / "out"), str(params))
+    original = json.loads(params.read_text())
+    params.write_text(json.dumps({**original, "use_scaled_rope": True}))
+    with pytest.raises(ConversionError, match="use_scaled_rope: true is not supported"):
+        from_torch(str(first), str(tmp_path / "out"), str(params))
+    params.write_text(json.dumps(original))
+    os.rename(tmp_path / "meta" / "consolidated.01.pth", tmp_path / "meta" / "consolidated.02.pth")
+    with pytest.raises(ConversionError, match="are not consolidated.00.pth, consolidated.01.pth: a shard is missing"):
+        from_torch(str(first), str(tmp_path / "out"), str(params))
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_key_map_value_yaml_reads_as_a_mapping_is_refused_naming_the_file_and_key(tmp_path):
+    """`module.{rest}: {rest}` unquoted: YAML reads the value as the mapping {'rest': None}."""
+    model = make_hf_model(tmp_path / "hf")
+    torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, tmp_path / "ddp.pt")
+    key_map = tmp_path / "map.yaml"
+    key_map.write_text("module.{rest}: {rest}\n")
+    with pytest.raises(ConversionError, match=r"map\.yaml: 1 problem\(s\) in the key map:\n  - module\.\{rest\}: the "
+                                              r"value \{'rest': None\} is a YAML mapping, not a name.*quote it: "
+                                              r"'module\.\{rest\}': '\{rest\}'"):
+        from_torch(str(tmp_path / "ddp.pt"), str(tmp_path / "out"), str(tmp_path / "hf" / "config.json"),
+                   str(key_map), show_progress=False)
+    assert_nothing_written(tmp_path / "out")
+    key_map.write_text("'{x}': 3\n")
+    with pytest.raises(ConversionError, match=r"  - \{x\}: the value 3 is not a name"):
+        from_torch(str(tmp_path / "ddp.pt"), str(tmp_path / "out"), str(tmp_path / "hf" / "config.json"),
+                   str(key_map), show_progress=False)
+    key_map.write_text("module.{rest}: '{rest}'\n")
+    from_torch(str(tmp_path / "ddp.pt"), str(tmp_path / "out"), str(tmp_path / "hf" / "config.json"),
+               str(key_map), show_progress=False)
+    assert (tmp_path / "out" / "conversion.json").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "0"], "argument --tp: 0 is not a positive integer"),
+    (["--pp", "0"], "argument --pp: 0 is not a positive integer"),
+    (["--pp", "-1"], "argument --pp: -1 is not a positive integer"),
+    (["--iteration", "-5"], "argument --iteration: -5 is not a non-negative integer"),
+])
+def test_to_megatron_numeric_arguments_are_refused_by_name(tmp_path, capsys, args, message):
+    make_hf_model(tmp_path / "hf")
+    convert_checkpoint = load_script("convert_checkpoint")
+    assert convert_checkpoint.main(["--from-hf", str(tmp_path / "hf"), "--output", str(tmp_path / "ours"),
+                                    "--quiet"]) == 0
+    with pytest.raises(SystemExit) as exit_code:
+        convert_checkpoint.main(["--to-megatron", str(tmp_path / "ours"), "--output", str(tmp_path / "m"), *args])
+    assert exit_code.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_to_megatron_refuses_layouts_and_iterations_it_cannot_write(tmp_path):
+    """Called as a library too: no ZeroDivisionError, no iter_-000005 that --from-megatron would refuse."""
+    make_hf_model(tmp_path / "hf")  # 4 heads, 2 KV heads, 2 layers
+    from ascend_llm_recipes.models.convert import from_hf
+    from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), show_progress=False)
+    for kwargs, message in ((dict(tp=0), "--tp 0: must be a positive integer"),
+                            (dict(pp=-1), "--pp -1: must be a positive integer"),
+                            (dict(iteration=-5), "--iteration -5: must be 0 or more"),
+                            (dict(tp=4), r"--tp 4 does not divide num_kv_heads \(2\)"),
+                            (dict(tp=3), r"--tp 3 does not divide num_heads \(4\)"),
+                            (dict(pp=3), r"--pp 3 does not divide num_layers \(2\)")):
+        with pytest.raises(ConversionError, match=message):
+            to_megatron(str(tmp_path / "ours"), str(tmp_path / "m"), show_progress=False, **kwargs)
+        assert_nothing_written(tmp_path / "m")
+    to_megatron(str(tmp_path / "ours"), str(tmp_path / "m"), iteration=5, show_progress=False)
+    assert (tmp_path / "m" / "latest_checkpointed_iteration.txt").read_text() == "5"
+    assert from_megatron(str(tmp_path / "m"), str(tmp_path / "again"), show_progress=False)["source"]["iteration"] == 5
 
 
 def _rewrite_args(src, dst, **changes):

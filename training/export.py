@@ -18,11 +18,11 @@ from ascend_llm_recipes.common.errors import ConversionError, PretrainError
 from ascend_llm_recipes.common.files import file_sha256
 from ascend_llm_recipes.common.schema import to_plain
 from ascend_llm_recipes.models.config import ModelConfig
-from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, MODEL_SECTION_FILE, model_config_from_hf,
+from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, MODEL_SECTION_FILE,
                                                model_section, read_model_yaml, write_hf)
 from ascend_llm_recipes.models.megatron import OPTIMIZER_DIR, _source_manifest, from_megatron
-from ascend_llm_recipes.models.megatron import from_torch as _from_torch
 from ascend_llm_recipes.models.megatron import to_megatron as _to_megatron
+from ascend_llm_recipes.models.torch_state import from_torch as _from_torch
 from ascend_llm_recipes.training.run_files import CHECKPOINTS
 from ascend_llm_recipes.training.recipe import load_recipe
 from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE as RUN_RECIPE
@@ -163,24 +163,18 @@ def to_hf(source: str, out_dir: str, model_config: str = None, show_progress: bo
     return write_hf(ckpt_path, cfg, out_dir, tensor_parallel, source, tokenizer, tokenizer_note, show_progress)
 
 
-def from_torch(path: str, out_dir: str, model_config: str, key_map: str = None, show_progress: bool = True) -> dict:
-    """Convert a torch.save'd state dict into OUT_DIR, for the model a config.json, model section or recipe names."""
+def from_torch(path: str, out_dir: str, model_config: str, key_map: str = None, seq_length: int = None,
+               verify: bool = False, show_progress: bool = True) -> dict:
+    """A torch.save'd state dict -> OUT_DIR, for the model --model-config names (JSON, model section or recipe)."""
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise ConversionError(f"{path}: no such file (expected a torch.save'd state dict)")
     if model_config is None:
         raise ConversionError(f"{path}: a state dict does not say which model it holds",
-                              hint="pass --model-config with a HuggingFace config.json, a model_config.yaml or "
-                                   "a recipe")
-    if model_config.endswith(".json"):
-        try:
-            with open(model_config, encoding="utf-8") as f:
-                cfg = model_config_from_hf(json.load(f), model_config)
-        except (OSError, ValueError) as err:
-            raise ConversionError(f"{model_config}: cannot read the model config ({err})") from None
-    else:
-        cfg, _ = read_model_section(model_config)
-    return _from_torch(path, out_dir, cfg, model_config, key_map, show_progress)
+                              hint="pass --model-config with a HuggingFace config.json, Meta's params.json, a "
+                                   "model_config.yaml or a recipe")
+    cfg = None if model_config.endswith(".json") else read_model_section(model_config)[0]
+    return _from_torch(path, out_dir, model_config, cfg, key_map, seq_length, verify, show_progress)
 
 
 def to_megatron(source: str, out_dir: str, tp: int = 1, pp: int = 1, iteration: int = None,
@@ -330,15 +324,17 @@ def run_cli(parser, args) -> int:
         parser.error("--key-map applies to --from-torch")
     if args.write_recipe and args.to_megatron or args.write_recipe and args.to_hf:
         parser.error("--write-recipe applies to --from-megatron, --from-hf and --from-torch")
-    if args.verify and (args.from_torch or args.to_megatron):
-        parser.error("--verify applies to --from-hf and --from-megatron")
+    if args.verify and args.to_megatron:
+        parser.error("--verify applies to --from-hf, --from-megatron and --from-torch")
+    if args.seq_length and not (args.from_hf or args.from_torch):
+        parser.error("--seq-length applies to --from-hf and --from-torch (Megatron's args set it)")
     try:
         if args.from_megatron:
             manifest = from_megatron(args.from_megatron, args.output, iteration=args.iteration,
                                      vocab_size=args.vocab_size, verify=args.verify, show_progress=not args.quiet)
         elif args.from_torch:
-            manifest = from_torch(args.from_torch, args.output, args.model_config, args.key_map,
-                                  show_progress=not args.quiet)
+            manifest = from_torch(args.from_torch, args.output, args.model_config, args.key_map, args.seq_length,
+                                  args.verify, show_progress=not args.quiet)
         elif args.to_megatron:
             manifest = to_megatron(args.to_megatron, args.output, args.tp, args.pp, args.iteration,
                                    args.model_config, show_progress=not args.quiet)
