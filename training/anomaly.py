@@ -1,6 +1,7 @@
 """The anomaly monitor callback: what to do about a non-finite loss or a loss spike (recipe section `anomaly`)."""
 
 import json
+import math
 import os
 import time
 
