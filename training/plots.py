@@ -199,14 +199,16 @@ def _loss_panel(ax, runs: list, colors: list, span: int) -> None:
             ax.plot(*zip(*held), "o--", color=color, mfc="white", mew=1.5, ms=5, lw=1,
                     label=f"{run.label}: held-out loss")
         finite = _finite(losses)
-        # The raw curve's top 1% (spikes) may leave the panel: the smoothed curve sets the scale.
+        # The smoothed curve and the raw curve's 99th percentile set the scale, so one spike does not flatten
+        # the rest; markers of higher losses sit on the panel's top edge.
         tops += _finite(smoothed) + [v for _, v in held] + sorted(finite)[int(0.99 * (len(finite) - 1)):][:1]
         bottoms += finite + [v for _, v in held]
-        _mark_events(ax, run, {r["step"]: r["loss"] for r in run.train}, "loss", len(runs) > 1 and color)
     if tops and bottoms:
         low, high = min(bottoms), max(tops)
         pad = 0.05 * (high - low or 1.0)
         ax.set_ylim(low - pad, high + pad)
+    for run, color in zip(runs, colors):
+        _mark_events(ax, run, {r["step"]: r["loss"] for r in run.train}, "loss", len(runs) > 1 and color)
     ax.set_ylabel("cross-entropy (nats/token)")
 
 
@@ -216,20 +218,21 @@ def _mark_events(ax, run: RunHistory, values: dict, what: str, run_color) -> Non
     run_color: the run's colour when several runs share the panel, else False (the accent colours).
     """
     spike_color, rollback_color = (run_color, run_color) if run_color else (SPIKE_COLOR, ROLLBACK_COLOR)
-    spikes = [(r["step"], values[r["step"]]) for r in run.spikes() if math.isfinite(values[r["step"]] or math.nan)]
+    ceiling = ax.get_ylim()[1] if not ax.get_autoscaley_on() else math.inf
+    spikes = [(r["step"], min(values[r["step"]], ceiling)) for r in run.spikes() if _finite([values.get(r["step"])])]
     if spikes:
-        ax.scatter(*zip(*spikes), marker="^", s=45, color=spike_color, edgecolors="black",
-                   linewidths=0.6, zorder=5, label=f"{run.label}: loss spike")
+        ax.scatter(*zip(*spikes), marker="^", s=45, color=spike_color, edgecolors="black", linewidths=0.6,
+                   zorder=5, clip_on=False, label=f"{run.label}: loss spike")
     for rollback in run.rollbacks:
         step = rollback["spike_step"]
         ax.axvline(step, color=rollback_color, ls="--", lw=1, label=f"{run.label}: rollback")
-        if what == "loss" and _number(rollback.get("loss")):
-            ax.scatter([step], [rollback["loss"]], marker="X", s=70, color=rollback_color, edgecolors="black",
-                       linewidths=0.6, zorder=6,
-                       label=f"{run.label}: spike rolled back")
-            ax.annotate(f"rolled back to {rollback.get('rolled_back_to', '?')}", (step, rollback["loss"]),
-                        xytext=(4, 4), textcoords="offset points", fontsize=7, color=rollback_color,
-                        annotation_clip=False)
+        if what == "loss" and _finite([rollback.get("loss")]):
+            y = min(rollback["loss"], ceiling)
+            ax.scatter([step], [y], marker="X", s=70, color=rollback_color, edgecolors="black", linewidths=0.6,
+                       zorder=6, clip_on=False, label=f"{run.label}: spike rolled back")
+            ax.annotate(f"loss {rollback['loss']:.2f}, rolled back to {rollback.get('rolled_back_to', '?')}",
+                        (step, y), xytext=(4, -10 if y == ceiling else 4), textcoords="offset points", fontsize=7,
+                        color=rollback_color, annotation_clip=False)
     top = ax.get_xaxis_transform()  # x in steps, y as a fraction of the panel's height
     nonfinite = [s for s, v in values.items() if v is not None and not math.isfinite(v)]
     if nonfinite:
