@@ -351,12 +351,12 @@ def _marker_legend(loss_ax, grad_ax, runs: list, line) -> None:
         events.append((line([], [], color=gray, ls=":"), "relaunch (resume or rollback)"))
     if any(not math.isfinite(r["loss"]) for run in runs for r in run.train):
         events.append((line([], [], color=NONFINITE_COLOR, marker="x", ls=""), "non-finite step"))
-    loss_ax.legend(*zip(*(styles + events)), fontsize=8, loc="upper right")
+    loss_ax.legend(*zip(*(styles + events)), fontsize=8, loc="best")
     grad = [(line([], [], color="0.35", ls="--"), "clip threshold")] if any(run.clip for run in runs) else []
     if any(r.get("overflow") for run in runs for r in run.train):
         grad.append((line([], [], color="0.35", marker="|", ls=""), "fp16 overflow (update skipped)"))
     if grad + events:
-        grad_ax.legend(*zip(*(grad + events)), fontsize=7, loc="upper right")
+        grad_ax.legend(*zip(*(grad + events)), fontsize=7, loc="best")
 
 
 def output_name(runs: list) -> str:
