@@ -1,8 +1,10 @@
-"""Plot loss, LR, tokens/s, grad norm and data wait against step for one or more runs.
+"""The training dashboard of a run, or of several runs compared, as one PNG.
 
-    python scripts/plot_run.py runs/demo_cpu [runs/other ...] [--output DIR]
+    python scripts/plot_run.py runs/demo_cpu                  # -> runs/demo_cpu/plots/dashboard.png
+    python scripts/plot_run.py runs/a runs/b [--output DIR]   # -> runs/a/plots/compare_a_b.png
 
-PNGs go to DIR (default: the first run's plots/ directory).
+Loss (EMA over the raw curve, held-out loss overlaid), learning rate, gradient norm (clip, loss
+spikes, rollbacks), throughput and MFU, data wait; see training/plots.py.
 """
 
 import argparse
@@ -16,18 +18,28 @@ from ascend_llm_recipes.training.plots import plot_runs
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dirs", nargs="+")
-    parser.add_argument("--output", help="directory for the PNGs (default RUN_DIR/plots of the first run)")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument("--output", metavar="DIR", help="directory for the PNG (default: the first run's plots/)")
+    parser.add_argument("--ema-span", type=int, metavar="STEPS",
+                        help="smoothing of the loss, throughput and data-wait curves (default: a twentieth of the "
+                             "run, 5 to 500 steps)")
     args = parser.parse_args(argv)
+    if args.ema_span is not None and args.ema_span < 1:
+        parser.error(f"--ema-span: need a number of steps >= 1, got {args.ema_span}")
+
+    def warn(message):
+        print("warning: " + message, file=sys.stderr)
+
     try:
-        written = plot_runs(args.run_dirs, args.output or os.path.join(args.run_dirs[0], "plots"))
+        written = plot_runs(args.run_dirs, args.output or os.path.join(args.run_dirs[0], "plots"), args.ema_span,
+                            log=warn)
     except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # e.g. an output directory that cannot be written
         print(f"error: {err.filename or args.output}: {err.strerror}", file=sys.stderr)
         return 2
-    print("\n".join(written))
+    print(written)
     return 0
 
 

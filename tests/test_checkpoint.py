@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import REPO_ROOT, TINY_RECIPE
+from conftest import REPO_ROOT, TINY_RECIPE, load_script
 from ascend_llm_recipes.training.checkpoint import (MANIFEST, newest_valid_step, read_json, step_dir, verify_step,
                                                     write_rank)
 from ascend_llm_recipes.training.run_files import LOCK_FILE
@@ -328,7 +328,7 @@ def test_verify_checkpoint_says_what_it_verified_and_refuses_the_rest(baseline, 
 
 
 def test_plot_run_drops_a_torn_line_and_refuses_bad_input(baseline, tmp_path, capsys):
-    from scripts.plot_run import main as plot
+    plot = load_script("plot_run").main
 
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
@@ -338,7 +338,8 @@ def test_plot_run_drops_a_torn_line_and_refuses_bad_input(baseline, tmp_path, ca
     assert plot([run_dir]) == 0
     captured = capsys.readouterr()
     assert "metrics.jsonl:21: not a JSON record (torn by a crash?), dropped" in captured.err
-    assert captured.out.count(".png") == 5
+    assert "recipe.yaml: missing; loss spikes and the gradient clip are not marked" in captured.err
+    assert captured.out.strip() == os.path.join(run_dir, "plots", "dashboard.png")
     assert plot([str(tmp_path / "missing")]) == 2
     assert "no metrics file" in capsys.readouterr().err
 
@@ -377,6 +378,42 @@ def test_loss_spike_against_the_moving_window():
     assert recorder.spike(factor=0.0, window=5) is None  # off
 
 
+def rollback_on_the_dashboard(run_dir, rollback, last_good, baseline, output):
+    """The dashboard marks the rollback and the relaunch; compared with the baseline, both runs are labelled."""
+    from ascend_llm_recipes.training.plots import dashboard, read_run
+
+    spike_step = rollback["spike_step"]
+    fig = dashboard([read_run(run_dir)])
+    for panel in ("loss", "gradient norm"):
+        ax = next(ax for ax in fig.axes if ax.get_label() == panel)
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert list(lines["run: rollback"].get_xdata()) == [spike_step, spike_step]
+        assert list(lines["run: relaunch"].get_xdata()) == [last_good + 0.5, last_good + 0.5]
+    loss = next(ax for ax in fig.axes if ax.get_label() == "loss")
+    marker = next(c for c in loss.collections if c.get_label() == "run: spike rolled back")
+    # At the spike's loss, or on the panel's top edge when the spike is above the smoothed curve's scale.
+    assert marker.get_offsets().tolist() == [[spike_step, pytest.approx(min(rollback["loss"], loss.get_ylim()[1]))]]
+    assert f"loss {rollback['loss']:.2f}, rolled back to {last_good}" in [t.get_text() for t in loss.texts]
+    assert "1 rollback(s)" in fig.legends[0].get_texts()[0].get_text()
+
+    assert load_script("plot_run").main([baseline, run_dir, "--output", output]) == 0
+    assert os.listdir(output) == ["compare_uninterrupted_run.png"]
+    fig = dashboard([read_run(baseline, "uninterrupted"), read_run(run_dir)])
+    loss = next(ax for ax in fig.axes if ax.get_label() == "loss")
+    labels = {line.get_label() for line in loss.get_lines()}
+    assert {"uninterrupted: train loss EMA", "run: train loss EMA", "run: rollback"} <= labels
+    assert "uninterrupted: rollback" not in labels
+    legend = fig.legends[0]
+    assert legend.get_title().get_text() == "Training runs compared: uninterrupted, run"
+    assert [t.get_text().split(":")[0] for t in legend.get_texts()] == ["uninterrupted", "run"]
+    assert [line.get_color() for line in legend.get_lines()] == [lines_color(loss, "uninterrupted"),
+                                                                 lines_color(loss, "run")]
+
+
+def lines_color(ax, run):
+    return next(line.get_color() for line in ax.get_lines() if line.get_label() == f"{run}: train loss EMA")
+
+
 def poisoned_dataset(tiny_dataset, root):
     """Twelve stdlib modules and, among them, one file of random CJK text: byte tokens the model never saw."""
     import random
@@ -401,7 +438,7 @@ def poisoned_dataset(tiny_dataset, root):
     return out, poisoned
 
 
-def test_loss_spike_rolls_back_and_skips_the_offending_samples(tiny_dataset, tmp_path):
+def test_loss_spike_rolls_back_and_skips_the_offending_samples(tiny_dataset, baseline, tmp_path):
     dataset, poisoned = poisoned_dataset(tiny_dataset, str(tmp_path))
     spike_step = int(poisoned[0]) // 4 + 1  # batch 4, unshuffled: sample i is read at step i // 4 + 1
     assert len(poisoned) and {int(i) // 4 + 1 for i in poisoned} == {spike_step} and spike_step > 12
@@ -426,6 +463,7 @@ def test_loss_spike_rolls_back_and_skips_the_offending_samples(tiny_dataset, tmp
     state = read_json(os.path.join(step_dir(run_dir, spike_step + 4), "state.json"))
     assert state["data_skips"] == [[start, start + 4]]
     assert state["next_samples"]["first_ids"][:2] == [4 * (spike_step + 5), 4 * (spike_step + 5) + 1]
+    rollback_on_the_dashboard(run_dir, rollbacks[0], last_good, baseline, str(tmp_path / "plots"))
     # Without the rollback record a rerun would read the skipped samples again: refused.
     os.remove(os.path.join(run_dir, "data_skips.json"))
     code, output = rerun(run_dir, dataset, *settings)

@@ -161,10 +161,59 @@ def test_profiler_window_writes_a_trace(tiny_run):
         assert "[profile] steps 3-4 traced: " in f.read()
 
 
-def test_plot_script_writes_pngs(tiny_run, tmp_path):
-    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "scripts", "plot_run.py"), tiny_run[0],
+def lines(ax) -> dict:
+    """A panel's plotted lines by label."""
+    return {line.get_label(): line for line in ax.get_lines()}
+
+
+def test_dashboard_of_a_run(tiny_run, tmp_path):
+    """Loss (raw, EMA, held-out), LR, gradient norm with the clip, throughput and data wait, from a real run."""
+    from ascend_llm_recipes.training.plots import PANELS, dashboard, read_run
+
+    run_dir = tiny_run[0]
+    train, held_out = read_metrics(run_dir), read_metrics(run_dir, held_out=True)
+    fig = dashboard([read_run(run_dir)])
+    panels = {ax.get_label(): ax for ax in fig.axes}
+    assert set(panels) == set(PANELS)
+    loss = lines(panels["loss"])
+    assert list(loss["baseline: train loss"].get_xdata()) == list(range(1, 21))
+    assert list(loss["baseline: train loss"].get_ydata()) == [r["loss"] for r in train]
+    # The smoothing is an exponential moving average over 5 steps (a twentieth of the run, at least 5), bias
+    # corrected: each point is the beta-weighted mean of the losses so far, beta = 1 - 2 / (5 + 1).
+    beta = 2 / 3
+    losses = [r["loss"] for r in train]
+    want = [sum(beta ** (n - i) * x for i, x in enumerate(losses[:n + 1])) / sum(beta ** k for k in range(n + 1))
+            for n in range(len(losses))]
+    assert list(loss["baseline: train loss EMA"].get_ydata()) == pytest.approx(want, rel=1e-12)
+    assert "EMA over 5 steps" in panels["loss"].get_title(loc="left")
+    assert list(loss["baseline: held-out loss"].get_xdata()) == [6, 12, 18, 20]
+    assert list(loss["baseline: held-out loss"].get_ydata()) == [r["val_loss"] for r in held_out]
+    assert {"train loss, per step", "train loss, EMA", "held-out loss"} == \
+        {t.get_text() for t in panels["loss"].get_legend().get_texts()}
+    assert list(lines(panels["learning rate"])["baseline: learning rate"].get_ydata()) == [r["lr"] for r in train]
+    grad = lines(panels["gradient norm"])
+    assert list(grad["baseline: gradient norm"].get_ydata()) == [r["grad_norm"] for r in train]
+    assert list(grad["baseline: clip 1"].get_ydata()) == [1.0, 1.0]  # runner_wrapper.max_grad_norm
+    # The first step compiles the graph: no throughput or data-wait point for it.
+    speed = lines(panels["throughput"])["baseline: tokens_per_s"]
+    assert list(speed.get_xdata()) == list(range(2, 21))
+    assert list(speed.get_ydata()) == [r["tokens_per_s"] for r in train[1:]]
+    assert panels["throughput"].child_axes[0].get_ylabel() == "MFU (%)"
+    wait = lines(panels["data wait"])["baseline: data_wait"]
+    assert list(wait.get_ydata()) == pytest.approx([100 * r["data_wait"] for r in train[1:]])
+    assert all(ax.get_xlabel() == "step" for ax in fig.axes)
+    legend = fig.legends[0]
+    assert legend.get_title().get_text() == "Training dashboard: baseline"
+    summary = legend.get_texts()[0].get_text()
+    assert summary.startswith(f"baseline: 20 steps (5,120 tokens), loss {train[0]['loss']:.3f} → {want[-1]:.3f} "
+                              f"(EMA), held-out {held_out[-1]['val_loss']:.3f} at step 20, ")
+    assert "rollback" not in summary and "spike" not in summary
+
+    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "scripts", "plot_run.py"), run_dir,
                              "--output", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    for name in ("loss", "lr", "tokens_per_s", "grad_norm", "data_wait"):
-        with open(tmp_path / f"{name}.png", "rb") as f:
-            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert result.stdout.strip() == str(tmp_path / "dashboard.png")
+    with open(tmp_path / "dashboard.png", "rb") as f:
+        header = f.read(24)
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")) == (1600, 950)  # width, height

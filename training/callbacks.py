@@ -12,7 +12,8 @@ from mindspore.train.callback import Callback
 
 from ascend_llm_recipes.common.errors import LaunchError
 from ascend_llm_recipes.training.heartbeat import Heartbeat
-from ascend_llm_recipes.training.metrics import device_memory_bytes, host_memory_bytes, model_flops_utilisation
+from ascend_llm_recipes.training.metrics import (device_memory_bytes, host_memory_bytes, loss_spike,
+                                                 model_flops_utilisation)
 
 
 def _scalar(value):
@@ -211,11 +212,7 @@ class StepRecorder(Callback):
 
     def spike(self, factor: float, window: int):
         """The moving mean the last loss exceeded by `factor`, or None (off when factor is 0)."""
-        losses = [r["loss"] for r in self.records[-window - 1:-1] if math.isfinite(r["loss"])]
-        if not factor or len(losses) < window:
-            return None
-        mean = sum(losses) / len(losses)
-        return mean if self.records[-1]["loss"] > factor * mean else None
+        return loss_spike([r["loss"] for r in self.records[-window - 1:]], factor, window)
 
     def pause_ended(self) -> None:
         """Work between steps that is not waiting for data (evaluation, profiler analysis) just ended."""

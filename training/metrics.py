@@ -1,6 +1,7 @@
 """Numbers a run reports about itself: device peak FLOP/s, MFU, host and device memory."""
 
 import json
+import math
 import time
 
 import numpy as np
@@ -84,6 +85,19 @@ def device_memory_bytes(target: str):
         return int(ms.runtime.max_memory_allocated())
     except (RuntimeError, AttributeError):
         return None
+
+
+def loss_spike(losses: list, factor: float, window: int):
+    """The moving mean the last loss exceeds by `factor`, or None: the anomaly monitor's spike rule.
+
+    The mean is over the `window` losses before the last, non-finite ones left out; fewer than
+    `window` finite ones (the start of a launch) is never a spike; factor 0 turns the rule off.
+    """
+    previous = [x for x in losses[-window - 1:-1] if math.isfinite(x)]
+    if not factor or len(previous) < window:
+        return None
+    mean = sum(previous) / len(previous)
+    return mean if losses[-1] > factor * mean else None
 
 
 def read_jsonl(path: str, log=print) -> list:
