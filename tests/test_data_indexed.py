@@ -13,10 +13,13 @@ from conftest import TINY_RECIPE, load_script
 from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.data.corpus import python_stdlib_files
 from ascend_llm_recipes.data.indexed_prepare import IndexedOptions, prepare_indexed
+from ascend_llm_recipes.data.loader import build_train_dataset
 from ascend_llm_recipes.data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_files
 from ascend_llm_recipes.data.packing import StreamPacker
 from ascend_llm_recipes.data.prepare import check_dataset
 from ascend_llm_recipes.data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
+from ascend_llm_recipes.training.datasets import check_datasets
+from ascend_llm_recipes.training.recipe import load_recipe
 
 torch = pytest.importorskip("torch")
 indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset",
@@ -108,8 +111,14 @@ def test_the_packed_stream_is_the_bin_read_in_document_order_with_one_eod_each(c
                                                                   "megatron_indexed (int32)"]
     assert manifest["tokenizer"]["file"] == "tokenizer.model" and manifest["sample_length"] == SEQ + 1
     verify_files(str(root / "one"), manifest)
-    # What the launcher asks of a dataset for the tiny recipe (seq 64, vocabulary 512, pad 3, EOD 2).
+    # What the launcher asks of a dataset for the tiny recipe (seq 64, vocabulary 512, pad 3, EOD 2), and the
+    # first batch training reads (no shuffle: the first samples).
     check_dataset(str(root / "one"), SEQ, 512, PAD_ID, EOD_ID)
+    recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={root / 'one'}",
+                                       "train_dataset.data_loader.shuffle=False"))
+    assert check_datasets(recipe)["manifest"]["run_fingerprint"] == manifest["run_fingerprint"]
+    batch = next(build_train_dataset(recipe, 0).create_tuple_iterator(output_numpy=True))[0]
+    assert np.array_equal(batch, rows[:recipe.runner_config.batch_size])
     assert not os.path.exists(partial_dir(str(root / "one")))
 
 
@@ -233,3 +242,20 @@ def test_arguments_that_do_not_apply_are_refused(corpora, tmp_path, capsys, args
     code, _, stderr = run_script(capsys, "--from-megatron-indexed", root / "web", root / "code", "--tokenizer",
                                  tokenizer, "--output", tmp_path / "ds", "--seq-length", SEQ, *args)
     assert code == 2 and match in stderr and not os.path.exists(tmp_path / "ds")
+
+
+def test_a_run_stopped_after_its_plan_continues_from_it_to_the_same_bytes(corpora, one_task, tmp_path):
+    from ascend_llm_recipes.data.indexed_prepare import IndexedRun, _open_work, plan, scan
+
+    root, tokenizer = corpora
+    out = str(tmp_path / "ds")
+    run = IndexedRun(out, options(root, tokenizer))
+    _open_work(run)
+    scan(run, 0)
+    plan(run)  # stopped here: no shard written yet
+    planned = os.stat(run.path("plan.json")).st_ino
+    with pytest.raises(DataError, match=r"holds an interrupted run with other arguments .*tail 'pad' -> 'drop'"):
+        prepare_indexed(out, options(root, tokenizer, tail="drop"))
+    assert os.stat(run.path("plan.json")).st_ino == planned
+    prepare_indexed(out, options(root, tokenizer))
+    assert shard_bytes(out) == shard_bytes(str(root / "one"))
