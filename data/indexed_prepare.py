@@ -51,6 +51,7 @@ from ascend_llm_recipes.models.arithmetic import ALIGN, round_up
 SOURCE = "megatron_indexed"
 STEPS = ("scan", "plan", "write", "merge")
 SPLITS = ("train", "val")
+SCAN_BLOCK = 1 << 24  # tokens a scan task reads at once (64 MB of int32)
 _VOCAB_LIMIT = 1 << 31  # ids are stored as int32 in the MindRecord samples
 
 
@@ -223,24 +224,34 @@ def scan(run: IndexedRun, rank: int) -> None:
     for corpus_index, first, stop in run.scan_ranges(rank):
         corpus = run.corpora[corpus_index]
         tokens = corpus.tokens_memmap()
-        lengths = corpus.lengths[first:stop]
+        starts, lengths = corpus.starts[first:stop], corpus.lengths[first:stop]
         packed = np.zeros(len(lengths), np.int64)
         held = np.zeros(len(lengths), bool)
-        for k, (start, length) in enumerate(zip(corpus.starts[first:stop].tolist(), lengths.tolist())):
-            if not length:
-                continue
-            doc = tokens[start:start + length]
-            low, high = int(doc.min()), int(doc.max())
-            if (low < 0 or high >= vocab) and problem is None:
-                bad = low if low < 0 else high
-                problem = (f"{corpus.bin_path}: document {first + k} holds token id {bad}, outside the vocabulary "
-                           f"of {vocab} ({'--tokenizer ' + run.opts.tokenizer if run.opts.tokenizer else '--vocab-size'})")
-            ends = int(doc[-1]) == eod
-            packed[k] = length + (not ends)
-            counts["ended_with_eod"] += ends
-            if val_below:
-                digest = hashlib.blake2b(np.ascontiguousarray(doc, np.int32).tobytes(), digest_size=8).digest()
-                held[k] = int.from_bytes(digest, "little") < val_below
+        ends = starts + lengths
+        i = 0
+        while i < len(lengths):  # blocks of whole documents, ~SCAN_BLOCK tokens each (documents are back to back)
+            j = max(i + 1, int(np.searchsorted(ends, starts[i] + SCAN_BLOCK, side="right")))
+            block = np.asarray(tokens[int(starts[i]):int(ends[j - 1])])
+            docs = np.flatnonzero(lengths[i:j] > 0) + i
+            if len(docs):
+                offsets = starts[docs] - starts[i]
+                low, high = np.minimum.reduceat(block, offsets), np.maximum.reduceat(block, offsets)
+                outside = np.flatnonzero((low.astype(np.int64) < 0) | (high.astype(np.int64) >= vocab))
+                if len(outside) and problem is None:
+                    k = outside[0]
+                    bad = int(low[k]) if low[k] < 0 else int(high[k])
+                    problem = (f"{corpus.bin_path}: document {first + int(docs[k])} holds token id {bad}, outside "
+                               f"the vocabulary of {vocab} (" + (f"--tokenizer {run.opts.tokenizer}"
+                                                                  if run.opts.tokenizer else "--vocab-size") + ")")
+                ended = block[offsets + lengths[docs] - 1].astype(np.int64) == eod
+                packed[docs] = lengths[docs] + ~ended
+                counts["ended_with_eod"] += int(ended.sum())
+                if val_below:
+                    for k, offset, length in zip(docs.tolist(), offsets.tolist(), lengths[docs].tolist()):
+                        doc = np.ascontiguousarray(block[offset:offset + length], np.int32)
+                        digest = hashlib.blake2b(doc.tobytes(), digest_size=8).digest()
+                        held[k] = int.from_bytes(digest, "little") < val_below
+            i = j
         counts["documents"] += len(lengths)
         counts["empty"] += int((lengths == 0).sum())
         counts["tokens"] += int(lengths.sum())
@@ -375,21 +386,23 @@ class StreamReader:
         self.length = offset
 
     def read(self, start: int, stop: int) -> np.ndarray:
+        """Stream tokens [start, stop): the documents overlapping it gathered from the memmap (only their pages
+        are read), EODs inserted where their packed length says."""
         out = []
         for corpus, tokens, chosen, starts, packed in self.parts:
             if stop <= starts[0] or start >= starts[-1]:
                 continue
-            first = int(np.searchsorted(starts, start, side="right")) - 1
-            for k in range(max(first, 0), len(chosen)):
-                if starts[k] >= stop:
-                    break
-                d = chosen[k]
-                begin = int(corpus.starts[d])
-                doc = np.asarray(tokens[begin:begin + int(corpus.lengths[d])], np.int32)
-                if packed[d] > len(doc):
-                    doc = np.append(doc, np.int32(self.eod))
-                lo, hi = max(start - int(starts[k]), 0), min(stop - int(starts[k]), len(doc))
-                out.append(doc[lo:hi])
+            k0 = max(int(np.searchsorted(starts, start, side="right")) - 1, 0)
+            k1 = int(np.searchsorted(starts, stop, side="left"))
+            docs = chosen[k0:k1]
+            lengths = corpus.lengths[docs]
+            within = np.cumsum(lengths) - lengths  # each document's first position among the gathered tokens
+            where = np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(corpus.starts[docs] - within, lengths)
+            body = np.asarray(tokens[where], np.int32)
+            needs = packed[docs] > lengths
+            body = np.insert(body, (within + lengths)[needs], np.int32(self.eod))
+            base = int(starts[k0])
+            out.append(body[max(start - base, 0):stop - base])
         return np.concatenate(out) if out else np.zeros(0, np.int32)
 
 

@@ -16,6 +16,7 @@ import shutil
 import time
 
 import numpy as np
+from mindspore.mindrecord import FileReader, FileWriter
 
 from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.common.files import file_sha256, write_json_atomic
@@ -41,8 +42,6 @@ def write_shard(directory: str, name: str, rows: np.ndarray, pad_id: int) -> dic
     move into `directory` after commit, the index last, so a half-written shard never sits
     among the finished ones.
     """
-    from mindspore.mindrecord import FileWriter  # here: importing MindSpore takes seconds, reading manifests none
-
     scratch = os.path.join(directory, f".tmp-{name}")
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
@@ -295,8 +294,6 @@ def _write_cache(path: str, cache: dict) -> None:
 
 def open_problem(path: str):
     """Why MindRecord cannot open a shard and its .db index (e.g. a corrupt index), or None when it can."""
-    from mindspore.mindrecord import FileReader
-
     try:
         reader = FileReader(path)
         reader.close()
@@ -314,8 +311,6 @@ def shard_files(dataset_dir: str, manifest: dict) -> list:
 
 def read_samples(dataset_dir: str, manifest: dict):
     """Yield the stored samples in order, shard by shard (for inspection and tests)."""
-    from mindspore.mindrecord import FileReader
-
     for shard in manifest["shards"]:
         reader = FileReader(os.path.join(dataset_dir, shard["file"]))
         try:
