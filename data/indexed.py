@@ -110,7 +110,8 @@ def open_indexed(prefix: str) -> IndexedCorpus:
                         hint="only text token corpora can be packed")
     if size != expected:
         raise DataError(f"{idx}: {size} bytes, but its header ({sequences} sequences, {entries} document indices) "
-                        f"needs {expected}: the file is truncated or damaged", hint="copy the file again from its source")
+                        f"needs {expected}: the file is truncated or damaged",
+                        hint="copy the file again from its source")
     raw = np.memmap(idx, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
     at = HEADER_BYTES
     seq_lengths = raw[at:at + 4 * sequences].view(np.int32).astype(np.int64)

@@ -240,9 +240,9 @@ def scan(run: IndexedRun, rank: int) -> None:
                 if len(outside) and problem is None:
                     k = outside[0]
                     bad = int(low[k]) if low[k] < 0 else int(high[k])
+                    given = f"--tokenizer {run.opts.tokenizer}" if run.opts.tokenizer else "--vocab-size"
                     problem = (f"{corpus.bin_path}: document {first + int(docs[k])} holds token id {bad}, outside "
-                               f"the vocabulary of {vocab} (" + (f"--tokenizer {run.opts.tokenizer}"
-                                                                  if run.opts.tokenizer else "--vocab-size") + ")")
+                               f"the vocabulary of {vocab} ({given})")
                 ended = block[offsets + lengths[docs] - 1].astype(np.int64) == eod
                 packed[docs] = lengths[docs] + ~ended
                 counts["ended_with_eod"] += int(ended.sum())
@@ -512,15 +512,15 @@ def merge(run: IndexedRun, rank: int = 0) -> dict:
         val_dir = os.path.join(run.work, "val")
         if run.tokenizer_path:
             shutil.copyfile(run.tokenizer_path, os.path.join(val_dir, tokenizer["file"]))
-        val_manifest = write_manifest(val_dir, {**common, "split": "validation", **_split_entry(run, val, shards["val"],
-                                                                                                drawn_tokens["val"])})
+        val_entry = _split_entry(run, val, shards["val"], drawn_tokens["val"])
+        val_manifest = write_manifest(val_dir, {**common, "split": "validation", **val_entry})
         if _ours(run, run.val_output):
             shutil.rmtree(run.val_output)
         os.rename(val_dir, run.val_output)
         common["validation"] = {"dataset_dir": os.path.relpath(run.val_output, run.output_dir), "documents": held,
                                 "samples": val_manifest["samples"], "tokens": val_manifest["tokens"]}
-    return write_manifest(run.work, {**common, "split": "train", **_split_entry(run, train, shards["train"],
-                                                                                  drawn_tokens["train"])})
+    train_entry = _split_entry(run, train, shards["train"], drawn_tokens["train"])
+    return write_manifest(run.work, {**common, "split": "train", **train_entry})
 
 
 def _split_entry(run: IndexedRun, info: dict, shards: list, drawn_tokens: int) -> dict:

@@ -33,6 +33,8 @@ from ascend_llm_recipes.common.errors import DataError, PretrainError
 from ascend_llm_recipes.training.preflight import check_writable_dir
 
 
+TRAINED_VOCAB = 2048  # --vocab-size of a tokenizer trained on the corpus, when not given
+
 # Errors from paths the user gave (permissions, read-only disks, a file where a directory belongs, a full disk).
 USER_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENOSPC,
                errno.EDQUOT)
@@ -53,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--output", help="dataset directory to create")
     build.add_argument("--seq-length", type=int, help="model-visible length, a multiple of 16")
     build.add_argument("--vocab-size", type=int,
-                       help="vocabulary of a newly trained tokenizer (default 2048); with --from-megatron-indexed "
-                            "and no --tokenizer: the corpus's vocabulary")
+                       help=f"vocabulary of a newly trained tokenizer (default {TRAINED_VOCAB}); with "
+                            "--from-megatron-indexed and no --tokenizer: the corpus's vocabulary")
     build.add_argument("--tokenizer", metavar="MODEL",
                        help="use this tokenizer instead of training one: a sentencepiece .model (any special ids), an "
                             "HF tokenizer.json, or the directory holding one (an HF model, or its conversion by "
@@ -183,7 +185,8 @@ def build(parser: argparse.ArgumentParser, args, argv) -> int:
     if args.from_megatron_indexed or args.weights or args.eod_id != -1 or args.pad_id != -1:
         return build_indexed(parser, args, command, model_vocab)
     manifest = prepare_dataset(
-        args.output, args.seq_length, 2048 if args.vocab_size is None else args.vocab_size, inputs=args.input, max_documents=args.max_documents,
+        args.output, args.seq_length, TRAINED_VOCAB if args.vocab_size is None else args.vocab_size,
+        inputs=args.input, max_documents=args.max_documents,
         tokenizer=args.tokenizer, samples_per_shard=args.samples_per_shard, show_progress=not args.no_progress,
         text_field=args.text_field, lines=args.lines, normalization=args.normalize, min_chars=args.min_chars,
         max_chars=args.max_chars, invalid_utf8=args.invalid_utf8, near_dedup=args.near_dedup, packing=args.packing,

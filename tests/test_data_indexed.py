@@ -107,8 +107,8 @@ def test_the_packed_stream_is_the_bin_read_in_document_order_with_one_eod_each(c
     assert manifest["documents"]["read"] == len(web_docs) + len(megatron_documents(root / "code"))
     assert manifest["documents"]["empty"] == 1 and manifest["documents"]["ended_with_eod"] == 9
     assert int((stream == EOD_ID).sum()) == manifest["documents"]["kept"]  # exactly one EOD per document
-    assert [i["format"] for i in manifest["inputs"]["list"]] == ["megatron_indexed (uint16)",
-                                                                  "megatron_indexed (int32)"]
+    formats = [i["format"] for i in manifest["inputs"]["list"]]
+    assert formats == ["megatron_indexed (uint16)", "megatron_indexed (int32)"]
     assert manifest["tokenizer"]["file"] == "tokenizer.model" and manifest["sample_length"] == SEQ + 1
     verify_files(str(root / "one"), manifest)
     # What the launcher asks of a dataset for the tiny recipe (seq 64, vocabulary 512, pad 3, EOD 2), and the

@@ -64,8 +64,8 @@ def check_datasets(recipe: Recipe) -> dict:
         if held_out["tokenizer"].get("sha256") != tokenizer.get("sha256"):  # None: ids imported without one
             raise DataError(f"{eval_key}: {keyed[1][1]} was tokenised with another tokenizer than "
                             f"train_dataset.data_loader.dataset_dir (tokenizer sha256 "
-                            f"{str(held_out['tokenizer'].get('sha256'))[:12]}... vs {str(tokenizer.get('sha256'))[:12]}...); its loss "
-                            "would be measured on other tokens",
+                            f"{str(held_out['tokenizer'].get('sha256'))[:12]}... vs "
+                            f"{str(tokenizer.get('sha256'))[:12]}...); its loss would be measured on other tokens",
                             hint="prepare the held-out set with the training set's tokenizer: --tokenizer "
                                  f"{os.path.join(recipe.dataset_dir, tokenizer.get('file', 'tokenizer.model'))}, or "
                                  "with --val-fraction when building the training set")
