@@ -92,7 +92,9 @@ def _file_problems(dataset_dir: str, manifest: dict) -> list:
         problems.append(f"shard sample counts add up to {sum(s['samples'] for s in manifest['shards'])}, "
                         f"{MANIFEST} says {manifest['samples']}")
     tokenizer = os.path.join(dataset_dir, manifest["tokenizer"].get("file", "tokenizer.model"))
-    if not os.path.isfile(tokenizer):
+    if "sha256" not in manifest["tokenizer"]:  # token ids imported without a tokenizer (--from-megatron-indexed)
+        pass
+    elif not os.path.isfile(tokenizer):
         problems.append(f"{os.path.basename(tokenizer)} is missing")
     elif file_sha256(tokenizer) != manifest["tokenizer"]["sha256"]:
         problems.append(f"{os.path.basename(tokenizer)} does not match the tokenizer sha256 in {MANIFEST}")
@@ -122,7 +124,8 @@ def show_sample(dataset_dir: str, index: int) -> str:
     finally:
         reader.close()
     tok = manifest["tokenizer"]
-    sp = load_tokenizer(os.path.join(dataset_dir, tok.get("file", "tokenizer.model")), special_ids=tok)
+    sp = load_tokenizer(os.path.join(dataset_dir, tok.get("file", "tokenizer.model")), special_ids=tok) \
+        if "sha256" in tok else _IdsOnly()
     padding = int((tokens == tok["pad_id"]).sum())
     real = tokens[tokens != tok["pad_id"]].tolist()
     boundaries = real.count(tok["eod_id"])
@@ -140,6 +143,14 @@ def show_sample(dataset_dir: str, index: int) -> str:
     if stream and index:
         header += "; its first token repeats the previous sample's last (stream packing overlaps by one)"
     return header + "\n" + "-" * 80 + "\n" + "".join(text) + (f"\n<|PAD x {padding}|>" if padding else "")
+
+
+class _IdsOnly:
+    """Decoding for a dataset without a tokenizer (imported token ids): the ids themselves."""
+
+    @staticmethod
+    def decode(ids: list) -> str:
+        return " ".join(map(str, ids))
 
 
 def report_dataset(dataset_dir: str, output_dir: str = None) -> tuple:

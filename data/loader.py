@@ -60,8 +60,8 @@ def load_sources(entries: list) -> list:
             first = (key, manifest)
         else:
             first_key, ref = first
-            for field, value, ref_value in (("tokenizer sha256", manifest["tokenizer"]["sha256"],
-                                             ref["tokenizer"]["sha256"]),
+            for field, value, ref_value in (("tokenizer sha256", manifest["tokenizer"].get("sha256"),
+                                             ref["tokenizer"].get("sha256")),
                                             ("sample length", manifest["sample_length"], ref["sample_length"])):
                 if value != ref_value:
                     raise DataError(f"{key}: {dataset_dir} has another {field} than {first_key} ({value} vs "

@@ -32,6 +32,9 @@ def prepare_command(output_dir: str, seq_length: int, vocab_size: int) -> str:
 
 def rerun_command(manifest: dict, output_dir: str, seq_length: int = None, vocab_size: int = None) -> str:
     """The command that builds `manifest`'s dataset again, with another output (and seq_length/vocabulary)."""
+    if manifest.get("source") == "megatron_indexed":
+        from ascend_llm_recipes.data.indexed_prepare import indexed_command
+        return indexed_command(manifest, output_dir, seq_length, vocab_size)
     args = manifest.get("arguments", {})
     seq_length = seq_length or manifest["seq_length"]
     parts = ["python", "scripts/prepare_data.py", "--output", output_dir, "--seq-length", str(seq_length)]
@@ -158,6 +161,9 @@ def _prepare(output_dir, seq_length, vocab_size, source, inputs, files, missing,
 
 def summary(output_dir: str, manifest: dict) -> str:
     """One paragraph: what was kept, filtered and written."""
+    if manifest.get("source") == "megatron_indexed":
+        from ascend_llm_recipes.data.indexed_prepare import indexed_summary
+        return indexed_summary(output_dir, manifest)
     d = manifest["documents"]
     extra = "".join(f", {d[key]} {label}" for key, label in (("too_long", "too long"),
                                                              ("near_duplicates", "near-duplicates"),

@@ -4,6 +4,10 @@
     python scripts/prepare_data.py --input a.txt b.parquet --output DIR --seq-length 256 --tokenizer tok.model
     python scripts/prepare_data.py --input c.jsonl --output DIR --seq-length 4096 --tokenizer HF_OR_CONVERTED_DIR
     python scripts/prepare_data.py --output datasets/pystdlib-sp2048-s256 --seq-length 256   # the Python stdlib
+    python scripts/prepare_data.py --from-megatron-indexed corpus_text_document --tokenizer tok.model --output DIR \
+        --seq-length 4096                               # a Megatron .bin/.idx corpus, not re-tokenized
+    python scripts/prepare_data.py --from-megatron-indexed web code --weights 0.7 0.3 --vocab-size 32000 \
+        --eod-id 2 --output DIR --seq-length 4096       # two corpora blended by weight (samples, so tokens)
     python scripts/prepare_data.py --validate DIR [--recipe recipes/tiny_cpu.yaml]
     python scripts/prepare_data.py --report DIR
     python scripts/prepare_data.py --show DIR --sample 12
@@ -29,6 +33,8 @@ from ascend_llm_recipes.common.errors import DataError, PretrainError
 from ascend_llm_recipes.training.preflight import check_writable_dir
 
 
+TRAINED_VOCAB = 2048  # --vocab-size of a tokenizer trained on the corpus, when not given
+
 # Errors from paths the user gave (permissions, read-only disks, a file where a directory belongs, a full disk).
 USER_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENOSPC,
                errno.EDQUOT)
@@ -48,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="files, globs or directories (default: the Python standard library's source)")
     build.add_argument("--output", help="dataset directory to create")
     build.add_argument("--seq-length", type=int, help="model-visible length, a multiple of 16")
-    build.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of a newly trained tokenizer")
+    build.add_argument("--vocab-size", type=int,
+                       help=f"vocabulary of a newly trained tokenizer (default {TRAINED_VOCAB}); with "
+                            "--from-megatron-indexed and no --tokenizer: the corpus's vocabulary")
     build.add_argument("--tokenizer", metavar="MODEL",
                        help="use this tokenizer instead of training one: a sentencepiece .model (any special ids), an "
                             "HF tokenizer.json, or the directory holding one (an HF model, or its conversion by "
@@ -87,6 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="characters of text the tokenizer is trained on (a hash-chosen sample)")
     build.add_argument("--strict", action="store_true", help="stop at the first bad input instead of skipping it")
     build.add_argument("--no-progress", action="store_true")
+
+    indexed = parser.add_argument_group("already tokenized: Megatron indexed corpora (PREFIX.bin + PREFIX.idx)")
+    indexed.add_argument("--from-megatron-indexed", nargs="+", metavar="PREFIX",
+                         help="pack these corpora (written by Megatron-LM / MindSpeed-LLM preprocess_data.py, NeMo, "
+                              "megatron-core's IndexedDatasetBuilder) as they are: documents in order, one EOD after "
+                              "each (none added where it already ends with it); stream packing")
+    indexed.add_argument("--weights", nargs="+", type=float, metavar="W",
+                         help="one weight per PREFIX, as Megatron's --data-path W1 P1 W2 P2: the share of samples "
+                              "(so of tokens) drawn from each, one pass of as many samples as they hold together")
+    indexed.add_argument("--eod-id", type=int, default=-1,
+                         help="the corpus's end-of-document id (needed without --tokenizer; overrides the tokenizer's)")
+    indexed.add_argument("--pad-id", type=int, default=-1,
+                         help="padding id of the tail sample (default -1: none, masked from the loss; overrides the "
+                              "tokenizer's)")
 
     scale = parser.add_argument_group("many machines (datatrove; pip install -e .[scale])")
     scale.add_argument("--executor", default="local", choices=["local", "slurm", "ray"],
@@ -160,8 +182,11 @@ def build(parser: argparse.ArgumentParser, args, argv) -> int:
     check_writable_dir(args.output, "--output")
     given = sys.argv[1:] if argv is None else argv
     command = " ".join(shlex.quote(a) for a in ["python", "scripts/prepare_data.py", *given])
+    if args.from_megatron_indexed or args.weights or args.eod_id != -1 or args.pad_id != -1:
+        return build_indexed(parser, args, command, model_vocab)
     manifest = prepare_dataset(
-        args.output, args.seq_length, args.vocab_size, inputs=args.input, max_documents=args.max_documents,
+        args.output, args.seq_length, TRAINED_VOCAB if args.vocab_size is None else args.vocab_size,
+        inputs=args.input, max_documents=args.max_documents,
         tokenizer=args.tokenizer, samples_per_shard=args.samples_per_shard, show_progress=not args.no_progress,
         text_field=args.text_field, lines=args.lines, normalization=args.normalize, min_chars=args.min_chars,
         max_chars=args.max_chars, invalid_utf8=args.invalid_utf8, near_dedup=args.near_dedup, packing=args.packing,
@@ -174,6 +199,38 @@ def build(parser: argparse.ArgumentParser, args, argv) -> int:
                  "dry_run": args.dry_run} if args.executor != "local" else None)
     if manifest is not None:  # None: Slurm jobs submitted, or their scripts printed
         print(summary(args.output, manifest))
+    return 0
+
+
+# Options of the text path: given with --from-megatron-indexed they would be silently ignored.
+TEXT_ONLY = ("input", "text_field", "lines", "normalize", "min_chars", "max_chars", "invalid_utf8", "near_dedup",
+             "packing", "max_documents", "tokenizer_sample_chars", "strict")
+
+
+def build_indexed(parser: argparse.ArgumentParser, args, command: str, model_vocab: int) -> int:
+    from ascend_llm_recipes.data.indexed_prepare import IndexedOptions, indexed_summary, prepare_indexed
+
+    if not args.from_megatron_indexed:
+        raise DataError("--weights/--eod-id/--pad-id apply to --from-megatron-indexed",
+                        hint="add --from-megatron-indexed PREFIX ..., or drop them; nothing was written")
+    text_only = [f"--{name.replace('_', '-')}" for name in TEXT_ONLY
+                 if getattr(args, name) != parser.get_default(name)]
+    if text_only:
+        raise DataError(f"{', '.join(text_only)} appl{'ies' if len(text_only) == 1 else 'y'} to text input, not to "
+                        "--from-megatron-indexed (its documents are tokenized already and stream-packed)",
+                        hint="drop them; nothing was written")
+    opts = IndexedOptions(
+        prefixes=tuple(args.from_megatron_indexed), seq_length=args.seq_length, weights=tuple(args.weights or ()),
+        tokenizer=args.tokenizer or "", vocab_size=args.vocab_size or 0, eod_id=args.eod_id, pad_id=args.pad_id,
+        tail=args.tail, val_fraction=args.val_fraction, val_output=args.val_output or "",
+        samples_per_shard=args.samples_per_shard, model_vocab_size=model_vocab, command=command)
+    manifest = prepare_indexed(
+        args.output, opts, executor=args.executor, tasks=args.tasks, workers=args.workers,
+        cluster={"partition": args.partition or "", "time": args.time or "24:00:00",
+                 "cpus_per_task": 1 if args.cpus_per_task is None else args.cpus_per_task,
+                 "address": args.address, "dry_run": args.dry_run} if args.executor != "local" else None)
+    if manifest is not None:
+        print(indexed_summary(args.output, manifest))
     return 0
 
 

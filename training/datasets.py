@@ -61,11 +61,11 @@ def check_datasets(recipe: Recipe) -> dict:
     eval_key = "eval_dataset.data_loader.dataset_dir"
     if eval_key in manifests:
         held_out = manifests[eval_key]
-        if held_out["tokenizer"]["sha256"] != tokenizer["sha256"]:
+        if held_out["tokenizer"].get("sha256") != tokenizer.get("sha256"):  # None: ids imported without one
             raise DataError(f"{eval_key}: {keyed[1][1]} was tokenised with another tokenizer than "
                             f"train_dataset.data_loader.dataset_dir (tokenizer sha256 "
-                            f"{held_out['tokenizer']['sha256'][:12]}... vs {tokenizer['sha256'][:12]}...); its loss "
-                            "would be measured on other tokens",
+                            f"{str(held_out['tokenizer'].get('sha256'))[:12]}... vs "
+                            f"{str(tokenizer.get('sha256'))[:12]}...); its loss would be measured on other tokens",
                             hint="prepare the held-out set with the training set's tokenizer: --tokenizer "
                                  f"{os.path.join(recipe.dataset_dir, tokenizer.get('file', 'tokenizer.model'))}, or "
                                  "with --val-fraction when building the training set")
