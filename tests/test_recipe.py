@@ -683,7 +683,8 @@ def test_the_910a_refuses_what_it_lacks_and_float16_needs_loss_scaling():
     on_910a = ("context.device_target=Ascend", "hardware.device=Ascend910A")
     with pytest.raises(RecipeError) as err:
         load_recipe(TINY_RECIPE, (*on_910a, "model.model_config.compute_dtype=bfloat16",
-                                  "model.model_config.use_flash_attention=True", "model.model_config.fused_rms_norm=True"))
+                                  "model.model_config.use_flash_attention=True",
+                                  "model.model_config.fused_rms_norm=True"))
     text = str(err.value)
     assert "model.model_config.compute_dtype: bfloat16 has no kernels on the 910A (hardware.device Ascend910A)" in text
     assert "model.model_config.use_flash_attention: FlashAttentionScore is not available on the 910A" in text
