@@ -64,29 +64,41 @@ class BadInput:
 
 
 def expand_inputs(patterns: list) -> tuple:
-    """(sorted existing files, [(pattern, reason)] for patterns that name nothing readable).
+    """(sorted existing files, [(pattern or path, reason)] for what names nothing readable).
 
     A pattern is a path, a glob (`data/**/*.jsonl`) or a directory (every file below it).
     Sorting makes the output independent of the order the shell or the user listed them in.
+    A dangling symbolic link or a FIFO that a glob or a directory yields is reported here, before
+    anything is read, rather than failing (or blocking) when it is opened.
     """
-    files, problems = set(), []
+    files, problems = set(), {}
     for pattern in patterns:
         pattern = str(pattern)
         if glob.has_magic(pattern):
-            matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
-            if not matches:
-                problems.append((pattern, "the pattern matches no file"))
-            files.update(matches)
+            found = [p for p in glob.glob(pattern, recursive=True) if not os.path.isdir(p)]
+            if not found:
+                problems[pattern] = "the pattern matches no file"
         elif os.path.isdir(pattern):
             found = [os.path.join(d, n) for d, _, names in os.walk(pattern) for n in names]
             if not found:
-                problems.append((pattern, "the directory holds no file"))
-            files.update(found)
-        elif os.path.isfile(pattern):
-            files.add(pattern)
+                problems[pattern] = "the directory holds no file"
+        elif os.path.lexists(pattern):
+            found = [pattern]
         else:
-            problems.append((pattern, "no such file" if not os.path.lexists(pattern) else "not a regular file"))
-    return sorted(files), problems
+            found = []
+            problems[pattern] = "no such file"
+        for path in found:
+            if os.path.isfile(path):
+                files.add(path)
+            else:
+                problems[path] = _not_a_file(path)
+    return sorted(files), sorted(problems.items())
+
+
+def _not_a_file(path: str) -> str:
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"a symbolic link to {os.readlink(path)}, which does not exist"
+    return "not a regular file"
 
 
 @dataclass

@@ -230,9 +230,7 @@ class Run:
         except KeyboardInterrupt:
             raise  # everything completed is kept; the caller says so in one line
         except OSError as err:
-            if err.errno not in (errno.ENOSPC, errno.EDQUOT) and not _under(err.filename, self._outputs()):
-                raise
-            raise self._write_error(err) from None  # completed shards and the saved state are kept
+            raise self.os_error(err) from None  # completed shards and the saved state are kept
         except BaseException:
             print(f"\nprepare: stopped; {self.work} keeps every completed shard: rerun the same command to "
                   "continue from there", file=sys.stderr, flush=True)
@@ -242,9 +240,18 @@ class Run:
     def _outputs(self) -> tuple:
         return self.output_dir, self.work, self.val_output
 
+    def os_error(self, err: OSError) -> Exception:
+        """What to raise for an OSError: a full disk or a failed write of the output as _write_error's DataError,
+        anything else as it is."""
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT) and not _under(err.filename, self._outputs()):
+            return err
+        return self._write_error(err)
+
+    RERUN = "rerun the same command: it continues from the last completed shard"
+
     def _write_error(self, err: OSError) -> DataError:
         """A DataError naming the output for an OSError met while writing it (disk full: with the space needed)."""
-        rerun = "rerun the same command: it continues from the last completed shard"
+        rerun = self.RERUN
         if err.errno not in (errno.ENOSPC, errno.EDQUOT):
             return DataError(f"cannot write dataset {self.output_dir}: {err.strerror or err} "
                              f"({err.filename or self.work})",
@@ -270,7 +277,7 @@ class Run:
     def _fingerprint(self) -> str:
         identity = {"seq_length": self.seq_length, "vocab_size": self.vocab_size, "source": self.source,
                     "files": [[os.path.abspath(f), size, _mtime(f)] for f, size in zip(self.files, self.sizes)],
-                    "missing": self.missing, "max_documents": self.max_documents,
+                    "max_documents": self.max_documents,
                     "tokenizer": file_sha256(self.tokenizer_source) if self.tokenizer_source else None,
                     "samples_per_shard": self.samples_per_shard, "options": self.opts.recorded()}
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
@@ -419,9 +426,7 @@ class Run:
             splits["val"] = Split("val", os.path.join(self.work, "val"), self.seq_length, self.samples_per_shard,
                                   self.opts, tokenizer.pad_id)
         position, chunk_index, seen_count, near_mark = Position(), 0, 0, None
-        if snapshot is None:
-            self._record_missing(tallies)
-        else:
+        if snapshot is not None:
             meta, arrays = snapshot
             position, chunk_index = Position(**meta["position"]), meta["chunk"]
             seen_count, near_mark = meta["seen"], meta.get("near")
@@ -459,6 +464,7 @@ class Run:
                     if index is not None:
                         index.sync()
                 snapshots.save(mark, splits)
+        self._record_missing(tallies)
         if tallies.documents["kept"] == 0:
             raise self._no_usable_document(tallies)
         for split in splits.values():
@@ -515,8 +521,12 @@ class Run:
                 yield done, pending.get()
 
     def _record_missing(self, tallies: Tallies) -> None:
-        for pattern, reason in self.missing:
-            self._bad(tallies, "unreadable", pattern, reason)
+        """Count the inputs that name nothing readable (--strict refused them before the run started). They are
+        counted at the end, not saved with the run's state: removing a dangling link from an interrupted run's
+        inputs changes nothing it read, so the rerun continues it."""
+        tallies.bad["unreadable"] += len(self.missing)
+        if self.missing:  # checked before anything was read: the first
+            tallies.first["unreadable"] = "{}: {}".format(*self.missing[0])
 
     def _record_bad(self, chunk, result, count: int, tallies: Tallies) -> None:
         """Count this chunk's bad input in input order; with --strict, stop at the first."""

@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import os
 import shlex
+import sys
 
 from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.data.corpus import expand_inputs, python_stdlib_files
@@ -108,6 +109,13 @@ def prepare_dataset(output_dir: str, seq_length: int, vocab_size: int = 2048, so
     if not files:
         raise DataError(f"no input file found: {missing[0][0]}: {missing[0][1]} ({len(missing)} in all)",
                         hint="check the --input paths and patterns")
+    if missing:
+        listed = "; ".join(f"{path}: {reason}" for path, reason in missing[:3]) + (" ..." if len(missing) > 3 else "")
+        if opts.strict:
+            raise DataError(f"bad input: {listed}", hint="fix or remove it, or run without --strict to skip such "
+                                                         "input (it is counted in the manifest); nothing was written")
+        print(f"prepare: skipping {len(missing)} unreadable input(s), counted in the manifest (--strict stops "
+              f"instead): {listed}", file=sys.stderr, flush=True)
     with output_lock(output_dir):
         return _prepare(output_dir, seq_length, vocab_size, source, inputs, files, missing, max_documents, tokenizer,
                         samples_per_shard, show_progress, opts, scaled, tasks, cluster)

@@ -43,6 +43,7 @@ from ascend_llm_recipes.data.mindrecord_io import MANIFEST, ShardWriter, write_j
 from ascend_llm_recipes.data.packing import PackStats
 from ascend_llm_recipes.data.pipeline import TOKENIZER, Run, Split, Tallies, TokenizerSample, _dataset
 from ascend_llm_recipes.data.tokenizer import EOD_ID, train_tokenizer
+from ascend_llm_recipes.data.tasks import DIED, RERUN, TaskFailure, TaskPool, failure_of, raise_failures
 from ascend_llm_recipes.data.workers import WorkerConfig, init_worker, process_chunk
 from ascend_llm_recipes.common.errors import DataError
 
@@ -91,6 +92,8 @@ class ScaleRun(Run):
         self.scratch = os.path.join(self.state, "scale")
         self.logs = os.path.abspath(self.output_dir.rstrip("/") + ".logs")  # sbatch scripts name it
         self.parts: list = []
+
+    RERUN = "rerun the same command: it redoes only the unfinished tasks"
 
     def _fingerprint(self) -> str:
         return hashlib.sha256(f"{super()._fingerprint()} tasks={self.tasks}".encode()).hexdigest()
@@ -420,18 +423,28 @@ def ray_executor_class():
         def world_size(self) -> int:
             return self.tasks
 
-        def run(self):
+        def run(self) -> list:
+            """Run the incomplete tasks; returns the TaskFailures (after a failure, the running tasks finish and
+            no new one starts)."""
             import ray
             # Per task too: a Ray that was already initialised (by the caller) did not get ray.init's runtime_env.
             remote = ray.remote(num_cpus=self.cpus_per_task, max_retries=0,
                                 runtime_env=ray_runtime_env())(_ray_run_rank)
-            pending, running = self.get_incomplete_ranks(), []
+            pending, running, ranks, failures = self.get_incomplete_ranks(), [], {}, []
             limit = self.workers if self.workers > 0 else len(pending)
-            while pending or running:
-                while pending and len(running) < limit:
-                    running.append(remote.remote(self, pending.pop(0)))
+            while running or (pending and not failures):
+                while pending and len(running) < limit and not failures:
+                    running.append(remote.remote(self, pending[0]))
+                    ranks[running[-1]] = pending.pop(0)
                 done, running = ray.wait(running, num_returns=1)
-                ray.get(done)  # a failed task raises here, naming its rank
+                try:
+                    ray.get(done)
+                except ray.exceptions.RayTaskError as err:  # the task raised: its own exception, as if local
+                    failures.append(failure_of(ranks[done[0]], err.cause, str(err)))
+                except ray.exceptions.RayError as err:  # its worker process, or the node, died
+                    failures.append(TaskFailure(ranks[done[0]], DIED, f"died with its Ray worker ({type(err).__name__}"
+                                                f": {str(err).strip().splitlines()[0]})"))
+            return failures
 
     return RayPipelineExecutor
 
@@ -550,23 +563,40 @@ def prepare_scaled(run: ScaleRun, cluster: ClusterOptions):
         if not ray.is_initialized():
             connect_ray(cluster.address)
     fresh = not os.path.isfile(os.path.join(run.state, "run.json"))
-    run._open_work()  # refuses an interrupted run with other arguments, naming the differences
-    if fresh or not run._has_progress():  # an earlier, abandoned run's records must not mark this one's tasks done
-        shutil.rmtree(run.logs, ignore_errors=True)
-    os.makedirs(run.scratch, exist_ok=True)
-    write_json_atomic(run.path("plan.json"), {"tasks": run.tasks, "parts": run.parts})
-    executors = build_executors(run, cluster)
-    if cluster.executor == "slurm":
-        executors[-1].run()  # submits every stage, each depending on the one before
-        print(f"prepare: submitted {len(STAGES)} Slurm stages (last job id {executors[-1].job_id}); logs and "
-              f"completion records in {run.logs}; rerun the same command to resubmit unfinished tasks",
-              file=sys.stderr)
-        return None
-    for name, executor in zip(STAGES, executors):
-        executor.run()
-        left = executor.get_incomplete_ranks()
-        if left:
-            raise DataError(f"stage {name}: tasks {left} did not complete (logs: {executor.logging_dir.path}/logs)",
-                            hint="rerun the same command: it redoes only the unfinished tasks")
+    try:
+        run._open_work()  # refuses an interrupted run with other arguments, naming the differences
+        if fresh or not run._has_progress():  # an earlier, abandoned run's records must not mark this one's tasks
+            shutil.rmtree(run.logs, ignore_errors=True)
+        os.makedirs(run.scratch, exist_ok=True)
+        write_json_atomic(run.path("plan.json"), {"tasks": run.tasks, "parts": run.parts})
+        executors = build_executors(run, cluster)
+        if cluster.executor == "slurm":
+            executors[-1].run()  # submits every stage, each depending on the one before
+            print(f"prepare: submitted {len(STAGES)} Slurm stages (last job id {executors[-1].job_id}); logs and "
+                  f"completion records in {run.logs}; rerun the same command to resubmit unfinished tasks",
+                  file=sys.stderr)
+            return None
+        _run_stages(run, cluster, executors)
+    except OSError as err:  # this process's own writes (plan, records): a full disk is named as in a task
+        raise run.os_error(err) from None
     with open(os.path.join(run.output_dir, MANIFEST), encoding="utf-8") as f:
         return json.load(f)
+
+
+def _run_stages(run: ScaleRun, cluster: ClusterOptions, executors: list) -> None:
+    """Run the stages in order on this machine's watched processes (data/tasks.py) or on Ray; the first stage with
+    a failed task stops the run with that task's error."""
+    pool = TaskPool(min(run.tasks, cluster.workers if cluster.workers > 0 else os.cpu_count() or 1),
+                    run.show_progress) if cluster.executor == "local" else None
+    try:
+        for name, executor in zip(STAGES, executors):
+            failures = pool.run(executor, name) if pool else executor.run()
+            left = executor.get_incomplete_ranks()
+            if failures:
+                raise_failures(name, failures, executor.world_size, executor.world_size - len(left), run.os_error)
+            if left:
+                raise DataError(f"stage {name}: tasks {left} did not complete (logs: {executor.logging_dir.path}"
+                                "/logs)", hint=RERUN)
+    finally:
+        if pool:
+            pool.close()

@@ -19,8 +19,8 @@ each in a fresh process:
   ceiling_hf the `tokenizers` library's batch encoding alone (its own threads, all cores)
 
 With --executors (and --tasks), it measures data/scale.py instead: the same corpus prepared by
-N tasks on each executor (local: datatrove's LocalPipelineExecutor, one process per task at
-once up to the cores; ray: a local Ray with all cores), against today's single-process run
+N tasks on each executor (local: datatrove's per-task runner in data/tasks.py's watched processes, one
+per task at once up to the cores; ray: a local Ray with all cores), against today's single-process run
 (local, 1 task), with each stage's wall time, each task's CPU seconds and peak memory (from
 OUTPUT.logs/<stage>/costs/), and a projection of 1 TB on 16 nodes x 64 cores from the measured
 per-core rates:

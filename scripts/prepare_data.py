@@ -24,13 +24,19 @@ Hangul, full-width forms) as 3 characters, so the default 32 keeps a Chinese sen
 
 import argparse
 import errno
+import os
 import shlex
 import sys
 import traceback
 
-
-from ascend_llm_recipes.common.errors import DataError, PretrainError
-from ascend_llm_recipes.training.preflight import check_writable_dir
+try:
+    from ascend_llm_recipes.common.errors import DataError, PretrainError
+    from ascend_llm_recipes.training.preflight import check_writable_dir
+except ModuleNotFoundError as missing:  # a Python without the package (or its dependencies): say how to get it
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    print(f"error: {missing.name} is not installed in this Python ({sys.executable}): install the repository once "
+          f"from its root: cd {shlex.quote(root)} && pip install -e .", file=sys.stderr)
+    sys.exit(2)
 
 
 TRAINED_VOCAB = 2048  # --vocab-size of a tokenizer trained on the corpus, when not given

@@ -327,8 +327,9 @@ class RayCluster:
     def start(self, timeout=60.0):
         """Start the head and wait until `ray start` reports the runtime started."""
         t0 = time.monotonic()
-        ray = os.path.join(os.path.dirname(sys.executable), "ray")
-        argv = [ray if os.path.exists(ray) else "ray", "start", "--head", "--block",
+        # This Python's Ray (not the first `ray` on PATH): its workers run this Python, so they import the
+        # package under test.
+        argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                 "--node-ip-address", "127.0.0.1", "--port", str(self.port), "--num-cpus", str(self.num_cpus),
                 "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", os.path.join(self.root, "t"),
                 # Ports Ray fixes by default (8265, 52365) would collide with any other Ray on the machine.

@@ -546,3 +546,13 @@ def test_padding_plot_counts_shards_in_whole_numbers(tiny_dataset):
     low, high = ax.get_xlim()
     ticks = [t for t in ax.get_xticks() if low <= t <= high]
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_prepare_data_without_the_package_says_how_to_install_it():
+    """A Python that lacks the package (-S: no site-packages, where the editable install lives) runs --help."""
+    out = subprocess.run([sys.executable, "-S", SCRIPT, "--help"], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(REPO_ROOT))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"error: ascend_llm_recipes is not installed in this Python ({sys.executable}): install the repository once "
+        f"from its root: cd {REPO_ROOT} && pip install -e ."], out.stderr

@@ -3,6 +3,7 @@ duplicates removed across tasks, a killed task redone alone, changed arguments r
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,11 +112,21 @@ def command(inputs, out, tokenizer):
             "--tokenizer", tokenizer, *FLAGS]
 
 
+def linked_inputs(inputs, directory):
+    """`directory` holding links to the corpus files and one dangling link, as a user's input folder might."""
+    directory.mkdir()
+    for path in inputs:
+        os.symlink(path, directory / os.path.basename(path))
+    os.symlink(directory / "moved-away.jsonl", directory / "c.jsonl")
+    return [str(directory)]
+
+
 def test_a_killed_task_is_redone_alone_and_changed_arguments_are_refused(corpus, tmp_path):
     root, inputs, _, four = corpus
     out = tmp_path / "ds"
     done = tmp_path / "ds.logs" / "pack" / "completions" / "00000"
     tokenizer = str(root / "four" / "tokenizer.model")
+    inputs = linked_inputs(inputs, tmp_path / "in")
     proc = subprocess.Popen(command(inputs, out, tokenizer), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 240
@@ -136,13 +147,169 @@ def test_a_killed_task_is_redone_alone_and_changed_arguments_are_refused(corpus,
         prepare_dataset(str(out), 64, inputs=inputs, tokenizer=tokenizer, show_progress=False, tasks=3, workers=1,
                         **options)
 
+    # The user removes the dangling link the first run warned about: nothing it read changes, so it continues.
+    os.remove(tmp_path / "in" / "c.jsonl")
     rerun = subprocess.run(command(inputs, out, tokenizer), capture_output=True, text=True, timeout=240)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"Skipping {len(finished)} already completed tasks" in rerun.stderr
+    assert f"stage pack: {len(finished)} of its 4 tasks already completed, running the other" in rerun.stderr
     assert {name: os.stat(out / name).st_ino for name in inodes} == inodes  # task 0's shards were not rewritten
     manifest = read_manifest(str(out))
     assert manifest["shards"] == four["shards"] and manifest["documents"] == four["documents"]
+    assert manifest["bad_input"]["counts"]["unreadable"] == 0 and manifest["inputs"]["missing"] == []
     assert shard_bytes(str(out)) == shard_bytes(str(root / "four"))
+
+
+def descendants(pid):
+    """The pids below `pid` in the process tree (from /proc)."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        below = children.get(stack.pop(), [])
+        found += below
+        stack += below
+    return found
+
+
+def holding(pids, fragment):
+    """(pid, path) of a process among `pids` with an open file whose path contains `fragment`, or None."""
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                path = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if fragment in path:
+                    return pid, path
+        except OSError:
+            continue
+    return None
+
+
+def kill_a_pack_task(pids, deadline):
+    """SIGKILL the process running a pack task (it holds datatrove's task log open); returns (pid, task)."""
+    while time.time() < deadline:
+        found = holding(pids(), "/pack/logs/task_")
+        if found:
+            os.kill(found[0], signal.SIGKILL)
+            return found[0], int(found[1].rsplit("task_", 1)[1][:5])
+        time.sleep(0.005)
+    raise AssertionError("no pack task was seen running")
+
+
+def test_a_task_killed_by_a_signal_stops_the_run_naming_it_and_a_rerun_continues(corpus, tmp_path):
+    root, inputs, _, four = corpus
+    out = tmp_path / "ds"
+    tokenizer = str(root / "four" / "tokenizer.model")
+    argv = command(inputs, out, tokenizer)
+    argv[argv.index("--workers") + 1] = "2"
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pid, task = kill_a_pack_task(lambda: descendants(proc.pid), time.time() + 240)
+        _, stderr = proc.communicate(timeout=120)  # datatrove's own pool waited forever here
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 2, stderr
+    assert f"error: stage pack: task {task} (pid {pid}) was killed by SIGKILL" in stderr, stderr
+    assert "HINT: rerun the same command to continue: it redoes only the unfinished tasks" in stderr
+    assert "Traceback" not in stderr and not out.exists()
+    rerun = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "stage pack:" in rerun.stderr and "already completed, running the other" in rerun.stderr
+    assert shard_bytes(str(out)) == shard_bytes(str(root / "four"))
+
+
+def test_a_dead_ray_worker_names_its_task_and_a_rerun_continues(corpus, tmp_path, ray_cluster):
+    import threading
+
+    import ray
+    root, inputs, _, four = corpus
+    out = str(tmp_path / "ray")
+    killed = []
+
+    def ray_workers():
+        return [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith("ray::_ray_run_rank")]
+
+    watcher = threading.Thread(target=lambda: killed.append(kill_a_pack_task(ray_workers, time.time() + 240)),
+                               daemon=True)
+    kwargs = dict(inputs=inputs, tokenizer=str(root / "four" / "tokenizer.model"), show_progress=False, tasks=4,
+                  executor="ray", cluster={"address": ray_cluster.address}, **OPTIONS)
+    watcher.start()
+    try:
+        with pytest.raises(DataError, match=r"(?s)stage pack: task \d died with its Ray worker \(WorkerCrashedError"
+                                            r".*rerun the same command to continue") as err:
+            prepare_dataset(out, 64, **kwargs)
+        watcher.join(5)
+        assert f"task {killed[0][1]} died" in str(err.value)
+        manifest = prepare_dataset(out, 64, **kwargs)
+    finally:
+        ray.shutdown()
+    assert manifest["shards"] == four["shards"] and shard_bytes(out) == shard_bytes(str(root / "four"))
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_a_full_disk_in_a_task_names_the_output_and_space_needed_and_a_rerun_continues(corpus, tmp_path):
+    """A real full disk (tmpfs) under a 4-task run: the pack tasks cannot write their shards."""
+    root, inputs, _, four = corpus
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    used = sum(os.lstat(os.path.join(root / "four", n)).st_blocks * 512 for n in os.listdir(root / "four"))
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={(10 << 10) + used // 2 // 1024}k", "tmpfs",
+                              str(disk)], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        out = disk / "ds"
+        argv = command(inputs, out, str(root / "four" / "tokenizer.model"))
+        full = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert full.returncode == 2, full.stderr
+        assert "Traceback" not in full.stderr and "Loguru" not in full.stderr, full.stderr
+        assert re.search(rf"error: disk full while writing dataset {re.escape(str(out))}: [\d.]+ MB free, [\d.,]+ MB "
+                         r"needed to finish", full.stderr), full.stderr
+        assert re.search(r"HINT: free at least [\d.,]+ MB more on that disk, then rerun the same command: it redoes "
+                         r"only the unfinished tasks", full.stderr), full.stderr
+        assert not out.exists()
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        resumed = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert shard_bytes(str(out)) == shard_bytes(str(root / "four"))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_dangling_link_among_the_inputs_is_announced_and_counted_as_unreadable(corpus, tmp_path, capsys):
+    root, inputs, _, _ = corpus
+    tokenizer = str(root / "four" / "tokenizer.model")
+    inputs = linked_inputs(inputs[:1], tmp_path / "in")
+    link = f"{tmp_path / 'in' / 'c.jsonl'}: a symbolic link to {tmp_path / 'in' / 'moved-away.jsonl'}, which does " \
+           "not exist"
+    with pytest.raises(DataError, match=r"(?s)bad input: .*c\.jsonl: a symbolic link to .*nothing was written"):
+        prepare_dataset(str(tmp_path / "strict"), 64, inputs=inputs, tokenizer=tokenizer, strict=True, tasks=2)
+    assert sorted(os.listdir(tmp_path)) == ["in"]
+    manifests = [prepare_dataset(str(tmp_path / f"t{tasks}"), 64, inputs=inputs, tokenizer=tokenizer,
+                                 show_progress=False, tasks=tasks, workers=0 if tasks == 1 else 2)
+                 for tasks in (1, 2)]
+    assert capsys.readouterr().err.count(f"prepare: skipping 1 unreadable input(s), counted in the manifest "
+                                         f"(--strict stops instead): {link}") == 2
+    for manifest in manifests:
+        assert manifest["bad_input"]["counts"]["unreadable"] == 1 and manifest["bad_input"]["first"]["unreadable"] \
+            == link
+        assert manifest["inputs"]["files"] == 1 and manifest["inputs"]["missing"] == [str(tmp_path / "in" / "c.jsonl")]
+    assert manifests[0]["documents"] == manifests[1]["documents"]
 
 
 def test_ray_run_writes_the_same_dataset_as_local_tasks(corpus, tmp_path, request):
