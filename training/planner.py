@@ -170,6 +170,10 @@ class Plan:
     attention: str = ""                 # which attention kernel the recipe runs
     sharding: str = ""                  # which operators tensor parallelism splits
 
+    def bytes_of(self, category: str) -> int:
+        """Bytes of one category of Term (weights, accu_grads, moments, ...) on the reported stage."""
+        return sum(t.bytes for t in self.terms if t.category == category)
+
 
 def activation_terms(cfg, micro_batch: int, tensor_parallel: int = 1) -> dict:
     """Bytes of each tensor one decoder layer of models/llama.py holds, per micro-batch on one TP rank.
