@@ -302,9 +302,11 @@ def test_every_ascend_recipe_fits_with_ten_percent_headroom(name):
                     if load_recipe(p, planning=True).context.device_target == "Ascend")
     assert name in ascend and len(ascend) == 5, ascend
     p = plan(load_recipe(os.path.join(root, "recipes", f"{name}.yaml"), planning=True))
-    assert has_headroom(p), f"{name}: {p.total_bytes / GB:.2f} GB of {p.device_memory_bytes / GB:.2f} (< {HEADROOM:.0%})"
+    assert has_headroom(p), f"{name}: {p.total_bytes / GB:.2f} of {p.device_memory_bytes / GB:.2f} GB, < {HEADROOM:.0%}"
     text = format_plan(p)
-    assert "checkpoint per save:" in text and "sources:" in text and "wrapper.py:849" in text or name == "tiny_ascend"
+    assert "checkpoint per save:" in text and "sources:" in text
+    if name != "tiny_ascend":  # every other one accumulates micro-batches: MFPipelineWithLossScaleCell's accu_grads
+        assert "[accu_grads] mindformers/wrapper/wrapper.py:849" in text
 
 
 def test_checkpoint_size_leaves_accu_grads_out_and_speed_has_terms():
@@ -315,6 +317,7 @@ def test_checkpoint_size_leaves_accu_grads_out_and_speed_has_terms():
     saved = sum(t.bytes for t in p.terms if t.persistent and t.category != "accu_grads")
     assert p.checkpoint_rank_bytes == saved and p.checkpoint_total_bytes == saved * r.world_size
     labels = [label for label, _ in p.speed.terms]
-    assert labels[0].startswith("matmuls") and any("all-gather" in x for x in labels) and any("AdamW" in x for x in labels)
+    assert labels[0].startswith("matmuls") and any("all-gather" in x for x in labels)
+    assert any("AdamW" in x for x in labels) and any("TP 2" in x for x in labels)
     assert p.speed.step_time_s == pytest.approx(sum(s for _, s in p.speed.terms))
     assert "MindFormers 4,160, MindSpeed-LLM 4,672" in format_plan(p)

@@ -67,7 +67,7 @@ def saved_parameter(name: str) -> bool:
 
 
 def snapshot(cell) -> list:
-    """Host copies of every parameter a resume needs: the state at this instant, safe to write while training goes on."""
+    """Host copies of the parameters a resume needs: the state at this instant, safe to write while training goes on."""
     import mindspore as ms
 
     return [{"name": p.name, "data": ms.Tensor(p.asnumpy())} for p in cell.get_parameters() if saved_parameter(p.name)]

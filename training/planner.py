@@ -1,10 +1,14 @@
 """Per-device memory and step time of a recipe, computed before any device is booked.
 
-`plan(recipe)` sizes what one device holds while training: fp32 master weights, fp32
-gradients, AdamW moments, the activations of the micro-batches in flight and the logits
-of the last pipeline stage, on the heaviest pipeline stage, and compares the total with
-the device's memory. It also turns FLOPs per step into a step time at a stated MFU.
-`format_plan` prints it for `bash scripts/run_distributed.sh RECIPE --plan`.
+`plan(recipe)` lists every buffer one device of the heaviest pipeline stage holds while training,
+as Terms that each name the MindSpore/MindFormers line allocating it (SOURCES): the weights in their
+dtype (models/shapes.py parameter_dtype), sliced under optimizer parallel, their gathered copies,
+the float32 masters of 16-bit weights, MindFormers' accu_grads (per optimizer level), the AdamW
+moments, the gradients, loss-scale and step state, the activations of the micro-batches in flight
+and the logits of the last stage; it compares the total with the device's memory. The parameter
+terms are read from the same table models/llama.py builds its Parameters from, and a CPU test checks
+them against the real train-step cell. It also estimates the step time term by term and the
+checkpoint size. `format_plan` prints it for `bash scripts/run_distributed.sh RECIPE --plan`.
 
 GB means 2**30 bytes throughout, the unit of npu-smi's HBM figures and of MindSpore's
 `context.max_device_memory`. Import-light: no MindSpore.
@@ -14,7 +18,8 @@ rank, the layer being computed or recomputed adds its own activations, and the l
 holds the full-vocabulary fp32 logits of the loss. Not counted (each small next to the rows
 counted, or dependent on the compiler): the runtime's and HCCL's reserved memory (recipes cap
 the budget with `context.max_device_memory`), communication buffers, kernel workspaces,
-fragmentation, and the 16-bit weight copies that each Linear casts per use.
+fragmentation, the 16-bit weight copies that each Linear casts per use of a float32 weight, and the
+update step's own peak (scaled and clipped gradient copies while the activations are freed).
 """
 
 import math
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from ascend_llm_recipes.common.errors import PretrainError
-from ascend_llm_recipes.models.arithmetic import flops_per_token, layer_matmul_params, layer_params, param_count
+from ascend_llm_recipes.models.arithmetic import flops_per_token, param_count
 from ascend_llm_recipes.models.parallel import balanced_stages
 from ascend_llm_recipes.models.shapes import dimensions, parameter_dtype, parameter_shapes
 
@@ -355,7 +360,6 @@ def stage_terms(recipe, stage: int, layers: int, recompute: str, in_flight: int)
         return _ceil_div(size, dp) if shard and size >= threshold else size
 
     weights = sum(local(n, d) for _, n, d in tensors)
-    whole = sum(n * DTYPE_BYTES[d] for _, n, d in tensors)
     sliced_whole = sum(n * DTYPE_BYTES[d] for _, n, d in tensors if shard and n * DTYPE_BYTES[d] >= threshold)
     terms = [Term("weights", f"weights ({_dtypes(tensors)}{', split by TP' if tp > 1 else ''}"
                              f"{f', 1/DP {dp} slices' if shard else ''})", weights, SOURCES["weights"])]
@@ -376,9 +380,8 @@ def stage_terms(recipe, stage: int, layers: int, recompute: str, in_flight: int)
         accu_shard = shard and level == "level2"
         accu = sum(_ceil_div(n * DTYPE_BYTES[d], dp) if accu_shard and n * DTYPE_BYTES[d] >= threshold
                    else n * DTYPE_BYTES[d] for _, n, d in tensors)
-        terms.append(Term("accu_grads", f"accu_grads ({_dtypes(tensors)}, "
-                                        f"{'sliced over DP: level2' if accu_shard else 'whole: no gradient_accumulation_shard'})",
-                          accu, SOURCES["accu_grads"]))
+        how = "sliced over DP: level2" if accu_shard else "whole: no gradient_accumulation_shard"
+        terms.append(Term("accu_grads", f"accu_grads ({_dtypes(tensors)}, {how})", accu, SOURCES["accu_grads"]))
     terms.append(Term("moments", "AdamW m, v (float32" + (f", 1/DP {dp} slices)" if shard else ")"),
                       sum(2 * local(n, "float32") for _, n, _ in tensors), SOURCES["moments"]))
     if not accumulating:
