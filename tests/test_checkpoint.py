@@ -107,7 +107,7 @@ def test_accumulation_buffers_are_not_saved():
 
     cell = WithAccumulation()
     names = [t["name"] for t in snapshot(cell)]
-    assert "net.weight" in names and any(n.startswith(("moment1.", "optimizer.moment1.")) for n in names)
+    assert any(n.endswith("net.weight") for n in names) and any("moment1." in n for n in names)
     assert not [n for n in names if "accu_grads" in n]
     assert [p.name for p in cell.get_parameters() if p.name.startswith("accu_grads.")]  # they exist, unsaved
 

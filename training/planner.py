@@ -332,9 +332,10 @@ SOURCES = {
                  "(mindformers/wrapper/wrapper.py:336-338); reduce-scattered to 1/DP at level2/level3",
     "loss_scale": "mindspore/nn/wrap/loss_scale.py:400-404 scale_sense (float32); DynamicLossScaleUpdateCell "
                   "loss_scale.py:153-154 (two int32 counters)",
-    "optimizer_step": "mindspore/nn/optim/optimizer.py global_step (int32) and learning_rate (float32), the "
-                      "wrapper's deepcopy of the latter (mindformers/wrapper/wrapper.py:253, 883); training/optim.py "
-                      "master_filled (float32) with 16-bit weights",
+    "optimizer_step": "mindspore/nn/optim/optimizer.py global_step (int32); the learning rate is the recipe's "
+                      "lr_schedule, a Cell without Parameters (also the wrapper's deepcopy of it, "
+                      "mindformers/wrapper/wrapper.py:253, 883); training/optim.py master_filled (float32) with "
+                      "16-bit weights",
     "activations": "planner.activation_terms (models/llama.py's tensors kept for backward)",
     "logits": "planner.logits_bytes (the last stage's output projection and fp32 loss tensors)",
 }
@@ -392,7 +393,7 @@ def stage_terms(recipe, stage: int, layers: int, recompute: str, in_flight: int)
     dynamic = not isinstance(recipe.runner_wrapper.scale_sense, (int, float))  # DynamicLossScaleConfig
     terms.append(Term("loss_scale", "loss scale" + (" and its update counters" if dynamic else ""),
                       4 + (8 if dynamic else 0), SOURCES["loss_scale"]))
-    terms.append(Term("optimizer_step", "optimizer step and learning rate", 12 + (4 if masters else 0),
+    terms.append(Term("optimizer_step", "optimizer step", 4 + (4 if masters else 0),
                       SOURCES["optimizer_step"]))
     b = recipe.runner_config.batch_size
     activation = layers * layer_activation_bytes(cfg, b, tp, recompute) * in_flight + \
