@@ -398,7 +398,8 @@ def stage_terms(recipe, stage: int, layers: int, recompute: str, in_flight: int)
     b = recipe.runner_config.batch_size
     activation = layers * layer_activation_bytes(cfg, b, tp, recompute) * in_flight + \
         recompute_working_bytes(cfg, b, tp, recompute)
-    terms.append(Term("activations", f"activations ({recompute} recompute, {in_flight} micro-batch"
+    how = "no" if recompute == "none" else recompute
+    terms.append(Term("activations", f"activations ({how} recompute, {in_flight} micro-batch"
                                      f"{'es' if in_flight > 1 else ''} in flight)", activation,
                       SOURCES["activations"], persistent=False))
     if stage == pp - 1:
