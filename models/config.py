@@ -34,6 +34,11 @@ class ModelConfig:
     eos_token_id: int = 2
     pad_token_id: int = 3
     compute_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # dtype the matmul weights and tables are stored in (MindFormers' param_init_type / params_dtype). float32:
+    # they are their own master copy (the CPU reference). 16-bit: half the weight, gathered-weight and accu_grads
+    # bytes; the fp32 master copy then lives in the optimizer (training/optim.py FoldedAdamW), sliced over DP
+    # with the moments. Norm weights stay float32 (models/shapes.py parameter_dtype).
+    param_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     # Ascend kernels, MindFormers' keys and meanings (mindformers/models/llama/llama_config.py:165-186);
     # the math path (all False) is the CPU default and the reference. None changes a parameter.
     use_flash_attention: bool = False
@@ -112,6 +117,12 @@ class ModelConfig:
         if self.compute_dtype == "bfloat16" and recipe.runs_on_cpu:
             problems.append(f"{p}.compute_dtype: bfloat16 kernels exist only on Ascend/GPU; "
                             "use float32 (or float16) on CPU")
+        if self.param_dtype == "bfloat16" and recipe.runs_on_cpu:
+            problems.append(f"{p}.param_dtype: bfloat16 kernels exist only on Ascend/GPU; "
+                            "use float32 (or float16) on CPU")
+        if self.param_dtype != "float32" and self.param_dtype != self.compute_dtype:
+            problems.append(f"{p}.param_dtype: {self.param_dtype} weights are cast to compute_dtype "
+                            f"{self.compute_dtype} at every use; store them in the compute dtype or in float32")
         return problems + self.kernel_problems(recipe)
 
 

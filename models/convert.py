@@ -192,7 +192,8 @@ def model_section_yaml(cfg: ModelConfig, header: str) -> str:
     """A recipe's `model:` section for `cfg`, in the recipe vocabulary."""
     section = {"model": {"model_config": {"type": LLAMA_CONFIG_TYPE, **to_plain(cfg)},
                          "arch": {"type": LLAMA_MODEL_TYPE}}}
-    section["model"]["model_config"].pop("compute_dtype", None)  # a training choice, the recipe's to make
+    for choice in ("compute_dtype", "param_dtype"):  # training choices, the recipe's to make
+        section["model"]["model_config"].pop(choice, None)
     comment = "".join(f"# {line}\n" for line in header.splitlines())
     return comment + yaml.safe_dump(section, sort_keys=False)
 

@@ -98,14 +98,16 @@ def lazy_inline_where_supported(init):
 
 
 class Linear(nn.Cell):
-    """y = x W^T (+ b), with W stored (out, in) like torch.nn.Linear; master weights float32."""
+    """y = x W^T (+ b), with W stored (out, in) like torch.nn.Linear, in param_dtype (model_config.param_dtype)."""
 
     def __init__(self, in_features: int, out_features: int, std: float, bias: bool = False,
-                 compute_dtype=ms.float32):
+                 compute_dtype=ms.float32, param_dtype=ms.float32):
         super().__init__()
-        self.weight = Parameter(initializer(Normal(sigma=std), (out_features, in_features), ms.float32),
+        # A 16-bit initializer draws the same float32 numbers and rounds them (lazily, so optimizer parallel
+        # materialises only each rank's slice).
+        self.weight = Parameter(initializer(Normal(sigma=std), (out_features, in_features), param_dtype),
                                 name="weight")
-        self.bias = Parameter(initializer("zeros", (out_features,), ms.float32), name="bias") if bias else None
+        self.bias = Parameter(initializer("zeros", (out_features,), param_dtype), name="bias") if bias else None
         self.matmul = ops.MatMul(transpose_b=True)
         self.bias_add = ops.Add()
         self.out_features = out_features
@@ -123,9 +125,10 @@ class Linear(nn.Cell):
 class Embedding(nn.Cell):
     """Token id -> vector lookup; the table is named `weight` like torch.nn.Embedding."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, std: float, compute_dtype=ms.float32):
+    def __init__(self, vocab_size: int, hidden_size: int, std: float, compute_dtype=ms.float32,
+                 param_dtype=ms.float32):
         super().__init__()
-        self.weight = Parameter(initializer(Normal(sigma=std), (vocab_size, hidden_size), ms.float32),
+        self.weight = Parameter(initializer(Normal(sigma=std), (vocab_size, hidden_size), param_dtype),
                                 name="weight")
         self.gather = ops.Gather()
         self.compute_dtype = compute_dtype
@@ -262,19 +265,21 @@ class Attention(nn.Cell):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         std, dtype, bias = config.initializer_range, DTYPES[config.compute_dtype], config.qkv_bias
+        stored = DTYPES[config.param_dtype]
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, std, bias, dtype)
-        self.k_proj = Linear(config.hidden_size, kv_size, std, bias, dtype)
-        self.v_proj = Linear(config.hidden_size, kv_size, std, bias, dtype)
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, std, bias, dtype, stored)
+        self.k_proj = Linear(config.hidden_size, kv_size, std, bias, dtype, stored)
+        self.v_proj = Linear(config.hidden_size, kv_size, std, bias, dtype, stored)
         self.split_heads = ops.Transpose()
         self.rotary = RotaryEmbedding()
         self.flash = config.use_flash_attention
         self.core = FlashAttention(config) if self.flash else CoreAttention(self.head_dim)
         self.tile_kv = ops.Tile()
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, std, compute_dtype=dtype)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, std, compute_dtype=dtype,
+                             param_dtype=stored)
 
     def repeat_kv(self, x):
         """Share each KV head with num_heads // num_kv_heads query heads."""
@@ -302,10 +307,13 @@ class MLP(nn.Cell):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        std, dtype = config.initializer_range, DTYPES[config.compute_dtype]
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, std, compute_dtype=dtype)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, std, compute_dtype=dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, std, compute_dtype=dtype)
+        std, dtype, stored = config.initializer_range, DTYPES[config.compute_dtype], DTYPES[config.param_dtype]
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, std, compute_dtype=dtype,
+                                param_dtype=stored)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, std, compute_dtype=dtype,
+                              param_dtype=stored)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, std, compute_dtype=dtype,
+                                param_dtype=stored)
         self.silu = SiLU()
         self.mul = ops.Mul()
 
@@ -371,7 +379,7 @@ class LlamaModel(nn.Cell):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.embed_tokens = Embedding(config.padded_vocab_size, config.hidden_size, config.initializer_range,
-                                      DTYPES[config.compute_dtype])
+                                      DTYPES[config.compute_dtype], DTYPES[config.param_dtype])
         self.layers = nn.CellList([DecoderLayer(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
         self.seq_length = config.seq_length
@@ -478,7 +486,7 @@ class LlamaForCausalLM(PreTrainedModel):
         self.tie_word_embeddings = config.tie_word_embeddings
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.padded_vocab_size, config.initializer_range,
-                                  compute_dtype=DTYPES[config.compute_dtype])
+                                  compute_dtype=DTYPES[config.compute_dtype], param_dtype=DTYPES[config.param_dtype])
         if self.tie_word_embeddings:
             self.head_matmul = ops.MatMul(transpose_b=True)
         self.pad_token_id = config.pad_token_id

@@ -51,3 +51,13 @@ def parameter_shapes(cfg, tensor_parallel: int = 1, padded: bool = True, layers:
     if padded:
         dims["vocab"] = dims["padded_vocab"]
     return {name: tuple(dims[d] for d in names) for _, name, names in tensor_dimensions(cfg, layers)}
+
+
+# RMSNorm weights stay float32 whatever param_dtype says: RMSNorm computes in float32 (models/llama.py), and
+# they are a few KB, below optimizer parallel's 64 KB slicing threshold anyway.
+FLOAT32_PARAMETERS = ("layernorm.weight", "model.norm.weight")
+
+
+def parameter_dtype(cfg, name: str) -> str:
+    """The dtype models/llama.py stores parameter `name` in: model_config.param_dtype, norms float32."""
+    return "float32" if name.endswith(FLOAT32_PARAMETERS) else getattr(cfg, "param_dtype", "float32")

@@ -81,6 +81,37 @@ def test_layout_manifest_and_pruning(baseline):
     assert state["data_skips"] == []
 
 
+def test_saved_bytes_are_the_planned_checkpoint_size(baseline):
+    """What one rank wrote (its manifest's tensors) is what --plan prints as the checkpoint per rank."""
+    import numpy as np
+    from ascend_llm_recipes.training.planner import checkpoint_bytes
+    from ascend_llm_recipes.training.recipe import load_recipe
+
+    manifest = read_json(os.path.join(baseline, "checkpoints", "step_00000020", "rank_0", MANIFEST))
+    written = sum(int(np.prod(t["shape"])) * np.dtype(t["dtype"]).itemsize for t in manifest["tensors"].values())
+    recipe = load_recipe(os.path.join(baseline, "recipe.yaml"))
+    assert checkpoint_bytes(recipe) == (written, written)
+
+
+def test_accumulation_buffers_are_not_saved():
+    """accu_grads (wrapper.py:849, zeroed after every step) stay out of the snapshot; weights and moments stay in."""
+    from mindspore import nn
+    from ascend_llm_recipes.training.checkpoint import snapshot
+
+    class WithAccumulation(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Dense(4, 4)
+            self.optimizer = nn.Adam(self.net.trainable_params())
+            self.accu_grads = self.optimizer.parameters.clone(prefix="accu_grads", init="zeros")
+
+    cell = WithAccumulation()
+    names = [t["name"] for t in snapshot(cell)]
+    assert any(n.endswith("net.weight") for n in names) and any("moment1." in n for n in names)
+    assert not [n for n in names if "accu_grads" in n]
+    assert [p.name for p in cell.get_parameters() if p.name.startswith("accu_grads.")]  # they exist, unsaved
+
+
 def test_resume_with_another_data_order_is_refused(baseline, tiny_dataset):
     before = metrics(baseline)
     code, output = rerun(baseline, tiny_dataset, "--set", "seed=7")

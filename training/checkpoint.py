@@ -6,8 +6,9 @@ Layout (one directory per step, one subdirectory per rank):
                                      /rank_0/manifest.json   per-file sha256, per-tensor shape/dtype/sha256
                                      /state.json             data position, RNG, recipe and dataset hashes
 
-The .ckpt holds weights, AdamW moments, the optimizer's global step (hence the LR-schedule
-position), the loss scale and the epoch/step/global-batch values MindFormers reads on resume.
+The .ckpt holds weights, AdamW moments (and the float32 masters of 16-bit weights), the optimizer's
+global step (hence the LR-schedule position), the loss scale and the epoch/step/global-batch values
+MindFormers reads on resume; not the gradient-accumulation buffers (NOT_SAVED).
 Every file is written under a temporary name, flushed and renamed; a rank's manifest.json is
 written last, so a step is complete exactly when every rank's manifest exists. A crash at any
 moment leaves the previous complete step usable.
@@ -54,11 +55,23 @@ def ckpt_name(prefix: str, rank: int, epoch: int, step: int) -> str:
     return f"{prefix}_rank_{rank}-{epoch}_{step}.ckpt"
 
 
+# Parameters a resume does not need. MindFormers' accumulation buffers (accu_grads.*, a zero clone of every
+# weight, mindformers/wrapper/wrapper.py:849) are zeroed after each step's update (wrapper.py:462-463, 473-474), so
+# at a save they hold zeros: MindFormers' own CheckpointMonitor leaves them out (core/callback/callback.py:1704).
+# For Llama 2 7B in float32 that is 27 GB of zeros per rank, 216 GB per save of 8 ranks.
+NOT_SAVED = ("accu_grads.",)
+
+
+def saved_parameter(name: str) -> bool:
+    """Whether a parameter of the train network goes into the checkpoint (see NOT_SAVED)."""
+    return not name.startswith(NOT_SAVED)
+
+
 def snapshot(cell) -> list:
-    """Host copies of every parameter: the state at this instant, safe to write while training goes on."""
+    """Host copies of the parameters a resume needs: the state at this instant, safe to write while training goes on."""
     import mindspore as ms
 
-    return [{"name": p.name, "data": ms.Tensor(p.asnumpy())} for p in cell.get_parameters()]
+    return [{"name": p.name, "data": ms.Tensor(p.asnumpy())} for p in cell.get_parameters() if saved_parameter(p.name)]
 
 
 def write_rank(directory: str, name: str, params: list, append: dict, meta: dict) -> str:

@@ -221,7 +221,7 @@ def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir
     cfg, _ = read_model_section(os.path.join(converted_dir, MODEL_SECTION_FILE))
     source = _source_manifest(converted_dir).get("source", {})
     args = source.get("megatron_args") or {}
-    model_config = {k: v for k, v in to_plain(cfg).items() if k != "compute_dtype"}
+    model_config = {k: v for k, v in to_plain(cfg).items() if k not in ("compute_dtype", "param_dtype")}
     data = {"base": os.path.relpath(ASCEND_BASE, os.path.dirname(os.path.abspath(path))),
             "output_dir": f"runs/{os.path.splitext(os.path.basename(path))[0]}",
             "load_checkpoint": converted_dir, "load_ckpt_format": "safetensors",

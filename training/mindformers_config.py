@@ -140,7 +140,10 @@ DROPPED = {
     "model.model_config.layernorm_compute_type": OURS_FP32,
     "model.model_config.softmax_compute_type": OURS_FP32,
     "model.model_config.rotary_dtype": OURS_FP32,
-    "model.model_config.param_init_type": OURS_FP32,
+    "model.model_config.param_init_type": "ours stores weights in model.model_config.param_dtype (float32 unless "
+                                          "the recipe sets a 16-bit dtype, whose float32 master copy FoldedAdamW "
+                                          "keeps, training/optim.py); MindFormers' AdamW updates 16-bit weights in "
+                                          "place without one",
     "model.model_config.residual_dtype": OURS_FP32,
     "model.model_config.embedding_init_type": OURS_FP32,
     "model.model_config.qkv_concat": "q/k/v weights stored as one matrix: " + SAME_MATH,

@@ -17,9 +17,22 @@ so feeding the kernel lr' = lr sqrt(c2) / c1, eps' = eps sqrt(c2) and wd' = wd c
 gives the same update (to float32 rounding). The moments, their names (`adam_m.*`,
 `adam_v.*`) and `global_step` are MindFormers' own, so checkpoints written by either
 optimizer resume with the other.
+
+16-bit weights (model_config.param_dtype) get a float32 master copy here, `master.<name>`:
+the update runs on it and the weight becomes its rounding. MindFormers' AdamW instead updates
+16-bit weights in place through a float32 temporary (mindformers/core/optim/adamw.py:38-66),
+so an update smaller than half a bfloat16 ulp of the weight (2^-9 relative: lr 3e-5 on a
+weight of 0.02) is lost, step after step. The masters are cloned with the weight's param_info,
+as MindFormers clones the moments (adamw.py:170-189), so optimizer parallel slices them over
+DP like the moments: the float32 copy costs 4 bytes / DP per parameter, Megatron's
+distributed-optimizer layout. A master starts as zeros and is filled from its weight at the
+first update after any start (fresh, weights-only load, or a checkpoint without masters):
+`master_filled` says whether that happened, and is saved with them.
 """
 
+from mindspore import Parameter, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
+from mindspore.common.initializer import initializer
 from mindspore.nn.learning_rate_schedule import LearningRateSchedule
 from mindspore.train import Callback
 from mindspore.ops import composite as C
@@ -31,19 +44,32 @@ from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 from ascend_llm_recipes.training.recipe import START_STEP_LR
 
 OPTIMIZER_TYPE = "FoldedAdamW"
+MASTER_PREFIX = "master"          # master.<weight name>: float32 copies of 16-bit weights
+MASTER_FILLED = "master_filled"   # 1.0 once the masters hold the weights
 
 _folded_adamw = C.MultitypeFuncGraph("folded_adamw")
 
 
 @_folded_adamw.register("Function", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor",
-                        "Tensor", "Tensor", "Tensor", "Bool")
-def _update(kernel, beta1, beta2, eps, correction, lr, weight_decay, param, grad, exp_avg, exp_avg_sq,
-            optim_filter):
-    """One parameter: the kernel with lr and weight decay rescaled by the step's bias correction."""
+                        "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Bool", "Bool")
+def _update(kernel, beta1, beta2, eps, correction, lr, weight_decay, fill, param, master, grad, exp_avg, exp_avg_sq,
+            optim_filter, has_master):
+    """One parameter: the kernel with lr and weight decay rescaled by the step's bias correction.
+
+    With a master copy the kernel updates it in float32 and the weight takes its rounding; `fill`
+    (1.0 or 0.0) first sets the master to the weight (exact either way: the other term is x 0).
+    """
     if optim_filter:
         # lr' = lr * correction and wd' = wd / correction keep lr' * wd' = lr * wd (decoupled decay).
-        kernel(param, exp_avg, exp_avg_sq, lr * correction, beta1, beta2, eps, weight_decay / correction,
-               P.Cast()(grad, F.dtype(param)))
+        if has_master:
+            from_weight = P.Cast()(param, mstype.float32)
+            master = F.depend(master, F.assign(master, master * (1.0 - fill) + from_weight * fill))
+            done = kernel(master, exp_avg, exp_avg_sq, lr * correction, beta1, beta2, eps, weight_decay / correction,
+                          P.Cast()(grad, mstype.float32))
+            F.assign(param, F.depend(P.Cast()(master, F.dtype(param)), done))
+        else:
+            kernel(param, exp_avg, exp_avg_sq, lr * correction, beta1, beta2, eps, weight_decay / correction,
+                   P.Cast()(grad, F.dtype(param)))
     return True
 
 
@@ -55,6 +81,20 @@ class FoldedAdamW(MindFormersAdamW):
         super().__init__(params, learning_rate=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay,
                          swap=swap)
         self.kernel = P.AdamWeightDecay()
+        self.has_master = tuple(p.dtype != mstype.float32 for p in self._parameters)
+        # A float32 weight is its own master: the tuple holds the weight itself there (not saved twice).
+        self.master = ParameterTuple([self._master_of(p) if keeps else p
+                                      for p, keeps in zip(self._parameters, self.has_master)])
+        # Only a model with 16-bit weights has masters to fill: float32 checkpoints stay as they were.
+        self.master_filled = Parameter(Tensor(0.0, mstype.float32), name=MASTER_FILLED) if any(self.has_master) \
+            else None
+
+    def _master_of(self, param):
+        master = Parameter(initializer("zeros", param.shape, mstype.float32), name=f"{MASTER_PREFIX}.{param.name}")
+        master.param_info = param.param_info.clone()  # optimizer parallel slices it like the weight
+        master.param_info.name = f"{MASTER_PREFIX}.{param.name}"
+        master.set_data(initializer("zeros", param.shape, mstype.float32))
+        return master
 
     def construct(self, gradients):
         weight_decay = self.get_weight_decay()
@@ -65,17 +105,20 @@ class FoldedAdamW(MindFormersAdamW):
         correction = sqrt_c2 / (1.0 - F.pow(self.beta1, step))  # shape (1,), like beta1
         eps = self.eps * sqrt_c2
         kernel, beta1, beta2 = self.kernel, self.beta1, self.beta2
+        fill = 1.0 - self.master_filled if self.master_filled is not None else Tensor(0.0, mstype.float32)
+        states = (self._parameters, self.master, gradients, self.exp_avg, self.exp_avg_sq, self.optim_filter,
+                  self.has_master)
         if not self.is_group:
-            result = self.hyper_map(F.partial(_folded_adamw, kernel, beta1, beta2, eps, correction, lr, weight_decay),
-                                    self._parameters, gradients, self.exp_avg, self.exp_avg_sq, self.optim_filter)
+            result = self.hyper_map(F.partial(_folded_adamw, kernel, beta1, beta2, eps, correction, lr, weight_decay,
+                                              fill), *states)
         elif self.is_group_lr:
             result = self.hyper_map(F.partial(_folded_adamw, kernel, beta1, beta2, eps, correction),
-                                    lr, weight_decay, self._parameters, gradients, self.exp_avg, self.exp_avg_sq,
-                                    self.optim_filter)
+                                    lr, weight_decay, (fill,) * len(self._parameters), *states)
         else:
             result = self.hyper_map(F.partial(_folded_adamw, kernel, beta1, beta2, eps, correction, lr),
-                                    weight_decay, self._parameters, gradients, self.exp_avg, self.exp_avg_sq,
-                                    self.optim_filter)
+                                    weight_decay, (fill,) * len(self._parameters), *states)
+        if self.master_filled is not None:
+            result = F.depend(result, F.assign(self.master_filled, Tensor(1.0, mstype.float32)))
         if self.use_parallel:
             self.broadcast_params(result)
         return result

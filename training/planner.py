@@ -1,10 +1,14 @@
 """Per-device memory and step time of a recipe, computed before any device is booked.
 
-`plan(recipe)` sizes what one device holds while training: fp32 master weights, fp32
-gradients, AdamW moments, the activations of the micro-batches in flight and the logits
-of the last pipeline stage, on the heaviest pipeline stage, and compares the total with
-the device's memory. It also turns FLOPs per step into a step time at a stated MFU.
-`format_plan` prints it for `bash scripts/run_distributed.sh RECIPE --plan`.
+`plan(recipe)` lists every buffer one device of the heaviest pipeline stage holds while training,
+as Terms that each name the MindSpore/MindFormers line allocating it (SOURCES): the weights in their
+dtype (models/shapes.py parameter_dtype), sliced under optimizer parallel, their gathered copies,
+the float32 masters of 16-bit weights, MindFormers' accu_grads (per optimizer level), the AdamW
+moments, the gradients, loss-scale and step state, the activations of the micro-batches in flight
+and the logits of the last stage; it compares the total with the device's memory. The parameter
+terms are read from the same table models/llama.py builds its Parameters from, and a CPU test checks
+them against the real train-step cell. It also estimates the step time term by term and the
+checkpoint size. `format_plan` prints it for `bash scripts/run_distributed.sh RECIPE --plan`.
 
 GB means 2**30 bytes throughout, the unit of npu-smi's HBM figures and of MindSpore's
 `context.max_device_memory`. Import-light: no MindSpore.
@@ -14,21 +18,22 @@ rank, the layer being computed or recomputed adds its own activations, and the l
 holds the full-vocabulary fp32 logits of the loss. Not counted (each small next to the rows
 counted, or dependent on the compiler): the runtime's and HCCL's reserved memory (recipes cap
 the budget with `context.max_device_memory`), communication buffers, kernel workspaces,
-fragmentation, and the 16-bit weight copies that each Linear casts per use.
+fragmentation, the 16-bit weight copies that each Linear casts per use of a float32 weight, and the
+update step's own peak (scaled and clipped gradient copies while the activations are freed).
 """
 
+import math
 import os
 import re
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from ascend_llm_recipes.common.errors import PretrainError
-from ascend_llm_recipes.models.arithmetic import flops_per_token, layer_matmul_params, layer_params, param_count
+from ascend_llm_recipes.models.arithmetic import flops_per_token, param_count
 from ascend_llm_recipes.models.parallel import balanced_stages
-from ascend_llm_recipes.models.shapes import dimensions
+from ascend_llm_recipes.models.shapes import dimensions, parameter_dtype, parameter_shapes
 
 GB = 2 ** 30
-BYTES_PER_PARAM = {"weights": 4, "gradients": 4, "optimizer": 8}  # fp32 master, fp32 grad, AdamW m + v (fp32)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 RECOMPUTE_MODES = ("none", "selective", "full")
 MINDSPORE_OPTIMIZER_PARALLEL = "https://www.mindspore.cn/docs/en/r2.9.0/features/parallel/optimizer_parallel.html"
@@ -112,23 +117,19 @@ DEFAULT_DEVICE = {"CPU": "CPU", "Ascend": "Ascend910B2"}
 
 @dataclass
 class StageMemory:
-    """Bytes one device of a pipeline stage holds; activations for each recompute mode."""
+    """What one device of a pipeline stage holds: its Terms for each recompute mode."""
 
     stage: int
     layers: int
     parameters: int
     in_flight: int
-    weight_bytes: int
-    gradient_bytes: int
-    optimizer_bytes_unsharded: int
-    optimizer_bytes_sharded: int
-    activation_bytes: dict  # recompute mode -> bytes (layers x per layer x micro-batches in flight)
-    logits_bytes: int
+    terms: dict  # recompute mode -> [Term]
 
-    def total(self, recompute: str, shard_optimizer: bool) -> int:
-        optimizer = self.optimizer_bytes_sharded if shard_optimizer else self.optimizer_bytes_unsharded
-        return (self.weight_bytes + self.gradient_bytes + optimizer + self.activation_bytes[recompute]
-                + self.logits_bytes)
+    def total(self, recompute: str) -> int:
+        return sum(t.bytes for t in self.terms[recompute])
+
+    def bytes_of(self, category: str, recompute: str = "none") -> int:
+        return sum(t.bytes for t in self.terms[recompute] if t.category == category)
 
 
 @dataclass
@@ -155,16 +156,10 @@ class Plan:
     in_flight: int                      # micro-batches whose activations that stage holds
     recompute: str                      # none | selective | full, from recompute_config
     optimizer_sharded: bool
-    weight_bytes: int
-    gradient_bytes: int
-    optimizer_bytes: int                # as configured (sharded or not)
-    optimizer_bytes_unsharded: int
-    optimizer_bytes_sharded: int
-    activation_bytes: int               # for the configured recompute mode
+    terms: list                         # [Term] of the reported stage, as configured
     activation_bytes_none: int
     activation_bytes_selective: int
     activation_bytes_full: int
-    logits_bytes: int
     total_bytes: int
     stage_total_bytes: list             # every stage's total, configured as the recipe says
     fits: Optional[bool]                # None when the device memory is unknown
@@ -172,10 +167,17 @@ class Plan:
     flops_per_token: int
     tokens_per_step: int
     step_time_s: Optional[float]        # None when the peak is unknown
+    checkpoint_rank_bytes: int = 0      # the largest rank's file per save
+    checkpoint_total_bytes: int = 0     # all ranks' files per save
+    speed: Optional["SpeedEstimate"] = None
     levers: list = field(default_factory=list)  # unused memory levers, in the order to try them
     notes: list = field(default_factory=list)
     attention: str = ""                 # which attention kernel the recipe runs
     sharding: str = ""                  # which operators tensor parallelism splits
+
+    def bytes_of(self, category: str) -> int:
+        """Bytes of one category of Term (weights, accu_grads, moments, ...) on the reported stage."""
+        return sum(t.bytes for t in self.terms if t.category == category)
 
 
 def activation_terms(cfg, micro_batch: int, tensor_parallel: int = 1) -> dict:
@@ -264,63 +266,187 @@ def logits_bytes(cfg, micro_batch: int, tensor_parallel: int = 1) -> int:
 
 def stage_parameters(cfg, stage: int, layers: int, pipeline_stages: int, tensor_parallel: int = 1,
                      vocab_emb_dp: bool = True) -> int:
-    """Parameters one device of pipeline stage `stage` holds.
+    """Parameters one device of pipeline stage `stage` holds (layers 0..layers-1 stand for the stage's layers).
 
     Layer matmul weights are split by TP (Megatron column/row split, models/parallel.py);
-    norms and q/k/v biases are replicated. The embedding table sits on the first stage,
-    replicated across TP when vocab_emb_dp (the recipe's default), else split by vocabulary;
-    the last stage holds the final norm and the output projection (split by vocabulary).
-    Tied embeddings with pipelining are refused (models/parallel.py layout_problems).
+    norms are replicated. The embedding table sits on the first stage, replicated across TP when
+    vocab_emb_dp (the recipe's default), else split by vocabulary; the last stage holds the final
+    norm and the output projection (split by vocabulary). Tied embeddings with pipelining are
+    refused (models/parallel.py layout_problems).
     """
-    t, h = tensor_parallel, cfg.hidden_size
-    vocab = dimensions(cfg, t)["padded_vocab"]
-    table = vocab * h
-    matmul = layer_matmul_params(cfg)
-    count = layers * (matmul // t + layer_params(cfg) - matmul)
+    return sum(n for _, n, _ in stage_tensors(cfg, stage, layers, pipeline_stages, tensor_parallel, vocab_emb_dp))
+
+
+def stage_tensors(cfg, stage: int, layers: int, pipeline_stages: int, tensor_parallel: int = 1,
+                  vocab_emb_dp: bool = True) -> list:
+    """[(name, elements on one TP rank, dtype)] of the weights one device of `stage` holds.
+
+    Read from models/shapes.py's table (names, shapes, parameter_dtype), the one models/llama.py
+    builds its Parameters from. What TP splits: every 2-D layer weight and q/k/v bias (heads or
+    MLP width), the output projection and, unless vocab_emb_dp, the embedding (vocabulary).
+    """
+    t = tensor_parallel
     last = pipeline_stages - 1
-    if stage == 0:
-        count += table if vocab_emb_dp else table // t
-    if stage == last:
-        count += h
-        if not getattr(cfg, "tie_word_embeddings", False):
-            count += table // t
-    return count
+    out = []
+    for name, shape in parameter_shapes(cfg, t, layers=range(layers)).items():
+        if name.startswith("model.embed_tokens") and stage != 0:
+            continue
+        if name.startswith(("model.norm", "lm_head")) and stage != last:
+            continue
+        n = math.prod(shape)
+        split = (".layers." in name and (len(shape) == 2 or name.endswith("_proj.bias"))) or \
+            name.startswith("lm_head") or (name.startswith("model.embed_tokens") and not vocab_emb_dp)
+        out.append((name, n // t if split else n, parameter_dtype(cfg, name)))
+    return out
 
 
-def stage_memory(recipe) -> list:
-    """A StageMemory per pipeline stage of the recipe."""
+@dataclass
+class Term:
+    """One buffer one device holds: its bytes, what it is, and the source line that allocates it."""
+
+    category: str   # weights | gathered_weights | master | accu_grads | moments | gradients | loss_scale |
+    #                 optimizer_step | activations | logits
+    label: str
+    bytes: int
+    source: str
+    persistent: bool = True  # a Parameter (in the checkpoint unless NOT_SAVED) or a tensor of one step
+
+
+# What allocates each buffer (MindSpore 2.9.0 / MindFormers 1.9.0 wheels; our files under the package root).
+SOURCES = {
+    "weights": "models/llama.py Linear/Embedding/RMSNorm (dtype: models/shapes.py parameter_dtype); optimizer "
+               "parallel keeps a 1/DP slice of each parameter >= parallel_optimizer_threshold "
+               "(mindspore/parallel/_auto_parallel_context.py:1022-1025)",
+    "gathered_weights": "optimizer parallel all-gathers each sliced weight before use; level1/level2 keep the "
+                        "gathered copy from forward to backward, level3 (zero3, _auto_parallel_context.py:1082-1083) "
+                        f"re-gathers it ({MINDSPORE_OPTIMIZER_PARALLEL})",
+    "master": "training/optim.py FoldedAdamW._master_of: float32 master.* of each 16-bit weight, sliced like it",
+    "accu_grads": "mindformers/wrapper/wrapper.py:849 accu_grads = weights.clone(init='zeros'), in the weights' "
+                  "dtype, built by MFPipelineWithLossScaleCell (accumulation > 1 or pipeline stages, "
+                  "training/train_step.py train_step_wrapper); sliced over DP only with gradient_accumulation_shard, "
+                  "which optimizer level2 turns on and level1 (default False) and level3 leave off "
+                  "(mindspore/parallel/_auto_parallel_context.py:1078-1084)",
+    "moments": "mindformers/core/optim/adamw.py:167-168, 179-181 adam_m/adam_v in float32 whatever the weight dtype, "
+               "sliced like the weight under optimizer parallel (param_info cloned, adamw.py:183)",
+    "gradients": "the backward's gradient of every weight (weights' dtype), alive together for the global-norm clip "
+                 "(mindformers/wrapper/wrapper.py:336-338); reduce-scattered to 1/DP at level2/level3",
+    "loss_scale": "mindspore/nn/wrap/loss_scale.py:400-404 scale_sense (float32); DynamicLossScaleUpdateCell "
+                  "loss_scale.py:153-154 (two int32 counters)",
+    "optimizer_step": "mindspore/nn/optim/optimizer.py global_step (int32); the learning rate is the recipe's "
+                      "lr_schedule, a Cell without Parameters (also the wrapper's deepcopy of it, "
+                      "mindformers/wrapper/wrapper.py:253, 883); training/optim.py master_filled (float32) with "
+                      "16-bit weights",
+    "activations": "planner.activation_terms (models/llama.py's tensors kept for backward)",
+    "logits": "planner.logits_bytes (the last stage's output projection and fp32 loss tensors)",
+}
+
+
+def _threshold_bytes(recipe) -> int:
+    return recipe.parallel.parallel_optimizer_config.parallel_optimizer_threshold * 1024
+
+
+def stage_terms(recipe, stage: int, layers: int, recompute: str, in_flight: int) -> list:
+    """Every buffer one device of pipeline stage `stage` holds at its peak, as Terms."""
     cfg = recipe.model.model_config
     p = recipe.parallel_config
     dp, tp, pp = p.data_parallel, p.model_parallel, p.pipeline_stage
+    shard = optimizer_sharded(recipe)
+    level = recipe.parallel.parallel_optimizer_config.optimizer_level if shard else None
+    threshold = _threshold_bytes(recipe)
+    tensors = stage_tensors(cfg, stage, layers, pp, tp, p.vocab_emb_dp)
+
+    def local(n: int, dtype: str) -> int:
+        """Bytes of a parameter (or a clone of it) this rank stores: a 1/DP slice when optimizer parallel slices it."""
+        size = n * DTYPE_BYTES[dtype]
+        return _ceil_div(size, dp) if shard and size >= threshold else size
+
+    weights = sum(local(n, d) for _, n, d in tensors)
+    sliced_whole = sum(n * DTYPE_BYTES[d] for _, n, d in tensors if shard and n * DTYPE_BYTES[d] >= threshold)
+    terms = [Term("weights", f"weights ({_dtypes(tensors)}{', split by TP' if tp > 1 else ''}"
+                             f"{f', 1/DP {dp} slices' if shard else ''})", weights, SOURCES["weights"])]
+    if shard:
+        if level == "level3":
+            per_layer = sliced_whole // max(layers, 1)
+            terms.append(Term("gathered_weights", "gathered weights (level3: about one layer at a time)",
+                              min(per_layer, sliced_whole), SOURCES["gathered_weights"], persistent=False))
+        else:
+            terms.append(Term("gathered_weights", f"gathered weights ({level}: alive from forward to backward)",
+                              sliced_whole, SOURCES["gathered_weights"], persistent=False))
+    masters = [(n, d) for _, n, d in tensors if d != "float32"]
+    if masters:
+        terms.append(Term("master", "float32 master copies of the 16-bit weights (in the optimizer)",
+                          sum(local(n, "float32") for n, _ in masters), SOURCES["master"]))
+    accumulating = uses_accu_grads(recipe)
+    if accumulating:
+        accu_shard = shard and level == "level2"
+        accu = sum(_ceil_div(n * DTYPE_BYTES[d], dp) if accu_shard and n * DTYPE_BYTES[d] >= threshold
+                   else n * DTYPE_BYTES[d] for _, n, d in tensors)
+        how = "sliced over DP: level2" if accu_shard else "whole: no gradient_accumulation_shard"
+        terms.append(Term("accu_grads", f"accu_grads ({_dtypes(tensors)}, {how})", accu, SOURCES["accu_grads"]))
+    terms.append(Term("moments", "AdamW m, v (float32" + (f", 1/DP {dp} slices)" if shard else ")"),
+                      sum(2 * local(n, "float32") for _, n, _ in tensors), SOURCES["moments"]))
+    if not accumulating:
+        grads = sum(_ceil_div(n * DTYPE_BYTES[d], dp) if shard and level in ("level2", "level3")
+                    and n * DTYPE_BYTES[d] >= threshold else n * DTYPE_BYTES[d] for _, n, d in tensors)
+        terms.append(Term("gradients", f"gradients ({_dtypes(tensors)})", grads, SOURCES["gradients"],
+                          persistent=False))
+    dynamic = not isinstance(recipe.runner_wrapper.scale_sense, (int, float))  # DynamicLossScaleConfig
+    terms.append(Term("loss_scale", "loss scale" + (" and its update counters" if dynamic else ""),
+                      4 + (8 if dynamic else 0), SOURCES["loss_scale"]))
+    terms.append(Term("optimizer_step", "optimizer step", 4 + (4 if masters else 0),
+                      SOURCES["optimizer_step"]))
     b = recipe.runner_config.batch_size
+    activation = layers * layer_activation_bytes(cfg, b, tp, recompute) * in_flight + \
+        recompute_working_bytes(cfg, b, tp, recompute)
+    how = "no" if recompute == "none" else recompute
+    terms.append(Term("activations", f"activations ({how} recompute, {in_flight} micro-batch"
+                                     f"{'es' if in_flight > 1 else ''} in flight)", activation,
+                      SOURCES["activations"], persistent=False))
+    if stage == pp - 1:
+        terms.append(Term("logits", "logits and loss (vocabulary split by TP, fp32)", logits_bytes(cfg, b, tp),
+                          SOURCES["logits"], persistent=False))
+    return terms
+
+
+def _dtypes(tensors) -> str:
+    names = sorted({d for _, _, d in tensors}, key=lambda d: -DTYPE_BYTES[d])
+    return " + ".join({"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[d] for d in names)
+
+
+def uses_accu_grads(recipe) -> bool:
+    """Whether MindFormers builds MFPipelineWithLossScaleCell, the wrapper that allocates accu_grads."""
+    summed = recipe.parallel_config.pipeline_stage > 1 or recipe.runner_config.gradient_accumulation_steps > 1
+    return recipe.parallel.parallel_mode in (1, 2) and summed
+
+
+def stage_memory(recipe) -> list:
+    """A StageMemory per pipeline stage of the recipe: its terms for each recompute mode."""
+    cfg = recipe.model.model_config
+    p = recipe.parallel_config
+    pp = p.pipeline_stage
     counts = list(p.stage_layers) if p.stage_layers else balanced_stages(cfg.num_layers, pp)
-    per_layer = {mode: layer_activation_bytes(cfg, b, tp, mode) for mode in RECOMPUTE_MODES}
-    working = {mode: recompute_working_bytes(cfg, b, tp, mode) for mode in RECOMPUTE_MODES}
     stages = []
     for stage, layers in enumerate(counts):
-        params = stage_parameters(cfg, stage, layers, pp, tp, p.vocab_emb_dp)
         # 1F1B: stage i holds the activations of pp - i micro-batches at its peak.
         in_flight = min(pp - stage, p.micro_batch_num) if pp > 1 else 1
-        optimizer = BYTES_PER_PARAM["optimizer"] * params
-        weights, gradients = BYTES_PER_PARAM["weights"] * params, BYTES_PER_PARAM["gradients"] * params
-        if optimizer_sharded(recipe):
-            # Optimizer parallel slices the stored fp32 weights over DP at every level; at level1
-            # and level2 the all-gathered copy stays alive from forward to backward, at level3 it is
-            # re-gathered for backward, leaving roughly one layer's gathered weights at a time.
-            level = recipe.parallel.parallel_optimizer_config.optimizer_level
-            gathered = weights if level in ("level1", "level2") else _ceil_div(weights, max(layers, 1))
-            weights = _ceil_div(weights, dp) + gathered
-            if level in ("level2", "level3"):
-                gradients = _ceil_div(gradients, dp)
         stages.append(StageMemory(
-            stage=stage, layers=layers, parameters=params, in_flight=in_flight,
-            weight_bytes=weights,
-            gradient_bytes=gradients,
-            optimizer_bytes_unsharded=optimizer,
-            optimizer_bytes_sharded=_ceil_div(optimizer, dp),
-            activation_bytes={mode: layers * per_layer[mode] * in_flight + working[mode] for mode in RECOMPUTE_MODES},
-            logits_bytes=logits_bytes(cfg, b, tp) if stage == pp - 1 else 0))
+            stage=stage, layers=layers,
+            parameters=stage_parameters(cfg, stage, layers, pp, p.model_parallel, p.vocab_emb_dp),
+            in_flight=in_flight,
+            terms={mode: stage_terms(recipe, stage, layers, mode, in_flight) for mode in RECOMPUTE_MODES}))
     return stages
+
+
+def checkpoint_bytes(recipe) -> tuple:
+    """(bytes the largest rank saves, bytes all ranks save) per checkpoint: the persistent terms but accu_grads.
+
+    training/checkpoint.py NOT_SAVED leaves accu_grads out (zeros at every save); each rank saves
+    its own slices, so the total is every stage's rank bytes x DP x TP.
+    """
+    p = recipe.parallel_config
+    per_stage = [sum(t.bytes for t in s.terms["none"] if t.persistent and t.category != "accu_grads")
+                 for s in stage_memory(recipe)]
+    return max(per_stage), sum(per_stage) * p.data_parallel * p.model_parallel
 
 
 def _ceil_div(n: int, d: int) -> int:
@@ -372,7 +498,7 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
     notes = []
 
     stages = stage_memory(recipe)
-    totals = [s.total(mode, shard) for s in stages]
+    totals = [s.total(mode) for s in stages]
     worst = stages[totals.index(max(totals))]
     total = max(totals)
 
@@ -393,14 +519,9 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
     if recipe.parallel.enable_parallel_optimizer and recipe.parallel.parallel_mode not in (1, 2):
         notes.append("parallel.enable_parallel_optimizer: MindSpore shards optimizer states only in semi-auto/auto "
                      f"parallel (parallel_mode 1 or 2), so it is not counted ({MINDSPORE_OPTIMIZER_PARALLEL})")
-    if shard:
-        level = recipe.parallel.parallel_optimizer_config.optimizer_level
-        notes.append(f"optimizer parallel {level} over DP {p.data_parallel}: weights = 1/DP fp32 slice + the "
-                     + ("all-gathered copy, alive from forward to backward" if level != "level3"
-                        else "gathered weights of about one layer at a time")
-                     + ("; gradients sliced over DP" if level != "level1" else "; gradients whole")
-                     + f" ({MINDSPORE_OPTIMIZER_PARALLEL})")
-
+    if cfg.param_dtype != "float32" and recipe.optimizer.type != "FoldedAdamW":
+        notes.append(f"model.model_config.param_dtype {cfg.param_dtype} with optimizer.type {recipe.optimizer.type}: "
+                     "no float32 master copy (MindFormers' AdamW updates 16-bit weights in place)")
     fpt = flops_per_token(cfg)
     tokens = recipe.tokens_per_step
     step_time = tokens * fpt / (recipe.world_size * peak * mfu) if peak else None
@@ -413,19 +534,17 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
         seq_length=cfg.seq_length, parameters=param_count(cfg, p.model_parallel),
         stage=worst.stage, stage_layers=[s.layers for s in stages], stage_parameters=worst.parameters,
         in_flight=worst.in_flight, recompute=mode, optimizer_sharded=shard,
-        weight_bytes=worst.weight_bytes, gradient_bytes=worst.gradient_bytes,
-        optimizer_bytes=worst.optimizer_bytes_sharded if shard else worst.optimizer_bytes_unsharded,
-        optimizer_bytes_unsharded=worst.optimizer_bytes_unsharded,
-        optimizer_bytes_sharded=worst.optimizer_bytes_sharded,
-        activation_bytes=worst.activation_bytes[mode],
-        activation_bytes_none=worst.activation_bytes["none"],
-        activation_bytes_selective=worst.activation_bytes["selective"],
-        activation_bytes_full=worst.activation_bytes["full"],
-        logits_bytes=worst.logits_bytes, total_bytes=total, stage_total_bytes=totals,
+        terms=worst.terms[mode],
+        activation_bytes_none=worst.bytes_of("activations", "none"),
+        activation_bytes_selective=worst.bytes_of("activations", "selective"),
+        activation_bytes_full=worst.bytes_of("activations", "full"),
+        total_bytes=total, stage_total_bytes=totals,
         fits=None if budget is None else total <= budget,
         headroom_bytes=None if budget is None else budget - total,
         flops_per_token=fpt, tokens_per_step=tokens, step_time_s=step_time,
-        levers=_unused_levers(recipe, stages, mode, shard, total), notes=notes,
+        checkpoint_rank_bytes=checkpoint_bytes(recipe)[0], checkpoint_total_bytes=checkpoint_bytes(recipe)[1],
+        speed=speed_estimate(recipe, spec, mfu) if peak else None,
+        levers=_unused_levers(recipe, mode, shard, total), notes=notes,
         attention=("FlashAttention (FlashAttentionScore; no S x S scores kept)" if cfg.use_flash_attention
                    else "math path (fp32 S x S scores per layer)"),
         sharding=(f"every operator split by DP {p.data_parallel}; TP {p.model_parallel} splits heads from q/k/v to "
@@ -434,11 +553,90 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
                   else f"every operator split by DP {p.data_parallel}; no tensor parallelism"))
 
 
+# Published Llama 2 7B pretraining speeds, seq 4096 on 8 x 910B, tokens/s per device: MindFormers' README
+# (Llama 2 7B pretrain table) and MindSpeed-LLM's (Llama 2 7B, 69% MFU); the issue's figures.
+PUBLISHED_TOKENS_PER_S = {"MindFormers": 4160, "MindSpeed-LLM": 4672}
+# Assumptions for the non-matmul terms (no Huawei datasheet figure): 910B HBM ~1.6 TB/s; intra-node HCCL
+# collectives at ~100 GB/s bus bandwidth per device, not overlapped with compute (no parallel_speed_up_json).
+HBM_BYTES_PER_S = 1.6e12
+LINK_BYTES_PER_S = 100e9
+
+
+@dataclass
+class SpeedEstimate:
+    """Seconds per step, term by term, for one device of the heaviest stage; assumptions stated in `notes`."""
+
+    terms: list            # [(label, seconds)]
+    step_time_s: float
+    tokens_per_s_per_device: float
+    notes: list = field(default_factory=list)
+
+
+def speed_estimate(recipe, spec: DeviceSpec, mfu: float) -> Optional[SpeedEstimate]:
+    """Step time as the sum of its terms (the issue's "Speed" list), without overlap between them."""
+    cfg = recipe.model.model_config
+    p = recipe.parallel_config
+    peak = spec.peak_flops_fp32 if cfg.compute_dtype == "float32" else spec.peak_flops_16bit
+    if not peak:
+        return None
+    dp, tp, pp = p.data_parallel, p.model_parallel, p.pipeline_stage
+    micro_batches = recipe.tokens_per_step // (dp * recipe.runner_config.batch_size * cfg.seq_length)
+    tokens_device = recipe.tokens_per_step / recipe.world_size
+    compute = tokens_device * flops_per_token(cfg) / (peak * mfu)
+    terms = [(f"matmuls and attention at {mfu:.0%} MFU", compute)]
+    mode = recompute_mode(recipe)
+    if mode == "full":
+        terms.append(("full recompute: one more forward (1/3 of the compute)", compute / 3))
+    if pp > 1:
+        terms.append((f"pipeline bubble: (PP - 1) / micro-batches = {pp - 1}/{micro_batches}",
+                      compute * (pp - 1) / micro_batches))
+    stage = max(stage_memory(recipe), key=lambda s: s.total(mode))
+    whole = sum(n * DTYPE_BYTES[d] for _, n, d in stage_tensors(cfg, stage.stage, stage.layers, pp, tp,
+                                                                p.vocab_emb_dp))
+    elements = stage.parameters
+    if cfg.param_dtype == "float32" and cfg.compute_dtype != "float32":
+        # every Linear casts its float32 weight per use: read 4 B, write 2 B, per micro-batch (and in backward)
+        terms.append(("fp32 weights cast to 16-bit per micro-batch", 2 * micro_batches * 6 * elements
+                      / HBM_BYTES_PER_S))
+    if optimizer_sharded(recipe):
+        level = recipe.parallel.parallel_optimizer_config.optimizer_level
+        gathers = 2 if level == "level3" else 1
+        share = (dp - 1) / dp
+        terms.append((f"optimizer parallel {level}: all-gather weights {gathers}x per micro-batch",
+                      gathers * micro_batches * share * whole / LINK_BYTES_PER_S))
+        if level in ("level2", "level3"):
+            terms.append((f"optimizer parallel {level}: reduce-scatter gradients per micro-batch",
+                          micro_batches * share * whole / LINK_BYTES_PER_S))
+        else:
+            terms.append(("gradients reduced across DP once per step", share * whole / LINK_BYTES_PER_S))
+    elif dp > 1:
+        terms.append(("gradient all-reduce across DP once per step", 2 * (dp - 1) / dp * whole / LINK_BYTES_PER_S))
+    if tp > 1:
+        e = DTYPE_BYTES[cfg.compute_dtype]
+        sbh = recipe.runner_config.batch_size * cfg.seq_length * cfg.hidden_size * e
+        terms.append((f"TP {tp}: 4 all-reduces of the hidden states per layer per micro-batch",
+                      4 * stage.layers * micro_batches * 2 * (tp - 1) / tp * sbh / LINK_BYTES_PER_S))
+    # AdamW reads and writes m, v, the weight (and its master) and reads the gradient: memory-bound.
+    local = elements / (dp if optimizer_sharded(recipe) else 1)
+    per_element = 8 * 2 + (4 + 2 * 2 if cfg.param_dtype != "float32" else 4 * 2) + DTYPE_BYTES[cfg.param_dtype]
+    terms.append(("AdamW update (memory-bound; one fused kernel per parameter)", local * per_element / HBM_BYTES_PER_S))
+    step = sum(t for _, t in terms)
+    notes = [f"assumed: {mfu:.0%} MFU for the matmuls, HBM {HBM_BYTES_PER_S / 1e12:.1f} TB/s, collectives at "
+             f"{LINK_BYTES_PER_S / 1e9:.0f} GB/s bus bandwidth and no overlap (approximate; no Huawei datasheet)"]
+    return SpeedEstimate(terms, step, tokens_device / step, notes)
+
+
 OPTIMIZER_LEVELS = ("level1", "level2", "level3")
+HEADROOM = 0.10  # share of the budget a shipped recipe leaves free: the plan is a model, not a measurement
+
+
+def has_headroom(plan: "Plan", share: float = HEADROOM) -> bool:
+    """Whether the plan fits with `share` of the budget to spare."""
+    return bool(plan.fits) and plan.headroom_bytes >= share * plan.device_memory_bytes
 
 
 def lowest_fitting_optimizer_level(recipe, device: str = None) -> Optional[str]:
-    """The least-communicating optimizer-parallel level at which the recipe fits, None if none does.
+    """The least-communicating optimizer-parallel level at which the recipe fits with HEADROOM, None if none does.
 
     level1 gathers the weights once per step, level2 also reduce-scatters gradients, level3
     re-gathers the fp32 weights for every micro-batch's backward; so the lowest level that fits wins.
@@ -448,24 +646,38 @@ def lowest_fitting_optimizer_level(recipe, device: str = None) -> Optional[str]:
     for level in OPTIMIZER_LEVELS:
         trial = copy_with(recipe, parallel=copy_with(recipe.parallel, parallel_optimizer_config=copy_with(
             config, optimizer_level=level)))
-        if plan(trial, device).fits:
+        if has_headroom(plan(trial, device)):
             return level
     return None
 
 
-def _unused_levers(recipe, stages, mode, shard, total) -> list:
+def _with(recipe, **changes):
+    """The recipe with parallel / recompute settings changed (for the levers' what-ifs)."""
+    from dataclasses import replace as copy_with
+    if "recompute" in changes:
+        recipe = copy_with(recipe, recompute_config=copy_with(recipe.recompute_config, recompute=True,
+                                                              select_recompute=False))
+    if "shard" in changes:
+        recipe = copy_with(recipe, parallel=copy_with(recipe.parallel, enable_parallel_optimizer=True))
+    return recipe
+
+
+def _unused_levers(recipe, mode, shard, total) -> list:
     """FIELD_NOTES section 4's memory levers the recipe does not use yet, in order, with savings."""
     p = recipe.parallel_config
     levers = []
     if mode != "full":
-        full = max(s.total("full", shard) for s in stages)
+        full = max(s.total("full") for s in stage_memory(_with(recipe, recompute=True)))
         levers.append(f"{'full ' if mode == 'selective' else ''}recompute "
                       f"(full: -{(total - full) / GB:.2f} GB, ~20-40% more compute)")
     if not shard:
         if p.data_parallel > 1:
-            sharded = max(s.total(mode, True) for s in stages)
             needs = "" if recipe.parallel.parallel_mode in (1, 2) else "; needs parallel.parallel_mode 1"
-            levers.append(f"optimizer-state sharding (-{(total - sharded) / GB:.2f} GB at DP {p.data_parallel}{needs})")
+            if recipe.parallel.parallel_mode in (1, 2):
+                sharded = max(s.total(mode) for s in stage_memory(_with(recipe, shard=True)))
+                levers.append(f"optimizer-state sharding (-{(total - sharded) / GB:.2f} GB at DP {p.data_parallel})")
+            else:
+                levers.append(f"optimizer-state sharding (at DP {p.data_parallel}{needs})")
         else:
             levers.append("optimizer-state sharding (needs data_parallel > 1)")
     if p.pipeline_stage == 1:
@@ -483,8 +695,6 @@ def format_plan(plan: Plan) -> str:
     """A readable table: one line per component (GB), the verdict, the step time."""
     tp, pp = plan.tensor_parallel, plan.pipeline_stages
     budget = "unknown" if plan.device_memory_bytes is None else f"{_gb(plan.device_memory_bytes)} GB"
-    opt_label = (f"optimizer states (AdamW m, v; fp32; sharded over DP {plan.data_parallel})" if plan.optimizer_sharded
-                 else "optimizer states (AdamW m, v; fp32)")
     stage_desc = (f"stage {plan.stage} of {pp} ({plan.stage_layers[plan.stage]} layers"
                   f"{', embedding' if plan.stage == 0 else ''}{', output projection' if plan.stage == pp - 1 else ''})"
                   if pp > 1 else f"all {plan.stage_layers[0]} layers")
@@ -499,27 +709,19 @@ def format_plan(plan: Plan) -> str:
         f"{plan.seq_length}, {plan.compute_dtype} compute, {plan.in_flight} micro-batch"
         f"{'es' if plan.in_flight > 1 else ''} in flight",
         "",
-        f"{'component':<58}{'GB':>9}",
+        f"{'buffer (what allocates each: sources, below)':<72}{'GB':>9}",
     ]
 
     def row(label, n, mark=""):
-        lines.append(f"{label:<58}{_gb(n):>9}{mark}")
+        lines.append(f"{label:<72}{_gb(n):>9}{mark}")
 
-    row(f"weights (fp32 master{', split by TP' if tp > 1 else ''})", plan.weight_bytes)
-    row("gradients (fp32)", plan.gradient_bytes)
-    row(opt_label, plan.optimizer_bytes)
-    other = plan.optimizer_bytes_unsharded if plan.optimizer_sharded else plan.optimizer_bytes_sharded
-    if plan.data_parallel > 1:
-        lines.append(f"  ({'without' if plan.optimizer_sharded else 'with'} sharding over DP {plan.data_parallel}: "
-                     f"{_gb(other)} GB)")
+    for term in plan.terms:
+        row(term.label, term.bytes)
     for mode, label in (("none", "no recompute"), ("selective", "selective recompute (core attention)"),
                         ("full", "full recompute (layer inputs + one layer rebuilt)")):
-        chosen = mode == plan.recompute
-        row(f"activations, {label}", getattr(plan, f"activation_bytes_{mode}"),
-            "  <- recipe" if chosen else "")
-    if plan.logits_bytes:
-        row("logits and loss (vocabulary split by TP, fp32, last stage)", plan.logits_bytes)
-    lines.append("-" * 67)
+        if mode != plan.recompute:
+            lines.append(f"  (activations with {label}: {_gb(getattr(plan, f'activation_bytes_{mode}'))} GB)")
+    lines.append("-" * 81)
     row("total", plan.total_bytes)
     if pp > 1:
         lines.append("  per stage: " + ", ".join(_gb(t) for t in plan.stage_total_bytes) + " GB")
@@ -532,6 +734,21 @@ def format_plan(plan: Plan) -> str:
             f"({plan.tokens_per_step / plan.step_time_s:,.0f} tokens/s)")
     lines.append(f"compute: {plan.flops_per_token / 1e9:,.3f} GFLOP/token x {plan.tokens_per_step:,} tokens/step; "
                  + step)
+    if plan.speed is not None:
+        lines.append("step time, term by term (one device):")
+        for label, seconds in plan.speed.terms:
+            lines.append(f"  {label:<70}{seconds:>9.3f} s")
+        lines.append(f"  {'estimated step':<70}{plan.speed.step_time_s:>9.3f} s")
+        published = ", ".join(f"{name} {value:,}" for name, value in PUBLISHED_TOKENS_PER_S.items())
+        ratio = plan.speed.tokens_per_s_per_device / PUBLISHED_TOKENS_PER_S["MindSpeed-LLM"]
+        lines.append(f"  => {plan.speed.tokens_per_s_per_device:,.0f} tokens/s/device; published for Llama 2 7B, seq "
+                     f"4096, 8 x 910B: {published} ({ratio:.0%} of MindSpeed-LLM's)")
+        lines.extend(f"  {n}" for n in plan.speed.notes)
+    lines.append(f"checkpoint per save: {_gb(plan.checkpoint_rank_bytes)} GB per rank, "
+                 f"{_gb(plan.checkpoint_total_bytes)} GB in all (weights, masters, moments, step; not accu_grads)")
+    lines.append("sources:")
+    for category in dict.fromkeys(t.category for t in plan.terms):
+        lines.append(f"  [{category}] {SOURCES[category]}")
     lines.extend(f"note: {n}" for n in plan.notes)
     return "\n".join(lines)
 

@@ -30,7 +30,6 @@ from typing import Literal, Optional
 import yaml
 
 from ascend_llm_recipes.common.errors import LaunchError, PretrainError
-from ascend_llm_recipes.models.arithmetic import param_count
 from ascend_llm_recipes.training.run_files import PREFLIGHT_JSON, PREFLIGHT_TXT
 
 SUPPORTED_VERSIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supported_versions.yaml")
@@ -58,7 +57,6 @@ HCCL_RANGES = {"connect_timeout": (120, 7200), "exec_timeout": (0, 2**31 - 1), "
 # so allocations fail minutes into training. 262144 is the value commonly recommended for
 # large-memory services (not taken from an Ascend document).
 MIN_MAX_MAP_COUNT = 262144
-BYTES_PER_PARAM = 4 * 3  # fp32 weights + AdamW's two fp32 moments (measured: demo_cpu estimate within 0.02%)
 
 
 @dataclass
@@ -554,8 +552,11 @@ def check_output_dir(recipe, run_dir: Optional[str] = None) -> list:
 
 
 def checkpoint_bytes(recipe) -> int:
-    """One checkpoint: every (padded) parameter in fp32 plus AdamW's two fp32 moments."""
-    return param_count(recipe.model.model_config, recipe.parallel_config.model_parallel) * BYTES_PER_PARAM
+    """One save of every rank: what the planner counts (training/planner.py checkpoint_bytes: weights in their
+    dtype, float32 masters of 16-bit weights, AdamW moments, the step; each rank its own slices; no accu_grads)."""
+    from ascend_llm_recipes.training.planner import checkpoint_bytes as planned
+
+    return planned(recipe)[1]
 
 
 def check_disk(recipe, run_dir: Optional[str] = None) -> list:
@@ -564,16 +565,15 @@ def check_disk(recipe, run_dir: Optional[str] = None) -> list:
     if not monitors:
         return [Finding("ok", "disk", "no CheckpointMonitor in callbacks: no checkpoints are written", {})]
     keep = sum(m.keep_checkpoint_max for m in monitors)
-    copies = recipe.parallel_config.data_parallel  # every rank writes its own checkpoints/step_N/rank_R
-    one = checkpoint_bytes(recipe)
-    needed = one * keep * copies
+    one = checkpoint_bytes(recipe)  # every rank writes its own checkpoints/step_N/rank_R
+    needed = one * keep
     where = _existing_parent(run_dir or recipe.output_dir)
     free = shutil.disk_usage(where).free
-    data = {"checkpoint_bytes": one, "keep_checkpoint_max": keep, "copies": copies, "needed_bytes": needed,
+    data = {"checkpoint_bytes": one, "keep_checkpoint_max": keep, "ranks": recipe.world_size, "needed_bytes": needed,
             "free_bytes": free, "path": where}
-    arithmetic = (f"{_human(one)} per checkpoint (parameters x 4 B x 3: weights + AdamW moments) x "
-                  f"keep_checkpoint_max {keep} x {copies} data-parallel rank(s) = {_human(needed)}; "
-                  f"{_human(free)} free at {where}")
+    arithmetic = (f"{_human(one)} per checkpoint ({recipe.world_size} rank(s): weights, AdamW moments, float32 "
+                  f"masters of 16-bit weights; bash scripts/run_distributed.sh RECIPE --plan itemises it) x "
+                  f"keep_checkpoint_max {keep} = {_human(needed)}; {_human(free)} free at {where}")
     if needed > free:
         return [Finding("error", "disk", f"checkpoints will not fit: {arithmetic}. Free space, point output_dir "
                         "at a larger disk (--set output_dir=...), or lower keep_checkpoint_max", data)]
