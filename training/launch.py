@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -134,8 +133,15 @@ def msrun_log_name(cluster: Cluster) -> str:
 
 
 def msrun_command(cluster: Cluster, run_dir: str) -> list:
-    msrun = shutil.which("msrun") or "msrun"
-    return [msrun, f"--worker_num={cluster.world_size}", f"--local_worker_num={cluster.local_workers}",
+    """msrun run by this Python (its console script is mindspore.parallel.cluster.run:main).
+
+    The `msrun` on PATH can belong to another installation: a pyenv shim, for one, runs it through
+    `pyenv exec`, which puts pyenv's own bin first on PATH, and msrun starts each worker as plain
+    `python` (mindspore/parallel/cluster/process_entity/_utils.py:104-106): the workers would then
+    import another copy of ascend_llm_recipes than the launcher's, without a word.
+    """
+    return [sys.executable, "-m", "mindspore.parallel.cluster.run", f"--worker_num={cluster.world_size}",
+            f"--local_worker_num={cluster.local_workers}",
             f"--master_addr={cluster.master_addr}", f"--master_port={cluster.master_port}",
             f"--node_rank={cluster.node_rank}", f"--log_dir={os.path.join(run_dir, LOGS)}", "--join=True",
             WORKER_SCRIPT, "--run-dir", run_dir]
@@ -144,6 +150,8 @@ def msrun_command(cluster: Cluster, run_dir: str) -> list:
 def worker_env(run_dir: str, local_workers: int, hccl: dict = None) -> dict:
     """Environment for msrun and its workers: identical HCCL settings on every rank, set before init."""
     env = dict(os.environ, LOCAL_DEFAULT_PATH=run_dir)
+    # msrun starts the workers as `python`: this Python, the one that imported this package.
+    env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable), os.environ.get("PATH")) if p)
     env.update(hccl or {})
     # msrun sets OMP_NUM_THREADS=1 unless it is already set, which halves CPU kernel speed
     # on a 2-core machine; share the cores between the local workers instead.
@@ -431,7 +439,7 @@ def report_failure(run_dir: str, cluster: Cluster, outcome: JobOutcome, group: N
     return report
 
 
-def job_complete(run_dir: str, ranks, world_size: int) -> bool:
+def job_complete(run_dir: str, ranks) -> bool:
     """Every rank of this node wrote 'done' and, on the node of rank 0, the summary's final checkpoint is complete."""
     from ascend_llm_recipes.training.checkpoint import complete_steps
 
@@ -444,7 +452,7 @@ def job_complete(run_dir: str, ranks, world_size: int) -> bool:
             summary = json.load(f)
     except (OSError, json.JSONDecodeError):
         return False
-    return summary.get("checkpoint") is None or summary["last_step"] in complete_steps(run_dir, world_size)
+    return summary.get("checkpoint") is None or summary["last_step"] in complete_steps(run_dir)
 
 
 def format_summary(summary: dict) -> str:
@@ -606,7 +614,7 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
     while True:
         outcome = run_watched(command, env, run_dir, cluster.ranks, recipe.monitoring.hang_timeout,
                               msrun_log=msrun_log_name(cluster), nodes=group)
-        complete = job_complete(run_dir, cluster.ranks, cluster.world_size)
+        complete = job_complete(run_dir, cluster.ranks)
         lost = outcome.node_lost or (group.problem() if group is not None and not complete else "")
         if lost:
             print(report_lost(lost, cluster, run_dir), file=sys.stderr, flush=True)
