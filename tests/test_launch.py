@@ -66,22 +66,39 @@ def test_dataset_copied_without_index_files(tiny_dataset, tmp_path):
 def start_launcher(run_dir, dataset, recipe=TINY_RECIPE, *sets):
     """A launch that trains for minutes (50 epochs, no stop_step): it ends only when a test stops it.
 
-    Its stdout (msrun's and the workers' output too) goes to a file: a full pipe would block it.
+    Its stdout (msrun's and the workers' output too) and stderr go to files RUN_DIR.stdout and
+    RUN_DIR.stderr, which a test can read while it runs: a full pipe would block it.
     """
-    out = open(f"{run_dir}.stdout", "w+")
+    out, err = open(f"{run_dir}.stdout", "w+"), open(f"{run_dir}.stderr", "w+")
     proc = subprocess.Popen(["bash", LAUNCHER, recipe, "--set", f"output_dir={run_dir}",
                              "--set", f"train_dataset.data_loader.dataset_dir={dataset}",
                              "--set", "runner_config.stop_step=0", "--set", "runner_config.epochs=50", *sets],
-                            stdout=out, stderr=subprocess.PIPE, text=True)
-    proc.stdout_file = out
+                            stdout=out, stderr=err, text=True)
+    proc.output_files = out, err
     return proc
 
 
 def finish(proc, timeout=150):
     """(stdout, stderr) of a launch started by start_launcher, once it has exited."""
-    _, stderr = proc.communicate(timeout=timeout)
-    proc.stdout_file.seek(0)
-    return proc.stdout_file.read(), stderr
+    proc.wait(timeout=timeout)
+    texts = []
+    for f in proc.output_files:
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return tuple(texts)
+
+
+def wait_for_output(proc, run_dir, pattern, stream="stdout", timeout=120):
+    """The match of `pattern` in RUN_DIR.stdout (or .stderr) of a running launch started by start_launcher."""
+    deadline = time.time() + timeout
+    while True:
+        with open(f"{run_dir}.{stream}", encoding="utf-8") as f:
+            match = re.search(pattern, f.read())
+        if match:
+            return match
+        assert proc.poll() is None and time.time() < deadline, finish(proc)
+        time.sleep(0.3)
 
 
 def wait_for_steps(proc, run_dir, steps=3, timeout=240):
@@ -178,19 +195,36 @@ def test_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, capsys):
         lock_run_dir(recipe, cluster)
 
 
-def test_killed_launcher_stops_its_workers_within_seconds(tiny_dataset, tmp_path):
+def test_killed_launcher_stops_its_workers_and_the_same_command_right_away_continues(tiny_dataset, tmp_path):
+    """kill -9 of the launcher: its workers save at the end of their step and exit; the same command run at once
+    waits for the old job's processes (bounded, saying so) instead of refusing, then resumes from that save."""
     run_dir = tmp_path / "run"
     launcher = start_launcher(run_dir, tiny_dataset)
     wait_for_steps(launcher, run_dir)
     assert len(processes_of(run_dir)) >= 3  # msrun, its scheduler, the worker
+    steps_seen = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    msrun = [pid for pid, command in processes_of(run_dir) if "mindspore.parallel.cluster.run" in command]
     launcher.kill()
     finish(launcher)
-    deadline = time.time() + 45
-    while processes_of(run_dir) and time.time() < deadline:
-        time.sleep(0.5)
-    assert processes_of(run_dir) == []
-    status = json.loads((run_dir / "status" / "rank_0.json").read_text())
-    assert status["state"] == "done" and status["preempted"]  # it saved at the end of its step
+    # Hold the old job's msrun (it only waits for its children) so that it is still there when the same command
+    # comes back, however fast the rest of the old job stops and however slowly the new launcher starts.
+    os.kill(msrun[0], signal.SIGSTOP)
+    try:
+        again = start_launcher(run_dir, tiny_dataset)
+        wait_for_output(again, run_dir, rf"\[launch\] the launcher that held {run_dir} \(PID {launcher.pid}\) is gone; "
+                        r"waiting up to 45 s for its job's \d+ process\(es\) \([\d, ]+\) to save at the end of their "
+                        r"step and exit", stream="stderr")
+    finally:
+        os.kill(msrun[0], signal.SIGCONT)
+    resumed = int(wait_for_output(again, run_dir, rf"\[launch\] resuming {run_dir} from step (\d+)").group(1))
+    assert resumed >= steps_seen  # the step the orphaned worker saved at the end of, after the kill
+    wait_for_steps(again, run_dir, steps=resumed + 1)  # metrics.jsonl was cut back to the resumed step
+    again.send_signal(signal.SIGINT)
+    stdout, stderr = finish(again)
+    assert again.returncode == 4, stderr
+    waited = re.search(r"\[launch\] the previous job's processes exited after (\d+) s; continuing", stderr)
+    assert waited and int(waited.group(1)) <= 45, stderr
+    assert "are still" not in stderr and processes_of(run_dir) == []
 
 
 def test_a_failed_rank_stops_the_job_at_once_and_is_named(tiny_dataset, tmp_path):
@@ -285,6 +319,15 @@ def test_slurm_and_explicit_cluster_resolution():
     from ascend_llm_recipes.training.launch import main
     with pytest.raises(SystemExit):
         main([TINY_RECIPE, "--rendezvous-timeout", "0"])
+
+
+def test_msrun_and_its_workers_run_the_launchers_python(tmp_path):
+    """Not the `msrun` on PATH: a pyenv shim puts pyenv's own python first, and msrun starts workers as `python`."""
+    from ascend_llm_recipes.training.launch import Cluster, msrun_command, worker_env
+
+    command = msrun_command(Cluster(1, 0, "127.0.0.1", 8118, 2, 2), str(tmp_path))
+    assert command[:3] == [sys.executable, "-m", "mindspore.parallel.cluster.run"]
+    assert worker_env(str(tmp_path), 2)["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
 
 
 def test_dry_run_prints_the_msrun_command(tmp_path):
