@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -65,6 +66,15 @@ def test_dp2_weights_match_dp1(runs):
     a, b = final_weights(one, 0), final_weights(two, 0)
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_dp2_console_shows_each_step_once_on_a_whole_line(runs):
+    """What the launcher echoed (msrun's output): one rank's `[step N]` lines per node, never two on one line."""
+    _, two = runs
+    with open(os.path.join(two, "logs", "msrun.log"), encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f.read().splitlines() if "[step " in line]
+    pattern = r"\[step (\d+)\] loss [\d.]+ lr \S+ grad_norm \S+ step \d+ ms .* MFU \S+( \[includes graph compile\])?"
+    assert [int(re.fullmatch(pattern, line).group(1)) for line in lines] == list(range(1, STEPS + 1)), lines
 
 
 def test_collective_self_test_ran_on_every_rank(runs):

@@ -21,6 +21,73 @@ def run_launcher(*args, timeout=300):
     return subprocess.run(["bash", LAUNCHER, *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def bare_python3(tmp_path_factory):
+    """bin/ of a Python with the standard library only (a venv without site-packages), whose only name is
+    python3 (as on Debian without python-is-python3)."""
+    venv = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    os.remove(venv / "bin" / "python")
+    return str(venv / "bin")
+
+
+@pytest.fixture(scope="module")
+def package_copy(tmp_path_factory):
+    """A directory holding ascend_llm_recipes as `pip install .` (non-editable) installs it: the package only."""
+    source = tmp_path_factory.mktemp("source")
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(REPO_ROOT, name), source)
+    for folder in ("common", "models", "data", "training"):  # not the checkout itself: pip builds in the tree
+        shutil.copytree(os.path.join(REPO_ROOT, folder), source / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path_factory.mktemp("site-packages")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--no-compile", "--target", str(target), str(source)], check=True, timeout=600)
+    return str(target)
+
+
+def shell_tools(directory) -> str:
+    """A PATH directory with the tools the launcher script uses and no Python."""
+    os.makedirs(directory)
+    for tool in ("dirname", "grep", "tail", "sed"):
+        os.symlink(shutil.which(tool), os.path.join(directory, tool))
+    return str(directory)
+
+
+def test_launcher_names_the_python_it_found_and_the_real_import_error(bare_python3, package_copy, tmp_path):
+    tools = shell_tools(tmp_path / "tools")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    bash = shutil.which("bash")
+    result = subprocess.run([bash, LAUNCHER, TINY_RECIPE], capture_output=True, text=True, timeout=120,
+                            env=dict(env, PATH=f"{bare_python3}{os.pathsep}{tools}"))
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: the ascend_llm_recipes package is not installed in this Python "
+                                    f"({bare_python3}/python3);\n  install it once from the repository root: "
+                                    f'pip install -e "{os.path.realpath(REPO_ROOT)}"'), result.stderr
+    # Installed, but without its dependencies: the import error itself, not "not installed".
+    result = subprocess.run([bash, LAUNCHER, TINY_RECIPE], capture_output=True, text=True, timeout=120,
+                            env=dict(env, PATH=f"{bare_python3}{os.pathsep}{tools}", PYTHONPATH=package_copy))
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: {bare_python3}/python3 cannot import ascend_llm_recipes.training.launch: "
+                                    "ModuleNotFoundError: No module named 'yaml'\n"), result.stderr
+    assert re.search(rf'\n  raised at "{package_copy}/ascend_llm_recipes/training/\w+\.py", line \d+, in <module>\n',
+                     result.stderr), result.stderr
+    result = subprocess.run([bash, LAUNCHER, TINY_RECIPE], capture_output=True, text=True, timeout=120,
+                            env=dict(env, PATH=tools))
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: no python or python3 on PATH;"), result.stderr
+
+
+def test_launcher_says_a_non_editable_install_is_a_copy_not_a_checkout(package_copy):
+    result = subprocess.run(["bash", LAUNCHER, TINY_RECIPE], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=package_copy))
+    assert result.returncode == 2
+    assert f"imports ascend_llm_recipes from {package_copy}/ascend_llm_recipes, a copy of the package installed " \
+           "without its checkout (`pip install .` without -e): that copy's code runs" in result.stderr, result.stderr
+    assert "checkout's code runs" not in result.stderr
+    assert f"error: the msrun worker {package_copy}/ascend_llm_recipes/scripts/train.py is missing" in result.stderr
+
+
 def test_missing_recipe_file():
     result = run_launcher("recipes/does_not_exist.yaml")
     assert result.returncode == 2

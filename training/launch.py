@@ -139,12 +139,14 @@ def msrun_command(cluster: Cluster, run_dir: str) -> list:
     `pyenv exec`, which puts pyenv's own bin first on PATH, and msrun starts each worker as plain
     `python` (mindspore/parallel/cluster/process_entity/_utils.py:104-106): the workers would then
     import another copy of ascend_llm_recipes than the launcher's, without a word.
+    msrun echoes the log of this node's first rank only (every rank records the same agreed step, and
+    several `tail -f` into one output interleave): each rank's own log is RUN_DIR/logs/worker_N.log.
     """
     return [sys.executable, "-m", "mindspore.parallel.cluster.run", f"--worker_num={cluster.world_size}",
             f"--local_worker_num={cluster.local_workers}",
             f"--master_addr={cluster.master_addr}", f"--master_port={cluster.master_port}",
             f"--node_rank={cluster.node_rank}", f"--log_dir={os.path.join(run_dir, LOGS)}", "--join=True",
-            WORKER_SCRIPT, "--run-dir", run_dir]
+            f"--tail_worker_log={cluster.ranks.start}", WORKER_SCRIPT, "--run-dir", run_dir]
 
 
 def worker_env(run_dir: str, local_workers: int, hccl: dict = None) -> dict:
@@ -611,6 +613,9 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
           f"{cluster.ranks.stop - 1} of {cluster.world_size}; "
           + " ".join(f"{k}={v}" for k, v in sorted(hccl.items())), flush=True)
     print(f"[launch] {' '.join(command)}", flush=True)
+    if cluster.local_workers > 1:
+        print(f"[launch] showing rank {cluster.ranks.start}'s output; every rank's is in "
+              f"{os.path.join(run_dir, LOGS, 'worker_N.log')}", flush=True)
     while True:
         outcome = run_watched(command, env, run_dir, cluster.ranks, recipe.monitoring.hang_timeout,
                               msrun_log=msrun_log_name(cluster), nodes=group)
