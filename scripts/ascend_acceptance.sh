@@ -10,12 +10,9 @@
 #   bash scripts/ascend_acceptance.sh [OUT_DIR]
 #   DRY_RUN=1 bash scripts/ascend_acceptance.sh [OUT_DIR]     # print every command, run nothing
 set -euo pipefail
-if ! python -c "import ascend_llm_recipes.training" 2>/dev/null; then
-  echo "error: the ascend_llm_recipes package is not installed in this Python ($(command -v python));" >&2
-  echo "  install it once from the repository root: pip install -e \"$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)\"" >&2
-  exit 2
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/python_env.sh"
+require_package ascend_llm_recipes.training.acceptance
 if [[ -n "${DRY_RUN:-}" && "${DRY_RUN}" != "0" ]]; then
-  exec python -m ascend_llm_recipes.training.acceptance --dry-run "$@"
+  exec "${PYTHON}" -m ascend_llm_recipes.training.acceptance --dry-run "$@"
 fi
-exec python -m ascend_llm_recipes.training.acceptance "$@"
+exec "${PYTHON}" -m ascend_llm_recipes.training.acceptance "$@"

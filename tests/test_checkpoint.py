@@ -292,7 +292,7 @@ def test_truncated_file_and_another_model(baseline, tmp_path):
     with open(ckpt, "r+b") as f:
         f.truncate(os.path.getsize(ckpt) // 2)
     assert any("(truncated?)" in p for p in verify_step(copy, 1, parameter_shapes(cfg)))
-    step, _ = newest_valid_step(str(tmp_path), 1)
+    step, _ = newest_valid_step(str(tmp_path))
     assert step is None
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -67,6 +68,15 @@ def test_dp2_weights_match_dp1(runs):
         np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def test_dp2_console_shows_each_step_once_on_a_whole_line(runs):
+    """What the launcher echoed (msrun's output): one rank's `[step N]` lines per node, never two on one line."""
+    _, two = runs
+    with open(os.path.join(two, "logs", "msrun.log"), encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f.read().splitlines() if "[step " in line]
+    pattern = r"\[step (\d+)\] loss [\d.]+ lr \S+ grad_norm \S+ step \d+ ms .* MFU \S+( \[includes graph compile\])?"
+    assert [int(re.fullmatch(pattern, line).group(1)) for line in lines] == list(range(1, STEPS + 1)), lines
+
+
 def test_collective_self_test_ran_on_every_rank(runs):
     _, two = runs
     for rank in (0, 1):
@@ -74,22 +84,40 @@ def test_collective_self_test_ran_on_every_rank(runs):
             assert f"[rank {rank}] collective self-test passed: all-reduce over 2 ranks = 3" in f.read()
 
 
-def test_resume_at_dp1_from_a_dp2_checkpoint_continues_with_the_right_samples(runs, tiny_dataset, tmp_path):
-    """Save at data parallel 2, resume at data parallel 1 (same global batch): the DP1 trajectory continues."""
+@pytest.mark.parametrize("saved_at, resumed_at", [(DP2_RECIPE, TINY_RECIPE), (TINY_RECIPE, DP2_RECIPE)],
+                         ids=["dp2_then_dp1", "dp1_then_dp2"])
+def test_resume_at_another_data_parallel_degree_continues_the_dp1_trajectory(runs, tiny_dataset, tmp_path, capsys,
+                                                                             saved_at, resumed_at):
+    """Save at one data-parallel degree, resume at the other (same global batch): the DP1 trajectory continues.
+
+    A step saved by fewer ranks than the new world size is complete (every rank it was saved by wrote its
+    manifest): the new ranks resume from rank 0's file, none of it is set aside, nothing retrains from step 0.
+    """
     one, _ = runs
-    run_dir = str(tmp_path / "dp2_then_dp1")
+    run_dir = str(tmp_path / "run")
     common = [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
               "train_dataset.data_loader.shuffle=False", "callbacks.1.save_checkpoint_steps=4",
               f"lr_schedule.total_steps={STEPS}"]
-    assert launch(DP2_RECIPE, [*common, "runner_config.stop_step=4"], show_progress=False) == 0
+    assert launch(saved_at, [*common, "runner_config.stop_step=4"], show_progress=False) == 0
+    capsys.readouterr()
     # Another layout and stop_step: accepted as a recorded amendment (the global batch stays 4).
-    assert launch(TINY_RECIPE, [*common, f"runner_config.stop_step={STEPS}"], show_progress=False, amend=True) == 0
+    assert launch(resumed_at, [*common, f"runner_config.stop_step={STEPS}"], show_progress=False, amend=True) == 0
+    out = capsys.readouterr().out
+    assert f"resuming {run_dir} from step 4" in out and "skipping invalid checkpoint" not in out, out
+    assert not os.path.exists(os.path.join(run_dir, "checkpoints", "invalid"))
     with open(os.path.join(run_dir, "amendments.jsonl"), encoding="utf-8") as f:
         changed = {a["key"]: (a["step"], a["old"], a["new"]) for a in map(json.loads, f)}
-    assert changed["parallel_config.data_parallel"] == (4, 2, 1) and changed["runner_config.batch_size"] == (4, 2, 4)
-    resumed = losses(os.path.join(run_dir, "metrics.jsonl"))[4:]
-    assert len(resumed) == STEPS - 4
-    assert np.allclose(resumed, losses(os.path.join(one, "metrics.jsonl"))[4:], rtol=2e-5, atol=2e-5)
+    dp = (2, 1) if saved_at == DP2_RECIPE else (1, 2)
+    assert changed["parallel_config.data_parallel"] == (4, *dp)
+    assert changed["runner_config.batch_size"] == (4, 4 // dp[0], 4 // dp[1])
+    single = losses(os.path.join(one, "metrics.jsonl"))
+    run = records(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in run] == list(range(1, STEPS + 1))
+    assert np.allclose([r["loss"] for r in run[4:]], single[4:], rtol=2e-5, atol=2e-5)
+    if resumed_at == DP2_RECIPE:  # the new rank 1 resumed too: same steps, same global loss
+        other = records(os.path.join(run_dir, "metrics_rank_1.jsonl"))
+        assert [r["step"] for r in other] == list(range(5, STEPS + 1))
+        assert [r["loss"] for r in other] == [r["loss"] for r in run[4:]]
 
 
 def test_dp2_run_interrupted_after_a_save_resumes_bitwise_on_both_ranks(runs, tiny_dataset, tmp_path):

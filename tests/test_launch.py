@@ -21,6 +21,73 @@ def run_launcher(*args, timeout=300):
     return subprocess.run(["bash", LAUNCHER, *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def bare_python3(tmp_path_factory):
+    """bin/ of a Python with the standard library only (a venv without site-packages), whose only name is
+    python3 (as on Debian without python-is-python3)."""
+    venv = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    os.remove(venv / "bin" / "python")
+    return str(venv / "bin")
+
+
+@pytest.fixture(scope="module")
+def package_copy(tmp_path_factory):
+    """A directory holding ascend_llm_recipes as `pip install .` (non-editable) installs it: the package only."""
+    source = tmp_path_factory.mktemp("source")
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(REPO_ROOT, name), source)
+    for folder in ("common", "models", "data", "training"):  # not the checkout itself: pip builds in the tree
+        shutil.copytree(os.path.join(REPO_ROOT, folder), source / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path_factory.mktemp("site-packages")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--no-compile", "--target", str(target), str(source)], check=True, timeout=600)
+    return str(target)
+
+
+def shell_tools(directory) -> str:
+    """A PATH directory with the tools the launcher script uses and no Python."""
+    os.makedirs(directory)
+    for tool in ("dirname", "grep", "tail", "sed"):
+        os.symlink(shutil.which(tool), os.path.join(directory, tool))
+    return str(directory)
+
+
+def test_launcher_names_the_python_it_found_and_the_real_import_error(bare_python3, package_copy, tmp_path):
+    tools = shell_tools(tmp_path / "tools")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    bash = shutil.which("bash")
+    result = subprocess.run([bash, LAUNCHER, TINY_RECIPE], capture_output=True, text=True, timeout=120,
+                            env=dict(env, PATH=f"{bare_python3}{os.pathsep}{tools}"))
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: the ascend_llm_recipes package is not installed in this Python "
+                                    f"({bare_python3}/python3);\n  install it once from the repository root: "
+                                    f'pip install -e "{os.path.realpath(REPO_ROOT)}"'), result.stderr
+    # Installed, but without its dependencies: the import error itself, not "not installed".
+    result = subprocess.run([bash, LAUNCHER, TINY_RECIPE], capture_output=True, text=True, timeout=120,
+                            env=dict(env, PATH=f"{bare_python3}{os.pathsep}{tools}", PYTHONPATH=package_copy))
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: {bare_python3}/python3 cannot import ascend_llm_recipes.training.launch: "
+                                    "ModuleNotFoundError: No module named 'yaml'\n"), result.stderr
+    assert re.search(rf'\n  raised at "{package_copy}/ascend_llm_recipes/training/\w+\.py", line \d+, in <module>\n',
+                     result.stderr), result.stderr
+    result = subprocess.run([bash, LAUNCHER, TINY_RECIPE], capture_output=True, text=True, timeout=120,
+                            env=dict(env, PATH=tools))
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: no python or python3 on PATH;"), result.stderr
+
+
+def test_launcher_says_a_non_editable_install_is_a_copy_not_a_checkout(package_copy):
+    result = subprocess.run(["bash", LAUNCHER, TINY_RECIPE], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=package_copy))
+    assert result.returncode == 2
+    assert f"imports ascend_llm_recipes from {package_copy}/ascend_llm_recipes, a copy of the package installed " \
+           "without its checkout (`pip install .` without -e): that copy's code runs" in result.stderr, result.stderr
+    assert "checkout's code runs" not in result.stderr
+    assert f"error: the msrun worker {package_copy}/ascend_llm_recipes/scripts/train.py is missing" in result.stderr
+
+
 def test_missing_recipe_file():
     result = run_launcher("recipes/does_not_exist.yaml")
     assert result.returncode == 2
@@ -66,22 +133,39 @@ def test_dataset_copied_without_index_files(tiny_dataset, tmp_path):
 def start_launcher(run_dir, dataset, recipe=TINY_RECIPE, *sets):
     """A launch that trains for minutes (50 epochs, no stop_step): it ends only when a test stops it.
 
-    Its stdout (msrun's and the workers' output too) goes to a file: a full pipe would block it.
+    Its stdout (msrun's and the workers' output too) and stderr go to files RUN_DIR.stdout and
+    RUN_DIR.stderr, which a test can read while it runs: a full pipe would block it.
     """
-    out = open(f"{run_dir}.stdout", "w+")
+    out, err = open(f"{run_dir}.stdout", "w+"), open(f"{run_dir}.stderr", "w+")
     proc = subprocess.Popen(["bash", LAUNCHER, recipe, "--set", f"output_dir={run_dir}",
                              "--set", f"train_dataset.data_loader.dataset_dir={dataset}",
                              "--set", "runner_config.stop_step=0", "--set", "runner_config.epochs=50", *sets],
-                            stdout=out, stderr=subprocess.PIPE, text=True)
-    proc.stdout_file = out
+                            stdout=out, stderr=err, text=True)
+    proc.output_files = out, err
     return proc
 
 
 def finish(proc, timeout=150):
     """(stdout, stderr) of a launch started by start_launcher, once it has exited."""
-    _, stderr = proc.communicate(timeout=timeout)
-    proc.stdout_file.seek(0)
-    return proc.stdout_file.read(), stderr
+    proc.wait(timeout=timeout)
+    texts = []
+    for f in proc.output_files:
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return tuple(texts)
+
+
+def wait_for_output(proc, run_dir, pattern, stream="stdout", timeout=120):
+    """The match of `pattern` in RUN_DIR.stdout (or .stderr) of a running launch started by start_launcher."""
+    deadline = time.time() + timeout
+    while True:
+        with open(f"{run_dir}.{stream}", encoding="utf-8") as f:
+            match = re.search(pattern, f.read())
+        if match:
+            return match
+        assert proc.poll() is None and time.time() < deadline, finish(proc)
+        time.sleep(0.3)
 
 
 def wait_for_steps(proc, run_dir, steps=3, timeout=240):
@@ -178,19 +262,36 @@ def test_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, capsys):
         lock_run_dir(recipe, cluster)
 
 
-def test_killed_launcher_stops_its_workers_within_seconds(tiny_dataset, tmp_path):
+def test_killed_launcher_stops_its_workers_and_the_same_command_right_away_continues(tiny_dataset, tmp_path):
+    """kill -9 of the launcher: its workers save at the end of their step and exit; the same command run at once
+    waits for the old job's processes (bounded, saying so) instead of refusing, then resumes from that save."""
     run_dir = tmp_path / "run"
     launcher = start_launcher(run_dir, tiny_dataset)
     wait_for_steps(launcher, run_dir)
     assert len(processes_of(run_dir)) >= 3  # msrun, its scheduler, the worker
+    steps_seen = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    msrun = [pid for pid, command in processes_of(run_dir) if "mindspore.parallel.cluster.run" in command]
     launcher.kill()
     finish(launcher)
-    deadline = time.time() + 45
-    while processes_of(run_dir) and time.time() < deadline:
-        time.sleep(0.5)
-    assert processes_of(run_dir) == []
-    status = json.loads((run_dir / "status" / "rank_0.json").read_text())
-    assert status["state"] == "done" and status["preempted"]  # it saved at the end of its step
+    # Hold the old job's msrun (it only waits for its children) so that it is still there when the same command
+    # comes back, however fast the rest of the old job stops and however slowly the new launcher starts.
+    os.kill(msrun[0], signal.SIGSTOP)
+    try:
+        again = start_launcher(run_dir, tiny_dataset)
+        wait_for_output(again, run_dir, rf"\[launch\] the launcher that held {run_dir} \(PID {launcher.pid}\) is gone; "
+                        r"waiting up to 45 s for its job's \d+ process\(es\) \([\d, ]+\) to save at the end of their "
+                        r"step and exit", stream="stderr")
+    finally:
+        os.kill(msrun[0], signal.SIGCONT)
+    resumed = int(wait_for_output(again, run_dir, rf"\[launch\] resuming {run_dir} from step (\d+)").group(1))
+    assert resumed >= steps_seen  # the step the orphaned worker saved at the end of, after the kill
+    wait_for_steps(again, run_dir, steps=resumed + 1)  # metrics.jsonl was cut back to the resumed step
+    again.send_signal(signal.SIGINT)
+    stdout, stderr = finish(again)
+    assert again.returncode == 4, stderr
+    waited = re.search(r"\[launch\] the previous job's processes exited after (\d+) s; continuing", stderr)
+    assert waited and int(waited.group(1)) <= 45, stderr
+    assert "are still" not in stderr and processes_of(run_dir) == []
 
 
 def test_a_failed_rank_stops_the_job_at_once_and_is_named(tiny_dataset, tmp_path):
@@ -285,6 +386,15 @@ def test_slurm_and_explicit_cluster_resolution():
     from ascend_llm_recipes.training.launch import main
     with pytest.raises(SystemExit):
         main([TINY_RECIPE, "--rendezvous-timeout", "0"])
+
+
+def test_msrun_and_its_workers_run_the_launchers_python(tmp_path):
+    """Not the `msrun` on PATH: a pyenv shim puts pyenv's own python first, and msrun starts workers as `python`."""
+    from ascend_llm_recipes.training.launch import Cluster, msrun_command, worker_env
+
+    command = msrun_command(Cluster(1, 0, "127.0.0.1", 8118, 2, 2), str(tmp_path))
+    assert command[:3] == [sys.executable, "-m", "mindspore.parallel.cluster.run"]
+    assert worker_env(str(tmp_path), 2)["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
 
 
 def test_dry_run_prints_the_msrun_command(tmp_path):

@@ -272,5 +272,5 @@ def test_a_semi_auto_runs_checkpoints_are_not_held_to_whole_model_shapes(dp2_run
     tp_run = as_tp2(run, tmp_path)
     tp_previous = saved_recipe(tp_run)
     assert rank_shapes(tp_previous) is None
-    (step, _), invalid = scan_steps(tp_run, tp_previous.world_size, rank_shapes(tp_previous))
+    (step, _), invalid = scan_steps(tp_run, rank_shapes(tp_previous))
     assert step == DP_STEPS and not invalid

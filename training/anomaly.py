@@ -102,7 +102,7 @@ class AnomalyMonitor(Callback):
         if self.world_size > 1:
             from ascend_llm_recipes.training.collectives import all_reduce_sum
             all_reduce_sum([1.0])  # every rank's saves are on disk before anyone looks for the last good one
-        good = [s for s in ckpt.complete_steps(self.run_dir, self.world_size) if s < step]
+        good = [s for s in ckpt.complete_steps(self.run_dir) if s < step]
         if not good:
             print(f"[anomaly] step {step}: no checkpoint before the spike to roll back to; training goes on",
                   flush=True)

@@ -2,6 +2,7 @@
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -199,11 +200,14 @@ class StepRecorder(Callback):
 
     def log(self, record: dict) -> None:
         mfu = f"{record['mfu']:.1%}" if record["mfu"] is not None else record.get("mfu_flag", "n/a")
-        print(f"[step {record['step']}] loss {record['loss']:.4f} lr {record['lr']:.3e} grad_norm "
-              f"{record['grad_norm'] if record['grad_norm'] is None else round(record['grad_norm'], 4)} "
-              f"step {record['step_time'] * 1e3:.0f} ms gap {record['iteration_gap'] * 1e3:.0f} ms "
-              f"({record['data_wait']:.1%} wait) {record['tokens_per_s']:,.0f} tok/s MFU {mfu}"
-              + (" [includes graph compile]" if record["compile"] else ""), flush=True)
+        # One write of the whole line: print() writes the text and its newline separately, which with
+        # PYTHONUNBUFFERED are two writes, and output of another process can land between them.
+        sys.stdout.write(f"[step {record['step']}] loss {record['loss']:.4f} lr {record['lr']:.3e} grad_norm "
+                         f"{record['grad_norm'] if record['grad_norm'] is None else round(record['grad_norm'], 4)} "
+                         f"step {record['step_time'] * 1e3:.0f} ms gap {record['iteration_gap'] * 1e3:.0f} ms "
+                         f"({record['data_wait']:.1%} wait) {record['tokens_per_s']:,.0f} tok/s MFU {mfu}"
+                         + (" [includes graph compile]" if record["compile"] else "") + "\n")
+        sys.stdout.flush()
         if self._writer is not None:
             for key in ("loss", "lr", "grad_norm", "loss_scale", "step_time", "iteration_gap", "data_wait",
                         "tokens_per_s", "tokens_per_s_per_device", "mfu", "host_memory", "device_memory"):

@@ -96,13 +96,14 @@ def write_rank(directory: str, name: str, params: list, append: dict, meta: dict
     return final
 
 
-def complete_steps(run_dir: str, world_size: int, kind: str = "step") -> list:
-    """Steps whose every rank wrote its manifest, oldest first."""
+def complete_steps(run_dir: str, kind: str = "step") -> list:
+    """Steps whose every rank (of the world size that saved them) wrote its manifest, oldest first."""
     root = os.path.join(run_dir, CHECKPOINTS)
     steps = []
-    for entry in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        if entry.startswith(kind + "_") and all(
-                os.path.isfile(os.path.join(root, entry, f"rank_{r}", MANIFEST)) for r in range(world_size)):
+    for entry in step_entries(run_dir, kind)[::-1]:
+        directory = os.path.join(root, entry)
+        ranks = range(step_world_size(directory))
+        if all(os.path.isfile(os.path.join(directory, f"rank_{r}", MANIFEST)) for r in ranks):
             steps.append(int(entry.split("_")[1]))
     return steps
 
@@ -250,16 +251,19 @@ def rank_shapes(recipe):
     return RankShapes(whole, p.data_parallel, recipe.parallel.parallel_optimizer_config.parallel_optimizer_threshold)
 
 
-def scan_steps(run_dir: str, world_size: int, expected_shapes: "RankShapes" = None) -> tuple:
+def scan_steps(run_dir: str, expected_shapes: "RankShapes" = None) -> tuple:
     """((step, directory) of the newest valid step or (None, None), [(directory, problems)] of invalid ones).
 
+    Each step is verified against the ranks that saved it (step_world_size), not against the
+    launch's world size: under data parallel every rank's file holds the whole model, so a step
+    saved at another data-parallel degree resumes (resume_rank) and is never set aside for it.
     Steps newer than the one found are fully verified (file hashes); older ones get the cheap
     check (manifests, sizes, state.json), so a launch hashes one checkpoint, not all of them.
     """
     found, invalid = (None, None), []
     for entry in step_entries(run_dir):
         directory = os.path.join(run_dir, CHECKPOINTS, entry)
-        problems = verify_step(directory, world_size, expected_shapes, deep=found[0] is None)
+        problems = verify_step(directory, step_world_size(directory), expected_shapes, deep=found[0] is None)
         if problems:
             invalid.append((directory, problems))
         elif found[0] is None:
@@ -267,12 +271,24 @@ def scan_steps(run_dir: str, world_size: int, expected_shapes: "RankShapes" = No
     return found, invalid
 
 
-def newest_valid_step(run_dir: str, world_size: int, expected_shapes: "RankShapes" = None, log=print):
+def newest_valid_step(run_dir: str, expected_shapes: "RankShapes" = None, log=print):
     """(step, directory) of the newest complete, verified step, warning about each invalid one."""
-    found, invalid = scan_steps(run_dir, world_size, expected_shapes)
+    found, invalid = scan_steps(run_dir, expected_shapes)
     for directory, problems in invalid:
         log(f"[checkpoint] skipping {directory}: " + "; ".join(problems))
     return found
+
+
+def resume_rank(directory: str, rank: int) -> int:
+    """The rank whose file `rank` resumes from in a step directory: its own, or rank 0's where the step has none.
+
+    A step saved at a lower data-parallel degree has fewer rank directories than the resumed run
+    has ranks. In data-parallel mode every rank's file holds the whole model and the same AdamW state
+    (gradients are averaged before the update; tests/test_data_parallel.py checks identical weights),
+    so rank 0's file is every new rank's state. Semi-auto checkpoints hold slices: the launcher
+    refuses to resume them at another device count (training/relayout.py check_relayout).
+    """
+    return rank if rank < step_world_size(directory) else 0
 
 
 def set_aside(directory: str, problems: list) -> str:

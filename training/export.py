@@ -70,12 +70,10 @@ def _newest_valid_checkpoint(run_dir: str, model_config: str = None) -> tuple:
     from ascend_llm_recipes.models.shapes import parameter_shapes
     from ascend_llm_recipes.training.checkpoint import MANIFEST, newest_valid_step, read_json
 
-    recipe = run_recipe(run_dir)
     section = model_config or os.path.join(run_dir, RUN_RECIPE)
     cfg, tensor_parallel = read_model_section(section)
     notes = []
-    step, directory = newest_valid_step(run_dir, recipe.world_size, parameter_shapes(cfg, tensor_parallel),
-                                        log=notes.append)
+    step, directory = newest_valid_step(run_dir, parameter_shapes(cfg, tensor_parallel), log=notes.append)
     if step is None:
         others = sorted(e for e in os.listdir(os.path.join(run_dir, CHECKPOINTS)) if not e.startswith("step_"))
         raise ConversionError(f"{run_dir}: no complete, verified checkpoint step"

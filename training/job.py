@@ -25,6 +25,9 @@ LAUNCHER_ENV = "ASCEND_RECIPES_LAUNCHER"
 # A worker whose launcher is gone saves at the end of its current step; past this it exits anyway
 # (a step blocked on a rank that already left never ends).
 ORPHAN_GRACE_SECONDS = 30
+# A relaunch after the launcher was killed waits this long for the old job's processes: the grace
+# above, plus the second the watchdog takes to notice and msrun's own poll of its workers.
+ORPHAN_WAIT_SECONDS = ORPHAN_GRACE_SECONDS + 15
 
 
 def start_time(pid: int) -> Optional[int]:
@@ -81,6 +84,30 @@ def job_processes(launcher: str) -> list:
         role = next((e[len(b"MS_ROLE="):].decode() for e in env if e.startswith(b"MS_ROLE=")), "")
         found.append(JobProcess(int(entry), role, command))
     return sorted(found, key=lambda p: p.pid)
+
+
+def wait_for_job_end(launcher: str, run_dir: str, holder: dict, timeout: float = ORPHAN_WAIT_SECONDS,
+                     poll: float = 0.5) -> list:
+    """Wait (at most `timeout` s, saying so on stderr) for the processes of a dead launcher's job to exit.
+
+    After `kill -9` of a launcher its workers save at the end of their step and exit within
+    ORPHAN_GRACE_SECONDS (stop_orphan): a relaunch right away waits for that save instead of
+    refusing. Returns the processes still there at the end (none: the run directory is free).
+    """
+    left = job_processes(launcher)
+    if not left:
+        return []
+    started = time.time()
+    print(f"[launch] the launcher that held {run_dir} (PID {holder.get('pid')}) is gone; waiting up to "
+          f"{timeout:.0f} s for its job's {len(left)} process(es) ({', '.join(str(p.pid) for p in left)}) to save "
+          "at the end of their step and exit", file=sys.stderr, flush=True)
+    while left and time.time() - started < timeout:
+        time.sleep(poll)
+        left = job_processes(launcher)
+    if not left:
+        print(f"[launch] the previous job's processes exited after {time.time() - started:.0f} s; continuing",
+              file=sys.stderr, flush=True)
+    return left
 
 
 def send(processes, sig: int) -> None:
@@ -170,11 +197,15 @@ class RunDirLock:
         if launcher and is_running(launcher):
             return LaunchError(f"output_dir {self.run_dir} is in use: {describe_holder(holder)} (lock {self.path})",
                                hint="wait for that launch to finish, or choose another output_dir")
-        left = job_processes(launcher) if launcher else []
+        left = wait_for_job_end(launcher, self.run_dir, holder) if launcher else []
         if left:
+            pids = " ".join(str(p.pid) for p in left)
             return LaunchError(f"output_dir {self.run_dir}: the launcher that held it ({describe_holder(holder)}) is "
-                               f"gone, but its processes {', '.join(str(p.pid) for p in left)} are still stopping",
-                               hint=f"they exit within {ORPHAN_GRACE_SECONDS} s; launch again then")
+                               f"gone, but its processes {', '.join(str(p.pid) for p in left)} are still running "
+                               f"after {ORPHAN_WAIT_SECONDS} s (they should have exited within "
+                               f"{ORPHAN_GRACE_SECONDS} s)",
+                               hint=f"stop them (kill {pids}; kill -9 {pids} if they do not exit), then run the "
+                                    "same command again")
         return None
 
     def release(self) -> None:

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -134,18 +133,25 @@ def msrun_log_name(cluster: Cluster) -> str:
 
 
 def msrun_command(cluster: Cluster, run_dir: str, bind_core: bool = False) -> list:
-    """msrun for this node's workers; `bind_core` pins each worker to the CPU cores of its device's NUMA node.
+    """msrun run by this Python (its console script is mindspore.parallel.cluster.run:main).
 
-    MindFormers starts every job with `msrun --bind_core=True` (scripts/msrun_launcher.sh of r1.8.0, lines 128
-    and 136); msrun derives the binding from the machine (mindspore/parallel/cluster/run.py:178-185). It is
-    used on Ascend; on CPU the workers share the few cores through OMP_NUM_THREADS instead (worker_env).
+    The `msrun` on PATH can belong to another installation: a pyenv shim, for one, runs it through
+    `pyenv exec`, which puts pyenv's own bin first on PATH, and msrun starts each worker as plain
+    `python` (mindspore/parallel/cluster/process_entity/_utils.py:104-106): the workers would then
+    import another copy of ascend_llm_recipes than the launcher's, without a word.
+    msrun echoes the log of this node's first rank only (every rank records the same agreed step, and
+    several `tail -f` into one output interleave): each rank's own log is RUN_DIR/logs/worker_N.log.
+    `bind_core` pins each worker to the CPU cores of its device's NUMA node: MindFormers starts every job
+    with `msrun --bind_core=True` (scripts/msrun_launcher.sh of r1.8.0, lines 128 and 136); msrun derives
+    the binding from the machine (mindspore/parallel/cluster/run.py:178-185). It is used on Ascend; on CPU
+    the workers share the few cores through OMP_NUM_THREADS instead (worker_env).
     """
-    msrun = shutil.which("msrun") or "msrun"
-    return [msrun, *(["--bind_core=True"] if bind_core else []), f"--worker_num={cluster.world_size}",
+    return [sys.executable, "-m", "mindspore.parallel.cluster.run", *(["--bind_core=True"] if bind_core else []),
+            f"--worker_num={cluster.world_size}",
             f"--local_worker_num={cluster.local_workers}",
             f"--master_addr={cluster.master_addr}", f"--master_port={cluster.master_port}",
             f"--node_rank={cluster.node_rank}", f"--log_dir={os.path.join(run_dir, LOGS)}", "--join=True",
-            WORKER_SCRIPT, "--run-dir", run_dir]
+            f"--tail_worker_log={cluster.ranks.start}", WORKER_SCRIPT, "--run-dir", run_dir]
 
 
 def binds_cores(recipe: Recipe) -> bool:
@@ -155,6 +161,8 @@ def binds_cores(recipe: Recipe) -> bool:
 def worker_env(run_dir: str, local_workers: int, hccl: dict = None) -> dict:
     """Environment for msrun and its workers: identical HCCL settings on every rank, set before init."""
     env = dict(os.environ, LOCAL_DEFAULT_PATH=run_dir)
+    # msrun starts the workers as `python`: this Python, the one that imported this package.
+    env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable), os.environ.get("PATH")) if p)
     env.update(hccl or {})
     # msrun sets OMP_NUM_THREADS=1 unless it is already set, which halves CPU kernel speed
     # on a 2-core machine; share the cores between the local workers instead.
@@ -442,7 +450,7 @@ def report_failure(run_dir: str, cluster: Cluster, outcome: JobOutcome, group: N
     return report
 
 
-def job_complete(run_dir: str, ranks, world_size: int) -> bool:
+def job_complete(run_dir: str, ranks) -> bool:
     """Every rank of this node wrote 'done' and, on the node of rank 0, the summary's final checkpoint is complete."""
     from ascend_llm_recipes.training.checkpoint import complete_steps
 
@@ -455,7 +463,7 @@ def job_complete(run_dir: str, ranks, world_size: int) -> bool:
             summary = json.load(f)
     except (OSError, json.JSONDecodeError):
         return False
-    return summary.get("checkpoint") is None or summary["last_step"] in complete_steps(run_dir, world_size)
+    return summary.get("checkpoint") is None or summary["last_step"] in complete_steps(run_dir)
 
 
 def format_summary(summary: dict) -> str:
@@ -614,10 +622,13 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
           f"{cluster.ranks.stop - 1} of {cluster.world_size}; "
           + " ".join(f"{k}={v}" for k, v in sorted(hccl.items())), flush=True)
     print(f"[launch] {' '.join(command)}", flush=True)
+    if cluster.local_workers > 1:
+        print(f"[launch] showing rank {cluster.ranks.start}'s output; every rank's is in "
+              f"{os.path.join(run_dir, LOGS, 'worker_N.log')}", flush=True)
     while True:
         outcome = run_watched(command, env, run_dir, cluster.ranks, recipe.monitoring.hang_timeout,
                               msrun_log=msrun_log_name(cluster), nodes=group)
-        complete = job_complete(run_dir, cluster.ranks, cluster.world_size)
+        complete = job_complete(run_dir, cluster.ranks)
         lost = outcome.node_lost or (group.problem() if group is not None and not complete else "")
         if lost:
             print(report_lost(lost, cluster, run_dir), file=sys.stderr, flush=True)

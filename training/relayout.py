@@ -220,7 +220,7 @@ def export_source(source: str, model_config: str = None) -> tuple:
     recipe = run_recipe(run_dir)
     if not semi_auto(recipe):
         return source, model_config
-    (step, step_dir), invalid = scan_steps(run_dir, recipe.world_size)
+    (step, step_dir), invalid = scan_steps(run_dir)
     if step is None:
         raise ConversionError(f"{run_dir}: no complete, verified checkpoint step of {describe(layout(recipe))}"
                               + "".join(f"; {d}: {'; '.join(p)}" for d, p in invalid[:2]))

@@ -13,7 +13,7 @@ from ascend_llm_recipes.common.errors import LaunchError
 from ascend_llm_recipes.training.recipe import Recipe
 from ascend_llm_recipes.training.relayout import check_relayout, keep_source_strategy
 from ascend_llm_recipes.training.run_files import (AMENDMENTS, CHECKPOINTS, HEARTBEAT, METRICS, METRICS_PATTERN,
-                                                   RESOLVED_RECIPE, STATUS)
+                                                   RESOLVED_RECIPE, RESUME_LINKS, STATUS)
 from ascend_llm_recipes.training.train import dataset_manifest_sha256
 
 
@@ -61,7 +61,7 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
         raise LaunchError(f"output_dir {run_dir} holds a run of another model (changed: "
                           f"{', '.join('model.model_config.' + k for k in changed) or 'model'})",
                           hint="a changed model cannot resume these checkpoints; choose a new output_dir")
-    (step, directory), invalid = scan_steps(run_dir, recipe.world_size, rank_shapes(previous))
+    (step, directory), invalid = scan_steps(run_dir, rank_shapes(previous))
     if step is not None:
         recipe.load_checkpoint = directory
         recipe.resume_training = read_json(os.path.join(directory, "rank_0", MANIFEST))["file"]
@@ -90,7 +90,7 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
     else:
         print(f"[launch] resuming {run_dir} from step {step} ({directory})", flush=True)
     truncate_metrics(run_dir, step or 0)
-    for stale in (STATUS, HEARTBEAT):
+    for stale in (STATUS, HEARTBEAT, RESUME_LINKS):
         shutil.rmtree(os.path.join(run_dir, stale), ignore_errors=True)
     return True
 

@@ -14,6 +14,8 @@ RUN_DIR/
                            the data layer reads it and sits below training/)
   checkpoints/step_N/      one step's checkpoint (training/checkpoint.py names what is inside)
   checkpoints/invalid/     step directories set aside by a resume, each with a REASON.txt
+  resume_links/step_N/rank_R/  on a resume at a higher data-parallel degree: a new rank's link to rank 0's
+                           file, under the name MindFormers looks for (remade by every launch)
   logs/                    msrun.log and each worker's log
   tensorboard/, profile/rank_N/
   strategy/                each rank's parallel-strategy file (semi-auto runs; training/relayout.py)
@@ -37,6 +39,7 @@ METRICS_PATTERN = "metrics*.jsonl"  # every rank's metrics file
 SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"
 INVALID = "invalid"
+RESUME_LINKS = "resume_links"
 REASON = "REASON.txt"
 LOGS = "logs"
 MSRUN_LOG = "msrun.log"

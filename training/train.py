@@ -79,22 +79,60 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
     keys = mindformers_keys(recipe, run_dir, rank_id())
     cfg["parallel"].update(keys.pop("parallel"))
     cfg.update(keys)
+    if recipe.resume_training and borrows_rank_file(recipe.load_checkpoint, rank_id()):
+        cfg["load_checkpoint"] = link_rank_file(recipe, run_dir, rank_id())
     return cfg
+
+
+def link_rank_file(recipe: Recipe, run_dir: str, rank: int) -> str:
+    """A directory holding, as rank_R/<this rank's file name>, a link to the file this rank resumes from.
+
+    MindFormers 1.9 resumes rank R from LOAD_DIR/rank_R/<resume_training with rank_R> (trainer/utils.py:387-389,
+    utils/resume_ckpt_utils.py:35-41) and refuses a file as load_checkpoint when it loads optimizer state
+    (trainer/utils.py:784-786, checkpoint/utils.py:468). A symbolic link holds no data, so the step's
+    retention still frees its space; the launcher removes the links at every start (resume.continue_run).
+    """
+    from ascend_llm_recipes.training.run_files import RESUME_LINKS
+
+    source = loaded_checkpoint_files(recipe, rank)[0][0]
+    step = os.path.basename(os.path.normpath(recipe.load_checkpoint))
+    links = os.path.join(run_dir, RESUME_LINKS, step)
+    rank_dir = os.path.join(links, f"rank_{rank}")
+    os.makedirs(rank_dir, exist_ok=True)
+    from mindformers.tools.utils import replace_rank_id_in_ckpt_name
+    link = os.path.join(rank_dir, replace_rank_id_in_ckpt_name(os.path.basename(source), rank))
+    partial = link + ".partial"
+    if os.path.lexists(partial):
+        os.remove(partial)
+    os.symlink(source, partial)
+    os.replace(partial, link)
+    return links
+
+
+def borrows_rank_file(step_dir: str, rank: int) -> bool:
+    """This rank resumes a step of ours that was saved by fewer ranks, from another rank's file (resume_rank)."""
+    from ascend_llm_recipes.training.checkpoint import STATE, resume_rank
+
+    return (bool(step_dir) and os.path.isfile(os.path.join(step_dir, STATE))
+            and resume_rank(step_dir, rank) != rank)
 
 
 def loaded_checkpoint_files(recipe: Recipe, rank: int) -> tuple:
     """(files, per_rank) MindFormers 1.9 loads for `load_checkpoint` on `rank`, by its own rule.
 
     A file is loaded as it is; a directory with rank_N folders gives rank N's checkpoint (the
-    one resume_training names, else the one its manifest.json names, else the newest); a
-    directory of files gives all of them (complete weights, loaded into every rank).
+    one resume_training names, else the one its manifest.json names, else the newest; a step of
+    ours saved by fewer ranks gives rank 0's to the others: resume_rank); a directory of files
+    gives all of them (complete weights, loaded into every rank).
     """
-    from ascend_llm_recipes.training.checkpoint import MANIFEST, read_json
+    from ascend_llm_recipes.training.checkpoint import MANIFEST, read_json, resume_rank
 
     path, suffix = recipe.load_checkpoint, "." + recipe.load_ckpt_format
     if os.path.isfile(path):
         return [path], os.path.basename(os.path.dirname(path)).startswith("rank_")
     flat = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(suffix))
+    if recipe.resume_training and borrows_rank_file(path, rank):
+        rank = resume_rank(path, rank)
     rank_dir = os.path.join(path, f"rank_{rank}")
     if any(f.startswith("rank_") for f in os.listdir(path)) and not (flat and suffix == ".ckpt"):
         if isinstance(recipe.resume_training, str):
@@ -161,11 +199,12 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
 
 def resume_step(recipe: Recipe) -> int:
     """The step a resumed run continues after (0 for a fresh run), with its data position checked."""
-    from ascend_llm_recipes.training.checkpoint import MANIFEST, STATE, read_json, resumed_steps
+    from ascend_llm_recipes.training.checkpoint import MANIFEST, STATE, read_json, resume_rank, resumed_steps
 
     if not recipe.resume_training or not recipe.load_checkpoint:
         return 0
-    if not os.path.isfile(os.path.join(recipe.load_checkpoint, f"rank_{rank_id()}", MANIFEST)):
+    rank = resume_rank(recipe.load_checkpoint, rank_id())
+    if not os.path.isfile(os.path.join(recipe.load_checkpoint, f"rank_{rank}", MANIFEST)):
         return 0  # not one of ours: MindFormers resumes it and counts steps itself
     return resumed_steps(read_json(os.path.join(recipe.load_checkpoint, STATE)), recipe.global_batch_size)
 
