@@ -195,8 +195,8 @@ class TaskPool:
         code = process.exitcode
         if code is not None and code < 0:
             name = signal.Signals(-code).name
-            how = f"was killed by {name}" + (" (by hand, or by the kernel when memory ran out)"
-                                              if -code == signal.SIGKILL else "")
+            oom = " (by hand, or by the kernel when memory ran out)" if -code == signal.SIGKILL else ""
+            how = f"was killed by {name}{oom}"
         else:
             how = f"exited with code {code} before finishing"
         return TaskFailure(rank, DIED, f"(pid {process.pid}) {how}")
