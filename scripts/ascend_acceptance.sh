@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Acceptance run for an Ascend node with 8 devices (not run by this repository's CI, which has no NPU).
 # Runs every Ascend claim (start-up of each shipped layout, layout agreement on the tiny recipe, BF16
-# vs FP32, kill -9 and resume under TP/PP and under the 7B's DP-only optimizer-parallel layout,
+# vs FP32, kill -9 and resume under TP/PP and under a DP-only optimizer-parallel layout (MindFormers' 7B DP 8 x TP 1),
 # FlashAttention and fused RmsNorm against the math path at seq 2048, resume at another layout through
 # MindFormers' auto_trans_ckpt, --to-hf of a TP/PP run merged with its strategy files, checkpoint size
 # against the bytes resume needs, the pipeline run's logged loss, peak device memory next to --plan,

@@ -234,8 +234,8 @@ def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
                    "[to_hf_tp_pp] --to-hf of the dp2_tp2_pp2 run"]
                 + [f"[resume_{t}_from_dp2_tp2_pp2] train dp2_tp2_pp2 10 of 20 steps" for t in RELAYOUT_TARGETS]
                 + [f"[resume_{t}_from_dp2_tp2_pp2] resume at {t} (auto_trans_ckpt, --amend)" for t in RELAYOUT_TARGETS]
-                + ["[kill_resume_dp_opt] train the 7B layout uninterrupted 20 steps",
-                   "[kill_resume_dp_opt] train the 7B layout, kill -9 after step 12",
+                + ["[kill_resume_dp_opt] train the DP-only optimizer-parallel layout uninterrupted 20 steps",
+                   "[kill_resume_dp_opt] train the DP-only optimizer-parallel layout, kill -9 after step 12",
                    "[kill_resume_dp_opt] rerun the same command (resumes from the sliced checkpoint)",
                    "[fused_kernels_vs_math] train 20 steps bf16 seq 2048 fused",
                    "[fused_kernels_vs_math] train 20 steps bf16 seq 2048 math",
@@ -248,7 +248,8 @@ def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
     lines = result.stdout.splitlines()
     resume = next(line for line in lines if line.startswith("[resume_dp2_tp4_from_dp2_tp2_pp2] resume"))
     assert resume.endswith("--set auto_trans_ckpt=True --amend") and "parallel_config.model_parallel=4" in resume
-    killed = next(line for line in lines if line.startswith("[kill_resume_dp_opt] train the 7B layout, kill"))
+    killed = next(line for line in lines
+                  if line.startswith("[kill_resume_dp_opt] train the DP-only optimizer-parallel layout, kill"))
     assert "optimizer_level=level3" in killed and "gradient_accumulation_steps=8" in killed
     assert "parallel_config.model_parallel" not in killed and "parallel_config.pipeline_stage" not in killed
     fused = next(line for line in lines if line.startswith("[fused_kernels_vs_math] train 20 steps bf16 seq 2048 f"))

@@ -48,8 +48,9 @@ THROUGHPUT_PASS_RATIO = 0.85
 LAYOUT_RTOL = 1e-3          # float32 compute: layouts differ only in reduction order
 BF16_STEPS, BF16_RTOL = 50, 0.03  # bf16 vs fp32: per-step loss within 3% over 50 steps
 KILL_AT, RESUME_STEPS = 12, 20
-# llama2_7b_8dev's layout on the tiny model: semi-auto DP 8, TP 1, PP 1, optimizer parallel level3, gradient
-# accumulation 8; threshold 0 so every tensor is sliced as the 7B's are (the tiny ones are below 64 KB).
+# MindFormers' own 7B layout (pretrain_llama2_7b.yaml: DP 8, TP 1, PP 1, optimizer parallel) on the tiny model,
+# at level3 with accumulation 8: a DP-only optimizer-parallel run, whose ranks save slices; threshold 0 so every
+# tensor is sliced as a 7B's are (the tiny ones are below 64 KB). Our llama2_7b_8dev is DP 4 x TP 2 by its plan.
 DP_OPT_LAYOUT = ["parallel.parallel_optimizer_config.optimizer_level=level3",
                  "parallel.parallel_optimizer_config.parallel_optimizer_threshold=0",
                  "runner_config.gradient_accumulation_steps=8"]
@@ -103,9 +104,10 @@ def plan_commands(out: str) -> list:
                   launch_argv(TINY, f"{out}/killed", *resume)))
     steps.append(("kill_resume_tp_pp", "rerun the same command (resumes)", launch_argv(TINY, f"{out}/killed", *resume)))
     dp_opt = [*DP_OPT_LAYOUT, f"runner_config.stop_step={RESUME_STEPS}", "callbacks.1.save_checkpoint_steps=5"]
-    steps.append(("kill_resume_dp_opt", f"train the 7B layout uninterrupted {RESUME_STEPS} steps",
+    steps.append(("kill_resume_dp_opt",
+                  f"train the DP-only optimizer-parallel layout uninterrupted {RESUME_STEPS} steps",
                   launch_argv(TINY, f"{out}/dp8_opt", *dp_opt)))
-    steps.append(("kill_resume_dp_opt", f"train the 7B layout, kill -9 after step {KILL_AT}",
+    steps.append(("kill_resume_dp_opt", f"train the DP-only optimizer-parallel layout, kill -9 after step {KILL_AT}",
                   launch_argv(TINY, f"{out}/killed_dp_opt", *dp_opt)))
     steps.append(("kill_resume_dp_opt", "rerun the same command (resumes from the sliced checkpoint)",
                   launch_argv(TINY, f"{out}/killed_dp_opt", *dp_opt)))
