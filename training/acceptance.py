@@ -201,12 +201,14 @@ def pipeline_loss_result(run_dir: str) -> dict:
 
 
 def checkpoint_size_result(run_dir: str) -> dict:
-    """Rank 0's newest checkpoint file against the bytes resume needs: the model's parameters and AdamW moments at
-    the shapes the rank holds (checkpoint.rank_shapes), in the dtypes saved, plus counters; anything else it holds
-    (e.g. MindFormers' accu_grads) is listed by name prefix with its bytes."""
+    """Rank 0's newest checkpoint file against the bytes resume needs: the model's parameters, their float32 masters
+    (16-bit weights, training/optim.py) and AdamW moments at the shapes the rank holds (checkpoint.rank_shapes), in
+    the dtypes saved, plus counters; anything else it holds (e.g. MindFormers' accu_grads) is listed by name prefix
+    with its bytes."""
     from ascend_llm_recipes.models.shapes import parameter_shapes
     from ascend_llm_recipes.training.checkpoint import (MANIFEST, itemsize, rank_shapes, read_json, shape_problems,
                                                         step_entries)
+    from ascend_llm_recipes.training.optim import MASTER_PREFIX
     from ascend_llm_recipes.training.resume import saved_recipe
 
     try:
@@ -223,7 +225,7 @@ def checkpoint_size_result(run_dir: str) -> dict:
     for name, info in tensors.items():
         elements = math.prod(info["shape"])
         size = itemsize(info["dtype"]) * elements
-        base = name.split(".", 1)[1] if name.startswith(("adam_m.", "adam_v.")) else name
+        base = name.split(".", 1)[1] if name.startswith(("adam_m.", "adam_v.", f"{MASTER_PREFIX}.")) else name
         if base in model or elements <= COUNTER_ELEMENTS:
             needed += size  # parameters, their moments, counters (global_step, loss scale, epoch and step)
         else:
