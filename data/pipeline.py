@@ -511,14 +511,25 @@ class Run:
         # spawn, not fork: this process may hold MindSpore's threads, which fork does not copy safely.
         with multiprocessing.get_context("spawn").Pool(workers, init_pool_worker, (config,)) as pool:
             queued = collections.deque()
-            for chunk in chunks:
-                queued.append((chunk, pool.apply_async(process_chunk, (chunk.pieces,))))
-                if len(queued) > 2 * workers:
+            try:
+                for chunk in chunks:
+                    queued.append((chunk, pool.apply_async(process_chunk, (chunk.pieces,))))
+                    if len(queued) > 2 * workers:
+                        done, pending = queued.popleft()
+                        yield done, pending.get()
+                while queued:
                     done, pending = queued.popleft()
                     yield done, pending.get()
-            while queued:
-                done, pending = queued.popleft()
-                yield done, pending.get()
+            except GeneratorExit:
+                # The caller stopped early (a document quota): let the chunks in flight finish. The `with` would
+                # otherwise terminate (SIGTERM) workers that may be writing a result, leaving the result queue's
+                # lock held, and CPython's Pool.terminate then waits forever for its task handler (seen in the
+                # suite: a fixture hung in Pool._terminate_pool with both workers killed).
+                for _, pending in queued:
+                    pending.wait()
+            # Workers leave on their own (sentinels), so the `with`'s terminate has nobody left to kill.
+            pool.close()
+            pool.join()
 
     def _record_missing(self, tallies: Tallies) -> None:
         """Count the inputs that name nothing readable (--strict refused them before the run started). They are

@@ -383,8 +383,8 @@ def test_throughput_check_reads_tokens_per_device_mfu_and_compile_time(tmp_path)
     assert result["ratio_to_mindformers"] == round(4316 / 4160, 4) and result["ratio_to_mindspeed_llm"] == 0.9238
     assert result["mindspeed_llm_tokens_per_s_per_device"] == 4672 and result["mindspeed_llm_mfu"] == 0.69
     assert throughput(str(tmp_path / "missing"))["status"] == "FAIL"
-    # The verdict: at least 85% of MindFormers' figure (3,536 tokens/s/device); below it the check fails.
-    for per_device, status in ((3600.0, "PASS"), (3500.0, "FAIL")):
+    # The verdict: at least 60% of MindFormers' figure (2,496 tokens/s/device); below it the check fails.
+    for per_device, status in ((2500.0, "PASS"), (2490.0, "FAIL")):
         steady = [dict(r, tokens_per_s_per_device=per_device) if not r["compile"] else r for r in rows]
         (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steady))
         assert throughput(str(tmp_path))["status"] == status, per_device

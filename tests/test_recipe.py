@@ -715,3 +715,12 @@ def test_910a_recipe_is_float16_with_dynamic_loss_scaling_and_fits_with_headroom
     p = plan(recipe)
     assert p.device == "Ascend910A" and p.device_memory_bytes == 28 * GB
     assert p.fits and p.headroom_bytes >= 0.10 * p.device_memory_bytes
+
+
+def test_16bit_weights_need_the_optimizer_that_keeps_float32_masters():
+    """MindFormers' AdamW rounds each update into the 16-bit weight: refused, naming both keys."""
+    with pytest.raises(RecipeError, match=r"optimizer.type: AdamW keeps no float32 master copy of the float16 "
+                                          r"weights \(model.model_config.param_dtype\)"):
+        load_recipe(TINY_RECIPE, ("model.model_config.compute_dtype=float16", "model.model_config.param_dtype=float16",
+                                  "optimizer.type=AdamW"))
+    load_recipe(TINY_RECIPE, ("model.model_config.compute_dtype=float16", "model.model_config.param_dtype=float16"))

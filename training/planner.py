@@ -556,6 +556,7 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
 # Published Llama 2 7B pretraining speeds, seq 4096 on 8 x 910B, tokens/s per device: MindFormers' README
 # (Llama 2 7B pretrain table) and MindSpeed-LLM's (Llama 2 7B, 69% MFU); the issue's figures.
 PUBLISHED_TOKENS_PER_S = {"MindFormers": 4160, "MindSpeed-LLM": 4672}
+LLAMA2_7B_PARAMETERS = 6_738_415_616  # the model those figures are for (models/presets.py "llama2-7b")
 # Assumptions for the non-matmul terms (no Huawei datasheet figure): 910B HBM ~1.6 TB/s; intra-node HCCL
 # collectives at ~100 GB/s bus bandwidth per device, not overlapped with compute (no parallel_speed_up_json).
 HBM_BYTES_PER_S = 1.6e12
@@ -739,10 +740,12 @@ def format_plan(plan: Plan) -> str:
         for label, seconds in plan.speed.terms:
             lines.append(f"  {label:<70}{seconds:>9.3f} s")
         lines.append(f"  {'estimated step':<70}{plan.speed.step_time_s:>9.3f} s")
-        published = ", ".join(f"{name} {value:,}" for name, value in PUBLISHED_TOKENS_PER_S.items())
-        ratio = plan.speed.tokens_per_s_per_device / PUBLISHED_TOKENS_PER_S["MindSpeed-LLM"]
-        lines.append(f"  => {plan.speed.tokens_per_s_per_device:,.0f} tokens/s/device; published for Llama 2 7B, seq "
-                     f"4096, 8 x 910B: {published} ({ratio:.0%} of MindSpeed-LLM's)")
+        lines.append(f"  => {plan.speed.tokens_per_s_per_device:,.0f} tokens/s/device")
+        if plan.parameters == LLAMA2_7B_PARAMETERS and plan.device.startswith("Ascend910B"):
+            # The published figures are for this model on 910B only: other models and devices are not compared.
+            published = ", ".join(f"{name} {value:,}" for name, value in PUBLISHED_TOKENS_PER_S.items())
+            ratio = plan.speed.tokens_per_s_per_device / PUBLISHED_TOKENS_PER_S["MindSpeed-LLM"]
+            lines[-1] += f"; published for Llama 2 7B, seq 4096, 8 x 910B: {published} ({ratio:.0%} of MindSpeed-LLM's)"
         lines.extend(f"  {n}" for n in plan.speed.notes)
     lines.append(f"checkpoint per save: {_gb(plan.checkpoint_rank_bytes)} GB per rank, "
                  f"{_gb(plan.checkpoint_total_bytes)} GB in all (weights, masters, moments, step; not accu_grads)")

@@ -344,7 +344,8 @@ def check_device(recipe, env: dict = None) -> list:
         return [Finding("error", "device",
                         "device_target Ascend but no NPU is visible (no /dev/davinciN device, no npu-smi on PATH). "
                         "Run on an Ascend host (in a container, pass /dev/davinciN, /dev/davinci_manager, "
-                        "/dev/devmm_svm and /dev/hisi_hdc), or train on CPU: --set context.device_target=CPU", {})]
+                        "/dev/devmm_svm and /dev/hisi_hdc); --plan works on any machine, and recipes/tiny_cpu.yaml "
+                        "trains on CPU", {})]
     if smi is not None and smi[0] != 0:
         return [Finding("error", "device", f"`npu-smi info` failed (exit {smi[0]}): {smi[1].strip()[-300:]}. "
                         "The NPU driver is not loaded or not usable; check `dmesg` and reinstall the driver", {})]

@@ -259,6 +259,13 @@ class OptimizerConfig:
         problems = _positive("optimizer", self, "eps") + _at_least("optimizer", self, 0, "weight_decay")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             problems.append(f"optimizer.betas: expected two values in [0, 1), got {self.betas}")
+        param_dtype = recipe.model.model_config.param_dtype
+        if param_dtype != "float32" and self.type != "FoldedAdamW":
+            # MindFormers' AdamW updates 16-bit weights in place through a float32 temporary
+            # (mindformers/core/optim/adamw.py:38-66): updates below half an ulp of the weight are lost.
+            problems.append(f"optimizer.type: {self.type} keeps no float32 master copy of the {param_dtype} weights "
+                            f"(model.model_config.param_dtype), so small updates are rounded away; use FoldedAdamW, "
+                            "or param_dtype: float32")
         return problems
 
 
