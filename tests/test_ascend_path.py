@@ -351,7 +351,7 @@ def test_shipped_recipes_use_the_lowest_optimizer_level_that_fits(name):
 
 
 def test_llama2_7b_runs_without_recompute_at_tp2_because_dp8_leaves_no_headroom():
-    """MindFormers' own layout (DP 8, TP 1) plans to 56.3 GB at best (level2, bf16 weights): under the 10%
+    """MindFormers' own layout (DP 8, TP 1) plans to 55.1 GB at best (level3, bf16 weights): under the 10%
     headroom; DP 4 x TP 2 halves the per-rank weights, accu_grads and most activations without recompute."""
     from dataclasses import replace
     from ascend_llm_recipes.training.planner import has_headroom, plan
