@@ -84,7 +84,9 @@ def test_llama2_7b_is_carried_the_same_way(tmp_path):
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == \
         (4096, 32, 32, 32, 11008)
     assert cfg.compute_dtype == "float16" and cfg.pad_token_id == 0 and cfg.initializer_range == 0.01
-    assert recipe.optimizer.type == "AdamW" and recipe.optimizer.betas == [0.9, 0.95]
+    # MindFormers' float16 param_init_type: float16 weights, whose float32 masters FoldedAdamW keeps.
+    assert cfg.param_dtype == "float16" and recipe.optimizer.type == "FoldedAdamW"
+    assert recipe.optimizer.betas == [0.9, 0.95]
     assert recipe.optimizer.weight_decay == 0.0  # AdamWeightDecay's default, not our base recipe's 0.1
     lr = recipe.lr_schedule
     assert (lr.type, lr.learning_rate, lr.lr_end, lr.warmup_ratio, lr.total_steps) == \

@@ -140,10 +140,6 @@ DROPPED = {
     "model.model_config.layernorm_compute_type": OURS_FP32,
     "model.model_config.softmax_compute_type": OURS_FP32,
     "model.model_config.rotary_dtype": OURS_FP32,
-    "model.model_config.param_init_type": "ours stores weights in model.model_config.param_dtype (float32 unless "
-                                          "the recipe sets a 16-bit dtype, whose float32 master copy FoldedAdamW "
-                                          "keeps, training/optim.py); MindFormers' AdamW updates 16-bit weights in "
-                                          "place without one",
     "model.model_config.residual_dtype": OURS_FP32,
     "model.model_config.embedding_init_type": OURS_FP32,
     "model.model_config.qkv_concat": "q/k/v weights stored as one matrix: " + SAME_MATH,
@@ -334,7 +330,12 @@ class _Importer:
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_length", "rms_norm_eps",
                     "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
             self.carry(m + key, default=d[key])
-        self.carry(m + "compute_dtype", default=d["compute_dtype"])
+        compute = self.carry(m + "compute_dtype", default=d["compute_dtype"])
+        self.carry(m + "param_init_type", m + "param_dtype", default="float32",
+                   convert=lambda v: v if v in ("float32", compute) else "float32",
+                   reason="weights stored in this dtype (16-bit ones other than compute_dtype: float32); 16-bit "
+                          "weights get float32 master copies in FoldedAdamW (training/optim.py), which MindFormers' "
+                          "AdamW does not keep")
         for key in ("use_flash_attention", "use_attn_mask_compression", "fused_rms_norm"):
             self.carry(m + key, reason="Ascend kernel switch with MindFormers' name and meaning (models/llama.py)")
         self.carry(m + "n_kv_heads", m + "num_kv_heads", default=self.get(m + "num_heads", d["num_heads"]),
@@ -506,8 +507,9 @@ class _Importer:
     def optimizer(self):
         o = "optimizer."
         kind = self.get(o + "type", "AdamW")
-        ours = "FoldedAdamW" if self.on_cpu else "AdamW"
-        cpu_note = "; FoldedAdamW is AdamW's update on one fused CPU kernel (training/optim.py)" if self.on_cpu else ""
+        ours = "FoldedAdamW"
+        cpu_note = ("; FoldedAdamW is AdamW's update on one fused kernel, with float32 master copies of 16-bit "
+                    "weights (training/optim.py)")
         if kind == "AdamW":
             d = MF_DEFAULTS["AdamW"]
             self.carry(o + "type", convert=lambda _: ours, reason=cpu_note.lstrip("; "))
@@ -836,7 +838,7 @@ def to_mindformers(recipe_path: str) -> tuple:
         "init_method_std": cfg.initializer_range, "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id, "compute_dtype": cfg.compute_dtype,
         "layernorm_compute_type": "float32", "softmax_compute_type": "float32", "rotary_dtype": "float32",
-        "param_init_type": "float32",
+        "param_init_type": cfg.param_dtype,
         "use_flash_attention": cfg.use_flash_attention, "use_attn_mask_compression": cfg.use_attn_mask_compression,
         "fused_rms_norm": cfg.fused_rms_norm,
     }
