@@ -522,7 +522,7 @@ def rank_slices(net, rank: int, shard: int, held) -> list:
 
 
 def test_a_dp_only_semi_auto_rank_resumes_from_the_slices_optimizer_parallel_gives_it(tmp_path, tiny_dataset):
-    """llama2_7b_8dev's layout (semi-auto DP 8, optimizer parallel): each rank saves its slices, and resume checks
+    """MindFormers' 7B layout (semi-auto DP 8, optimizer parallel): each rank saves its slices, and resume checks
     them against the slice it holds, not the whole model (which refused every resume of that recipe)."""
     import mindspore as ms
     from mindspore import nn
@@ -542,7 +542,10 @@ def test_a_dp_only_semi_auto_rank_resumes_from_the_slices_optimizer_parallel_giv
     assert shapes.shape("model.embed_tokens.weight", 4) == (64, 64) == shapes.shape("model.embed_tokens.weight", 2)
     assert shapes.shape("model.layers.0.self_attn.q_proj.weight", 4) == (64, 64)
     assert shapes.shape("model.norm.weight", 4) == (64,)
-    seven_b = rank_shapes(load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_8dev.yaml"), planning=True))
+    # MindFormers' own 7B layout, DP 8 x TP 1 (ours is DP 4 x TP 2 by its plan; the strategy file decides there).
+    seven_b = rank_shapes(load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_8dev.yaml"),
+                                      ["parallel_config.data_parallel=8", "parallel_config.model_parallel=1"],
+                                      planning=True))
     assert seven_b.shape("model.layers.0.self_attn.q_proj.weight", 4) == (512, 4096)  # the issue's (512, 4096)
     assert seven_b.shape("model.layers.0.mlp.gate_proj.weight", 2) == (1376, 4096)
     assert seven_b.shape("model.layers.0.input_layernorm.weight", 4) == (4096,)  # 16 KB: whole

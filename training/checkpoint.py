@@ -160,8 +160,9 @@ def shape_problems(path: str, tensors: dict, expected) -> list:
         need = expected.shape(name, itemsize(tensors[name]["dtype"]))
         for key in (name, f"adam_m.{name}", f"adam_v.{name}"):
             if key in tensors and tuple(tensors[key]["shape"]) != need:
-                problems.append(f"{path}: tensor {key} has shape {tuple(tensors[key]['shape'])}, this rank holds "
-                                f"{need} of it under the recipe's layout{held_note(expected, name)}")
+                wanted = (f"the recipe's model needs {need}" if expected.optimizer_shard <= 1 else
+                          f"this rank holds {need} of it under the recipe's layout{held_note(expected, name)}")
+                problems.append(f"{path}: tensor {key} has shape {tuple(tensors[key]['shape'])}, {wanted}")
     return problems
 
 
