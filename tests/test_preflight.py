@@ -170,8 +170,10 @@ def test_busy_master_port_is_refused():
     assert [f.level for f in check_master_port(port)] == ["ok"]
 
 
-def test_leftover_training_process_is_named():
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "scripts/train.py"])
+def test_leftover_training_process_is_named(tmp_path):
+    run_dir = str(tmp_path / "run")
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "scripts/train.py", "--run-dir",
+                               run_dir])
     try:
         deadline = time.time() + 10
         while worker.pid not in [pid for pid, _ in training_processes()] and time.time() < deadline:
@@ -180,6 +182,9 @@ def test_leftover_training_process_is_named():
         assert [f.level for f in warnings] == ["warn"]
         assert f"process {worker.pid} is still running" in warnings[0].message
         assert "scripts/train.py" in warnings[0].message and f"kill {worker.pid}" in warnings[0].message
+        # The same run directory's previous launch, still stopping: not "another run", and not to be killed.
+        own = [f for f in check_leftover_processes(run_dir) if f.data.get("pid") == worker.pid]
+        assert "previous launch, still stopping" in own[0].message and f"kill {worker.pid}" not in own[0].message
     finally:
         worker.kill()
         worker.wait()

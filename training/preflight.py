@@ -499,14 +499,18 @@ def training_processes(mark: str = WORKER_MARK) -> list:
     return sorted(found)
 
 
-def check_leftover_processes() -> list:
+def check_leftover_processes(run_dir: Optional[str] = None) -> list:
     found = training_processes()
     if not found:
         return [Finding("ok", "processes", f"no other {WORKER_MARK} process running", {})]
+    own = os.path.abspath(run_dir) + os.sep if run_dir else None
     return [Finding("warn", "processes",
-                    f"process {pid} is still running `{cmd[:300]}`: a training worker from another run holds "
-                    f"devices, memory and ports. If it is stale: `kill {pid}` (`kill -9 {pid}` if it does not "
-                    "exit); otherwise wait for it to finish", {"pid": pid, "cmdline": cmd})
+                    f"process {pid} is still running `{cmd[:300]}`: "
+                    + ("a process of this run directory's previous launch, still stopping (the launcher waits for "
+                       "it before starting; do not kill it while it saves)" if own and own in cmd + os.sep else
+                       f"a training worker from another run holds devices, memory and ports. If it is stale: "
+                       f"`kill {pid}` (`kill -9 {pid}` if it does not exit); otherwise wait for it to finish"),
+                    {"pid": pid, "cmdline": cmd})
             for pid, cmd in found]
 
 
@@ -598,7 +602,7 @@ def run_checks(recipe, run_dir: Optional[str] = None, master_port: Optional[int]
     findings += check_memlock(target)
     findings += check_max_map_count()
     findings += check_master_port(master_port)
-    findings += check_leftover_processes()
+    findings += check_leftover_processes(run_dir or recipe.output_dir)
     findings += check_output_dir(recipe, run_dir)
     findings += check_disk(recipe, run_dir)
     return findings
