@@ -157,7 +157,7 @@ def test_one_host_all_reduce_per_step_carries_loss_and_stop(tiny_dataset, tmp_pa
 
     def other_rank_asks_to_stop(values):  # this rank's values plus the other rank's: loss 3.0, stop requested
         calls.append(list(values))
-        return np.asarray(values, np.float32) + np.asarray([3.0, 1.0], np.float32)
+        return np.asarray(values, np.float32) + np.asarray([3.0, 1.0, 1.0, 0.0], np.float32)
 
     monkeypatch.setattr(collectives, "all_reduce_sum", other_rank_asks_to_stop)
     mode = ms.get_context("mode")
@@ -174,7 +174,8 @@ def test_one_host_all_reduce_per_step_carries_loss_and_stop(tiny_dataset, tmp_pa
     monkeypatch.setattr(Checkpointer, "save", lambda self, params, step, kind="step": saved.append(step))
     for callback in (monitor, checkpointer):
         callback.on_train_step_end(context)
-    assert calls == [[2.0, 0.0]]  # one all-reduce for the step: [this rank's loss, this rank's stop]
+    # One all-reduce for the step: [this rank's loss, it computes one, its stop request, a non-finite value].
+    assert calls == [[2.0, 1.0, 0.0, 0.0]]
     assert recorder.last == StepRecord(step=1, loss=2.5, lr=1.0, grad_norm=1.0, loss_scale=1.0, overflow=False,
                                        stop=True, rank_loss=2.0)
     assert saved == [1] and checkpointer.preempted and context.get_stop_requested()
