@@ -485,3 +485,30 @@ def test_dry_run_flag_needs_check(tmp_path):
     result = run_launcher(TINY_RECIPE, "--dry-run", "--set", f"output_dir={tmp_path}/run")
     assert result.returncode == 2 and "--dry-run goes with --check" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_process_blocked_holding_the_gil_still_stops_when_its_launcher_is_gone():
+    """msrun's scheduler blocks in init() holding the GIL, where a watchdog thread never runs (it kept a killed
+    launcher's job alive ~10 minutes): the watchdog process kills it. libc sleep through ctypes.PyDLL keeps the GIL."""
+    from ascend_llm_recipes.training.job import LAUNCHER_ENV, process_id
+
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    blocked = {}
+    try:
+        for how in ("watch_launcher(lambda pid: os._exit(3))", "watch_launcher_from_a_child('scheduler')"):
+            code = ("import ctypes, os\n"
+                    f"from ascend_llm_recipes.training.job import watch_launcher, watch_launcher_from_a_child\n"
+                    f"{how}\nctypes.PyDLL(None).sleep(20)\n")
+            blocked[how] = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
+                                            env=dict(os.environ, **{LAUNCHER_ENV: process_id(launcher.pid)}))
+        time.sleep(2)  # both are asleep in C, their watchdogs started
+        launcher.kill()
+        launcher.wait()
+        thread, child = blocked.values()
+        assert child.wait(timeout=10) == -signal.SIGKILL
+        assert "[scheduler] the launcher (pid" in child.stderr.read()
+        assert thread.poll() is None  # the thread version is still blocked: the defect this guards against
+    finally:
+        for p in (launcher, *blocked.values()):
+            p.kill()
+            p.wait()

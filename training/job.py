@@ -3,8 +3,9 @@
 msrun starts its scheduler and every worker in sessions of their own, so neither a process group
 nor a parent-death signal reaches them from the launcher. The launcher therefore exports
 LAUNCHER_ENV = "<pid>:<start time>" to msrun, which hands its environment down: the launcher finds
-every process of its job by that value in /proc/PID/environ, and each worker and the scheduler run
-a watchdog thread that stops their process when that launcher is gone (e.g. killed with -9).
+every process of its job by that value in /proc/PID/environ, and each worker runs a watchdog thread
+(the scheduler a watchdog process: it blocks in init() holding the GIL) that stops their process when
+that launcher is gone (e.g. killed with -9).
 """
 
 import fcntl
@@ -133,6 +134,31 @@ def watch_launcher(on_gone, poll: float = 1.0) -> bool:
         on_gone(int(launcher.split(":")[0]))
 
     threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
+    return True
+
+
+def watch_launcher_from_a_child(who: str, poll: float = 1.0) -> bool:
+    """Kill this process once its launcher has exited, watching from a forked child process.
+
+    For a process about to block in a call that holds the GIL, where watch_launcher's thread never runs:
+    msrun's scheduler in MindSpore's init() retries its cluster build for ~10 minutes when the launcher
+    was killed during start-up (seen in the new-user pass). The child leaves when this process does.
+    """
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if not launcher:
+        return False
+    parent, parent_id = os.getpid(), process_id()
+    if os.fork() == 0:
+        try:
+            while is_running(launcher):
+                if not is_running(parent_id):
+                    os._exit(0)
+                time.sleep(poll)
+            print(f"[{who}] the launcher (pid {launcher.split(':')[0]}) is gone: stopping", file=sys.stderr,
+                  flush=True)
+            os.kill(parent, signal.SIGKILL)
+        finally:
+            os._exit(0)
     return True
 
 

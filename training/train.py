@@ -19,7 +19,7 @@ import yaml
 from ascend_llm_recipes.common.errors import LaunchError, PretrainError
 from ascend_llm_recipes.common.files import write_json_atomic
 from ascend_llm_recipes.training.heartbeat import Heartbeat
-from ascend_llm_recipes.training.job import stop_orphan, watch_launcher
+from ascend_llm_recipes.training.job import stop_orphan, watch_launcher, watch_launcher_from_a_child
 from ascend_llm_recipes.training.recipe import START_STEP_LR, DynamicLossScaleConfig, Recipe, recipe_from_dict
 from ascend_llm_recipes.training.run_files import (CHECKPOINTS, PROFILE, RESOLVED_RECIPE, SUMMARY, TENSORBOARD,
                                                    metrics_file, status_path)
@@ -393,7 +393,7 @@ def main(argv=None) -> int:
         # msrun runs this script once more as its scheduler; init() makes it serve the
         # workers and return when they are done, instead of training a second copy.
         from mindspore.communication import init
-        watch_launcher(lambda pid: stop_orphan("scheduler", pid, graceful=False))
+        watch_launcher_from_a_child("scheduler")
         init()
         return 0
     run_dir = os.path.abspath(args.run_dir)
