@@ -573,28 +573,13 @@ def step_tasks(run: IndexedRun, name: str) -> int:
 
 def build_executors(run: IndexedRun, cluster) -> list:
     """One datatrove executor per step (data/scale.py's choices: local processes, Slurm jobs, Ray tasks)."""
-    from ascend_llm_recipes.data.scale import _env_command, ray_executor_class
+    from ascend_llm_recipes.data.scale import stage_executor
 
     executors, previous = [], None
     for name in STEPS:
-        tasks, logging_dir = step_tasks(run, name), os.path.join(run.logs, name)
-        pipeline = [Step(name, run)]
-        if cluster.executor == "local":
-            from datatrove.executor.local import LocalPipelineExecutor
-            workers = cluster.workers if cluster.workers > 0 else (os.cpu_count() or 1)
-            executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(workers, tasks),
-                                             logging_dir=logging_dir, start_method="spawn")
-        elif cluster.executor == "ray":
-            executor = ray_executor_class()(pipeline, tasks=tasks, workers=cluster.workers, logging_dir=logging_dir)
-        else:
-            from datatrove.executor.slurm import SlurmPipelineExecutor
-            executor = SlurmPipelineExecutor(
-                pipeline, tasks=tasks, time=cluster.time, partition=cluster.partition,
-                cpus_per_task=cluster.cpus_per_task, workers=cluster.workers, job_name=f"indexed-{name}",
-                logging_dir=logging_dir, depends=previous, qos="", env_command=_env_command(),
-                slurm_logs_folder=os.path.join(logging_dir, "slurm_logs"))
-        executors.append(executor)
-        previous = executor
+        previous = stage_executor([Step(name, run)], step_tasks(run, name), cluster, os.path.join(run.logs, name),
+                                  f"indexed-{name}", previous)
+        executors.append(previous)
     return executors
 
 
@@ -657,15 +642,28 @@ def _run_steps(run: IndexedRun, options):
         print(f"prepare: submitted {len(STEPS)} Slurm steps (last job id {executors[-1].job_id}); logs in "
               f"{run.logs}; rerun the same command when they are done to finish", file=sys.stderr)
         return None
-    for name, executor in zip(STEPS, executors):
-        if step_tasks(run, name) == 1:  # in this process: a bad id becomes our one-line error, not a traceback
-            Step(name, run)()
-            continue
-        executor.run()
-        left = executor.get_incomplete_ranks()
-        if left:
-            raise _Kept(f"step {name}: tasks {left} did not complete (logs: {executor.logging_dir.path}/logs)",
-                        hint="rerun the same command: it redoes only the unfinished tasks")
+    from ascend_llm_recipes.data.tasks import TaskPool, raise_failures
+
+    # Local tasks run in data/tasks.py's watched processes, as the text path's do: a killed task stops the run
+    # naming it instead of leaving datatrove's Pool waiting forever.
+    most = max(step_tasks(run, name) for name in STEPS)
+    pool = TaskPool(min(most, options.workers if options.workers > 0 else os.cpu_count() or 1)) \
+        if options.executor == "local" else None
+    try:
+        for name, executor in zip(STEPS, executors):
+            if step_tasks(run, name) == 1:  # in this process: a bad id becomes our one-line error, not a traceback
+                Step(name, run)()
+                continue
+            failures = pool.run(executor, name) if pool else executor.run()
+            left = executor.get_incomplete_ranks()
+            if failures:
+                raise_failures(name, failures, executor.world_size, executor.world_size - len(left), lambda e: e)
+            if left:
+                raise _Kept(f"step {name}: tasks {left} did not complete (logs: {executor.logging_dir.path}/logs)",
+                            hint="rerun the same command: it redoes only the unfinished tasks")
+    finally:
+        if pool:
+            pool.close()
     with open(os.path.join(run.work, MANIFEST), encoding="utf-8") as f:
         return json.load(f)
 

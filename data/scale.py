@@ -449,29 +449,32 @@ def ray_executor_class():
     return RayPipelineExecutor
 
 
+def stage_executor(pipeline: list, tasks: int, cluster: ClusterOptions, logging_dir: str, job_name: str,
+                   previous=None):
+    """The datatrove executor of one stage on the chosen cluster (Slurm jobs depend on the `previous` stage's).
+    A local one is run by data/tasks.py's watched processes (TaskPool), not by datatrove's own Pool."""
+    if cluster.executor == "local":
+        from datatrove.executor.local import LocalPipelineExecutor
+        workers = cluster.workers if cluster.workers > 0 else (os.cpu_count() or 1)
+        return LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(workers, tasks), logging_dir=logging_dir,
+                                     start_method="spawn")
+    if cluster.executor == "ray":
+        return ray_executor_class()(pipeline, tasks=tasks, workers=cluster.workers, logging_dir=logging_dir)
+    from datatrove.executor.slurm import SlurmPipelineExecutor
+    return SlurmPipelineExecutor(
+        pipeline, tasks=tasks, time=cluster.time, partition=cluster.partition, cpus_per_task=cluster.cpus_per_task,
+        workers=cluster.workers, job_name=job_name, logging_dir=logging_dir, depends=previous, qos="",
+        env_command=_env_command(), slurm_logs_folder=os.path.join(logging_dir, "slurm_logs"))
+
+
 def build_executors(run: ScaleRun, cluster: ClusterOptions) -> list:
     """One datatrove executor per stage, in order (Slurm ones chained by job dependencies)."""
     executors, previous = [], None
     for name in STAGES:
         tasks = run.tasks if name in ("signatures", "pack") else 1
-        logging_dir = os.path.join(run.logs, name)
-        pipeline = [Stage(name, run)]
-        if cluster.executor == "local":
-            from datatrove.executor.local import LocalPipelineExecutor
-            workers = cluster.workers if cluster.workers > 0 else (os.cpu_count() or 1)
-            executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(workers, tasks),
-                                             logging_dir=logging_dir, start_method="spawn")
-        elif cluster.executor == "ray":
-            executor = ray_executor_class()(pipeline, tasks=tasks, workers=cluster.workers, logging_dir=logging_dir)
-        else:
-            from datatrove.executor.slurm import SlurmPipelineExecutor
-            executor = SlurmPipelineExecutor(
-                pipeline, tasks=tasks, time=cluster.time, partition=cluster.partition,
-                cpus_per_task=cluster.cpus_per_task, workers=cluster.workers, job_name=f"prepare-{name}",
-                logging_dir=logging_dir, depends=previous, qos="", env_command=_env_command(),
-                slurm_logs_folder=os.path.join(logging_dir, "slurm_logs"))
-        executors.append(executor)
-        previous = executor
+        previous = stage_executor([Stage(name, run)], tasks, cluster, os.path.join(run.logs, name),
+                                  f"prepare-{name}", previous)
+        executors.append(previous)
     return executors
 
 
