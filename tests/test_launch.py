@@ -424,7 +424,9 @@ def test_msrun_binds_cores_on_ascend_only(tmp_path):
         command = msrun_command(resolve_cluster(recipe, env={}), str(tmp_path), binds_cores(recipe))
         old_argv = sys.argv
         try:
-            sys.argv = command[:command.index("--run-dir")]
+            # [python, -m, mindspore.parallel.cluster.run, options...]: argv as msrun's parser sees it
+            assert command[1:3] == ["-m", "mindspore.parallel.cluster.run"]
+            sys.argv = command[2:command.index("--run-dir")]
             parsed[name] = get_args()
         finally:
             sys.argv = old_argv
