@@ -673,15 +673,9 @@ class _Kept(DataError):
 
 
 def _check_outputs(run: IndexedRun) -> None:
-    for directory, what in ((run.output_dir, "dataset"), (run.val_output, "validation dataset")):
-        if not os.path.exists(directory) or (what != "dataset" and _ours(run, directory)):
-            continue
-        if os.path.isfile(os.path.join(directory, MANIFEST)):
-            raise DataError(f"{what} {directory} already exists (complete)",
-                            hint="reuse it, or choose another --output" if what == "dataset" else
-                            "move it away, or choose another --val-output")
-        raise DataError(f"{directory} exists but is not a complete dataset (no {MANIFEST})",
-                        hint="remove it or choose another --output; nothing was written")
+    from ascend_llm_recipes.data.pipeline import check_outputs
+
+    check_outputs(run.output_dir, run.val_output, lambda directory: _ours(run, directory))
 
 
 def _finished(run: IndexedRun):

@@ -191,6 +191,20 @@ class Split:
         return meta, arrays, self.writer.rows, list(self.writer.pending)
 
 
+def check_outputs(output_dir: str, val_output: str, ours) -> None:
+    """Refuse an existing dataset or validation set at the outputs, unless `ours(directory)` says this very run
+    finished that validation set before it was interrupted."""
+    for directory, what in ((output_dir, "dataset"), (val_output, "validation dataset")):
+        if not os.path.exists(directory) or (what != "dataset" and ours(directory)):
+            continue
+        if os.path.isfile(os.path.join(directory, MANIFEST)):
+            raise DataError(f"{what} {directory} already exists (complete)",
+                            hint="reuse it, or choose another --output" if what == "dataset" else
+                            "move it away, or choose another --val-output")
+        raise DataError(f"{directory} exists but is not a complete dataset (no {MANIFEST})",
+                        hint="remove it or choose another --output; nothing was written")
+
+
 class Run:
     def __init__(self, output_dir: str, seq_length: int, vocab_size: int, source: str, patterns: list,
                  files: list, missing: list, max_documents: int, tokenizer: str, samples_per_shard: int,
@@ -283,15 +297,7 @@ class Run:
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
     def _check_outputs(self) -> None:
-        for directory, what in ((self.output_dir, "dataset"), (self.val_output, "validation dataset")):
-            if not os.path.exists(directory) or (what != "dataset" and self._ours(directory)):
-                continue
-            if os.path.isfile(os.path.join(directory, MANIFEST)):
-                raise DataError(f"{what} {directory} already exists (complete)",
-                                hint="reuse it, or choose another --output" if what == "dataset" else
-                                "move it away, or choose another --val-output")
-            raise DataError(f"{directory} exists but is not a complete dataset (no {MANIFEST})",
-                            hint="remove it or choose another --output; nothing was written")
+        check_outputs(self.output_dir, self.val_output, self._ours)
 
     def _ours(self, directory: str) -> bool:
         """True for a validation dataset this very run finished before it was interrupted."""
