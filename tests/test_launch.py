@@ -27,7 +27,12 @@ def bare_python3(tmp_path_factory):
     python3 (as on Debian without python-is-python3)."""
     venv = tmp_path_factory.mktemp("bare") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    # venv makes python3 a link to python (python3 -> python -> the interpreter): point python3 at the
+    # interpreter itself before removing python, or python3 dangles and the launcher finds no Python at all.
+    interpreter = os.path.realpath(venv / "bin" / "python3")
+    os.remove(venv / "bin" / "python3")
     os.remove(venv / "bin" / "python")
+    os.symlink(interpreter, venv / "bin" / "python3")
     return str(venv / "bin")
 
 
