@@ -87,6 +87,17 @@ def lazy_inline_applies(device_target: str, parallel_mode: str) -> bool:
     return device_target == "Ascend" and parallel_mode != "stand_alone"
 
 
+def loss_splits_vocabulary(parallel_mode: str) -> bool:
+    """Whether the loss is written with vocabulary-parallel operators (CrossEntropy) or the fused kernel.
+
+    In semi-auto and auto parallel the logits may be split over the vocabulary by tensor parallel,
+    and the loss uses the operators MindFormers shards for that. In stand-alone and data-parallel
+    mode every rank holds whole rows of logits, and one fused kernel (WholeVocabularyCrossEntropy)
+    computes the same loss in a fraction of the passes over the (tokens x vocabulary) logits.
+    """
+    return parallel_mode in ("semi_auto_parallel", "auto_parallel")
+
+
 def lazy_inline_where_supported(init):
     """MindFormers' lazy_inline decorator (mindformers/models/utils.py:200), applied where it can run."""
     @functools.wraps(init)
@@ -200,12 +211,6 @@ class CoreAttention(nn.Cell):
         self.qk_matmul = ops.BatchMatMul(transpose_b=True)
         self.mask_add = ops.Add()
         self.softmax = ops.Softmax(-1)
-        # The CPU backend has no kernel for Softmax's gradient and expands it into four passes over
-        # the (B, heads, S, S) scores (~40 ms per layer at S 256); LogSoftmax has a fused forward and
-        # backward kernel there, and exp(log_softmax(x)) equals softmax(x) to float32 rounding.
-        self.softmax_via_log = ms.get_context("device_target") == "CPU"
-        self.log_softmax = ops.LogSoftmax(-1)
-        self.exp = ops.Exp()
         self.pv_matmul = ops.BatchMatMul()
         self.merge_heads = ops.Transpose()
 
@@ -213,10 +218,7 @@ class CoreAttention(nn.Cell):
         b, n, s, d = q.shape
         # Scaling q (B, heads, S, head_dim) costs S/head_dim times less than scaling the scores.
         scores = self.mask_add(self.qk_matmul(self.mul_scale(q, self.scale), k).astype(ms.float32), mask)
-        if self.softmax_via_log:
-            probs = self.exp(self.log_softmax(scores))
-        else:
-            probs = self.softmax(scores)
+        probs = self.softmax(scores)
         out = self.pv_matmul(probs.astype(v.dtype), v)  # (B, heads, S, head_dim)
         # (B, heads, S, head_dim) -> (B, S, H)
         return self.merge_heads(out, (0, 2, 1, 3)).reshape(b, s, n * d)
@@ -501,6 +503,10 @@ class LlamaForCausalLM(PreTrainedModel):
         self.inputs = ops.StridedSlice()
         self.labels = ops.StridedSlice()
         self.loss = CrossEntropy()
+        self.whole_vocabulary_loss = not loss_splits_vocabulary(ms.get_auto_parallel_context("parallel_mode"))
+        if self.whole_vocabulary_loss:
+            self.fused_loss = WholeVocabularyCrossEntropy(config.vocab_size, config.pad_token_id)
+            self.keep_mul = ops.Mul()
         self.apply_parallel_layout(getattr(config, "parallel_config", None))
 
     def apply_parallel_layout(self, parallel_config) -> None:
@@ -511,7 +517,10 @@ class LlamaForCausalLM(PreTrainedModel):
 
     def padded_logits(self, tokens):
         """(B, S) token ids -> (B * S, padded vocabulary) logits in the compute dtype."""
-        h = self.model(tokens)
+        return self.head(self.model(tokens))
+
+    def head(self, h):
+        """(B, S, hidden) final hidden states -> (B * S, padded vocabulary) logits in the compute dtype."""
         b, s, hidden = h.shape
         if self.tie_word_embeddings:
             table = self.model.embed_tokens.weight.astype(self.compute_dtype)
@@ -532,7 +541,14 @@ class LlamaForCausalLM(PreTrainedModel):
         # labels are masked, and it only follows a row's last real token, which causal attention never lets see it.
         tokens = self.inputs(self.no_negative_ids(input_ids, 0), (0, 0), (b, s1 - 1), (1, 1))
         labels = self.labels(input_ids, (0, 1), (b, s1), (1, 1)).reshape(-1)
-        return self.loss(self.padded_logits(tokens), labels, self.vocab_padding, self.pad_token_id)
+        if not self.whole_vocabulary_loss:
+            return self.loss(self.padded_logits(tokens), labels, self.vocab_padding, self.pad_token_id)
+        h = self.model(tokens)
+        # Padding positions get zero hidden states, so their logits are the constant row the fused loss
+        # takes back out (see WholeVocabularyCrossEntropy); nothing of them reaches the weights' gradients.
+        keep = self.fused_loss.keep(labels)                                      # (B * S,) 1.0 or 0.0
+        h = self.keep_mul(h, keep.reshape(b, s1 - 1, 1).astype(h.dtype))
+        return self.fused_loss(self.head(h), labels, keep, self.vocab_padding)
 
 
 class CrossEntropy(nn.Cell):
@@ -575,3 +591,55 @@ class CrossEntropy(nn.Cell):
         nll = self.sum_vocab(self.neg(self.pick(log_probs, target)), -1)         # (N,)
         mask = self.not_pad(labels, pad_token_id).astype(ms.float32)
         return self.div(self.sum_tokens(self.mask_mul(nll, mask)), self.at_least_one(self.count(mask), 1.0))
+
+
+class WholeVocabularyCrossEntropy(nn.Cell):
+    """The same loss as CrossEntropy on MindSpore's fused SparseSoftmaxCrossEntropyWithLogits kernel.
+
+    For logits whose rows are whole (no vocabulary split): the kernel computes the mean of
+    -log softmax(logits)[label] over all rows, and its gradient (softmax - one-hot) / rows, each in
+    one pass (CPU, GPU and Ascend kernels; its gradient is the same kernel with is_grad=True,
+    mindspore/ops/_grad_experimental/grad_nn_ops.py:146-161). CrossEntropy needs ~10 element-wise
+    passes forward and ~12 backward over the (tokens x vocabulary) logits for the same numbers.
+
+    The kernel has no ignore index (a label < 0 is an error), so padding labels become label 0
+    and their logits a known constant row: the model zeroes their hidden states, the head
+    (no bias) gives logits 0 (plus the vocabulary-padding row, -1e9 on padded ids), whose loss
+    for label 0 is log(vocab_size) exactly. That constant is subtracted from the sum again:
+
+        loss = kernel mean x rows / real rows - log(vocab_size) x padding rows / real rows
+
+(with no padding, rows / real rows is exactly 1 and the loss is the kernel's mean itself; a batch of
+padding only has loss 0, as in CrossEntropy). The subtraction cancels most of the kernel's sum when
+most rows are padding, so the loss value's float32 rounding grows by rows / real rows there; the
+gradients do not cancel (padding rows pass nothing back).
+
+    Gradients: a zero hidden row passes nothing to the head's weight or the network below.
+    """
+
+    def __init__(self, vocab_size: int, pad_token_id: int):
+        super().__init__()
+        self.pad_token_id = pad_token_id
+        self.padding_row_loss = float(np.log(np.float32(vocab_size)))  # -log(1 / vocab_size), in float32
+        self.kernel = ops.SparseSoftmaxCrossEntropyWithLogits()
+        self.not_pad = ops.NotEqual()
+        self.pad = ops.Add()
+        self.safe_labels = ops.Mul()
+        self.count = ops.ReduceSum()
+        self.at_least_one = ops.Maximum()
+        self.at_most_one = ops.Minimum()
+
+    def keep(self, labels):
+        """1.0 for labels that count, 0.0 for padding, float32 (B * S,)."""
+        return self.not_pad(labels, self.pad_token_id).astype(ms.float32)
+
+    def construct(self, logits, labels, keep, vocab_padding):
+        logits = logits.astype(ms.float32)
+        if vocab_padding is not None:
+            logits = self.pad(logits, vocab_padding)
+        rows = logits.shape[0]
+        real = self.count(keep)
+        mean = self.kernel(logits, self.safe_labels(labels, keep.astype(labels.dtype)))
+        padding, counted = rows - real, self.at_most_one(real, 1.0)   # counted: 0.0 when every label is padding
+        real = self.at_least_one(real, 1.0)
+        return (mean * (rows / real) - (padding / real) * self.padding_row_loss) * counted

@@ -196,8 +196,6 @@ def operator_strategies(net, layout: LlamaLayout) -> list:
             add(core.qk_matmul, *s["attention_scores"])
             add(core.mask_add, heads, mask)
             add(core.softmax, *s["attention_softmax"])
-            add(core.log_softmax, heads)
-            add(core.exp, heads)
             add(core.pv_matmul, *s["attention_values"])
             add(core.merge_heads, heads)
         for cell in (mlp.gate_proj, mlp.up_proj):

@@ -1,5 +1,6 @@
 """Parallel layout: planned on CPU, applied to the real Cells, checked for consistency."""
 
+import mindspore as ms
 import pytest
 from mindformers.modules.transformer.transformer import TransformerOpParallelConfig, TransformerRecomputeConfig
 
@@ -10,6 +11,16 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
 
 
+def semi_auto_model(config: LlamaConfig) -> LlamaForCausalLM:
+    """The model as semi-auto parallel builds it (the loss splits the vocabulary; models/llama.py
+    loss_splits_vocabulary), the context set back to stand-alone for CPU."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+    try:
+        return LlamaForCausalLM(config)
+    finally:
+        ms.set_auto_parallel_context(parallel_mode="stand_alone")
+
+
 def build(dp, tp, pp, micro=4, recompute=False, select=False, vocab_emb_dp=True, **fields):
     parallel = TransformerOpParallelConfig(
         data_parallel=dp, model_parallel=tp, pipeline_stage=pp, micro_batch_num=micro, vocab_emb_dp=vocab_emb_dp,
@@ -17,7 +28,7 @@ def build(dp, tp, pp, micro=4, recompute=False, select=False, vocab_emb_dp=True,
     config = dict(vocab_size=100, hidden_size=64, num_layers=5, num_heads=8, num_kv_heads=4,
                   intermediate_size=160, seq_length=32, parallel_config=parallel)
     config.update(fields)
-    return LlamaForCausalLM(LlamaConfig(**config))
+    return semi_auto_model(LlamaConfig(**config))
 
 
 def linears(net):
@@ -52,6 +63,7 @@ def test_data_parallel_only_layout_sets_explicit_strategies_on_the_real_cells():
     from ascend_llm_recipes.models.parallel import UNSHARDED_OPERATORS
 
     net = build(8, 1, 1)
+    assert not net.whole_vocabulary_loss and not hasattr(net, "fused_loss")
     unsharded = [(cell_name, attr, prim.name) for cell_name, cell in net.cells_and_names()
                  for attr, prim in cell._primitives.items()
                  if prim is not None and getattr(prim, "in_strategy", None) is None
@@ -134,9 +146,12 @@ ms.set_context(mode=0, device_target="CPU")
 from mindformers.modules.transformer.transformer import TransformerOpParallelConfig
 from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 parallel = TransformerOpParallelConfig(data_parallel=2, model_parallel=2, pipeline_stage=1, micro_batch_num=1)
+# Built as in semi-auto parallel (the loss then splits the vocabulary), compiled stand-alone (CPU).
+ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
 net = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
                                    intermediate_size=96, seq_length=32, qkv_bias=True, document_attention=True,
                                    parallel_config=parallel))
+ms.set_auto_parallel_context(parallel_mode="stand_alone")
 net.set_train(True)
 net.compile(ms.Tensor(np.ones((2, 33), np.int32)))
 """
@@ -190,7 +205,7 @@ def test_every_primitive_of_every_cell_is_sharded_with_or_without_ascend_kernels
     from ascend_llm_recipes.models.parallel import UNSHARDED_OPERATORS, flash_attention_strategy
 
     parallel = TransformerOpParallelConfig(data_parallel=2, model_parallel=2, pipeline_stage=1, micro_batch_num=1)
-    net = LlamaForCausalLM(kernel_config(parallel, **kernels))
+    net = semi_auto_model(kernel_config(parallel, **kernels))
     # MindFormers' generation mixin (text_generator.py:94) owns a Gather our training graph never calls.
     unused = {("", "gather")}
     unsharded = [(cell_name, attr, prim.name) for cell_name, cell in net.cells_and_names()
