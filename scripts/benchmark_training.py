@@ -2,6 +2,7 @@
 
     python scripts/benchmark_training.py [--steps 6] [--warmup 2] [--shapes reference larger demo]
                                          [--demo-steps 40] [--no-torch-compile] [--no-demo]
+    python scripts/benchmark_training.py --gemm-only [--shapes reference] [--gemm-rounds 3] [--gemm-repeats 2]
 
 For each shape (reference: hidden 256, 4 layers, 8 heads, MLP 688, vocabulary 8192,
 seq_length 256, batch 8; larger: hidden 512, 8 layers, MLP 1376, vocabulary 16384,
@@ -25,9 +26,19 @@ Both sides train the same shape on the same token batches with the same optimize
 settings (the recipe's AdamW, gradient clipping and LR schedule). Steps of the two are
 alternated in one process so that whatever else runs on the machine slows both alike;
 warm-up (graph compile, first allocations) is excluded and steady-state tokens/s is the
-median over the timed steps. MFU for both is analytic FLOPs per token
-(models/arithmetic.py) x tokens/s over the float32 GEMM peak measured in the same run
-(training/metrics.py).
+median over the timed steps.
+
+MFU (analytic FLOPs per token, models/arithmetic.py, x tokens/s) is given against two
+yardsticks, both measured between the timed steps (one round after
+each round of steps, under the steps' load): a float32 1024^3 GEMM, and each framework's own
+GEMMs at the model's shapes. The second takes the GEMMs one training step runs
+(models/arithmetic.py step_gemms: q/k/v/o, gate/up/down, lm_head and attention's BatchMatMuls,
+forward and both backward GEMMs, with the transposes each framework's autodiff uses), times
+each on MindSpore (graph mode, training/metrics.py MindSporeGemm) and on PyTorch (torch.matmul
+on transposed views), form by form alternating the frameworks, and sums count x time: the
+time this step's GEMMs need on that framework's kernels. Its peak is the step's GEMM FLOPs
+over that time (median over rounds, with the range). --gemm-only prints that yardstick alone,
+one row per GEMM form with both frameworks' GFLOP/s, without training.
 """
 
 import argparse
@@ -352,6 +363,11 @@ def compare_shape(shape: Shape, warmup: int, steps: int, torch_compile: bool, ru
                                 "mfu_own_gemm": fpt * tps / result["peak"][own],
                                 "mfu_shapes": fpt * tps / median,
                                 "mfu_shapes_range": (fpt * tps / high, fpt * tps / low),
+                                # Paired per round (the GEMM round runs right after that round's steps):
+                                # model FLOPs per step / step time over the yardstick of that round.
+                                "mfu_shapes_per_round": statistics.median(
+                                    fpt * shape.tokens_per_step * gemm_s / (step_s * yardstick.step_flops)
+                                    for step_s, gemm_s in zip(t.step_s, result["gemm_step_s"][own])),
                                 "loss_first": t.losses[0], "loss_last": t.losses[-1]}
     ours = result["rows"]["mindspore"]["tokens_per_s"]
     best = result["rows"]["mindspore"]["best_tokens_per_s"]
@@ -453,14 +469,16 @@ def print_shape(result: dict) -> None:
               f"{high / 1e9:.0f} between steps): the step's GEMMs need {statistics.median(step_s):.3f} s "
               f"({min(step_s):.3f}-{max(step_s):.3f}); 1024^3 GEMM {peak[name] / 1e9:5.1f} GFLOP/s "
               f"({lo / 1e9:.0f}-{hi / 1e9:.0f})")
+    print("   MFU: vs MindSpore's 1024^3 GEMM | vs the framework's own 1024^3 GEMM | vs its own GEMMs at this "
+          "shape (median yardstick, range over rounds; per round: paired with the GEMM round after each step)")
     print(f"   {'':14s} {'tokens/s':>9s} {'best':>6s} {'step s':>7s} {'MFU':>6s} {'MFU/own GEMM':>13s} "
-          f"{'MFU/own GEMMs at shape':>23s} {'first step s':>13s} {'loss first->last':>17s}")
+          f"{'MFU/own GEMMs at shape':>23s} {'per round':>9s} {'first step s':>13s} {'loss first->last':>17s}")
     for name, row in result["rows"].items():
         low, high = row["mfu_shapes_range"]
         shapes = f"{row['mfu_shapes']:.1%} ({low:.0%}-{high:.0%})"
         print(f"   {name:14s} {row['tokens_per_s']:9.0f} {row['best_tokens_per_s']:6.0f} {row['step_s']:7.3f} "
-              f"{row['mfu']:6.1%} {row['mfu_own_gemm']:13.1%} {shapes:>23s} {row['first_step_s']:13.2f} "
-              f"{row['loss_first']:8.4f}->{row['loss_last']:.4f}")
+              f"{row['mfu']:6.1%} {row['mfu_own_gemm']:13.1%} {shapes:>23s} {row['mfu_shapes_per_round']:9.1%} "
+              f"{row['first_step_s']:13.2f} {row['loss_first']:8.4f}->{row['loss_last']:.4f}")
     ours = result["rows"]["mindspore"]
     print(f"   ours: compile ~{ours['first_step_s'] - ours['step_s']:.1f} s (first step minus a steady step); "
           f"MFU {ours['mfu']:.1%} = {ours['mfu']:.0%} of the MindSpore 1024^3 GEMM peak, "
