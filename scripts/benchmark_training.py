@@ -365,9 +365,9 @@ def compare_shape(shape: Shape, warmup: int, steps: int, torch_compile: bool, ru
                                 "mfu_shapes_range": (fpt * tps / high, fpt * tps / low),
                                 # Paired per round (the GEMM round runs right after that round's steps):
                                 # model FLOPs per step / step time over the yardstick of that round.
-                                "mfu_shapes_per_round": statistics.median(
+                                "mfu_shapes_per_round": [
                                     fpt * shape.tokens_per_step * gemm_s / (step_s * yardstick.step_flops)
-                                    for step_s, gemm_s in zip(t.step_s, result["gemm_step_s"][own])),
+                                    for step_s, gemm_s in zip(t.step_s, result["gemm_step_s"][own])],
                                 "loss_first": t.losses[0], "loss_last": t.losses[-1]}
     ours = result["rows"]["mindspore"]["tokens_per_s"]
     best = result["rows"]["mindspore"]["best_tokens_per_s"]
@@ -472,12 +472,14 @@ def print_shape(result: dict) -> None:
     print("   MFU: vs MindSpore's 1024^3 GEMM | vs the framework's own 1024^3 GEMM | vs its own GEMMs at this "
           "shape (median yardstick, range over rounds; per round: paired with the GEMM round after each step)")
     print(f"   {'':14s} {'tokens/s':>9s} {'best':>6s} {'step s':>7s} {'MFU':>6s} {'MFU/own GEMM':>13s} "
-          f"{'MFU/own GEMMs at shape':>23s} {'per round':>9s} {'first step s':>13s} {'loss first->last':>17s}")
+          f"{'MFU/own GEMMs at shape':>23s} {'per round':>17s} {'first step s':>13s} {'loss first->last':>17s}")
     for name, row in result["rows"].items():
         low, high = row["mfu_shapes_range"]
         shapes = f"{row['mfu_shapes']:.1%} ({low:.0%}-{high:.0%})"
+        rounds = row["mfu_shapes_per_round"]
+        paired = f"{statistics.median(rounds):.1%} ({min(rounds):.0%}-{max(rounds):.0%})"
         print(f"   {name:14s} {row['tokens_per_s']:9.0f} {row['best_tokens_per_s']:6.0f} {row['step_s']:7.3f} "
-              f"{row['mfu']:6.1%} {row['mfu_own_gemm']:13.1%} {shapes:>23s} {row['mfu_shapes_per_round']:9.1%} "
+              f"{row['mfu']:6.1%} {row['mfu_own_gemm']:13.1%} {shapes:>23s} {paired:>17s} "
               f"{row['first_step_s']:13.2f} {row['loss_first']:8.4f}->{row['loss_last']:.4f}")
     ours = result["rows"]["mindspore"]
     print(f"   ours: compile ~{ours['first_step_s'] - ours['step_s']:.1f} s (first step minus a steady step); "
@@ -525,8 +527,8 @@ def print_gemm_table(result: dict) -> None:
           f"{'torch GFLOP/s':>13s} {'ratio':>6s} {'MS step share':>13s}")
     for gemm, ms_rate, torch_rate, ms_time in zip(yardstick.gemms, ms_rates, torch_rates, ms_times):
         dims = "x".join(str(d) for d in gemm.batch + (gemm.m, gemm.n, gemm.k))
-        print(f"   {gemm.name:38s} {gemm.form:4s} {dims:>22s} {gemm.count:5d} {ms_rate / 1e9:17.1f} "
-              f"{torch_rate / 1e9:13.1f} {ms_rate / torch_rate:6.2f} {ms_time / sum(ms_times):13.1%}")
+        print(f"   {gemm.name:38s} {gemm.form:4s} {dims:>22s} {gemm.count:5d} {ms_rate / 1e9:17.3g} "
+              f"{torch_rate / 1e9:13.3g} {ms_rate / torch_rate:6.3g} {ms_time / sum(ms_times):13.1%}")
     print(f"   one step runs {yardstick.step_flops / 1e9:.3g} GFLOP of GEMMs; its GEMM time is the sum of count x time "
           "over the rows above")
     for name in ("mindspore", "torch"):
