@@ -12,8 +12,8 @@ from ascend_llm_recipes.models.arithmetic import Gemm, flops_per_token
 GEMM_SIZE = 1024  # a square float32 GEMM large enough to reach the kernel's steady speed on CPU
 
 
-# A timed call runs its GEMM several times (see MindSporeGemm) until it holds about this many FLOPs: ~10 ms at
-# CPU speeds, against a graph-mode call's fixed cost of a few hundred microseconds (mindspore_call_overhead_s).
+# A timed call runs its GEMM several times (see MindSporeGemm) until it holds about this many FLOPs: 10-30 ms at
+# these CPUs' 30-100 GFLOP/s, against a graph-mode call's fixed cost of 0.5-0.9 ms (mindspore_call_overhead_s).
 CALL_FLOPS = 1e9
 MAX_UNROLL = 8
 
@@ -101,10 +101,11 @@ class GemmYardstick:
     def __init__(self, gemms: list, timers: dict):
         self.gemms = gemms
         self.timers = {name: [factory(g) for g in gemms] for name, factory in timers.items()}
-        self.rounds = {name: [] for name in timers}  # per round: [seconds of one call of each gemm]
+        self.rounds = {name: [] for name in timers}  # per round: [seconds of one GEMM, for each form]
 
     def measure_round(self, repeats: int = 2) -> None:
-        order = list(self.timers) if len(self.rounds[next(iter(self.rounds))]) % 2 == 0 else list(self.timers)[::-1]
+        done = len(next(iter(self.rounds.values())))
+        order = list(self.timers) if done % 2 == 0 else list(self.timers)[::-1]
         times = {name: [] for name in order}
         for i in range(len(self.gemms)):
             for name in order:
