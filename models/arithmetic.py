@@ -1,10 +1,12 @@
 """Closed-form sizes of a Llama-style model: alignment, padded vocabulary, parameters, training FLOPs.
 
-Import-light (no MindSpore): recipes and planners use it on plain configs. `cfg` is a ModelConfig
+Import-light (no MindSpore): recipes and planners use it on plain configs; step_gemms lists the GEMMs a
+training step runs (the MFU yardstick of scripts/benchmark_training.py measures them). `cfg` is a ModelConfig
 (models/config.py) or a LlamaConfig; the counts are sums over models/shapes.py's tensors.
 """
 
 import math
+from dataclasses import dataclass
 
 ALIGN = 16  # Ascend's Cube unit works on 16x16 tiles: sequence, widths and vocabulary are multiples of it
 
@@ -42,13 +44,105 @@ def param_count(cfg, tensor_parallel: int = 1, padded: bool = True) -> int:
     return sum(math.prod(shape) for shape in parameter_shapes(cfg, tensor_parallel, padded).values())
 
 
-def flops_per_token(cfg, seq_length: int = None) -> int:
+def flops_per_token(cfg, seq_length: int = None, padded: bool = False) -> int:
     """Training FLOPs per token (forward + backward = 3 x forward), matmuls plus attention.
 
     6 x (parameters that take part in a matmul: every layer and the output projection, not
     the embedding lookup) + 12 x layers x hidden x seq_length for the attention scores and
     their weighted sum (PaLM, Chowdhery et al. 2022, appendix B; causal masking not discounted).
+    padded=True counts the output projection's padding rows too: what the GEMMs execute
+    (step_gemms), rather than the model's useful FLOPs that MFU counts.
     """
     seq_length = seq_length or cfg.seq_length
-    matmul_params = cfg.num_layers * layer_matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size
+    vocab = padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple) if padded else cfg.vocab_size
+    matmul_params = cfg.num_layers * layer_matmul_params(cfg) + vocab * cfg.hidden_size
     return 6 * matmul_params + 12 * cfg.num_layers * cfg.hidden_size * seq_length
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One GEMM form of a training step: C = op(A) @ op(B), `count` times per step.
+
+    op(X) is X^T where the transpose flag is set, so A is stored (k, m) when transpose_a and
+    B is stored (n, k) when transpose_b; `batch` is the leading dimensions of a BatchMatMul.
+    """
+
+    name: str
+    m: int
+    n: int
+    k: int
+    transpose_a: bool
+    transpose_b: bool
+    count: int
+    batch: tuple = ()
+
+    @property
+    def a_shape(self) -> tuple:
+        return self.batch + ((self.k, self.m) if self.transpose_a else (self.m, self.k))
+
+    @property
+    def b_shape(self) -> tuple:
+        return self.batch + ((self.n, self.k) if self.transpose_b else (self.k, self.n))
+
+    @property
+    def flops(self) -> int:
+        """FLOPs of one call (a multiply-add is two)."""
+        return 2 * math.prod(self.batch) * self.m * self.n * self.k
+
+    @property
+    def form(self) -> str:
+        """'NT' for A @ B^T and so on: which operand the kernel reads transposed."""
+        return ("T" if self.transpose_a else "N") + ("T" if self.transpose_b else "N")
+
+
+def _linear_gemms(name: str, tokens: int, out_features: int, in_features: int, count: int) -> list:
+    """y = x W^T of a (out, in) weight and the two GEMMs autodiff runs for it.
+
+    MindSpore's bprop of MatMul(transpose_b=True) (its expander's REG_BPROP_BUILDER("MatMul")) and
+    PyTorch's of linear (mm_mat1/mm_mat2_backward) both give dX = dY @ W and dW = dY^T @ X.
+    """
+    return [Gemm(f"{name} forward", tokens, out_features, in_features, False, True, count),
+            Gemm(f"{name} dX", tokens, in_features, out_features, False, False, count),
+            Gemm(f"{name} dW", out_features, in_features, tokens, True, False, count)]
+
+
+def _attention_gemms(batch: tuple, seq_length: int, head_dim: int, count: int) -> list:
+    """scores = q k^T and out = p v per (batch, head), and their gradients.
+
+    MindSpore's BatchMatMul bprop (REG_BPROP_BUILDER("BatchMatMul")): for q k^T, dq = dS k and
+    dk = dS^T q; for p v, dp = dO v^T and dv = p^T dO. PyTorch's bmm backward is the same math.
+    """
+    s, d = seq_length, head_dim
+    return [Gemm("attention q k^T forward", s, s, d, False, True, count, batch),
+            Gemm("attention q k^T dq", s, d, s, False, False, count, batch),
+            Gemm("attention q k^T dk", s, d, s, True, False, count, batch),
+            Gemm("attention p v forward", s, d, s, False, False, count, batch),
+            Gemm("attention p v dp", s, s, d, False, True, count, batch),
+            Gemm("attention p v dv", s, d, s, True, False, count, batch)]
+
+
+def step_gemms(cfg, batch_size: int, seq_length: int = None) -> list:
+    """Every GEMM one training step of models/llama.py runs (forward and both backward GEMMs), with counts.
+
+    One device (no tensor parallel). Derived from models/shapes.py's weights: each 2-D weight of a
+    layer is a Linear (weights of equal shape share a row), the output projection (lm_head, or the
+    embedding table when tied) has the padded vocabulary's rows. Attention runs over all query heads
+    (grouped KV heads are tiled to them first, models/llama.py repeat_kv).
+    Their total FLOPs are flops_per_token(cfg, seq_length, padded=True) x batch_size x seq_length.
+    """
+    from ascend_llm_recipes.models.shapes import parameter_shapes
+
+    seq_length = seq_length or cfg.seq_length
+    tokens = batch_size * seq_length
+    shapes = parameter_shapes(cfg)
+    groups = {}  # (out, in) -> projection names, in the model's order
+    for name, shape in shapes.items():
+        if ".layers.0." in name and len(shape) == 2:
+            groups.setdefault(shape, []).append(name.split(".")[-2])
+    gemms = []
+    for (out_features, in_features), names in groups.items():
+        gemms += _linear_gemms(",".join(names), tokens, out_features, in_features, cfg.num_layers * len(names))
+    head = shapes["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    gemms += _linear_gemms("lm_head (tied)" if cfg.tie_word_embeddings else "lm_head", tokens, *head, 1)
+    return gemms + _attention_gemms((batch_size, cfg.num_heads), seq_length, cfg.hidden_size // cfg.num_heads,
+                                    cfg.num_layers)

@@ -2,6 +2,7 @@
 
     python scripts/benchmark_training.py [--steps 6] [--warmup 2] [--shapes reference larger demo]
                                          [--demo-steps 40] [--no-torch-compile] [--no-demo]
+    python scripts/benchmark_training.py --gemm-only [--shapes reference] [--gemm-rounds 3] [--gemm-repeats 2]
 
 For each shape (reference: hidden 256, 4 layers, 8 heads, MLP 688, vocabulary 8192,
 seq_length 256, batch 8; larger: hidden 512, 8 layers, MLP 1376, vocabulary 16384,
@@ -25,9 +26,19 @@ Both sides train the same shape on the same token batches with the same optimize
 settings (the recipe's AdamW, gradient clipping and LR schedule). Steps of the two are
 alternated in one process so that whatever else runs on the machine slows both alike;
 warm-up (graph compile, first allocations) is excluded and steady-state tokens/s is the
-median over the timed steps. MFU for both is analytic FLOPs per token
-(models/arithmetic.py) x tokens/s over the float32 GEMM peak measured in the same run
-(training/metrics.py).
+median over the timed steps.
+
+MFU (analytic FLOPs per token, models/arithmetic.py, x tokens/s) is given against two
+yardsticks, both measured between the timed steps (one round after
+each round of steps, under the steps' load): a float32 1024^3 GEMM, and each framework's own
+GEMMs at the model's shapes. The second takes the GEMMs one training step runs
+(models/arithmetic.py step_gemms: q/k/v/o, gate/up/down, lm_head and attention's BatchMatMuls,
+forward and both backward GEMMs, with the transposes each framework's autodiff uses), times
+each on MindSpore (graph mode, training/metrics.py MindSporeGemm) and on PyTorch (torch.matmul
+on transposed views), form by form alternating the frameworks, and sums count x time: the
+time this step's GEMMs need on that framework's kernels. Its peak is the step's GEMM FLOPs
+over that time (median over rounds, with the range). --gemm-only prints that yardstick alone,
+one row per GEMM form with both frameworks' GFLOP/s, without training.
 """
 
 import argparse
@@ -251,8 +262,56 @@ class GemmPeak:
         return statistics.median(self.samples[framework])
 
 
-def alternate(trainers: list, data: np.ndarray, warmup: int, steps: int, peak: GemmPeak = None) -> dict:
-    """Run one step of each trainer in turn (order flipped every round); the first `warmup` are not timed."""
+class TorchGemm:
+    """One GEMM form as PyTorch runs it: torch.matmul on transposed views, as F.linear and autograd do.
+
+    F.linear(x, W) is mm(x, W.t()); its backward is mm(dY, W) and mm(dY.t(), X) (mm_mat1/mm_mat2_backward);
+    attention's matmuls and their backward are bmm on transposed views. Same operands and repetitions per
+    call as training/metrics.py MindSporeGemm, for a like-for-like comparison.
+    """
+
+    def __init__(self, gemm, unroll: int = None):
+        import torch
+        from ascend_llm_recipes.training.metrics import gemm_operands, gemm_unroll
+
+        self.unroll = unroll or gemm_unroll(gemm)
+        a_copies, b = gemm_operands(gemm, self.unroll)
+
+        def stored(x, transposed):
+            t = torch.from_numpy(x)
+            return t.transpose(-1, -2) if transposed else t
+
+        self.a_copies = [stored(a, gemm.transpose_a) for a in a_copies]
+        self.b = stored(b, gemm.transpose_b)
+        self.torch = torch
+        self.seconds()  # first-call allocations
+
+    def seconds(self, repeats: int = 1) -> float:
+        """Best time of one GEMM over `repeats` calls of `unroll` GEMMs."""
+        best = float("inf")
+        with self.torch.no_grad():
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for a in self.a_copies:
+                    self.torch.matmul(a, self.b)
+                best = min(best, time.perf_counter() - start)
+        return best / self.unroll
+
+
+def gemm_yardstick(recipe, shape: Shape):
+    """training/metrics.py GemmYardstick over this shape's step GEMMs, for MindSpore (graph mode) and PyTorch."""
+    from ascend_llm_recipes.models.arithmetic import step_gemms
+    from ascend_llm_recipes.training.metrics import GemmYardstick, MindSporeGemm
+
+    gemms = step_gemms(recipe.model.model_config, shape.batch_size, shape.seq_length)
+    return GemmYardstick(gemms, {"mindspore": MindSporeGemm, "torch": TorchGemm})
+
+
+def alternate(trainers: list, data: np.ndarray, warmup: int, steps: int, between: tuple = ()) -> dict:
+    """Run one step of each trainer in turn (order flipped every round); the first `warmup` are not timed.
+
+    Each of `between` is called after every timed round of steps (the GEMM measurements, under the steps' load).
+    """
     timings = {t.name: Timings(t.name) for t in trainers}
     for i in range(warmup + steps):
         batch = data[i % len(data)]
@@ -266,8 +325,9 @@ def alternate(trainers: list, data: np.ndarray, warmup: int, steps: int, peak: G
                 record.first_step_s = elapsed
             if i >= warmup:
                 record.step_s.append(elapsed)
-        if peak is not None and i >= warmup:
-            peak.measure()
+        if i >= warmup:
+            for measure in between:
+                measure()
     return timings
 
 
@@ -285,18 +345,29 @@ def compare_shape(shape: Shape, warmup: int, steps: int, torch_compile: bool, ru
         except Exception as err:  # noqa: BLE001 (any backend failure means "not available here")
             compile_error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     peak = GemmPeak()
-    timings = alternate(trainers, batches(shape, 8), warmup, steps, peak)
+    yardstick = gemm_yardstick(recipe, shape)
+    timings = alternate(trainers, batches(shape, 8), warmup, steps, (peak.measure, yardstick.measure_round))
     fpt = flops_per_token(recipe.model.model_config)
     result = {"shape": shape, "flops_per_token": fpt, "timings": timings, "torch_compile_error": compile_error,
               "peak": {name: peak.median(name) for name in peak.samples},
-              "peak_range": {name: (min(v), max(v)) for name, v in peak.samples.items()}, "rows": {}}
+              "peak_range": {name: (min(v), max(v)) for name, v in peak.samples.items()},
+              "yardstick": {name: yardstick.peak(name) for name in yardstick.rounds},
+              "gemm_step_s": {name: yardstick.step_seconds(name) for name in yardstick.rounds}, "rows": {}}
     for name, t in timings.items():
         tps = shape.tokens_per_step / t.median_step()
+        own = "mindspore" if name == "mindspore" else "torch"
+        median, low, high = result["yardstick"][own]
         result["rows"][name] = {"tokens_per_s": tps, "step_s": t.median_step(), "first_step_s": t.first_step_s,
                                 "best_tokens_per_s": shape.tokens_per_step / t.best_step(),
                                 "mfu": fpt * tps / result["peak"]["mindspore"],
-                                "mfu_own_gemm": fpt * tps / result["peak"]["mindspore" if name == "mindspore"
-                                                                           else "torch"],
+                                "mfu_own_gemm": fpt * tps / result["peak"][own],
+                                "mfu_shapes": fpt * tps / median,
+                                "mfu_shapes_range": (fpt * tps / high, fpt * tps / low),
+                                # Paired per round (the GEMM round runs right after that round's steps):
+                                # model FLOPs per step / step time over the yardstick of that round.
+                                "mfu_shapes_per_round": [
+                                    fpt * shape.tokens_per_step * gemm_s / (step_s * yardstick.step_flops)
+                                    for step_s, gemm_s in zip(t.step_s, result["gemm_step_s"][own])],
                                 "loss_first": t.losses[0], "loss_last": t.losses[-1]}
     ours = result["rows"]["mindspore"]["tokens_per_s"]
     best = result["rows"]["mindspore"]["best_tokens_per_s"]
@@ -392,18 +463,28 @@ def print_shape(result: dict) -> None:
           f"({result['flops_per_token'] / 1e6:.1f} MFLOP/token)")
     for name in ("mindspore", "torch"):
         lo, hi = low_high[name]
-        print(f"   GEMM peak {name:9s} {peak[name] / 1e9:6.1f} GFLOP/s (median; {lo / 1e9:.0f}-{hi / 1e9:.0f} "
-              f"between steps)")
+        median, low, high = result["yardstick"][name]
+        step_s = result["gemm_step_s"][name]
+        print(f"   {name:9s} GEMMs at this shape (yardstick): {median / 1e9:5.1f} GFLOP/s (median; {low / 1e9:.0f}-"
+              f"{high / 1e9:.0f} between steps): the step's GEMMs need {statistics.median(step_s):.3f} s "
+              f"({min(step_s):.3f}-{max(step_s):.3f}); 1024^3 GEMM {peak[name] / 1e9:5.1f} GFLOP/s "
+              f"({lo / 1e9:.0f}-{hi / 1e9:.0f})")
+    print("   MFU: vs MindSpore's 1024^3 GEMM | vs the framework's own 1024^3 GEMM | vs its own GEMMs at this "
+          "shape (median yardstick, range over rounds; per round: paired with the GEMM round after each step)")
     print(f"   {'':14s} {'tokens/s':>9s} {'best':>6s} {'step s':>7s} {'MFU':>6s} {'MFU/own GEMM':>13s} "
-          f"{'first step s':>13s} {'loss first->last':>17s}")
+          f"{'MFU/own GEMMs at shape':>23s} {'per round':>17s} {'first step s':>13s} {'loss first->last':>17s}")
     for name, row in result["rows"].items():
+        low, high = row["mfu_shapes_range"]
+        shapes = f"{row['mfu_shapes']:.1%} ({low:.0%}-{high:.0%})"
+        rounds = row["mfu_shapes_per_round"]
+        paired = f"{statistics.median(rounds):.1%} ({min(rounds):.0%}-{max(rounds):.0%})"
         print(f"   {name:14s} {row['tokens_per_s']:9.0f} {row['best_tokens_per_s']:6.0f} {row['step_s']:7.3f} "
-              f"{row['mfu']:6.1%} "
-              f"{row['mfu_own_gemm']:13.1%} {row['first_step_s']:13.2f} "
-              f"{row['loss_first']:8.4f}->{row['loss_last']:.4f}")
+              f"{row['mfu']:6.1%} {row['mfu_own_gemm']:13.1%} {shapes:>23s} {paired:>17s} "
+              f"{row['first_step_s']:13.2f} {row['loss_first']:8.4f}->{row['loss_last']:.4f}")
     ours = result["rows"]["mindspore"]
     print(f"   ours: compile ~{ours['first_step_s'] - ours['step_s']:.1f} s (first step minus a steady step); "
-          f"MFU {ours['mfu']:.1%} = {ours['mfu']:.0%} of the MindSpore GEMM peak")
+          f"MFU {ours['mfu']:.1%} = {ours['mfu']:.0%} of the MindSpore 1024^3 GEMM peak, "
+          f"{ours['mfu_shapes']:.0%} of MindSpore's own GEMMs at this shape")
     for name, ratio in result["ratio"].items():
         print(f"   ratio (ours / {name}): best steps {result['best_ratio'][name]:.2f} | medians {ratio:.2f} | "
               f"per-round median {result['paired_ratio'][name]:.2f}")
@@ -414,6 +495,57 @@ def print_shape(result: dict) -> None:
               "OpenMP loops usually more), so the medians are skewed; the best-step ratio is the closest to idle")
     if result["torch_compile_error"]:
         print(f"   torch.compile not available here: {result['torch_compile_error']}")
+
+
+def gemm_only(shape: Shape, rounds: int, repeats: int) -> dict:
+    """The yardstick alone: this shape's step GEMMs on both frameworks, `rounds` interleaved rounds."""
+    import mindspore as ms
+    from ascend_llm_recipes.training.metrics import mindspore_call_overhead_s
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    load_before = os.getloadavg()[0]
+    yardstick = gemm_yardstick(load_shape_recipe(shape, total_steps=1), shape)
+    peak = GemmPeak()
+    for _ in range(rounds):
+        yardstick.measure_round(repeats)
+        peak.measure()
+    return {"shape": shape, "yardstick": yardstick, "peak": peak, "overhead_s": mindspore_call_overhead_s(),
+            "repeats": repeats, "load_average": (load_before, os.getloadavg()[0])}
+
+
+def print_gemm_table(result: dict) -> None:
+    s, yardstick, peak = result["shape"], result["yardstick"], result["peak"]
+    rounds = len(yardstick.rounds["mindspore"])
+    print(f"\n== {s.name}: the GEMMs of one training step (hidden {s.hidden_size}, {s.num_layers} layers, "
+          f"{s.num_heads} heads, MLP {s.intermediate_size}, vocab {s.vocab_size}, {s.batch_size} x {s.seq_length} "
+          f"tokens), float32; {rounds} rounds interleaving the frameworks, best of {result['repeats']} calls per "
+          "GEMM and round, median over rounds")
+    print("   form: N/T = the kernel reads A, B as stored / transposed (MindSpore transpose_a/_b; torch .t() views)")
+    ms_rates, torch_rates = yardstick.gemm_flops_per_s("mindspore"), yardstick.gemm_flops_per_s("torch")
+    ms_times = [g.count * g.flops / r for g, r in zip(yardstick.gemms, ms_rates)]
+    print(f"   {'GEMM':38s} {'form':4s} {'[batch x] m x n x k':>22s} {'count':>5s} {'MindSpore GFLOP/s':>17s} "
+          f"{'torch GFLOP/s':>13s} {'ratio':>6s} {'MS step share':>13s}")
+    for gemm, ms_rate, torch_rate, ms_time in zip(yardstick.gemms, ms_rates, torch_rates, ms_times):
+        dims = "x".join(str(d) for d in gemm.batch + (gemm.m, gemm.n, gemm.k))
+        print(f"   {gemm.name:38s} {gemm.form:4s} {dims:>22s} {gemm.count:5d} {ms_rate / 1e9:17.3g} "
+              f"{torch_rate / 1e9:13.3g} {ms_rate / torch_rate:6.3g} {ms_time / sum(ms_times):13.1%}")
+    print(f"   one step runs {yardstick.step_flops / 1e9:.3g} GFLOP of GEMMs; its GEMM time is the sum of count x time "
+          "over the rows above")
+    for name in ("mindspore", "torch"):
+        step_s = yardstick.step_seconds(name)
+        median, low, high = yardstick.peak(name)
+        lo, hi = min(peak.samples[name]), max(peak.samples[name])
+        print(f"   {name:9s} step GEMM time {statistics.median(step_s):.3f} s ({min(step_s):.3f}-{max(step_s):.3f}) "
+              f"-> yardstick {median / 1e9:.1f} GFLOP/s ({low / 1e9:.1f}-{high / 1e9:.1f}); 1024^3 GEMM "
+              f"{peak.median(name) / 1e9:.1f} GFLOP/s ({lo / 1e9:.0f}-{hi / 1e9:.0f})")
+    overhead = result["overhead_s"]
+    calls = [timer.unroll * gemm.flops / rate for timer, gemm, rate in
+             zip(yardstick.timers["mindspore"], yardstick.gemms, ms_rates)]
+    print(f"   MindSpore graph-mode call overhead {overhead * 1e3:.2f} ms (a 1x1 MatMul cell); each timed call runs "
+          f"its GEMM up to {max(t.unroll for t in yardstick.timers['mindspore'])} times, so the overhead is at most "
+          f"{max(overhead / c for c in calls):.1%} of a row's call")
+    before, after = result["load_average"]
+    print(f"   load average {before:.2f} before, {after:.2f} at the end, on {os.cpu_count()} cores")
 
 
 def print_demo(ours: dict, peer: dict) -> None:
@@ -442,7 +574,15 @@ def main() -> int:
     parser.add_argument("--no-demo", action="store_true")
     parser.add_argument("--demo-steps", type=int, default=40)
     parser.add_argument("--demo-dataset", help="dataset directory for the demo (default: the recipe's)")
+    parser.add_argument("--gemm-only", action="store_true",
+                        help="print only the GEMM yardstick table per shape (no training)")
+    parser.add_argument("--gemm-rounds", type=int, default=3, help="interleaved rounds of --gemm-only")
+    parser.add_argument("--gemm-repeats", type=int, default=2, help="calls per GEMM and round (the best is kept)")
     args = parser.parse_args()
+    if args.gemm_only:
+        for name in args.shapes:
+            print_gemm_table(gemm_only(SHAPES[name], args.gemm_rounds, args.gemm_repeats))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.shapes:
             print_shape(compare_shape(SHAPES[name], args.warmup, args.steps, not args.no_torch_compile,

@@ -64,3 +64,47 @@ def test_shapes_converter_plan_and_counts_agree_with_the_cell(fields):
     assert {p.ours: p.our_shape for p in plan} == parameter_shapes(cfg, 4)
     assert {p.ours: p.our_shape[0] for p in plan if p.hf_shape != p.our_shape} == \
         {name: 128 for name in ("model.embed_tokens.weight", "lm_head.weight") if name in real}
+
+
+@pytest.mark.parametrize("fields", [dict(num_kv_heads=2), dict(tie_word_embeddings=True), dict(vocab_size=100)])
+def test_step_gemms_are_the_real_models_matmuls_and_its_training_flops(fields):
+    """Every Linear of the real Cell (and the tied head's MatMul) has its forward, dX and dW GEMM, attention
+    its six BatchMatMuls per layer; their FLOPs are the analytic training FLOPs (forward + 2 backward)."""
+    from collections import Counter
+
+    from ascend_llm_recipes.models.arithmetic import step_gemms
+    from ascend_llm_recipes.models.config import ModelConfig
+    from ascend_llm_recipes.models.llama import Attention, LlamaConfig, LlamaForCausalLM, Linear
+
+    cfg = ModelConfig(**{**dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96,
+                                seq_length=32), **fields})
+    net = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in vars(cfg).items() if k != "type"}))
+    cells = [cell for _, cell in net.cells_and_names()]
+    real = Counter(tuple(cell.weight.shape) for cell in cells if isinstance(cell, Linear))
+    if cfg.tie_word_embeddings:
+        real[tuple(net.model.embed_tokens.weight.shape)] += 1  # head_matmul(h, table), transpose_b
+    batch, tokens = 3, 3 * cfg.seq_length
+    gemms = step_gemms(cfg, batch)
+    linear = [g for g in gemms if not g.batch]
+    forward = Counter()
+    for g in linear:
+        if g.name.endswith("forward"):
+            assert (g.m, g.form) == (tokens, "NT")
+            forward[(g.n, g.k)] += g.count
+    assert forward == real
+    by_name = {g.name: g for g in gemms}
+    for g in linear:
+        if g.name.endswith("forward"):  # MatMul(transpose_b) bprop: dX = dY @ W, dW = dY^T @ X
+            dx, dw = by_name[g.name.replace("forward", "dX")], by_name[g.name.replace("forward", "dW")]
+            assert (dx.m, dx.n, dx.k, dx.form, dx.count) == (tokens, g.k, g.n, "NN", g.count)
+            assert (dw.m, dw.n, dw.k, dw.form, dw.count) == (g.n, g.k, tokens, "TN", g.count)
+    attention = [g for g in gemms if g.batch]
+    layers = [cell for cell in cells if isinstance(cell, Attention)]  # BatchMatMuls over all query heads
+    assert sorted(g.form for g in attention) == ["NN", "NN", "NT", "NT", "TN", "TN"]
+    assert {(g.batch, g.count) for g in attention} == {((batch, layers[0].num_heads), len(layers))}
+    head_dim, s = layers[0].head_dim, cfg.seq_length
+    assert {tuple(sorted((g.m, g.n, g.k))) for g in attention} == {(head_dim, s, s)}
+    total = sum(g.count * g.flops for g in gemms)
+    assert total == flops_per_token(cfg, padded=True) * tokens
+    padding = padded_vocab_size(cfg.vocab_size) - cfg.vocab_size
+    assert total - flops_per_token(cfg) * tokens == 6 * padding * cfg.hidden_size * tokens

@@ -23,6 +23,30 @@ def test_smoke_shape_trains_both_frameworks_side_by_side(tmp_path):
     assert result["peak"]["mindspore"] > 0 and math.isfinite(result["ratio"]["pytorch"])
     assert math.isfinite(result["best_ratio"]["pytorch"]) and math.isfinite(result["paired_ratio"]["pytorch"])
     assert len(result["load_average"]) == 2
+    for name in ("mindspore", "torch"):  # one yardstick round between every timed round of steps
+        assert len(result["gemm_step_s"][name]) == 2 and 0 < result["yardstick"][name][0]
+    assert all(row["mfu_shapes"] > 0 for row in result["rows"].values())
+
+
+def test_gemm_only_prints_a_row_per_step_gemm(monkeypatch, capsys):
+    from ascend_llm_recipes.models.arithmetic import step_gemms
+
+    benchmark = benchmark_script()
+    monkeypatch.setattr("sys.argv", ["benchmark_training.py", "--gemm-only", "--shapes", "smoke",
+                                     "--gemm-rounds", "1", "--gemm-repeats", "1"])
+    assert benchmark.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    recipe = benchmark.load_shape_recipe(benchmark.SMOKE, total_steps=1)
+    gemms = step_gemms(recipe.model.model_config, benchmark.SMOKE.batch_size)
+    for gemm in gemms:
+        dims = "x".join(str(d) for d in gemm.batch + (gemm.m, gemm.n, gemm.k))
+        rows = [line.split() for line in lines if line.strip().startswith(gemm.name + " ")]
+        assert len(rows) == 1, gemm.name
+        form, shape, count, ms_rate, torch_rate, ratio = rows[0][-7:-1]
+        assert (form, shape, int(count)) == (gemm.form, dims, gemm.count)
+        assert float(ms_rate) > 0 and float(torch_rate) > 0 and float(ratio) > 0
+    for name in ("mindspore", "torch"):
+        assert any(line.split()[:4] == [name, "step", "GEMM", "time"] for line in lines)
 
 
 def test_the_installed_training_package_imports_neither_torch_nor_transformers():

@@ -2,7 +2,9 @@
 
 import pytest
 
-from ascend_llm_recipes.training.metrics import measure_cpu_peak_flops, model_flops_utilisation
+from ascend_llm_recipes.models.arithmetic import Gemm
+from ascend_llm_recipes.training.metrics import (MindSporeGemm, gemm_operands, measure_cpu_peak_flops,
+                                                 model_flops_utilisation)
 
 
 def test_mfu_hand_computed():
@@ -23,3 +25,23 @@ def test_mfu_without_a_peak():
 def test_cpu_gemm_peak_is_measured():
     peak = measure_cpu_peak_flops(size=256, repeats=3)
     assert 1e8 < peak < 1e13  # between a slow core and far more than 2 cores can do
+
+
+@pytest.mark.parametrize("gemm", [
+    Gemm("linear forward", 6, 5, 4, False, True, 1), Gemm("linear dX", 6, 4, 5, False, False, 1),
+    Gemm("linear dW", 5, 4, 6, True, False, 1), Gemm("attention dk", 8, 3, 8, True, False, 1, (2, 2))],
+    ids=lambda g: g.name)
+def test_mindspore_gemm_computes_the_listed_form_on_each_copy(gemm):
+    """The timed cell runs op(A) @ op(B) of the Gemm's shapes and transposes once per copy of A."""
+    import numpy as np
+
+    timer = MindSporeGemm(gemm, unroll=3)
+    a_copies, b = gemm_operands(gemm, 3)
+    op = {False: lambda x: x, True: lambda x: np.swapaxes(x, -1, -2)}
+    outputs = timer.cell(timer.a_copies, timer.b)
+    assert len(outputs) == 3
+    for a, out in zip(a_copies, outputs):
+        expected = op[gemm.transpose_a](a) @ op[gemm.transpose_b](b)
+        assert out.shape == gemm.batch + (gemm.m, gemm.n)
+        np.testing.assert_allclose(out.asnumpy(), expected, rtol=1e-5, atol=1e-4)
+    assert timer.seconds() > 0

@@ -2,13 +2,20 @@
 
 import json
 import math
+import statistics
 import time
 
 import numpy as np
 
-from ascend_llm_recipes.models.arithmetic import flops_per_token
+from ascend_llm_recipes.models.arithmetic import Gemm, flops_per_token
 
 GEMM_SIZE = 1024  # a square float32 GEMM large enough to reach the kernel's steady speed on CPU
+
+
+# A timed call runs its GEMM several times (see MindSporeGemm) until it holds about this many FLOPs: 10-30 ms at
+# these CPUs' 30-100 GFLOP/s, against a graph-mode call's fixed cost of 0.5-0.9 ms (mindspore_call_overhead_s).
+CALL_FLOPS = 1e9
+MAX_UNROLL = 8
 
 
 def measure_cpu_peak_flops(size: int = GEMM_SIZE, repeats: int = 5) -> float:
@@ -17,28 +24,112 @@ def measure_cpu_peak_flops(size: int = GEMM_SIZE, repeats: int = 5) -> float:
     This is the ceiling MFU is measured against on CPU: what the same framework's GEMM
     reaches on these cores, not a datasheet number.
     """
-    import mindspore as ms
-    from mindspore import nn, ops
+    square = Gemm(f"{size}^3", size, size, size, False, False, 1)
+    return square.flops / MindSporeGemm(square).seconds(repeats)
 
-    class Gemm(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.matmul = ops.MatMul()
 
-        def construct(self, a, b):
-            return self.matmul(a, b)
+def gemm_unroll(gemm: Gemm) -> int:
+    """How many times one timed call runs `gemm`: enough for CALL_FLOPS, at most MAX_UNROLL."""
+    return max(1, min(MAX_UNROLL, math.ceil(CALL_FLOPS / gemm.flops)))
 
-    rng = np.random.default_rng(0)
-    a = ms.Tensor(rng.standard_normal((size, size), dtype=np.float32))
-    b = ms.Tensor(rng.standard_normal((size, size), dtype=np.float32))
-    gemm = Gemm()
-    gemm(a, b).asnumpy()  # compile
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        gemm(a, b).asnumpy()
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size ** 3 / best
+
+def gemm_operands(gemm: Gemm, copies: int, seed: int = 0) -> tuple:
+    """([`copies` distinct A arrays], B) in float32, stored as the kernel reads them (see Gemm)."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal(gemm.a_shape, dtype=np.float32)
+    return [a + np.float32(i) for i in range(copies)], rng.standard_normal(gemm.b_shape, dtype=np.float32)
+
+
+class MindSporeGemm:
+    """One GEMM form as our model runs it: a graph-mode Cell with ops.MatMul (BatchMatMul when batched) and the
+    form's transpose flags, compiled once, running the GEMM `unroll` times per call.
+
+    Unrolled inside the graph, one call's dispatch and synchronisation are shared by `unroll` GEMMs, as in a
+    training step's graph; each repetition reads its own copy of A, because graph-mode common-subexpression
+    elimination merges identical MatMuls into one (measured: 4 identical ones timed 4x faster).
+    """
+
+    def __init__(self, gemm: Gemm, unroll: int = None):
+        import mindspore as ms
+        from mindspore import nn, ops
+
+        kernel = (ops.BatchMatMul if gemm.batch else ops.MatMul)(gemm.transpose_a, gemm.transpose_b)
+        self.unroll = unroll or gemm_unroll(gemm)
+
+        class Unrolled(nn.Cell):
+            def __init__(self, count):
+                super().__init__()
+                self.kernel = kernel
+                self.count = count
+
+            def construct(self, a_copies, b):
+                outputs = ()
+                for i in range(self.count):
+                    outputs = outputs + (self.kernel(a_copies[i], b),)
+                return outputs
+
+        a_copies, b = gemm_operands(gemm, self.unroll)
+        self.a_copies, self.b = tuple(ms.Tensor(a) for a in a_copies), ms.Tensor(b)
+        self.cell = Unrolled(self.unroll)
+        self.cell(self.a_copies, self.b)[-1].asnumpy()  # compile
+
+    def seconds(self, repeats: int = 1) -> float:
+        """Best time of one GEMM over `repeats` calls (asnumpy waits for the graph to finish; it copies nothing)."""
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.cell(self.a_copies, self.b)[-1].asnumpy()
+            best = min(best, time.perf_counter() - start)
+        return best / self.unroll
+
+
+def mindspore_call_overhead_s(repeats: int = 20) -> float:
+    """Best time of a graph-mode call of a 1x1 MatMul: the fixed cost each timed call adds to its GEMMs."""
+    return MindSporeGemm(Gemm("1x1", 1, 1, 1, False, True, 1), unroll=1).seconds(repeats)
+
+
+class GemmYardstick:
+    """The time one training step's GEMMs (models/arithmetic.py step_gemms) take on each framework's own kernels.
+
+    `timers` maps a framework to a factory: gemm -> object whose seconds(repeats) times one GEMM
+    (MindSporeGemm; the benchmark adds PyTorch's). Each round times every GEMM form on every framework,
+    framework after framework per form (order flipped each round), so load from other work lands on
+    both alike; a form's time in a round is its best of `repeats` calls. A round's step GEMM time is
+    the sum of count x time, and the yardstick peak is the step's GEMM FLOPs over it.
+    """
+
+    def __init__(self, gemms: list, timers: dict):
+        self.gemms = gemms
+        self.timers = {name: [factory(g) for g in gemms] for name, factory in timers.items()}
+        self.rounds = {name: [] for name in timers}  # per round: [seconds of one GEMM, for each form]
+
+    def measure_round(self, repeats: int = 2) -> None:
+        done = len(next(iter(self.rounds.values())))
+        order = list(self.timers) if done % 2 == 0 else list(self.timers)[::-1]
+        times = {name: [] for name in order}
+        for i in range(len(self.gemms)):
+            for name in order:
+                times[name].append(self.timers[name][i].seconds(repeats))
+        for name in order:
+            self.rounds[name].append(times[name])
+
+    @property
+    def step_flops(self) -> int:
+        return sum(g.count * g.flops for g in self.gemms)
+
+    def step_seconds(self, name: str) -> list:
+        """The step's GEMM time on framework `name`, one value per round."""
+        return [sum(g.count * t for g, t in zip(self.gemms, times)) for times in self.rounds[name]]
+
+    def peak(self, name: str) -> tuple:
+        """(median, lowest, highest) FLOP/s over the rounds: step GEMM FLOPs / step GEMM time."""
+        rates = [self.step_flops / s for s in self.step_seconds(name)]
+        return statistics.median(rates), min(rates), max(rates)
+
+    def gemm_flops_per_s(self, name: str) -> list:
+        """Per GEMM form, its median FLOP/s over the rounds on framework `name`."""
+        return [g.flops / statistics.median(times[i] for times in self.rounds[name])
+                for i, g in enumerate(self.gemms)]
 
 
 def device_peak_flops(recipe) -> tuple:
