@@ -23,7 +23,10 @@ class AnomalyMonitor(Callback):
     saving it, records the blend-order positions of the offending samples in
     RUN_DIR/data_skips.json and its status; the launcher then resumes from the newest
     checkpoint before the spike, and the rebuilt training order leaves those samples out.
-    Spike and rollback decisions are all-reduced, so every data-parallel rank takes them.
+    Every rank takes the same spike decision without a collective of its own: the losses it is made
+    on are StepRecorder's, which are the same on every rank (all-reduced in its one host all-reduce
+    per step under data parallel; the graph's global loss in semi-auto parallel). A rollback waits
+    for every rank's saves with one more all-reduce.
     """
 
     def __init__(self, run_dir: str, world_size: int, recorder: StepRecorder, checkpointer: Checkpointer, recipe,
@@ -39,7 +42,7 @@ class AnomalyMonitor(Callback):
         # Positions of the blend order before any skip (skip ranges are disjoint).
         self.order_total = len(checkpointer.order) + sum(end - start for start, end in self.skips)
         self.rollback = None                 # set when this launch stops for a rollback
-        self.last_spike = None               # (loss, moving mean or None when another rank saw it)
+        self.last_spike = None               # (loss, moving mean) of the last spike
         self.dynamic_scale = isinstance(recipe.runner_wrapper.scale_sense, DynamicLossScaleConfig)
 
     def on_train_step_end(self, run_context):
@@ -75,19 +78,14 @@ class AnomalyMonitor(Callback):
         """This step's loss is a spike (on any rank, when several train together); logs it."""
         if not self.anomaly.spike_factor:
             return False
+        # The recorder's losses are every rank's (see the class docstring), so is the decision.
         mean = self.recorder.spike(self.anomaly.spike_factor, self.anomaly.spike_window)
-        spiked = mean is not None
-        if self.world_size > 1:
-            from ascend_llm_recipes.training.collectives import all_reduce_sum
-            spiked = bool(all_reduce_sum([1.0 if spiked else 0.0])[0] > 0)
-        if mean is not None:
-            self.last_spike = (loss, mean)
-            print(f"[anomaly] step {step}: loss spike {loss:.4f} > {self.anomaly.spike_factor} x moving mean "
-                  f"{mean:.4f} over {self.anomaly.spike_window} steps", flush=True)
-        elif spiked:
-            self.last_spike = (loss, None)
-            print(f"[anomaly] step {step}: loss spike on another rank (this rank's loss {loss:.4f})", flush=True)
-        return spiked
+        if mean is None:
+            return False
+        self.last_spike = (loss, mean)
+        print(f"[anomaly] step {step}: loss spike {loss:.4f} > {self.anomaly.spike_factor} x moving mean "
+              f"{mean:.4f} over {self.anomaly.spike_window} steps", flush=True)
+        return True
 
     def roll_back(self, step: int, loss: float) -> bool:
         """Stop for a rollback past this step's samples; False (only logged) when there is nothing to roll back to."""
