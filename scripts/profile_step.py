@@ -1,0 +1,480 @@
+"""Where one training step's time goes, per operator class: ours (MindSpore graph mode) next to PyTorch eager.
+
+    python scripts/profile_step.py [--shape reference] [--steps 3] [--warmup 2] [--out DIR]
+    python scripts/profile_step.py --compare OLD.json [NEW.json]
+
+Builds the trainers of scripts/benchmark_training.py at one of its shapes (ours: LlamaForCausalLM
+through the wrapper MindFormers' Trainer builds, graph mode; the peer: transformers'
+LlamaForCausalLM, float32, eager, torch.optim.AdamW, same hyper-parameters and batches), runs
+--warmup steps, then profiles --steps steps of each, MindSpore's with mindspore.Profiler and
+PyTorch's with torch.profiler. It prints, per step, the time of each operator class split into
+forward / backward / update, with its share of the step; the measured step wall time, the sum of
+operator time and the host time between operators (wall minus operator time); and each side's
+15 most expensive operators. The same goes to DIR/profile_<shape>.json; `--compare OLD.json`
+prints an earlier run next to this one (or next to NEW.json, without profiling).
+
+Classes come from the profilers' own names only (MindSpore: op type and cell scope, e.g.
+`Gradients/Default/network-LlamaForCausalLM/lm_head-Linear/Grad_MatMul/MatMul-op22`; PyTorch:
+the aten op and the module that ran it), through the two rule tables below. An operator no rule
+matches is counted as "other" and listed by name.
+"""
+
+import argparse
+import csv
+import glob
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import benchmark_training as bench  # noqa: E402 (scripts/ is on sys.path when a script in it runs)
+
+GEMM = "GEMM"
+LOSS = "loss"
+ATTENTION = "attention softmax/mask"
+NORM = "norms"
+ROTARY = "rotary"
+ACTIVATION = "activation/SwiGLU"
+LAYOUT = "casts/reshapes/transposes/copies"
+OPTIMIZER = "optimizer"
+CLIP = "clip/overflow/loss scale"
+EMBEDDING = "embedding"
+OTHER = "other"
+CLASSES = (GEMM, LOSS, ATTENTION, NORM, ROTARY, ACTIVATION, LAYOUT, OPTIMIZER, CLIP, EMBEDDING, OTHER)
+PHASES = ("forward", "backward", "update")  # update: optimizer, clipping, loss scale (outside the network)
+TOP = 15
+UNCLASSIFIED_SHOWN = 20
+
+LAYOUT_OPS = {"Cast", "Reshape", "Transpose", "TensorMove", "ExpandDims", "Squeeze", "Flatten", "Identity",
+              "Contiguous", "Copy", "BroadcastTo"}
+# MindSpore: (class, op types or None, pattern searched in the full op name or None); the first row matching wins.
+# Scopes are the cells' attribute names as the profiler prints them (`<attribute>-<CellClass>`).
+MINDSPORE_RULES = (
+    (GEMM, {"MatMul", "BatchMatMul", "MatMulExt", "BatchMatMulExt", "Dense"}, None),
+    (ROTARY, None, r"/rotary-"),
+    (LAYOUT, LAYOUT_OPS, None),
+    (LOSS, {"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits", "CrossEntropy"}, None),
+    (LOSS, None, r"/loss-"),
+    (ATTENTION, {"FlashAttentionScore", "FlashAttentionScoreGrad", "Softmax", "SoftmaxGrad"}, None),
+    (ATTENTION, None, r"/core-|Mask-|/self_attn-"),
+    (NORM, None, r"RMSNorm|LayerNorm|norm-"),
+    (ACTIVATION, None, r"/mlp-"),
+    (EMBEDDING, None, r"/embed_tokens-"),
+    (OPTIMIZER, None, r"/optimizer-|AdamWeightDecay|/learning_rate-"),
+    (CLIP, None, r"/clip_grad_norm-|IsFinite"),
+    # Ops directly in the wrapper's scope: the input slice, then the loss-scale division, the square sums
+    # and the overflow flag of MFTrainOneStepCell (training/train_step.py).
+    (LAYOUT, {"StridedSlice", "Slice"}, r"^Default/(network-[^/]+/)?[A-Za-z]+-op\d+$"),
+    (CLIP, None, r"^Default/[A-Za-z]+-op\d+$"),
+)
+# Ops that graph passes generate (`Expand/_SumExt/ReduceSum-op3`: SumExt expanded into ReduceSum) lose their
+# cell scope: they belong to the operator that ran just before them (MindSpore runs the graph's kernels
+# one after the other on CPU), so they take its class and phase. The SiLU expansions name themselves.
+MINDSPORE_EXPANDED = r"^Expand/"
+MINDSPORE_EXPANDED_RULES = ((ACTIVATION, None, r"^Expand/_SiLU"),)
+
+# PyTorch: (class, pattern on the op name or None, pattern on the scope or None). The scope is the phase and
+# the module that ran the op ("forward/model.layers.0.mlp"); a backward op gets the scope of the forward op
+# that recorded its autograd node, so "backward/model.layers.0.self_attn" is the attention's gradient. The
+# step's own sections (loss, clip_grad_norm, optimizer) are labelled by benchmark_training.TorchTrainer.
+TORCH_RULES = (
+    (GEMM, r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|addmv)$|(^|: )(Mm|Addmm|Bmm|Baddbmm)Backward", None),
+    (ATTENTION, r"scaled_dot_product|flash_attention|softmax", r"self_attn"),
+    (LAYOUT, r"^aten::(view|reshape|_reshape_alias|transpose|t|permute|contiguous|clone|copy_|_to_copy|to|"
+             r"expand|_unsafe_view|as_strided|unsqueeze|squeeze|flatten|empty|empty_like|empty_strided|"
+             r"detach|detach_|alias|unflatten)$|^detach$|AccumulateGrad|"
+             r"(^|: )(View|UnsafeView|T|Transpose|Permute|Alias|Expand|Reshape|Clone|ToCopy|Unsqueeze|Squeeze)"
+             r"(Alias)?Backward", None),
+    (ROTARY, None, r"rotary_emb|self_attn$"),  # apply_rotary_pos_emb is the only other math in the attention
+    (LOSS, None, r"/loss$"),
+    (NORM, None, r"layernorm$|\.norm$"),
+    (ACTIVATION, None, r"\.mlp"),
+    (EMBEDDING, None, r"embed_tokens$"),
+    (OPTIMIZER, None, r"/optimizer$"),
+    (CLIP, None, r"/clip_grad_norm$"),
+)
+
+
+def classify(rules, name: str, kind: str) -> str:
+    """The class of the first rule whose kind set (MindSpore op types) and name pattern both match."""
+    for cls, kinds, pattern in rules:
+        if kinds is not None and kind not in kinds:
+            continue
+        if pattern is not None and not re.search(pattern, name):
+            continue
+        return cls
+    return OTHER
+
+
+def torch_classify(op: str, scope: str) -> str:
+    for cls, op_pattern, scope_pattern in TORCH_RULES:
+        if op_pattern is not None and not re.search(op_pattern, op):
+            continue
+        if scope_pattern is not None and not re.search(scope_pattern, scope):
+            continue
+        return cls
+    return OTHER
+
+
+def mindspore_phase(name: str) -> str:
+    if name.startswith("Gradients/"):
+        return "backward"
+    return "forward" if "/network-" in name else "update"
+
+
+class OpTable:
+    """Operator time per step, by class and phase, plus per-operator totals (for the top list and "other")."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.by_class = {cls: dict.fromkeys(PHASES, 0.0) for cls in CLASSES}
+        self.by_op = defaultdict(float)  # (name, class, phase) -> seconds over all steps
+
+    def add(self, name: str, cls: str, phase: str, seconds: float) -> None:
+        self.by_class[cls][phase] += seconds / self.steps
+        self.by_op[(name, cls, phase)] += seconds
+
+    def total(self) -> float:
+        return sum(sum(p.values()) for p in self.by_class.values())
+
+    def top(self, count: int = TOP) -> list:
+        ranked = sorted(self.by_op.items(), key=lambda item: -item[1])[:count]
+        return [{"name": n, "class": c, "phase": p, "s_per_step": s / self.steps} for (n, c, p), s in ranked]
+
+    def families(self) -> list:
+        """Time per step of each operator kind (layers merged), with its class and phase, largest first."""
+        merged = defaultdict(float)
+        for (name, cls, phase), seconds in self.by_op.items():
+            merged[(op_family(name), cls, phase)] += seconds / self.steps
+        return [{"name": n, "class": c, "phase": p, "s_per_step": s}
+                for (n, c, p), s in sorted(merged.items(), key=lambda item: -item[1])]
+
+    def unclassified(self) -> list:
+        ops = [(n, p, s) for (n, c, p), s in self.by_op.items() if c == OTHER]
+        return [{"name": n, "phase": p, "s_per_step": s / self.steps} for n, p, s in sorted(ops, key=lambda o: -o[2])]
+
+
+def profiler_files(out_dir: str) -> tuple:
+    """The newest MindSpore profile under out_dir: (op detail CSV, per-launch timestamp file)."""
+    found = sorted(glob.glob(os.path.join(out_dir, "*_ascend_ms", "FRAMEWORK", "cpu_op_detail_info_*.csv")),
+                   key=os.path.getmtime)
+    if not found:
+        sys.exit(f"no MindSpore profile under {out_dir} (expected *_ascend_ms/FRAMEWORK/cpu_op_detail_info_*.csv)")
+    detail = found[-1]
+    return detail, detail.replace("cpu_op_detail_info_", "cpu_op_execute_timestamp_").replace(".csv", ".txt")
+
+
+def read_launches(timestamp_file: str) -> list:
+    """Every kernel launch as (start ns, seconds, full op name), in execution order."""
+    launches = []
+    with open(timestamp_file, encoding="utf-8") as f:
+        for line in f:
+            name, _, runs = line.rstrip("\n").split(";")
+            for run in runs.split():
+                start_ns, duration_ms, _ = run.split(",")
+                launches.append((int(start_ns), float(duration_ms) / 1e3, name))
+    return sorted(launches)
+
+
+def read_op_types(detail_csv: str) -> tuple:
+    """full op name -> op type, and the profiler's own total operator time in seconds."""
+    with open(detail_csv, encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return {r["full_op_name"]: r["op_type"] for r in rows}, sum(float(r["op_total_time(ms)"]) for r in rows) / 1e3
+
+
+def mindspore_table(out_dir: str, steps: int) -> OpTable:
+    """Classify every kernel launch of a MindSpore profile (see MINDSPORE_RULES)."""
+    detail, timestamps = profiler_files(out_dir)
+    op_types, _ = read_op_types(detail)
+    table = OpTable(steps)
+    previous = (OTHER, "update")
+    for _, seconds, name in read_launches(timestamps):
+        kind = op_types.get(name, name.rsplit("/", 1)[-1].rsplit("-op", 1)[0])
+        if re.search(MINDSPORE_EXPANDED, name):
+            cls = classify(MINDSPORE_EXPANDED_RULES, name, kind)
+            cls, phase = (previous[0], previous[1]) if cls == OTHER else (cls, previous[1])
+        else:
+            cls, phase = classify(MINDSPORE_RULES, name, kind), mindspore_phase(name)
+            previous = (cls, phase)
+        table.add(name, cls, phase, seconds)
+    return table
+
+
+def profile_mindspore(recipe, data, warmup: int, steps: int, out_dir: str) -> dict:
+    """Our step under mindspore.Profiler: the classified operator table and the measured step times."""
+    from mindspore import Profiler
+
+    trainer = bench.MindSporeTrainer(recipe, os.path.join(out_dir, "run"))
+    for i in range(warmup):
+        trainer.step(data[i % len(data)])
+    prof_dir = os.path.join(out_dir, "mindspore_profile")
+    prof = Profiler(output_path=prof_dir)
+    walls = []
+    for i in range(warmup, warmup + steps):
+        start = time.perf_counter()
+        trainer.step(data[i % len(data)])
+        walls.append(time.perf_counter() - start)
+    prof.stop()
+    prof.analyse()
+    table = mindspore_table(prof_dir, steps)
+    _, profiler_total = read_op_types(profiler_files(prof_dir)[0])
+    return summarize(table, walls, profiler_total_s=profiler_total)
+
+
+def module_scopes(model, torch) -> list:
+    """Hooks that label each module's forward with its name ("module:model.layers.0.mlp") in the profile."""
+    handles = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+
+        def enter(_module, _inputs, label=f"module:{name}"):
+            _module._profile_scope = torch.profiler.record_function(label)
+            _module._profile_scope.__enter__()
+
+        def leave(_module, _inputs, _output):
+            _module._profile_scope.__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    return handles
+
+
+def torch_scope(event, forward_scopes: dict) -> str:
+    """'phase/innermost label' of a PyTorch profiler event (labels: module hooks and the step's sections)."""
+    node, backward_seq = event, None
+    while node is not None:
+        if node.name.startswith("autograd::engine::evaluate_function:"):
+            backward_seq = node.sequence_nr
+            break
+        node = node.cpu_parent
+    if backward_seq is not None:
+        return "backward/" + forward_scopes.get(backward_seq, "")
+    node = event
+    while node is not None:
+        if node.name.startswith("module:"):
+            return "forward/" + node.name[len("module:"):]
+        if node.name.startswith("step:"):
+            section = node.name[len("step:"):]
+            return ("update/" if section in ("clip_grad_norm", "optimizer") else "forward/") + section
+        if node.name.startswith("Optimizer."):
+            return "update/optimizer"
+        node = node.cpu_parent
+    return "forward/"
+
+
+def is_label(event) -> bool:
+    """A record_function label (module hooks, step sections, the optimizer's own), not an operator."""
+    return event.is_user_annotation or event.name.startswith(("module:", "step:", "Optimizer.", "ProfilerStep"))
+
+
+def torch_table(events, steps: int) -> OpTable:
+    """Classify the self time of every operator event (not the labels, whose self time is Python host work)."""
+    # Autograd sequence number -> the module (or step section) of the forward op that recorded the node. Ops
+    # that record no node carry the next number too, so the last op (in start order) holding it is its creator.
+    forward_scopes = {}
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        if e.sequence_nr >= 0 and not is_label(e) and not e.name.startswith("autograd::") \
+                and not re.search(r"Backward\d*$", e.name):
+            scope = torch_scope(e, {})
+            if scope.startswith("forward/"):
+                forward_scopes[e.sequence_nr] = scope[len("forward/"):]
+    table = OpTable(steps)
+    for e in events:
+        if is_label(e):
+            continue
+        scope = torch_scope(e, forward_scopes)
+        phase, where = scope.split("/", 1)
+        table.add(f"{e.name} [{where}]" if where else e.name, torch_classify(e.name, scope), phase,
+                  e.self_cpu_time_total / 1e6)
+    return table
+
+
+def profile_torch(recipe, data, warmup: int, steps: int) -> dict:
+    """The PyTorch eager peer under torch.profiler, classified like ours."""
+    import torch
+
+    trainer = bench.TorchTrainer(recipe)
+    for i in range(warmup):
+        trainer.step(data[i % len(data)])
+    handles = module_scopes(trainer.model, torch)
+    walls = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for i in range(warmup, warmup + steps):
+            start = time.perf_counter()
+            trainer.step(data[i % len(data)])
+            walls.append(time.perf_counter() - start)
+    for handle in handles:
+        handle.remove()
+    return summarize(torch_table(prof.events(), steps), walls)
+
+
+def summarize(table: OpTable, walls: list, profiler_total_s: float = None) -> dict:
+    wall = sum(walls) / len(walls)
+    ops = table.total()
+    result = {"step_wall_s": walls, "wall_per_step_s": wall, "op_per_step_s": ops, "host_per_step_s": wall - ops,
+              "classes": table.by_class, "top": table.top(), "unclassified": table.unclassified(),
+              "families": table.families()}
+    if profiler_total_s is not None:
+        result["profiler_total_per_step_s"] = profiler_total_s / table.steps
+    return result
+
+
+def machine() -> dict:
+    model = platform.processor() or "unknown"
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        pass
+    return {"cpu": model, "cores": os.cpu_count()}
+
+
+def profile_shape(shape_name: str, warmup: int, steps: int, out_dir: str, with_torch: bool = True) -> dict:
+    """Profile both frameworks at one of benchmark_training's shapes; returns the JSON-ready result."""
+    shape = bench.SHAPES[shape_name]
+    recipe = bench.load_shape_recipe(shape, total_steps=warmup + steps + 1)
+    data = bench.batches(shape, warmup + steps)
+    result = {"shape": shape_name, "shape_detail": vars(shape), "warmup": warmup, "steps": steps,
+              "machine": machine(), "load_before": os.getloadavg()[0],
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "frameworks": {}}
+    import mindspore
+
+    result["versions"] = {"mindspore": mindspore.__version__}
+    result["frameworks"]["mindspore"] = profile_mindspore(recipe, data, warmup, steps, out_dir)
+    if with_torch:
+        import torch
+
+        result["versions"]["torch"] = torch.__version__
+        result["frameworks"]["pytorch"] = profile_torch(recipe, data, warmup, steps)
+    result["load_after"] = os.getloadavg()[0]
+    return result
+
+
+def write_result(result: dict, out_dir: str) -> str:
+    path = os.path.join(out_dir, f"profile_{result['shape']}.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def read_result(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def class_rows(runs: list) -> list:
+    """Table rows: class, then for each (label, framework result) its forward / backward / update / total ms
+    and share of the step's wall time."""
+    rows = []
+    for cls in CLASSES:
+        row = [cls]
+        for _, fw in runs:
+            phases = fw["classes"][cls]
+            total = sum(phases.values())
+            row += [f"{phases[p] * 1e3:.0f}" for p in PHASES]
+            row += [f"{total * 1e3:.0f}", f"{total / fw['wall_per_step_s']:.1%}"]
+        rows.append(row)
+    for label, key in (("sum of operators", "op_per_step_s"), ("host (wall - operators)", "host_per_step_s"),
+                       ("step wall time", "wall_per_step_s")):
+        row = [label]
+        for _, fw in runs:
+            row += ["", "", "", f"{fw[key] * 1e3:.0f}", f"{fw[key] / fw['wall_per_step_s']:.1%}"]
+        rows.append(row)
+    return rows
+
+
+def print_table(runs: list) -> None:
+    """runs: [(label, framework result)], printed side by side (ms per step)."""
+    header = ["class (ms/step)"]
+    for label, _ in runs:
+        header += [f"{label} fwd", "bwd", "upd", "total", "share"]
+    rows = [header] + class_rows(runs)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        print("  " + r[0].ljust(widths[0]) + "".join(f" {c:>{w}}" for c, w in zip(r[1:], widths[1:])))
+
+
+def print_result(result: dict) -> None:
+    m = result["machine"]
+    print(f"\n== per-operator profile, shape {result['shape']}, {result['steps']} profiled steps after "
+          f"{result['warmup']} warm-up; {m['cpu']}, {m['cores']} cores, load {result['load_before']:.2f} before, "
+          f"{result['load_after']:.2f} after ({result['date']})")
+    runs = list(result["frameworks"].items())
+    print_table(runs)
+    ms = result["frameworks"]["mindspore"]
+    if "profiler_total_per_step_s" in ms:
+        print(f"  (MindSpore profiler's own operator total: {ms['profiler_total_per_step_s'] * 1e3:.0f} ms/step)")
+    for name, fw in runs:
+        print(f"\n  top {TOP} operators, {name} (ms/step):")
+        for op in fw["top"]:
+            print(f"  {op['s_per_step'] * 1e3:8.1f}  {op['class']:<34s} {op['phase']:<8s} {op['name']}")
+        if fw["unclassified"]:
+            other = sum(op["s_per_step"] for op in fw["unclassified"])
+            families = defaultdict(float)
+            for op in fw["unclassified"]:
+                families[(op_family(op["name"]), op["phase"])] += op["s_per_step"]
+            print(f"  unclassified ({OTHER}), {name}: {len(fw['unclassified'])} operators, {other * 1e3:.1f} ms/step "
+                  f"(layers merged; every operator is in the JSON):")
+            ranked = sorted(families.items(), key=lambda item: -item[1])
+            for (family, phase), seconds in ranked[:UNCLASSIFIED_SHOWN]:
+                print(f"  {seconds * 1e3:8.2f}  {phase:<8s} {family}")
+            if len(ranked) > UNCLASSIFIED_SHOWN:
+                rest = sum(seconds for _, seconds in ranked[UNCLASSIFIED_SHOWN:])
+                print(f"  {rest * 1e3:8.2f}  {len(ranked) - UNCLASSIFIED_SHOWN} more kinds")
+
+
+def op_family(name: str) -> str:
+    """An operator's name with its layer index and MindSpore's instance number taken out."""
+    return re.sub(r"-op\d+$", "", re.sub(r"CellList/\d+-", "CellList/*-", re.sub(r"layers\.\d+", "layers.*", name)))
+
+
+def print_comparison(old: dict, new: dict) -> None:
+    """Two results side by side, per framework (before | after)."""
+    print(f"\n== before: {old['date']} (shape {old['shape']}, load {old['load_before']:.2f}) | after: {new['date']} "
+          f"(shape {new['shape']}, load {new['load_before']:.2f})")
+    for name in new["frameworks"]:
+        if name not in old["frameworks"]:
+            print(f"\n  {name}: not in the earlier run")
+            continue
+        print(f"\n  {name}:")
+        print_table([("before", old["frameworks"][name]), ("after", new["frameworks"][name])])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="reference", choices=sorted(bench.SHAPES))
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps per framework")
+    parser.add_argument("--warmup", type=int, default=2, help="unprofiled steps first (graph compile, allocations)")
+    parser.add_argument("--out", help="directory for the profiles and profile_<shape>.json (default: a temporary "
+                                      "one, the JSON is then written to the current directory)")
+    parser.add_argument("--no-torch", action="store_true", help="profile ours only")
+    parser.add_argument("--compare", nargs="+", metavar="JSON",
+                        help="OLD.json: print it next to this run; OLD.json NEW.json: print both, profile nothing")
+    args = parser.parse_args(argv)
+    if args.compare and len(args.compare) > 2:
+        parser.error("--compare takes OLD.json, or OLD.json NEW.json")
+    earlier = [read_result(path) for path in args.compare or ()]
+    if len(earlier) == 2:
+        print_comparison(*earlier)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="profile-step-") as tmp:
+        work = args.out or tmp
+        os.makedirs(work, exist_ok=True)
+        result = profile_shape(args.shape, args.warmup, args.steps, work, with_torch=not args.no_torch)
+        path = write_result(result, args.out or os.getcwd())
+    print_result(result)
+    print(f"\n  written: {path}")
+    if earlier:
+        print_comparison(earlier[0], result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
