@@ -43,6 +43,9 @@ def test_known_operators_fall_in_their_classes(profiled):
     profile, result, _ = profiled
     families = {(f["name"], f["phase"]): f["class"] for f in result["frameworks"]["mindspore"]["families"]}
     assert families[("Default/network-LlamaForCausalLM/lm_head-Linear/MatMul", "forward")] == profile.GEMM
+    assert families[("Expand/_SiLUGrad/Sigmoid", "backward")] == profile.ACTIVATION
+    ms = result["frameworks"]["mindspore"]
+    assert 0 < ms["inherited_per_step_s"] < ms["op_per_step_s"]
     assert any(cls == profile.LOSS and "loss-CrossEntropy" in name and phase == "backward"
                for (name, phase), cls in families.items())
     head = "Default/network-LlamaForCausalLM/model-LlamaModel/layers-CellList/0-DecoderLayer/"
