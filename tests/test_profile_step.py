@@ -55,6 +55,9 @@ def test_known_operators_fall_in_their_classes(profiled):
                             "Rsqrt") == profile.NORM
     assert profile.classify(profile.MINDSPORE_RULES, "Default/AdamWeightDecay-op3", "AdamWeightDecay") == \
         profile.OPTIMIZER
+    assert profile.classify(profile.MINDSPORE_RULES, "Default/clip_grad_norm-ClipGradNorm/Sqrt-op0", "Sqrt") == \
+        profile.CLIP
+    assert families[("Default/clip_grad_norm-ClipGradNorm/Mul", "update")] == profile.CLIP
     assert profile.classify(profile.MINDSPORE_RULES, "Default/Square-op29", "Square") == profile.CLIP
     assert profile.classify(profile.MINDSPORE_RULES, head + "Unheard-op0", "Unheard") == profile.OTHER
 
