@@ -10,8 +10,10 @@ LlamaForCausalLM, float32, eager, torch.optim.AdamW, same hyper-parameters and b
 PyTorch's with torch.profiler. It prints, per step, the time of each operator class split into
 forward / backward / update, with its share of the step; the measured step wall time, the sum of
 operator time and the host time between operators (wall minus operator time); and each side's
-15 most expensive operators. The same goes to DIR/profile_<shape>.json; `--compare OLD.json`
-prints an earlier run next to this one (or next to NEW.json, without profiling).
+15 most expensive operators. The table is of each side's step of median wall time (other work on
+a shared machine stretches single steps). The same, with the means over the steps, goes to
+DIR/profile_<shape>.json; `--compare OLD.json` prints an earlier run next to this one (or next to
+NEW.json, without profiling).
 
 Classes come from the profilers' own names only (MindSpore: op type and cell scope, e.g.
 `Gradients/Default/network-LlamaForCausalLM/lm_head-Linear/Grad_MatMul/MatMul-op22`; PyTorch:
@@ -50,6 +52,7 @@ OTHER = "other"
 CLASSES = (GEMM, LOSS, ATTENTION, NORM, ROTARY, ACTIVATION, LAYOUT, OPTIMIZER, CLIP, EMBEDDING, OTHER)
 PHASES = ("forward", "backward", "update")  # update: optimizer, clipping, loss scale (outside the network)
 TOP = 15
+STEP_LABEL = "profiled step #"  # PyTorch: the label around each profiled step
 UNCLASSIFIED_SHOWN = 20
 
 LAYOUT_OPS = {"Cast", "Reshape", "Transpose", "TensorMove", "ExpandDims", "Squeeze", "Flatten", "Identity",
@@ -131,20 +134,23 @@ def mindspore_phase(name: str) -> str:
 
 
 class OpTable:
-    """Operator time per step, by class and phase, plus per-operator totals (for the top list and "other")."""
+    """Operator time by class and phase for each profiled step, plus per-operator totals (top list, "other")."""
 
     def __init__(self, steps: int):
         self.steps = steps
-        self.by_class = {cls: dict.fromkeys(PHASES, 0.0) for cls in CLASSES}
+        self.by_step = [{cls: dict.fromkeys(PHASES, 0.0) for cls in CLASSES} for _ in range(steps)]
         self.by_op = defaultdict(float)  # (name, class, phase) -> seconds over all steps
         self.inherited = 0.0  # seconds per step classified by the preceding kernel (MINDSPORE_EXPANDED)
 
-    def add(self, name: str, cls: str, phase: str, seconds: float) -> None:
-        self.by_class[cls][phase] += seconds / self.steps
+    def add(self, name: str, cls: str, phase: str, seconds: float, step: int) -> None:
+        self.by_step[step][cls][phase] += seconds
         self.by_op[(name, cls, phase)] += seconds
 
-    def total(self) -> float:
-        return sum(sum(p.values()) for p in self.by_class.values())
+    def classes(self, step: int = None) -> dict:
+        """Seconds by class and phase in one step, or per step averaged over all (step None)."""
+        if step is not None:
+            return self.by_step[step]
+        return {cls: {p: sum(s[cls][p] for s in self.by_step) / self.steps for p in PHASES} for cls in CLASSES}
 
     def top(self, count: int = TOP) -> list:
         ranked = sorted(self.by_op.items(), key=lambda item: -item[1])[:count]
@@ -198,7 +204,12 @@ def mindspore_table(out_dir: str, steps: int) -> OpTable:
     op_types, _ = read_op_types(detail)
     table = OpTable(steps)
     previous = (OTHER, "update")
-    for _, seconds, name in read_launches(timestamps):
+    launches = read_launches(timestamps)
+    # Every step launches the same kernels in the same order, so launch i belongs to step i // per_step.
+    per_step, uneven = divmod(len(launches), steps)
+    if uneven:
+        sys.exit(f"{timestamps}: {len(launches)} kernel launches do not split into {steps} equal steps")
+    for index, (_, seconds, name) in enumerate(launches):
         kind = op_types.get(name, name.rsplit("/", 1)[-1].rsplit("-op", 1)[0])
         if re.search(MINDSPORE_EXPANDED, name):
             named = [(cls, phase) for cls, phase, pattern in MINDSPORE_EXPANDED_RULES if re.search(pattern, name)]
@@ -208,7 +219,7 @@ def mindspore_table(out_dir: str, steps: int) -> OpTable:
         else:
             cls, phase = classify(MINDSPORE_RULES, name, kind), mindspore_phase(name)
             previous = (cls, phase)
-        table.add(name, cls, phase, seconds)
+        table.add(name, cls, phase, seconds, index // per_step)
     return table
 
 
@@ -276,7 +287,17 @@ def torch_scope(event, forward_scopes: dict) -> str:
 
 def is_label(event) -> bool:
     """A record_function label (module hooks, step sections, the optimizer's own), not an operator."""
-    return event.is_user_annotation or event.name.startswith(("module:", "step:", "Optimizer.", "ProfilerStep"))
+    return event.is_user_annotation or event.name.startswith(("module:", "step:", "Optimizer.", STEP_LABEL))
+
+
+def profiled_step(event) -> int:
+    """Which profiled step an event ran in (profile_torch labels each)."""
+    node = event
+    while node is not None:
+        if node.name.startswith(STEP_LABEL):
+            return int(node.name[len(STEP_LABEL):])
+        node = node.cpu_parent
+    raise AssertionError(f"{event.name} ran outside the profiled steps")
 
 
 def torch_table(events, steps: int) -> OpTable:
@@ -297,7 +318,7 @@ def torch_table(events, steps: int) -> OpTable:
         scope = torch_scope(e, forward_scopes)
         phase, where = scope.split("/", 1)
         table.add(f"{e.name} [{where}]" if where else e.name, torch_classify(e.name, scope), phase,
-                  e.self_cpu_time_total / 1e6)
+                  e.self_cpu_time_total / 1e6, profiled_step(e))
     return table
 
 
@@ -311,9 +332,10 @@ def profile_torch(recipe, data, warmup: int, steps: int) -> dict:
     handles = module_scopes(trainer.model, torch)
     walls = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for i in range(warmup, warmup + steps):
+        for i in range(steps):
             start = time.perf_counter()
-            trainer.step(data[i % len(data)])
+            with torch.profiler.record_function(f"{STEP_LABEL}{i}"):
+                trainer.step(data[(warmup + i) % len(data)])
             walls.append(time.perf_counter() - start)
     for handle in handles:
         handle.remove()
@@ -321,11 +343,16 @@ def profile_torch(recipe, data, warmup: int, steps: int) -> dict:
 
 
 def summarize(table: OpTable, walls: list, profiler_total_s: float = None) -> dict:
-    wall = sum(walls) / len(walls)
-    ops = table.total()
-    result = {"step_wall_s": walls, "wall_per_step_s": wall, "op_per_step_s": ops, "host_per_step_s": wall - ops,
-              "classes": table.by_class, "top": table.top(), "unclassified": table.unclassified(),
-              "families": table.families()}
+    """The step of median wall time (other work on a shared machine stretches single steps), and the mean."""
+    median = sorted(range(len(walls)), key=walls.__getitem__)[(len(walls) - 1) // 2]
+    classes, mean_classes = table.classes(median), table.classes()
+    ops = sum(sum(p.values()) for p in classes.values())
+    mean_ops = sum(sum(p.values()) for p in mean_classes.values())
+    result = {"step_wall_s": walls, "median_step": median, "wall_per_step_s": walls[median], "op_per_step_s": ops,
+              "host_per_step_s": walls[median] - ops, "classes": classes,
+              "mean": {"wall_per_step_s": sum(walls) / len(walls), "op_per_step_s": mean_ops,
+                       "classes": mean_classes},
+              "top": table.top(), "unclassified": table.unclassified(), "families": table.families()}
     if profiler_total_s is not None:
         result["profiler_total_per_step_s"] = profiler_total_s / table.steps
         result["inherited_per_step_s"] = table.inherited
@@ -414,6 +441,8 @@ def print_result(result: dict) -> None:
           f"{result['warmup']} warm-up; {m['cpu']}, {m['cores']} cores, load {result['load_before']:.2f} before, "
           f"{result['load_after']:.2f} after ({result['date']})")
     runs = list(result["frameworks"].items())
+    print("  each framework's step of median wall time; step wall times (s): " + "; ".join(
+        f"{name} " + ", ".join(f"{w:.2f}" for w in fw["step_wall_s"]) for name, fw in runs))
     print_table(runs)
     ms = result["frameworks"]["mindspore"]
     if "profiler_total_per_step_s" in ms:
@@ -421,7 +450,7 @@ def print_result(result: dict) -> None:
               f"{ms['inherited_per_step_s'] * 1e3:.0f} ms/step of pass-generated Expand/ ops are classified by the "
               f"kernel launched before them")
     for name, fw in runs:
-        print(f"\n  top {TOP} operators, {name} (ms/step):")
+        print(f"\n  top {TOP} operators, {name} (ms/step, mean over the profiled steps):")
         for op in fw["top"]:
             print(f"  {op['s_per_step'] * 1e3:8.1f}  {op['class']:<34s} {op['phase']:<8s} {op['name']}")
         if fw["unclassified"]:
