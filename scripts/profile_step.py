@@ -435,6 +435,15 @@ def print_table(runs: list) -> None:
         print("  " + r[0].ljust(widths[0]) + "".join(f" {c:>{w}}" for c, w in zip(r[1:], widths[1:])))
 
 
+def markdown_table(runs: list) -> str:
+    """The class table as Markdown (docs/benchmarks.md), runs as in print_table."""
+    header = ["class"]
+    for label, _ in runs:
+        header += [f"{label} fwd", "bwd", "upd", "total", "share"]
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in class_rows(runs)])
+
+
 def print_result(result: dict) -> None:
     m = result["machine"]
     print(f"\n== per-operator profile, shape {result['shape']}, {result['steps']} profiled steps after "
@@ -493,6 +502,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="directory for the profiles and profile_<shape>.json (default: a temporary "
                                       "one, the JSON is then written to the current directory)")
     parser.add_argument("--no-torch", action="store_true", help="profile ours only")
+    parser.add_argument("--markdown", action="store_true", help="also print the class table as Markdown")
     parser.add_argument("--compare", nargs="+", metavar="JSON",
                         help="OLD.json: print it next to this run; OLD.json NEW.json: print both, profile nothing")
     args = parser.parse_args(argv)
@@ -502,12 +512,16 @@ def main(argv=None) -> int:
     if len(earlier) == 2:
         print_comparison(*earlier)
         return 0
+    if earlier and args.markdown:
+        parser.error("--markdown prints a new run's table: give it without --compare")
     with tempfile.TemporaryDirectory(prefix="profile-step-") as tmp:
         work = args.out or tmp
         os.makedirs(work, exist_ok=True)
         result = profile_shape(args.shape, args.warmup, args.steps, work, with_torch=not args.no_torch)
         path = write_result(result, args.out or os.getcwd())
     print_result(result)
+    if args.markdown:
+        print("\n" + markdown_table(list(result["frameworks"].items())))
     print(f"\n  written: {path}")
     if earlier:
         print_comparison(earlier[0], result)
