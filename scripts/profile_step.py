@@ -6,14 +6,14 @@
 Builds the trainers of scripts/benchmark_training.py at one of its shapes (ours: LlamaForCausalLM
 through the wrapper MindFormers' Trainer builds, graph mode; the peer: transformers'
 LlamaForCausalLM, float32, eager, torch.optim.AdamW, same hyper-parameters and batches), runs
---warmup steps, then profiles --steps steps of each, MindSpore's with mindspore.Profiler and
-PyTorch's with torch.profiler. It prints, per step, the time of each operator class split into
-forward / backward / update, with its share of the step; the measured step wall time, the sum of
-operator time and the host time between operators (wall minus operator time); and each side's
-15 most expensive operators. The table is of each side's step of median wall time (other work on
-a shared machine stretches single steps). The same, with the means over the steps, goes to
-DIR/profile_<shape>.json; `--compare OLD.json` prints an earlier run next to this one (or next to
-NEW.json, without profiling).
+--warmup steps, then profiles --steps steps of each, alternating them under both profilers at
+once (mindspore.Profiler records MindSpore's kernels, torch.profiler aten operators). It prints,
+per step, the time of each operator class split into forward / backward / update, with its share
+of the step; the measured step wall time, the sum of operator time and the host time between
+operators (wall minus operator time); and each side's 15 most expensive operators. The table is
+of each side's step of median wall time (other work on a shared machine stretches single steps).
+The same, with the means over the steps, goes to DIR/profile_<shape>.json; `--compare OLD.json`
+prints an earlier run next to this one (or next to NEW.json, without profiling).
 
 Classes come from the profilers' own names only (MindSpore: op type and cell scope, e.g.
 `Gradients/Default/network-LlamaForCausalLM/lm_head-Linear/Grad_MatMul/MatMul-op22`; PyTorch:
@@ -223,25 +223,29 @@ def mindspore_table(out_dir: str, steps: int) -> OpTable:
     return table
 
 
-def profile_mindspore(recipe, data, warmup: int, steps: int, out_dir: str) -> dict:
-    """Our step under mindspore.Profiler: the classified operator table and the measured step times."""
-    from mindspore import Profiler
+class MindSporeSide:
+    """Our step under mindspore.Profiler (it records MindSpore's kernels only)."""
 
-    trainer = bench.MindSporeTrainer(recipe, os.path.join(out_dir, "run"))
-    for i in range(warmup):
-        trainer.step(data[i % len(data)])
-    prof_dir = os.path.join(out_dir, "mindspore_profile")
-    prof = Profiler(output_path=prof_dir)
-    walls = []
-    for i in range(warmup, warmup + steps):
-        start = time.perf_counter()
-        trainer.step(data[i % len(data)])
-        walls.append(time.perf_counter() - start)
-    prof.stop()
-    prof.analyse()
-    table = mindspore_table(prof_dir, steps)
-    _, profiler_total = read_op_types(profiler_files(prof_dir)[0])
-    return summarize(table, walls, profiler_total_s=profiler_total)
+    name = "mindspore"
+
+    def __init__(self, recipe, out_dir: str):
+        self.trainer = bench.MindSporeTrainer(recipe, os.path.join(out_dir, "run"))
+        self.prof_dir = os.path.join(out_dir, "mindspore_profile")
+        self.walls = []
+
+    def start(self) -> None:
+        from mindspore import Profiler
+
+        self.prof = Profiler(output_path=self.prof_dir)
+
+    def step(self, batch, index: int = None) -> float:
+        return self.trainer.step(batch)
+
+    def finish(self) -> dict:
+        self.prof.stop()
+        self.prof.analyse()
+        _, profiler_total = read_op_types(profiler_files(self.prof_dir)[0])
+        return summarize(mindspore_table(self.prof_dir, len(self.walls)), self.walls, profiler_total_s=profiler_total)
 
 
 def module_scopes(model, torch) -> list:
@@ -291,7 +295,7 @@ def is_label(event) -> bool:
 
 
 def profiled_step(event) -> int:
-    """Which profiled step an event ran in (profile_torch labels each)."""
+    """Which profiled step an event ran in (TorchSide labels each)."""
     node = event
     while node is not None:
         if node.name.startswith(STEP_LABEL):
@@ -322,24 +326,34 @@ def torch_table(events, steps: int) -> OpTable:
     return table
 
 
-def profile_torch(recipe, data, warmup: int, steps: int) -> dict:
-    """The PyTorch eager peer under torch.profiler, classified like ours."""
-    import torch
+class TorchSide:
+    """The PyTorch eager peer under torch.profiler (it records aten operators only), classified like ours."""
 
-    trainer = bench.TorchTrainer(recipe)
-    for i in range(warmup):
-        trainer.step(data[i % len(data)])
-    handles = module_scopes(trainer.model, torch)
-    walls = []
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for i in range(steps):
-            start = time.perf_counter()
-            with torch.profiler.record_function(f"{STEP_LABEL}{i}"):
-                trainer.step(data[(warmup + i) % len(data)])
-            walls.append(time.perf_counter() - start)
-    for handle in handles:
-        handle.remove()
-    return summarize(torch_table(prof.events(), steps), walls)
+    name = "pytorch"
+
+    def __init__(self, recipe):
+        import torch
+
+        self.torch = torch
+        self.trainer = bench.TorchTrainer(recipe)
+        self.walls = []
+
+    def start(self) -> None:
+        self.handles = module_scopes(self.trainer.model, self.torch)
+        self.prof = self.torch.profiler.profile(activities=[self.torch.profiler.ProfilerActivity.CPU])
+        self.prof.__enter__()
+
+    def step(self, batch, index: int = None) -> float:
+        if index is None:
+            return self.trainer.step(batch)
+        with self.torch.profiler.record_function(f"{STEP_LABEL}{index}"):
+            return self.trainer.step(batch)
+
+    def finish(self) -> dict:
+        self.prof.__exit__(None, None, None)
+        for handle in self.handles:
+            handle.remove()
+        return summarize(torch_table(self.prof.events(), len(self.walls)), self.walls)
 
 
 def summarize(table: OpTable, walls: list, profiler_total_s: float = None) -> dict:
@@ -380,12 +394,24 @@ def profile_shape(shape_name: str, warmup: int, steps: int, out_dir: str, with_t
     import mindspore
 
     result["versions"] = {"mindspore": mindspore.__version__}
-    result["frameworks"]["mindspore"] = profile_mindspore(recipe, data, warmup, steps, out_dir)
+    sides = [MindSporeSide(recipe, out_dir)]
     if with_torch:
-        import torch
-
-        result["versions"]["torch"] = torch.__version__
-        result["frameworks"]["pytorch"] = profile_torch(recipe, data, warmup, steps)
+        sides.append(TorchSide(recipe))
+        result["versions"]["torch"] = sides[1].torch.__version__
+    for i in range(warmup):
+        for side in sides:
+            side.step(data[i])
+    # Both profilers run at once and the steps alternate (order flipped every round), as in
+    # benchmark_training.alternate: other work on a shared machine then slows both sides alike.
+    for side in sides:
+        side.start()
+    for i in range(steps):
+        for side in sides if i % 2 == 0 else reversed(sides):
+            start = time.perf_counter()
+            side.step(data[warmup + i], index=i)
+            side.walls.append(time.perf_counter() - start)
+    for side in sides:
+        result["frameworks"][side.name] = side.finish()
     result["load_after"] = os.getloadavg()[0]
     return result
 
