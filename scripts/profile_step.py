@@ -512,6 +512,9 @@ def print_comparison(old: dict, new: dict) -> None:
     """Two results side by side, per framework (before | after)."""
     print(f"\n== before: {old['date']} (shape {old['shape']}, load {old['load_before']:.2f}) | after: {new['date']} "
           f"(shape {new['shape']}, load {new['load_before']:.2f})")
+    if old["shape"] != new["shape"] or old["machine"] != new["machine"]:
+        print(f"  not comparable as they stand: shape {old['shape']} / {new['shape']}, "
+              f"CPU {old['machine']} / {new['machine']}")
     for name in new["frameworks"]:
         if name not in old["frameworks"]:
             print(f"\n  {name}: not in the earlier run")
