@@ -399,9 +399,12 @@ def profile_shape(shape_name: str, warmup: int, steps: int, out_dir: str, with_t
     if with_torch:
         sides.append(TorchSide(recipe))
         result["versions"]["torch"] = sides[1].torch.__version__
+    unprofiled = {side.name: [] for side in sides}
     for i in range(warmup):
         for side in sides:
+            start = time.perf_counter()
             side.step(data[i])
+            unprofiled[side.name].append(time.perf_counter() - start)
     # Both profilers run at once and the steps alternate (order flipped every round), as in
     # benchmark_training.alternate: other work on a shared machine then slows both sides alike.
     for side in sides:
@@ -413,6 +416,8 @@ def profile_shape(shape_name: str, warmup: int, steps: int, out_dir: str, with_t
             side.walls.append(time.perf_counter() - start)
     for side in sides:
         result["frameworks"][side.name] = side.finish()
+        # The warm-up steps after the first (which compiles or allocates): what the profiler costs a step.
+        result["frameworks"][side.name]["unprofiled_step_s"] = min(unprofiled[side.name][1:], default=None)
     result["load_after"] = os.getloadavg()[0]
     return result
 
@@ -479,6 +484,8 @@ def print_result(result: dict) -> None:
     runs = list(result["frameworks"].items())
     print("  each framework's fastest step; step wall times (s): " + "; ".join(
         f"{name} " + ", ".join(f"{w:.2f}" for w in fw["step_wall_s"]) for name, fw in runs))
+    print("  fastest unprofiled warm-up step after the first (s): " + "; ".join(
+        f"{name} {fw['unprofiled_step_s']:.2f}" for name, fw in runs if fw.get("unprofiled_step_s")))
     print_table(runs)
     ms = result["frameworks"]["mindspore"]
     if "profiler_total_per_step_s" in ms:
