@@ -205,11 +205,14 @@ class TorchTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr(self.steps)
         logits = self.forward(input_ids=ids[:, :-1].clamp(min=0)).logits  # -1 padding (no pad token): masked below
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab), ids[:, 1:].reshape(-1),
-                                                 ignore_index=self.pad_id)
+        # The labels name the step's sections in scripts/profile_step.py's profile (free when not profiling).
+        with torch.profiler.record_function("step:loss"):
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab), ids[:, 1:].reshape(-1),
+                                                     ignore_index=self.pad_id)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        with torch.profiler.record_function("step:clip_grad_norm"):
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.steps += 1
         return float(loss.detach())
