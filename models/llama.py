@@ -12,7 +12,9 @@ Parameter names follow the HuggingFace `LlamaForCausalLM` checkpoint
 default path uses only CPU-available operators (the reference math); on Ascend the recipe
 may switch attention to FlashAttentionScore and the norms to the fused RmsNorm kernel
 (MindFormers' `use_flash_attention`, `fused_rms_norm`), which changes kernels, never
-parameters. Every operator of the forward pass is a Primitive attribute, so that
+parameters. The loss is one fused kernel where every rank holds whole rows of logits
+(stand-alone, data parallel) and MindFormers' vocabulary-parallel operators in semi-auto
+parallel, where tensor parallel may split the vocabulary: the same numbers either way. Every operator of the forward pass is a Primitive attribute, so that
 `models/parallel.py` can give each one a shard strategy, as MindFormers' Llama does.
 """
 

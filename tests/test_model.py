@@ -82,6 +82,36 @@ def test_document_attention_isolates_packed_documents():
                            plain.logits(ms.Tensor(alone)).asnumpy()[0, :10], atol=1e-4)
 
 
+@pytest.mark.parametrize("fields", [dict(), dict(vocab_size=100), dict(vocab_size=100, tie_word_embeddings=True)])
+def test_fused_loss_equals_the_vocabulary_parallel_operators_and_torch(fields):
+    """Stand-alone and data-parallel runs take the fused kernel (WholeVocabularyCrossEntropy), semi-auto parallel
+    the vocabulary-parallel operators (CrossEntropy): same loss and gradients, and PyTorch's cross_entropy with
+    ignore_index on the same logits; padding labels count nowhere, a batch of padding only has loss 0."""
+    import torch
+
+    net = tiny(**fields)
+    assert net.whole_vocabulary_loss  # built stand-alone
+    rng = np.random.default_rng(1)
+    ids = rng.integers(4, net.vocab_size, size=(3, 33)).astype(np.int32)
+    ids[1, 12:] = PAD
+    ids[2, 32] = PAD
+    results = {}
+    for fused in (True, False):
+        net.whole_vocabulary_loss = fused
+        loss, grads = ms.value_and_grad(net, None, net.trainable_params())(ms.Tensor(ids))
+        results[fused] = (float(loss.asnumpy()), [g.asnumpy() for g in grads])
+    (fused_loss, fused_grads), (ops_loss, ops_grads) = results[True], results[False]
+    assert fused_loss == pytest.approx(ops_loss, rel=2e-6)
+    for a, b in zip(fused_grads, ops_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+    logits = torch.tensor(net.logits(ms.Tensor(ids[:, :-1])).asnumpy()).reshape(-1, net.vocab_size)
+    expected = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[:, 1:]).reshape(-1).long(),
+                                                 ignore_index=PAD)
+    assert fused_loss == pytest.approx(float(expected), rel=2e-6)
+    net.whole_vocabulary_loss = True
+    assert float(net(ms.Tensor(np.full((2, 33), PAD, np.int32))).asnumpy()) == 0.0
+
+
 def test_padded_vocabulary_rows_get_no_probability_or_gradient():
     net = tiny(vocab_size=100)                       # tables padded to 112 rows
     assert net.model.embed_tokens.weight.shape == (112, 32) and net.lm_head.weight.shape == (112, 32)
