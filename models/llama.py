@@ -14,8 +14,9 @@ may switch attention to FlashAttentionScore and the norms to the fused RmsNorm k
 (MindFormers' `use_flash_attention`, `fused_rms_norm`), which changes kernels, never
 parameters. The loss is one fused kernel where every rank holds whole rows of logits
 (stand-alone, data parallel) and MindFormers' vocabulary-parallel operators in semi-auto
-parallel, where tensor parallel may split the vocabulary: the same numbers either way. Every operator of the forward pass is a Primitive attribute, so that
-`models/parallel.py` can give each one a shard strategy, as MindFormers' Llama does.
+parallel, where tensor parallel may split the vocabulary: the same numbers either way.
+Every operator of the forward pass is a Primitive attribute, so that `models/parallel.py`
+can give each one a shard strategy, as MindFormers' Llama does.
 """
 
 import dataclasses
