@@ -431,8 +431,29 @@ def write_result(result: dict, out_dir: str) -> str:
 
 
 def read_result(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """A profile_<shape>.json this script wrote; ValueError naming the file otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            result = json.load(f)
+    except OSError as err:
+        raise ValueError(f"--compare {path}: cannot read it ({err.strerror})") from None
+    except ValueError as err:
+        raise ValueError(f"--compare {path}: not JSON ({err})") from None
+    if not isinstance(result, dict) or "frameworks" not in result or "shape" not in result:
+        raise ValueError(f"--compare {path}: not a profile written by scripts/profile_step.py "
+                         "(no 'shape'/'frameworks')")
+    return result
+
+
+def writable_directory(path: str) -> str:
+    """Create `path` if needed; ValueError when it cannot hold the profiles (checked before anything runs)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ValueError(f"{path}: cannot write there ({err.strerror}); give --out a writable directory") from None
+    return path
 
 
 def class_rows(runs: list) -> list:
@@ -545,7 +566,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.compare and len(args.compare) > 2:
         parser.error("--compare takes OLD.json, or OLD.json NEW.json")
-    earlier = [read_result(path) for path in args.compare or ()]
+    if args.steps < 1 or args.warmup < 1:
+        parser.error(f"--steps and --warmup must be at least 1 (the first step compiles the graph); got "
+                     f"{args.steps} and {args.warmup}")
+    try:
+        earlier = [read_result(path) for path in args.compare or ()]
+        if len(earlier) < 2:
+            writable_directory(args.out or os.getcwd())
+    except ValueError as err:
+        parser.error(str(err))
     if len(earlier) == 2:
         print_comparison(*earlier)
         return 0
@@ -553,7 +582,6 @@ def main(argv=None) -> int:
         parser.error("--markdown prints a new run's table: give it without --compare")
     with tempfile.TemporaryDirectory(prefix="profile-step-") as tmp:
         work = args.out or tmp
-        os.makedirs(work, exist_ok=True)
         result = profile_shape(args.shape, args.warmup, args.steps, work, with_torch=not args.no_torch)
         path = write_result(result, args.out or os.getcwd())
     print_result(result)

@@ -86,3 +86,24 @@ def test_the_json_reads_back_through_compare(profiled, capsys):
     assert "before fwd" in printed and "after fwd" in printed and profile.GEMM in printed
     ms = result["frameworks"]["mindspore"]
     assert f"{ms['wall_per_step_s'] * 1e3:.0f}" in printed
+
+
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
+    load_script("benchmark_training")
+    profile = load_script("profile_step")
+    not_a_profile = tmp_path / "other.json"
+    not_a_profile.write_text('{"loss": 1}', encoding="utf-8")
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{", encoding="utf-8")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("", encoding="utf-8")
+    cases = [(["--compare", str(tmp_path / "missing.json")], "missing.json: cannot read it"),
+             (["--compare", str(garbage)], "garbage.json: not JSON"),
+             (["--compare", str(not_a_profile)], "not a profile written by scripts/profile_step.py"),
+             (["--out", str(blocked / "sub")], "cannot write there"),
+             (["--steps", "0"], "--steps and --warmup must be at least 1")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            profile.main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err, argv
