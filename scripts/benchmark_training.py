@@ -567,7 +567,7 @@ def print_demo(ours: dict, peer: dict) -> None:
               f"first step (graph compile) {st['first_step']:.1f} s")
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per framework and shape")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile, allocations)")
@@ -581,7 +581,15 @@ def main() -> int:
                         help="print only the GEMM yardstick table per shape (no training)")
     parser.add_argument("--gemm-rounds", type=int, default=3, help="interleaved rounds of --gemm-only")
     parser.add_argument("--gemm-repeats", type=int, default=2, help="calls per GEMM and round (the best is kept)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    counts = {"--steps": (args.steps, 1), "--warmup": (args.warmup, 1), "--demo-steps": (args.demo_steps, 5),
+              "--gemm-rounds": (args.gemm_rounds, 1), "--gemm-repeats": (args.gemm_repeats, 1)}
+    for flag, (value, least) in counts.items():
+        if value < least:  # the first step compiles the graph; the demo's first 3 are not steady state
+            parser.error(f"{flag} must be at least {least}, got {value}")
+    if args.demo_dataset and not args.no_demo and not os.path.isdir(args.demo_dataset):
+        parser.error(f"--demo-dataset {args.demo_dataset}: no such directory (a dataset scripts/prepare_data.py "
+                     "wrote); leave it out to use the demo recipe's own")
     if args.gemm_only:
         for name in args.shapes:
             print_gemm_table(gemm_only(SHAPES[name], args.gemm_rounds, args.gemm_repeats))

@@ -61,3 +61,16 @@ def test_the_installed_training_package_imports_neither_torch_nor_transformers()
             found += [f"{os.path.basename(path)}:{node.lineno}: {n}" for n in names
                       if n.split(".")[0] in ("torch", "transformers")]
     assert found == [], found
+
+
+def test_counts_and_a_missing_demo_dataset_are_refused_before_anything_runs(capsys):
+    import pytest
+
+    bench = load_script("benchmark_training")
+    for argv, message in ((["--steps", "0"], "--steps must be at least 1, got 0"),
+                          (["--warmup", "0"], "--warmup must be at least 1"),
+                          (["--demo-steps", "2"], "--demo-steps must be at least 5"),
+                          (["--demo-dataset", "/nonexistent/dataset"], "--demo-dataset /nonexistent/dataset: no such")):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv
