@@ -230,8 +230,9 @@ class MindSporeSide:
     name = "mindspore"
 
     def __init__(self, recipe, out_dir: str):
-        self.trainer = bench.MindSporeTrainer(recipe, os.path.join(out_dir, "run"))
-        self.prof_dir = os.path.join(out_dir, "mindspore_profile")
+        # Per process: a second run into the same --out must not read this one's profile (or the reverse).
+        self.trainer = bench.MindSporeTrainer(recipe, os.path.join(out_dir, f"run-{os.getpid()}"))
+        self.prof_dir = os.path.join(out_dir, f"mindspore_profile-{os.getpid()}")
         self.walls = []
 
     def start(self) -> None:
@@ -424,9 +425,10 @@ def profile_shape(shape_name: str, warmup: int, steps: int, out_dir: str, with_t
 
 def write_result(result: dict, out_dir: str) -> str:
     path = os.path.join(out_dir, f"profile_{result['shape']}.json")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
+    partial = f"{path}.{os.getpid()}.tmp"  # whole or absent: never half a JSON under the real name
+    with open(partial, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
-    os.replace(path + ".tmp", path)
+    os.replace(partial, path)
     return path
 
 
