@@ -65,7 +65,7 @@ MINDSPORE_RULES = (
     (ROTARY, None, r"/rotary-"),
     (LAYOUT, LAYOUT_OPS, None),
     (LOSS, {"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits", "CrossEntropy"}, None),
-    (LOSS, None, r"/loss-"),
+    (LOSS, None, r"/loss-|/fused_loss-"),
     (ATTENTION, {"FlashAttentionScore", "FlashAttentionScoreGrad", "Softmax", "SoftmaxGrad"}, None),
     (ATTENTION, None, r"/core-|Mask-|/self_attn-"),
     (CLIP, None, r"/clip_grad_norm-|IsFinite"),
@@ -83,7 +83,8 @@ MINDSPORE_RULES = (
 # of the kernel launched just before it (MindSpore runs the graph's kernels one after another on CPU, but
 # interleaves independent branches: an approximation, so its total is reported as "inherited").
 MINDSPORE_EXPANDED = r"^Expand/"
-MINDSPORE_EXPANDED_RULES = ((ACTIVATION, "forward", r"^Expand/_SiLU/"), (ACTIVATION, "backward", r"^Expand/_SiLUGrad/"))
+MINDSPORE_EXPANDED_RULES = ((ACTIVATION, "forward", r"^Expand/_SiLU/"), (ACTIVATION, "backward", r"^Expand/_SiLUGrad/"),
+                            (ATTENTION, "backward", r"^Expand/_SoftmaxBackward/"))
 
 # PyTorch: (class, pattern on the op name or None, pattern on the scope or None). The scope is the phase and
 # the module that ran the op ("forward/model.layers.0.mlp"); a backward op gets the scope of the forward op
