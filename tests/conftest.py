@@ -27,6 +27,17 @@ LLAMA2_LAYOUT_SP_MODEL = os.path.join(importlib.util.find_spec("mistral_common")
                                       "data", "tokenizer.model.v1")
 
 
+# Fixtures that are process drills themselves (a minute or more of real multi-process runs to set up): every test
+# that needs one, directly or through another fixture, is marked `drill` (setup.cfg) by pytest_collection_modifyitems.
+DRILL_FIXTURES = {"data_parallel_runs", "megatron_dir", "slurm_run"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if DRILL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.drill)
+
+
 def load_script(name: str):
     """scripts/NAME.py as a module (scripts/ is not a package), to call its main() in the test process."""
     import importlib.util
