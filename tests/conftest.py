@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny real dataset (stdlib text, real sentencepiece, real MindRecord)."""
+"""Shared fixtures: a tiny real dataset (shipped stdlib text, real sentencepiece, real MindRecord)."""
 
 import importlib.util
 import os
@@ -15,6 +15,9 @@ os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_cpu.yaml")
+# The tiny dataset's text, shipped so that it is the same on every machine (tests/data/README.md): the first 60
+# modules of CPython 3.11.7's standard library, one file one document, named NN-<path>.txt to keep their order.
+TINY_CORPUS = os.path.join(REPO_ROOT, "tests", "data", "tiny_corpus")
 DP2_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml")
 DP_STEPS = 8  # data_parallel_runs
 DEMO_RECIPE = os.path.join(REPO_ROOT, "recipes", "demo_cpu.yaml")
@@ -22,6 +25,17 @@ DEMO_RECIPE = os.path.join(REPO_ROOT, "recipes", "demo_cpu.yaml")
 # file is read): 32,000 pieces, unk 0, bos 1, eos 2 and no pad id, the layout of Llama 2's tokenizer.
 LLAMA2_LAYOUT_SP_MODEL = os.path.join(importlib.util.find_spec("mistral_common").submodule_search_locations[0],
                                       "data", "tokenizer.model.v1")
+
+
+# Fixtures that are process drills themselves (a minute or more of real multi-process runs to set up): every test
+# that needs one, directly or through another fixture, is marked `drill` (setup.cfg) by pytest_collection_modifyitems.
+DRILL_FIXTURES = {"data_parallel_runs", "megatron_dir", "slurm_run"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if DRILL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.drill)
 
 
 def load_script(name: str):
@@ -37,16 +51,26 @@ def load_script(name: str):
     return sys.modules[name]
 
 
-@pytest.fixture(scope="session")
-def tiny_dataset(tmp_path_factory):
-    """The tiny recipe's dataset, prepared once per test session."""
+def tiny_corpus_files() -> list:
+    """TINY_CORPUS's files in the order the data pipeline reads them."""
+    return sorted(os.path.join(TINY_CORPUS, name) for name in os.listdir(TINY_CORPUS))
+
+
+def prepare_tiny_dataset(out: str) -> None:
+    """The tiny recipe's dataset (its seq_length, vocab_size and max_documents) built from TINY_CORPUS into OUT."""
     from ascend_llm_recipes.data.prepare import prepare_dataset
     from ascend_llm_recipes.training.recipe import load_recipe
 
     recipe = load_recipe(TINY_RECIPE)
-    out = str(tmp_path_factory.mktemp("data") / "tiny")
     prepare_dataset(out, recipe.model.model_config.seq_length, recipe.data_preparation.vocab_size,
-                    max_documents=recipe.data_preparation.max_documents, show_progress=False)
+                    inputs=[TINY_CORPUS], max_documents=recipe.data_preparation.max_documents, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory):
+    """The tiny recipe's dataset, prepared once per test session from the shipped TINY_CORPUS."""
+    out = str(tmp_path_factory.mktemp("data") / "tiny")
+    prepare_tiny_dataset(out)
     return out
 
 

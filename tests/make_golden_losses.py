@@ -3,9 +3,9 @@
     python tests/make_golden_losses.py [OUT_JSON]     (default: tests/data/golden_tiny_losses.json)
 
 The run is the tiny_run fixture's (tests/test_train.py): recipes/tiny_cpu.yaml as shipped, on the
-dataset tests/conftest.py prepares (the first 60 files of this Python's standard library), so the
-fixture's 20 losses are compared with these. Regenerate only for an intended numerical change, and
-say which in the commit.
+dataset tests/conftest.py prepares from the shipped corpus tests/data/tiny_corpus (60 standard-library
+modules of CPython 3.11.7, the same text on every machine), so the fixture's 20 losses are compared
+with these. Regenerate only for an intended numerical change, and say which in the commit.
 """
 
 import hashlib
@@ -17,17 +17,18 @@ import sys
 import tempfile
 from importlib.metadata import version
 
+from conftest import TINY_CORPUS, prepare_tiny_dataset, tiny_corpus_files
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(REPO_ROOT, "tests", "data", "golden_tiny_losses.json")
 TINY_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_cpu.yaml")
 
 
-def stdlib_inputs_sha256(count: int) -> str:
-    """One hash over the raw files the tiny dataset is built from: equal hashes mean equal training data."""
-    from ascend_llm_recipes.data.corpus import python_stdlib_files
-
+def corpus_sha256(count: int) -> str:
+    """One hash over the first COUNT files of the shipped corpus the tiny dataset is built from: equal hashes mean
+    equal training data."""
     digest = hashlib.sha256()
-    for path in python_stdlib_files()[:count]:
+    for path in tiny_corpus_files()[:count]:
         with open(path, "rb") as f:
             digest.update(hashlib.sha256(f.read()).digest())
     return digest.hexdigest()
@@ -52,7 +53,6 @@ def vector_flags() -> list:
 
 
 def main(argv) -> int:
-    from ascend_llm_recipes.data.prepare import prepare_dataset
     from ascend_llm_recipes.training.launch import launch
     from ascend_llm_recipes.training.recipe import load_recipe
 
@@ -61,8 +61,7 @@ def main(argv) -> int:
     steps = recipe.runner_config.stop_step
     with tempfile.TemporaryDirectory(prefix="golden-") as tmp:
         dataset, run_dir = os.path.join(tmp, "tiny"), os.path.join(tmp, "run")
-        prepare_dataset(dataset, recipe.model.model_config.seq_length, recipe.data_preparation.vocab_size,
-                        max_documents=recipe.data_preparation.max_documents, show_progress=False)
+        prepare_tiny_dataset(dataset)
         if launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={dataset}"],
                   show_progress=False) != 0:
             print(f"training failed: see {run_dir}/logs", file=sys.stderr)
@@ -74,8 +73,9 @@ def main(argv) -> int:
         "recipe": "recipes/tiny_cpu.yaml",
         "command": "python tests/make_golden_losses.py",
         "losses": losses,
-        "stdlib_documents": recipe.data_preparation.max_documents,
-        "stdlib_inputs_sha256": stdlib_inputs_sha256(recipe.data_preparation.max_documents),
+        "corpus": os.path.relpath(TINY_CORPUS, REPO_ROOT),
+        "corpus_documents": recipe.data_preparation.max_documents,
+        "corpus_sha256": corpus_sha256(recipe.data_preparation.max_documents),
         "python": platform.python_version(),
         "mindspore": version("mindspore"),
         "mindformers": version("mindformers"),

@@ -127,6 +127,7 @@ def test_resume_with_another_data_order_is_refused(baseline, tiny_dataset):
     assert metrics(baseline) == before  # refused before anything was touched
 
 
+@pytest.mark.drill
 def test_kill9_then_corrupt_newest_and_crash_during_save(baseline, tiny_dataset, tmp_path):
     """kill -9 mid-run; the newest complete step is corrupt and a newer save was cut short: resume falls back."""
     run_dir = str(tmp_path / "run")
@@ -152,6 +153,7 @@ def test_kill9_then_corrupt_newest_and_crash_during_save(baseline, tiny_dataset,
     same_trajectory(run_dir, baseline)
 
 
+@pytest.mark.drill
 def test_sigterm_saves_then_resume_continues_exactly(baseline, tiny_dataset, tmp_path):
     """Also held-out evaluation every 6 steps: each launch ends (at 7+ and at 20) with its final evaluation."""
     run_dir = str(tmp_path / "run")
@@ -469,6 +471,7 @@ def poisoned_dataset(tiny_dataset, root):
     return out, poisoned
 
 
+@pytest.mark.drill
 def test_loss_spike_rolls_back_and_skips_the_offending_samples(tiny_dataset, baseline, tmp_path):
     dataset, poisoned = poisoned_dataset(tiny_dataset, str(tmp_path))
     spike_step = int(poisoned[0]) // 4 + 1  # batch 4, unshuffled: sample i is read at step i // 4 + 1

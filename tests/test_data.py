@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 
+from conftest import tiny_corpus_files
 from oracles import CleanStats, clean_documents, pack_documents, read_documents
 from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.data.clean import clean_text
@@ -74,7 +75,7 @@ def test_mindrecord_round_trip(tiny_dataset):
         else:
             current.append(int(token))
     stats = CleanStats()
-    expected = list(clean_documents(read_documents(python_stdlib_files()[:60]), stats))
+    expected = list(clean_documents(read_documents(tiny_corpus_files()[:60]), stats))
     assert pieces == expected
 
 

@@ -121,6 +121,7 @@ def linked_inputs(inputs, directory):
     return [str(directory)]
 
 
+@pytest.mark.drill
 def test_a_killed_task_is_redone_alone_and_changed_arguments_are_refused(corpus, tmp_path):
     root, inputs, _, four = corpus
     out = tmp_path / "ds"
@@ -201,6 +202,7 @@ def kill_a_pack_task(pids, deadline):
     raise AssertionError("no pack task was seen running")
 
 
+@pytest.mark.drill
 def test_a_task_killed_by_a_signal_stops_the_run_naming_it_and_a_rerun_continues(corpus, tmp_path):
     root, inputs, _, four = corpus
     out = tmp_path / "ds"
@@ -224,6 +226,7 @@ def test_a_task_killed_by_a_signal_stops_the_run_naming_it_and_a_rerun_continues
     assert shard_bytes(str(out)) == shard_bytes(str(root / "four"))
 
 
+@pytest.mark.drill
 def test_a_dead_ray_worker_names_its_task_and_a_rerun_continues(corpus, tmp_path, ray_cluster):
     import threading
 
@@ -260,6 +263,7 @@ def _cmdline(pid):
         return ""
 
 
+@pytest.mark.drill
 def test_a_full_disk_in_a_task_names_the_output_and_space_needed_and_a_rerun_continues(corpus, tmp_path):
     """A real full disk (tmpfs) under a 4-task run: the pack tasks cannot write their shards."""
     root, inputs, _, four = corpus

@@ -267,6 +267,7 @@ def test_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, capsys):
         lock_run_dir(recipe, cluster)
 
 
+@pytest.mark.drill
 def test_killed_launcher_stops_its_workers_and_the_same_command_right_away_continues(tiny_dataset, tmp_path):
     """kill -9 of the launcher: its workers save at the end of their step and exit; the same command run at once
     waits for the old job's processes (bounded, saying so) instead of refusing, then resumes from that save."""
@@ -455,6 +456,7 @@ def test_plan_still_works_for_ascend_features_asked_on_cpu():
     assert refused.returncode == 2 and "bfloat16 kernels exist only on Ascend/GPU" in refused.stderr
 
 
+@pytest.mark.drill
 def test_stalled_worker_is_named_by_rank_and_phase(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     proc = start_launcher(run_dir, tiny_dataset, TINY_RECIPE, "--set", "monitoring.hang_timeout=30")

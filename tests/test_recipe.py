@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import glob
+import math
 import os
 import re
 import types
@@ -245,8 +246,41 @@ def shown(path) -> tuple:
     return (".".join(path), "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path).lstrip("."))
 
 
+def fits(value, annotation) -> bool:
+    """Whether VALUE is of the type the schema ANNOTATION names, so that the loader may accept it (a value check
+    may still refuse it): an int where a float is allowed, None where the key is optional, a dict for a free-form
+    section (common/schema.py's _convert). bool is not taken for an int or a float, and a section's dict holds only
+    the section's keys."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is typing.Any:
+        return True
+    if annotation is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, a) for a in args)
+    if origin is typing.Literal:
+        return any(type(value) is type(a) and value == a for a in args)
+    if dataclasses.is_dataclass(annotation):
+        return isinstance(value, dict) and set(value) <= {f.name for f in dataclasses.fields(annotation)}
+    if origin is list or annotation is list:
+        return isinstance(value, list) and all(fits(v, args[0]) for v in value) if args else isinstance(value, list)
+    if origin is dict or annotation is dict:
+        return isinstance(value, dict)
+    if annotation is float:  # also a string that reads as a number: PyYAML reads `1e-3` as one
+        try:
+            return type(value) in (int, float) or (isinstance(value, str) and math.isfinite(float(value)))
+        except ValueError:
+            return False
+    if annotation is int:
+        return type(value) is int
+    return isinstance(value, annotation)
+
+
 WRONG_VALUES = [True, "text", [1, "a"], {"unexpected": 1}, None, 1.5, -3]
-SCHEMA_PATHS = sorted({path for path, _ in key_paths(Recipe)})
+ANNOTATIONS = {}  # key path -> its annotations (one per section a union can hold there)
+for _path, _annotation in key_paths(Recipe):
+    ANNOTATIONS.setdefault(_path, []).append(_annotation)
+SCHEMA_PATHS = sorted(ANNOTATIONS)
 
 
 @pytest.mark.parametrize("path", SHIPPED)
@@ -262,6 +296,10 @@ def test_wrong_values_at_every_key_path_give_a_recipe_error_naming_the_key(path)
                 # The key itself, or the section that holds it, is named.
                 names = [shown(keys[:n]) for n in range(len(keys), 0, -1)]
                 assert any(a in str(err) or b in str(err) for a, b in names), (keys, value, str(err))
+            else:
+                # Accepted: only a value of the key's type may be (a type check that let it through is a bug).
+                assert any(fits(value, a) for a in ANNOTATIONS[keys]), (
+                    f"{path}: {shown(keys)[0]} = {value!r} was accepted, but the schema says {ANNOTATIONS[keys]}")
 
 
 # Sections the tiny recipe leaves out, filled in so that each of their numbers is checked on its own.

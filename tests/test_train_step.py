@@ -86,6 +86,7 @@ def saved_state(run_dir: str, step: int) -> dict:
     return {name: value.asnumpy() for name, value in params.items()}
 
 
+@pytest.mark.drill
 def test_float16_overflow_skips_the_update_lowers_the_scale_and_resumes_bit_exactly(tiny_dataset, tmp_path):
     """One drill: float16 training on CPU with DynamicLossScaleUpdateCell. An overflow step leaves weights, moments
     and the optimizer step as they were and halves the scale; clean steps train and grow it again; metrics.jsonl
