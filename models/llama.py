@@ -612,12 +612,10 @@ class WholeVocabularyCrossEntropy(nn.Cell):
 
         loss = kernel mean x rows / real rows - log(vocab_size) x padding rows / real rows
 
-(with no padding, rows / real rows is exactly 1 and the loss is the kernel's mean itself; a batch of
-padding only has loss 0, as in CrossEntropy). The subtraction cancels most of the kernel's sum when
-most rows are padding, so the loss value's float32 rounding grows by rows / real rows there; the
-gradients do not cancel (padding rows pass nothing back).
-
-    Gradients: a zero hidden row passes nothing to the head's weight or the network below.
+    (with no padding, rows / real rows is exactly 1 and the loss is the kernel's mean itself; a batch
+    of padding only has loss 0, as in CrossEntropy). The subtraction cancels most of the kernel's sum
+    when most rows are padding, so the loss value's float32 rounding grows by rows / real rows there.
+    Gradients do not cancel: a zero hidden row passes nothing to the head's weight or the network below.
     """
 
     def __init__(self, vocab_size: int, pad_token_id: int):
