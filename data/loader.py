@@ -19,7 +19,7 @@ order, and `build_train_dataset(..., start_step=step)` continues from there
 (as does MindFormers' resume, which skips `step` batches of the dataset): that number is all
 a checkpoint needs to record about data.
 
-A loss-spike rollback (training/callbacks.py) removes the offending samples from the order:
+A loss-spike rollback (training/worker/callbacks.py) removes the offending samples from the order:
 `skips` are [start, end) ranges of positions in the order above, and the order training
 reads is that order with those positions left out. The skips a run made are kept in
 RUN_DIR/data_skips.json and in every checkpoint after them, so each later rebuild (a

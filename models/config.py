@@ -36,7 +36,7 @@ class ModelConfig:
     compute_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     # dtype the matmul weights and tables are stored in (MindFormers' param_init_type / params_dtype). float32:
     # they are their own master copy (the CPU reference). 16-bit: half the weight, gathered-weight and accu_grads
-    # bytes; the fp32 master copy then lives in the optimizer (training/optim.py FoldedAdamW), sliced over DP
+    # bytes; the fp32 master copy then lives in the optimizer (training/worker/optim.py FoldedAdamW), sliced over DP
     # with the moments. Norm weights stay float32 (models/shapes.py parameter_dtype).
     param_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     # Ascend kernels, MindFormers' keys and meanings (mindformers/models/llama/llama_config.py:165-186);

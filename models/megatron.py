@@ -4,7 +4,7 @@
                                       or one iter_NNNNNNN directory, legacy or torch_dist
     to_megatron(CKPT, cfg, OUT_DIR, tp, pp)  legacy mp_rank_TT[_PPP]/model_optim_rng.pt files
 
-training/export.py resolves what a user names (a run directory, a recipe as --model-config) into
+training/tools/export.py resolves what a user names (a run directory, a recipe as --model-config) into
 these functions' arguments and writes the recipe continuing a converted run (--write-recipe).
 
 Output is what models/convert.py's --from-hf writes (weights.safetensors, model_config.yaml,
@@ -731,7 +731,7 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
     """Write Megatron-LM legacy files (mp_rank_TT[_PPP]/model_optim_rng.pt) for TP x PP, one rank file at a time.
 
     `source`: the converted directory whose conversion.json may hold the original Megatron arguments;
-    `section_path`: where cfg was read, for the manifest. training/export.py's to_megatron finds both.
+    `section_path`: where cfg was read, for the manifest. training/tools/export.py's to_megatron finds both.
     """
     import torch
 

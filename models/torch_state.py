@@ -356,7 +356,7 @@ def from_torch(path: str, out_dir: str, model_config: str, cfg: ModelConfig = No
     """Convert a torch.save'd state dict (HF names, names a key map renames, or Meta's layout) into OUT_DIR.
 
     `model_config`: a config.json or Meta's params.json, read here when cfg is None; or the model
-    section / recipe cfg was read from (training/export.py), recorded in the manifest. With verify,
+    section / recipe cfg was read from (training/tools/export.py), recorded in the manifest. With verify,
     our logits are compared before OUT_DIR is published: with transformers' on the source tensors
     (HF names), or with meta_reference_logits (Meta's layout).
     """

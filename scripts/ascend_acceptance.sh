@@ -6,13 +6,13 @@
 # MindFormers' auto_trans_ckpt, --to-hf of a TP/PP run merged with its strategy files, checkpoint size
 # against the bytes resume needs, the pipeline run's logged loss, peak device memory next to --plan,
 # throughput against the published figures) and writes OUT/acceptance.json + OUT/acceptance.md with
-# PASS / FAIL per check (training/acceptance.py).
+# PASS / FAIL per check (training/tools/acceptance.py).
 #   bash scripts/ascend_acceptance.sh [OUT_DIR]
 #   DRY_RUN=1 bash scripts/ascend_acceptance.sh [OUT_DIR]     # print every command, run nothing
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/python_env.sh"
-require_package ascend_llm_recipes.training.acceptance
+require_package ascend_llm_recipes.training.tools.acceptance
 if [[ -n "${DRY_RUN:-}" && "${DRY_RUN}" != "0" ]]; then
-  exec "${PYTHON}" -m ascend_llm_recipes.training.acceptance --dry-run "$@"
+  exec "${PYTHON}" -m ascend_llm_recipes.training.tools.acceptance --dry-run "$@"
 fi
-exec "${PYTHON}" -m ascend_llm_recipes.training.acceptance "$@"
+exec "${PYTHON}" -m ascend_llm_recipes.training.tools.acceptance "$@"

@@ -34,7 +34,7 @@ each round of steps, under the steps' load): a float32 1024^3 GEMM, and each fra
 GEMMs at the model's shapes. The second takes the GEMMs one training step runs
 (models/arithmetic.py step_gemms: q/k/v/o, gate/up/down, lm_head and attention's BatchMatMuls,
 forward and both backward GEMMs, with the transposes each framework's autodiff uses), times
-each on MindSpore (graph mode, training/metrics.py MindSporeGemm) and on PyTorch (torch.matmul
+each on MindSpore (graph mode, training/worker/metrics.py MindSporeGemm) and on PyTorch (torch.matmul
 on transposed views), form by form alternating the frameworks, and sums count x time: the
 time this step's GEMMs need on that framework's kernels. Its peak is the step's GEMM FLOPs
 over that time (median over rounds, with the range). --gemm-only prints that yardstick alone,
@@ -118,7 +118,7 @@ def batches(shape: Shape, count: int, seed: int = 0) -> np.ndarray:
 
 def load_shape_recipe(shape: Shape, total_steps: int):
     """The demo recipe (its optimizer, clipping, LR schedule, wrapper) at this model shape."""
-    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
 
     return load_recipe(DEMO_RECIPE, overrides=shape.overrides() + (f"runner_config.stop_step={total_steps}",))
 
@@ -141,9 +141,9 @@ class MindSporeTrainer:
         from mindformers.wrapper import build_wrapper
 
         from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
-        import ascend_llm_recipes.training.train_step  # noqa: F401  (registers the portable wrapper)
-        import ascend_llm_recipes.training.optim  # noqa: F401  (registers FoldedAdamW)
-        from ascend_llm_recipes.training.train import mindformers_config
+        import ascend_llm_recipes.training.worker.train_step  # noqa: F401  (registers the portable wrapper)
+        import ascend_llm_recipes.training.worker.optim  # noqa: F401  (registers FoldedAdamW)
+        from ascend_llm_recipes.training.worker.train import mindformers_config
 
         cfg = MindFormerConfig(**mindformers_config(recipe, run_dir))
         ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
@@ -236,13 +236,13 @@ def cosine_with_warmup(recipe):
 class GemmPeak:
     """float32 GEMM FLOP/s of each framework, measured between training steps.
 
-    The MindSpore figure is training/metrics.py's measurement (the MFU denominator used by
+    The MindSpore figure is training/worker/metrics.py's measurement (the MFU denominator used by
     our runs); measuring it between steps puts it under the same machine load as the steps.
     """
 
     def __init__(self):
         import torch
-        from ascend_llm_recipes.training.metrics import GEMM_SIZE
+        from ascend_llm_recipes.training.worker.metrics import GEMM_SIZE
 
         self.size = GEMM_SIZE
         self.a = torch.randn(GEMM_SIZE, GEMM_SIZE)
@@ -251,7 +251,7 @@ class GemmPeak:
         self.samples = {"mindspore": [], "torch": []}
 
     def measure(self, repeats: int = 3) -> None:
-        from ascend_llm_recipes.training.metrics import measure_cpu_peak_flops
+        from ascend_llm_recipes.training.worker.metrics import measure_cpu_peak_flops
 
         self.samples["mindspore"].append(measure_cpu_peak_flops(self.size, repeats))
         best = float("inf")
@@ -270,12 +270,12 @@ class TorchGemm:
 
     F.linear(x, W) is mm(x, W.t()); its backward is mm(dY, W) and mm(dY.t(), X) (mm_mat1/mm_mat2_backward);
     attention's matmuls and their backward are bmm on transposed views. Same operands and repetitions per
-    call as training/metrics.py MindSporeGemm, for a like-for-like comparison.
+    call as training/worker/metrics.py MindSporeGemm, for a like-for-like comparison.
     """
 
     def __init__(self, gemm, unroll: int = None):
         import torch
-        from ascend_llm_recipes.training.metrics import gemm_operands, gemm_unroll
+        from ascend_llm_recipes.training.worker.metrics import gemm_operands, gemm_unroll
 
         self.unroll = unroll or gemm_unroll(gemm)
         a_copies, b = gemm_operands(gemm, self.unroll)
@@ -302,9 +302,9 @@ class TorchGemm:
 
 
 def gemm_yardstick(recipe, shape: Shape):
-    """training/metrics.py GemmYardstick over this shape's step GEMMs, for MindSpore (graph mode) and PyTorch."""
+    """training/worker/metrics.py GemmYardstick over this shape's step GEMMs, for MindSpore (graph mode) and PyTorch."""
     from ascend_llm_recipes.models.arithmetic import step_gemms
-    from ascend_llm_recipes.training.metrics import GemmYardstick, MindSporeGemm
+    from ascend_llm_recipes.training.worker.metrics import GemmYardstick, MindSporeGemm
 
     gemms = step_gemms(recipe.model.model_config, shape.batch_size, shape.seq_length)
     return GemmYardstick(gemms, {"mindspore": MindSporeGemm, "torch": TorchGemm})
@@ -434,7 +434,7 @@ def torch_demo(steps: int, dataset_dir: str) -> dict:
     """The PyTorch peer at the demo's shape, reading the demo's MindRecord dataset (batch time included)."""
     import mindspore.dataset as ds
     from ascend_llm_recipes.data.mindrecord_io import read_manifest, shard_files
-    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
 
     recipe = load_recipe(DEMO_RECIPE, overrides=(f"runner_config.stop_step={steps}",))
     files = shard_files(dataset_dir, read_manifest(dataset_dir))
@@ -503,7 +503,7 @@ def print_shape(result: dict) -> None:
 def gemm_only(shape: Shape, rounds: int, repeats: int) -> dict:
     """The yardstick alone: this shape's step GEMMs on both frameworks, `rounds` interleaved rounds."""
     import mindspore as ms
-    from ascend_llm_recipes.training.metrics import mindspore_call_overhead_s
+    from ascend_llm_recipes.training.worker.metrics import mindspore_call_overhead_s
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     load_before = os.getloadavg()[0]

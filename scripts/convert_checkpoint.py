@@ -21,10 +21,10 @@ import sys
 import traceback
 
 from ascend_llm_recipes.models.convert import from_hf, summary
-from ascend_llm_recipes.training.export import to_hf
+from ascend_llm_recipes.training.tools.export import to_hf
 from ascend_llm_recipes.common.errors import PretrainError
-from ascend_llm_recipes.training.preflight import check_writable_dir
-from ascend_llm_recipes.training.relayout import export_source
+from ascend_llm_recipes.training.launcher.preflight import check_writable_dir
+from ascend_llm_recipes.training.tools.relayout import export_source
 
 
 def count(minimum: int):
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
                         help="--to-hf: recipe or model_config.yaml, when not found beside the checkpoint; "
                              "--from-torch: config.json, Meta's params.json, model_config.yaml or recipe")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    # Megatron-LM and plain PyTorch files (models/megatron.py, through training/export.py)
+    # Megatron-LM and plain PyTorch files (models/megatron.py, through training/tools/export.py)
     direction.add_argument("--from-megatron", metavar="CKPT_DIR",
                            help="Megatron-LM save directory (latest_checkpointed_iteration.txt) or iter_NNNNNNN "
                                 "directory, legacy or torch_dist, any TP/PP")
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         parser.error("--verify and --seq-length do not apply to --to-hf")
     try:
         if megatron:
-            from ascend_llm_recipes.training.export import run_cli
+            from ascend_llm_recipes.training.tools.export import run_cli
 
             return run_cli(parser, args)
         check_writable_dir(args.output, "--output")
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
                                show_progress=not args.quiet)
         else:
             # A semi-auto (TP/PP) run's shards are first merged into one unsliced checkpoint with the strategy
-            # files the run saved, in RUN_DIR/merged_checkpoint/step_N/ (training/relayout.py).
+            # files the run saved, in RUN_DIR/merged_checkpoint/step_N/ (training/tools/relayout.py).
             source, model_config = export_source(args.to_hf, args.model_config)
             manifest = to_hf(source, args.output, model_config=model_config, show_progress=not args.quiet)
     except PretrainError as err:

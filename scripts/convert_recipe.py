@@ -13,7 +13,7 @@ import sys
 
 
 from ascend_llm_recipes.common.errors import PretrainError
-from ascend_llm_recipes.training.mindformers_config import from_mindformers, to_mindformers, write_output
+from ascend_llm_recipes.training.recipe.mindformers import from_mindformers, to_mindformers, write_output
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,7 @@
     python scripts/plot_run.py runs/a runs/b [--output DIR]   # -> runs/a/plots/compare_a_b.png
 
 Loss (EMA over the raw curve, held-out loss overlaid), learning rate, gradient norm (clip, loss
-spikes, rollbacks), throughput and MFU, data wait; see training/plots.py.
+spikes, rollbacks), throughput and MFU, data wait; see training/tools/plots.py.
 """
 
 import argparse
@@ -13,7 +13,7 @@ import sys
 
 
 from ascend_llm_recipes.common.errors import PretrainError
-from ascend_llm_recipes.training.plots import plot_runs
+from ascend_llm_recipes.training.tools.plots import plot_runs
 
 
 def main(argv=None) -> int:

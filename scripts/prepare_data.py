@@ -31,7 +31,7 @@ import traceback
 
 try:
     from ascend_llm_recipes.common.errors import DataError, PretrainError
-    from ascend_llm_recipes.training.preflight import check_writable_dir
+    from ascend_llm_recipes.training.launcher.preflight import check_writable_dir
 except ModuleNotFoundError as missing:  # a Python without the package (or its dependencies): say how to get it
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     print(f"error: {missing.name} is not installed in this Python ({sys.executable}): install the repository once "
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     try:
         if args.validate:
             from ascend_llm_recipes.data.inspection import validate_dataset
-            from ascend_llm_recipes.training.recipe import load_recipe
+            from ascend_llm_recipes.training.recipe.schema import load_recipe
             model = load_recipe(args.recipe).model.model_config if args.recipe else None
             print(validate_dataset(args.validate, args.recipe, model))
         elif args.report:
@@ -171,7 +171,7 @@ def build(parser: argparse.ArgumentParser, args, argv) -> int:
 
     model_vocab = 0
     if args.recipe:
-        from ascend_llm_recipes.training.recipe import load_recipe
+        from ascend_llm_recipes.training.recipe.schema import load_recipe
         model = load_recipe(args.recipe).model.model_config
         args.seq_length = args.seq_length or model.seq_length
         model_vocab = model.vocab_size

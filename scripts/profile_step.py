@@ -74,7 +74,7 @@ MINDSPORE_RULES = (
     (EMBEDDING, None, r"/embed_tokens-"),
     (OPTIMIZER, None, r"/optimizer-|AdamWeightDecay|/learning_rate-"),
     # Ops directly in the wrapper's scope: the input slice, then the loss-scale division, the square sums
-    # and the overflow flag of MFTrainOneStepCell (training/train_step.py).
+    # and the overflow flag of MFTrainOneStepCell (training/worker/train_step.py).
     (LAYOUT, {"StridedSlice", "Slice"}, r"^Default/(network-[^/]+/)?[A-Za-z]+-op\d+$"),
     (CLIP, None, r"^Default/[A-Za-z]+-op\d+$"),
 )

@@ -3,5 +3,5 @@
 #   bash scripts/run_distributed.sh recipes/demo_cpu.yaml [--set key.path=value ...]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/python_env.sh"
-require_package ascend_llm_recipes.training.launch
-exec "${PYTHON}" -m ascend_llm_recipes.training.launch "$@"
+require_package ascend_llm_recipes.training.launcher.cli
+exec "${PYTHON}" -m ascend_llm_recipes.training.launcher.cli "$@"

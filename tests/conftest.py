@@ -59,7 +59,7 @@ def tiny_corpus_files() -> list:
 def prepare_tiny_dataset(out: str) -> None:
     """The tiny recipe's dataset (its seq_length, vocab_size and max_documents) built from TINY_CORPUS into OUT."""
     from ascend_llm_recipes.data.prepare import prepare_dataset
-    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
 
     recipe = load_recipe(TINY_RECIPE)
     prepare_dataset(out, recipe.model.model_config.seq_length, recipe.data_preparation.vocab_size,
@@ -80,7 +80,7 @@ def data_parallel_runs(tmp_path_factory, tiny_dataset):
 
     Shared by the data-parallel and the multi-node tests (both compare layouts against it).
     """
-    from ascend_llm_recipes.training.launch import launch
+    from ascend_llm_recipes.training.launcher.cli import launch
 
     common = [f"train_dataset.data_loader.dataset_dir={tiny_dataset}", "train_dataset.data_loader.shuffle=False",
               f"runner_config.stop_step={DP_STEPS}", f"callbacks.1.save_checkpoint_steps={DP_STEPS}"]

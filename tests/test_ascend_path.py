@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO_ROOT
 from ascend_llm_recipes.common.errors import RecipeError
-from ascend_llm_recipes.training.recipe import load_recipe
+from ascend_llm_recipes.training.recipe.schema import load_recipe
 
 TINY_ASCEND = os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml")
 LAYOUTS = {  # the acceptance kit's layouts, all at a global batch of 8 sequences
@@ -33,7 +33,7 @@ def test_full_batch_agrees_with_the_context_mindformers_builds(tmp_path, tiny_da
     import mindspore as ms
     from mindformers import MindFormerConfig
     from mindformers.trainer.base_trainer import BaseTrainer
-    from ascend_llm_recipes.training.train import mindformers_config
+    from ascend_llm_recipes.training.worker.train import mindformers_config
 
     recipe = ascend_recipe(tmp_path, tiny_dataset, *LAYOUTS["dp2_tp2_pp2"])
     config = MindFormerConfig(**mindformers_config(recipe, str(tmp_path)))
@@ -124,7 +124,7 @@ if os.environ.get("MS_ROLE") == "MS_SCHED":
     sys.exit(0)
 # The context training.train builds for an Ascend recipe before its collective self-test.
 ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", full_batch=True)
-from ascend_llm_recipes.training.collectives import all_reduce_sum
+from ascend_llm_recipes.training.worker.collectives import all_reduce_sum
 got = all_reduce_sum([1.0, 2.0]).tolist()
 print("RESULT", got, ms.get_auto_parallel_context("parallel_mode"), ms.get_auto_parallel_context("full_batch"))
 """
@@ -158,7 +158,7 @@ ASCEND_RECIPES = {"llama2_7b_8dev": 16, "llama2_13b_8dev": 16, "llama2_70b_32dev
 
 @pytest.mark.parametrize("name,summed", ASCEND_RECIPES.items())
 def test_shipped_ascend_recipes_run_the_pipeline_wrapper_and_divide_its_loss(name, summed):
-    from ascend_llm_recipes.training.train_step import PIPELINE_WRAPPER_TYPE, summed_micro_batches, train_step_wrapper
+    from ascend_llm_recipes.training.worker.train_step import PIPELINE_WRAPPER_TYPE, summed_micro_batches, train_step_wrapper
 
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), planning=True)
     assert train_step_wrapper(recipe) == PIPELINE_WRAPPER_TYPE
@@ -177,8 +177,8 @@ def test_logged_loss_is_the_mean_of_the_summing_wrappers_output(tmp_path, tiny_d
     """MindSpore's GradAccumulationCell / PipelineCell on CPU sum 4 micro-batch losses; the record divides by 4."""
     import mindspore as ms
     from mindspore import nn
-    from ascend_llm_recipes.training.callbacks import StepRecord, StepRecorder
-    from ascend_llm_recipes.training.heartbeat import Heartbeat
+    from ascend_llm_recipes.training.worker.callbacks import StepRecord, StepRecorder
+    from ascend_llm_recipes.training.rank_status import Heartbeat
 
     recipe = ascend_recipe(tmp_path, tiny_dataset, *LAYOUTS[layout])
     net = tiny_net()
@@ -199,7 +199,7 @@ def test_logged_loss_is_the_mean_of_the_summing_wrappers_output(tmp_path, tiny_d
 def test_portable_wrapper_refuses_a_network_that_sums_micro_batches():
     from mindspore import nn
     from ascend_llm_recipes.common.errors import LaunchError
-    from ascend_llm_recipes.training.train_step import PortableTrainOneStepCell
+    from ascend_llm_recipes.training.worker.train_step import PortableTrainOneStepCell
 
     net = tiny_net()
     with pytest.raises(LaunchError, match="GradAccumulationCell, whose loss is a sum over micro-batches"):
@@ -210,7 +210,7 @@ def test_portable_wrapper_refuses_a_network_that_sums_micro_batches():
 def test_shipped_layouts_fit_and_state_the_planned_figure(name):
     """Each Ascend recipe's header states the corrected planner's per-device figure, and it fits the cap."""
     import re
-    from ascend_llm_recipes.training.planner import GB, plan
+    from ascend_llm_recipes.training.tools.planner import GB, plan
 
     path = os.path.join(REPO_ROOT, "recipes", f"{name}.yaml")
     header = open(path, encoding="utf-8").read()
@@ -221,7 +221,7 @@ def test_shipped_layouts_fit_and_state_the_planned_figure(name):
 
 def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
     import subprocess
-    from ascend_llm_recipes.training.acceptance import LAYOUTS, MULTI_NODE_RECIPES, NODE_RECIPES, RELAYOUT_TARGETS
+    from ascend_llm_recipes.training.tools.acceptance import LAYOUTS, MULTI_NODE_RECIPES, NODE_RECIPES, RELAYOUT_TARGETS
 
     out = tmp_path / "out"
     result = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "ascend_acceptance.sh"), str(out)],
@@ -261,7 +261,7 @@ def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
 
 def test_every_recipe_the_kit_launches_loads(tmp_path):
     """Each kit command's recipe and --set overrides pass the recipe checks (a typo would fail on the node)."""
-    from ascend_llm_recipes.training.acceptance import plan_commands
+    from ascend_llm_recipes.training.tools.acceptance import plan_commands
 
     launched = [argv for _, _, argv in plan_commands(str(tmp_path)) if argv[1].endswith("run_distributed.sh")]
     for argv in launched:
@@ -343,7 +343,7 @@ def test_lazy_inline_is_where_mindspore_runs_it():
 @pytest.mark.parametrize("name", ASCEND_RECIPES)
 def test_shipped_recipes_use_the_lowest_optimizer_level_that_fits(name):
     """level3 re-gathers fp32 weights per micro-batch: a recipe uses it only when its plan needs it."""
-    from ascend_llm_recipes.training.planner import lowest_fitting_optimizer_level, plan
+    from ascend_llm_recipes.training.tools.planner import lowest_fitting_optimizer_level, plan
 
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), planning=True)
     assert recipe.parallel.parallel_optimizer_config.optimizer_level == lowest_fitting_optimizer_level(recipe)
@@ -354,7 +354,7 @@ def test_llama2_7b_runs_without_recompute_at_tp2_because_dp8_leaves_no_headroom(
     """MindFormers' own layout (DP 8, TP 1) plans to 55.1 GB at best (level3, bf16 weights): under the 10%
     headroom; DP 4 x TP 2 halves the per-rank weights, accu_grads and most activations without recompute."""
     from dataclasses import replace
-    from ascend_llm_recipes.training.planner import has_headroom, plan
+    from ascend_llm_recipes.training.tools.planner import has_headroom, plan
 
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_8dev.yaml"), planning=True)
     p = recipe.parallel_config
@@ -370,7 +370,7 @@ def test_llama2_7b_runs_without_recompute_at_tp2_because_dp8_leaves_no_headroom(
 
 def test_throughput_check_reads_tokens_per_device_mfu_and_compile_time(tmp_path):
     import json
-    from ascend_llm_recipes.training.acceptance import MINDFORMERS_TOKENS_PER_S_PER_DEVICE, throughput
+    from ascend_llm_recipes.training.tools.acceptance import MINDFORMERS_TOKENS_PER_S_PER_DEVICE, throughput
 
     rows = [{"step": 1, "tokens_per_s_per_device": 10.0, "mfu": 0.01, "step_time": 95.0, "compile": True}]
     rows += [{"step": s, "tokens_per_s_per_device": 4300.0 + s, "mfu": 0.5, "step_time": 7.6, "compile": False}
@@ -393,7 +393,7 @@ def test_throughput_check_reads_tokens_per_device_mfu_and_compile_time(tmp_path)
 def test_pipeline_loss_is_the_last_stages_and_its_nan_every_ranks():
     """The decision on the all-reduced vector, for DP 2 x PP 4: ranks 6 and 7 compute the loss, the others output 0."""
     from dataclasses import replace
-    from ascend_llm_recipes.training.callbacks import StepRecord, agree, last_stage_ranks
+    from ascend_llm_recipes.training.worker.callbacks import StepRecord, agree, last_stage_ranks
 
     recipe = load_recipe(TINY_ASCEND, ["parallel_config.data_parallel=2", "parallel_config.pipeline_stage=4",
                                        "parallel_config.micro_batch_num=4"], planning=True)
@@ -420,9 +420,9 @@ init()
 if os.environ.get("MS_ROLE") == "MS_SCHED":
     sys.exit(0)
 ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", full_batch=True)  # the training context
-from ascend_llm_recipes.training.callbacks import StepRecord, StepRecorder
-from ascend_llm_recipes.training.heartbeat import Heartbeat
-from ascend_llm_recipes.training.recipe import load_recipe
+from ascend_llm_recipes.training.worker.callbacks import StepRecord, StepRecorder
+from ascend_llm_recipes.training.rank_status import Heartbeat
+from ascend_llm_recipes.training.recipe.schema import load_recipe
 rank = get_rank()
 recipe = load_recipe(os.environ["TINY_ASCEND"], ["parallel_config.data_parallel=1", "parallel_config.pipeline_stage=2",
                                                  "parallel_config.micro_batch_num=2", "hardware.devices_per_node=2"],

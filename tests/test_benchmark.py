@@ -52,7 +52,7 @@ def test_gemm_only_prints_a_row_per_step_gemm(monkeypatch, capsys):
 def test_the_installed_training_package_imports_neither_torch_nor_transformers():
     """They are not install_requires (only test extras): comparisons with PyTorch live in scripts/."""
     found = []
-    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "training", "*.py"))):
+    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "training", "**", "*.py"), recursive=True)):
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
         for node in ast.walk(tree):

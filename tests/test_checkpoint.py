@@ -84,8 +84,8 @@ def test_layout_manifest_and_pruning(baseline):
 def test_saved_bytes_are_the_planned_checkpoint_size(baseline):
     """What one rank wrote (its manifest's tensors) is what --plan prints as the checkpoint per rank."""
     import numpy as np
-    from ascend_llm_recipes.training.planner import checkpoint_bytes
-    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.tools.planner import checkpoint_bytes
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
 
     manifest = read_json(os.path.join(baseline, "checkpoints", "step_00000020", "rank_0", MANIFEST))
     written = sum(int(np.prod(t["shape"])) * np.dtype(t["dtype"]).itemsize for t in manifest["tensors"].values())
@@ -186,7 +186,7 @@ def files_and_bytes(directory):
 
 def test_rerun_of_a_complete_run_does_nothing(baseline, tiny_dataset, capsys):
     from ascend_llm_recipes.common.errors import LaunchError
-    from ascend_llm_recipes.training.launch import launch
+    from ascend_llm_recipes.training.launcher.cli import launch
 
     before = files_and_bytes(baseline)
     code, output = rerun(baseline, tiny_dataset)
@@ -220,8 +220,8 @@ def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_da
     """Newest step corrupt, the one before it with a truncated state.json, metrics.jsonl torn: amended to stop at 12."""
     from scripts.verify_checkpoint import main as verify
     from ascend_llm_recipes.common.errors import LaunchError
-    from ascend_llm_recipes.training.resume import prepare_run_dir
-    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.launcher.resume import prepare_run_dir
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
 
     run_dir = str(tmp_path / "run")
     shutil.copytree(baseline, run_dir)
@@ -257,8 +257,8 @@ def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_da
 
 
 def test_deleted_state_json_falls_back_to_the_previous_step(baseline, tiny_dataset, tmp_path):
-    from ascend_llm_recipes.training.resume import prepare_run_dir
-    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.launcher.resume import prepare_run_dir
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
 
     run_dir = str(tmp_path / "run")
     shutil.copytree(baseline, run_dir)
@@ -280,7 +280,7 @@ def test_recipe_change_that_alters_shapes_is_refused(baseline, tiny_dataset):
 
 def test_truncated_file_and_another_model(baseline, tmp_path):
     from ascend_llm_recipes.models.shapes import parameter_shapes
-    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
 
     copy = str(tmp_path / "step")
     shutil.copytree(step_dir(baseline, 20), copy)
@@ -302,7 +302,7 @@ def test_missing_optimizer_state_is_refused_for_resume(tmp_path):
     import numpy as np
     import mindspore as ms
     from ascend_llm_recipes.models.shapes import parameter_shapes
-    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
 
     cfg = load_recipe(TINY_RECIPE).model.model_config
     shapes = parameter_shapes(cfg)
@@ -401,7 +401,7 @@ def test_nan_skip_goes_on(tiny_dataset, tmp_path):
 
 
 def test_loss_spike_against_the_moving_window():
-    from ascend_llm_recipes.training.callbacks import StepRecorder
+    from ascend_llm_recipes.training.worker.callbacks import StepRecorder
 
     recorder = StepRecorder.__new__(StepRecorder)
     recorder.records = [{"loss": 2.0} for _ in range(5)] + [{"loss": 2.5}]
@@ -413,7 +413,7 @@ def test_loss_spike_against_the_moving_window():
 
 def rollback_on_the_dashboard(run_dir, rollback, last_good, baseline, output):
     """The dashboard marks the rollback and the relaunch; compared with the baseline, both runs are labelled."""
-    from ascend_llm_recipes.training.plots import dashboard, read_run
+    from ascend_llm_recipes.training.tools.plots import dashboard, read_run
 
     spike_step = rollback["spike_step"]
     fig = dashboard([read_run(run_dir)])
@@ -532,8 +532,8 @@ def test_a_dp_only_semi_auto_rank_resumes_from_the_slices_optimizer_parallel_giv
     from ascend_llm_recipes.common.errors import LaunchError
     from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
     from ascend_llm_recipes.training.checkpoint import rank_shapes, verify_step
-    from ascend_llm_recipes.training.recipe import load_recipe
-    from ascend_llm_recipes.training.train import check_checkpoint_parameters
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.worker.train import check_checkpoint_parameters
 
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml"),
                          [f"train_dataset.data_loader.dataset_dir={tiny_dataset}", f"output_dir={tmp_path}",

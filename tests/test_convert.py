@@ -27,11 +27,11 @@ from ascend_llm_recipes.data.prepare import prepare_dataset
 from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, HF_WEIGHTS_FILE, KL_TOLERANCE, MODEL_SECTION_FILE,
                                                from_hf, summary, verify_logits)
 from ascend_llm_recipes.training.checkpoint import MANIFEST, STATE, read_json, step_dir, write_rank
-from ascend_llm_recipes.training.datasets import check_load_checkpoint
-from ascend_llm_recipes.training.export import to_hf
-from ascend_llm_recipes.training.launch import launch
-from ascend_llm_recipes.training.recipe import load_recipe
-from ascend_llm_recipes.training.train import check_checkpoint_parameters
+from ascend_llm_recipes.training.launcher.datasets import check_load_checkpoint
+from ascend_llm_recipes.training.tools.export import to_hf
+from ascend_llm_recipes.training.launcher.cli import launch
+from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.worker.train import check_checkpoint_parameters
 
 PAD = 3  # the tiny dataset's pad id (labels equal to it are not trained on)
 

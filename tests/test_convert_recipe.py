@@ -11,10 +11,10 @@ import yaml
 from conftest import REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.models.arithmetic import param_count
-from ascend_llm_recipes.training.launch import plan_report
-from ascend_llm_recipes.training.mindformers_config import (LLAMA_CONFIG_ARGS, MF_DEFAULTS, _leaves, from_mindformers,
+from ascend_llm_recipes.training.launcher.cli import plan_report
+from ascend_llm_recipes.training.recipe.mindformers import (LLAMA_CONFIG_ARGS, MF_DEFAULTS, _leaves, from_mindformers,
                                                             mindformers_ffn_width, to_mindformers)
-from ascend_llm_recipes.training.recipe import load_recipe
+from ascend_llm_recipes.training.recipe.schema import load_recipe
 
 DATA = os.path.join(REPO_ROOT, "tests", "data", "mindformers")
 SCRIPT = os.path.join(REPO_ROOT, "scripts", "convert_recipe.py")
@@ -305,7 +305,7 @@ def test_ascend_config_reaches_mindspore_through_mindformers_context_applier(tmp
     its later routing entry wins over _apply_ascend's, lines 63-82), whose set_ascend_config knows both keys."""
     import mindspore as ms
     from mindformers.core.context.build_context import _MSContextApplier
-    from ascend_llm_recipes.training.train import mindformers_config
+    from ascend_llm_recipes.training.worker.train import mindformers_config
 
     speed_up = tmp_path / "speed_up.json"
     speed_up.write_text('{"matmul_grad_comm_overlap": true}')
@@ -327,7 +327,7 @@ def test_speed_up_options_are_mindspores_own():
     the two recompute overlap keys (its own exception, context.py:912-913)."""
     import re
     import mindspore as ms
-    from ascend_llm_recipes.training.recipe import SPEED_UP_KEYS
+    from ascend_llm_recipes.training.recipe.schema import SPEED_UP_KEYS
 
     source = inspect.getsource(ms.context._Context._set_speedup_config_path)
     theirs = dict(re.findall(r'"(\w+)":\s*\(\s*ms_ctx_param\.\w+,\s*\(?([\w, ]+?)\)?\)', source))

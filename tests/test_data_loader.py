@@ -13,9 +13,9 @@ from ascend_llm_recipes.data.corpus import python_stdlib_files
 from ascend_llm_recipes.data.loader import blend_order, build_train_dataset, data_parallel_layout, rank_samples
 from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
 from ascend_llm_recipes.data.prepare import prepare_dataset
-from ascend_llm_recipes.training.datasets import check_blend
-from ascend_llm_recipes.training.launch import launch
-from ascend_llm_recipes.training.recipe import load_recipe
+from ascend_llm_recipes.training.launcher.datasets import check_blend
+from ascend_llm_recipes.training.launcher.cli import launch
+from ascend_llm_recipes.training.recipe.schema import load_recipe
 
 DP2_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml")
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import DP2_RECIPE, DP_STEPS as STEPS, TINY_RECIPE
-from ascend_llm_recipes.training.launch import launch
+from ascend_llm_recipes.training.launcher.cli import launch
 
 
 def losses(path):
@@ -137,14 +137,14 @@ def test_one_host_all_reduce_per_step_carries_loss_and_stop(tiny_dataset, tmp_pa
     """StepRecorder agrees the global loss and a stop request in one all-reduce; monitor and checkpointer read it."""
     import mindspore as ms
     from mindspore.train.callback import RunContext, _InternalCallbackParam
-    from ascend_llm_recipes.training import collectives
-    from ascend_llm_recipes.training.anomaly import AnomalyMonitor
-    from ascend_llm_recipes.training.callbacks import StepRecord
-    from ascend_llm_recipes.training.checkpointer import Checkpointer
-    from ascend_llm_recipes.training.heartbeat import Heartbeat
-    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.worker import collectives
+    from ascend_llm_recipes.training.worker.anomaly import AnomalyMonitor
+    from ascend_llm_recipes.training.worker.callbacks import StepRecord
+    from ascend_llm_recipes.training.worker.checkpointer import Checkpointer
+    from ascend_llm_recipes.training.rank_status import Heartbeat
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
     from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE
-    from ascend_llm_recipes.training.train import build_callbacks
+    from ascend_llm_recipes.training.worker.train import build_callbacks
 
     recipe = load_recipe(DP2_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
                                       f"output_dir={tmp_path}"))

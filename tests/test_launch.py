@@ -73,7 +73,7 @@ def test_launcher_names_the_python_it_found_and_the_real_import_error(bare_pytho
     result = subprocess.run([bash, LAUNCHER, TINY_RECIPE], capture_output=True, text=True, timeout=120,
                             env=dict(env, PATH=f"{bare_python3}{os.pathsep}{tools}", PYTHONPATH=package_copy))
     assert result.returncode == 2
-    assert result.stderr.startswith(f"error: {bare_python3}/python3 cannot import ascend_llm_recipes.training.launch: "
+    assert result.stderr.startswith(f"error: {bare_python3}/python3 cannot import ascend_llm_recipes.training.launcher.cli: "
                                     "ModuleNotFoundError: No module named 'yaml'\n"), result.stderr
     assert re.search(rf'\n  raised at "{package_copy}/ascend_llm_recipes/training/\w+\.py", line \d+, in <module>\n',
                      result.stderr), result.stderr
@@ -237,10 +237,10 @@ def test_a_run_directory_has_one_owner_and_ctrl_c_stops_the_whole_job(tiny_datas
 def test_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, capsys):
     import platform
     from ascend_llm_recipes.common.errors import LaunchError
-    from ascend_llm_recipes.training.job import process_id
+    from ascend_llm_recipes.training.launcher.job import process_id
     from ascend_llm_recipes.training.run_files import LOCK_FILE
-    from ascend_llm_recipes.training.launch import Cluster, lock_run_dir
-    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.launcher.cli import Cluster, lock_run_dir
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
 
     dead = subprocess.Popen(["sleep", "0"])
     dead_id = process_id(dead.pid)
@@ -362,8 +362,8 @@ def test_bad_values_are_refused(bad, tmp_path):
 
 
 def test_slurm_and_explicit_cluster_resolution():
-    from ascend_llm_recipes.training.launch import first_slurm_host, resolve_cluster
-    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.launcher.cli import first_slurm_host, resolve_cluster
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
     from ascend_llm_recipes.common.errors import LaunchError
 
     assert first_slurm_host("gpu[03-06,09],login1") == "gpu03"
@@ -389,14 +389,14 @@ def test_slurm_and_explicit_cluster_resolution():
     for port in (0, 65535, 99999):
         with pytest.raises(LaunchError, match=rf"--master-port {port}: must be in \[1, 65534\]"):
             resolve_cluster(recipe, nodes=4, node_rank=0, master_port=port, env={})
-    from ascend_llm_recipes.training.launch import main
+    from ascend_llm_recipes.training.launcher.cli import main
     with pytest.raises(SystemExit):
         main([TINY_RECIPE, "--rendezvous-timeout", "0"])
 
 
 def test_msrun_and_its_workers_run_the_launchers_python(tmp_path):
     """Not the `msrun` on PATH: a pyenv shim puts pyenv's own python first, and msrun starts workers as `python`."""
-    from ascend_llm_recipes.training.launch import Cluster, msrun_command, worker_env
+    from ascend_llm_recipes.training.launcher.cli import Cluster, msrun_command, worker_env
 
     command = msrun_command(Cluster(1, 0, "127.0.0.1", 8118, 2, 2), str(tmp_path))
     assert command[:3] == [sys.executable, "-m", "mindspore.parallel.cluster.run"]
@@ -420,8 +420,8 @@ def test_dry_run_prints_the_msrun_command(tmp_path):
 def test_msrun_binds_cores_on_ascend_only(tmp_path):
     """The command msrun's own argument parser reads: --bind_core=True for an Ascend recipe, absent on CPU."""
     from mindspore.parallel.cluster.run import get_args
-    from ascend_llm_recipes.training.launch import binds_cores, msrun_command, resolve_cluster
-    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.launcher.cli import binds_cores, msrun_command, resolve_cluster
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
 
     parsed = {}
     for name in ("llama2_7b_8dev", "tiny_dp2_cpu"):
@@ -499,14 +499,14 @@ def test_dry_run_flag_needs_check(tmp_path):
 def test_a_process_blocked_holding_the_gil_still_stops_when_its_launcher_is_gone():
     """msrun's scheduler blocks in init() holding the GIL, where a watchdog thread never runs (it kept a killed
     launcher's job alive ~10 minutes): the watchdog process kills it. libc sleep through ctypes.PyDLL keeps the GIL."""
-    from ascend_llm_recipes.training.job import LAUNCHER_ENV, process_id
+    from ascend_llm_recipes.training.launcher.job import LAUNCHER_ENV, process_id
 
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     blocked = {}
     try:
         for how in ("watch_launcher(lambda pid: os._exit(3))", "watch_launcher_from_a_child('scheduler')"):
             code = ("import ctypes, os\n"
-                    f"from ascend_llm_recipes.training.job import watch_launcher, watch_launcher_from_a_child\n"
+                    f"from ascend_llm_recipes.training.launcher.job import watch_launcher, watch_launcher_from_a_child\n"
                     f"{how}\nctypes.PyDLL(None).sleep(20)\n")
             blocked[how] = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
                                             env=dict(os.environ, **{LAUNCHER_ENV: process_id(launcher.pid)}))

@@ -55,7 +55,7 @@ def test_models_data_and_common_do_not_import_upwards():
 
 
 @pytest.mark.parametrize("folder, statement", [
-    ("models", "from ascend_llm_recipes.training.recipe import load_recipe"),
+    ("models", "from ascend_llm_recipes.training.recipe.schema import load_recipe"),
     ("data", "def f():\n    from ..training import errors\n"),
     ("common", "import ascend_llm_recipes.models.arithmetic"),
 ])
@@ -75,5 +75,10 @@ def test_one_top_level_package_installed():
 def test_setup_cfg_installs_everything_under_the_root():
     config = configparser.ConfigParser()
     config.read(os.path.join(REPO_ROOT, "setup.cfg"))
-    packages = [p.strip() for p in config["options"]["packages"].split(",")]
+    packages = config["options"]["packages"].replace(",", " ").split()
     assert packages and all(p.startswith(ROOT + ".") for p in packages), packages
+    # a sub-folder left out of the list is left out of a non-editable install
+    folders = {".".join([ROOT] + os.path.relpath(directory, REPO_ROOT).split(os.sep))
+               for folder in FORBIDDEN.keys() | {"training"}
+               for directory, _, files in os.walk(os.path.join(REPO_ROOT, folder)) if "__init__.py" in files}
+    assert folders == set(packages), f"setup.cfg [options] packages: missing {sorted(folders - set(packages))}"

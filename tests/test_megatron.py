@@ -23,10 +23,10 @@ from ascend_llm_recipes.models.convert import HF_WEIGHTS_FILE, MODEL_SECTION_FIL
 from ascend_llm_recipes.models.megatron import from_megatron
 from test_convert import assert_nothing_written, make_hf_model
 from ascend_llm_recipes.common.errors import ConversionError
-from ascend_llm_recipes.training.export import from_torch, to_megatron, write_recipe, to_hf
-from ascend_llm_recipes.training.launch import launch
-from ascend_llm_recipes.training.planner import plan
-from ascend_llm_recipes.training.recipe import load_recipe
+from ascend_llm_recipes.training.tools.export import from_torch, to_megatron, write_recipe, to_hf
+from ascend_llm_recipes.training.launcher.cli import launch
+from ascend_llm_recipes.training.tools.planner import plan
+from ascend_llm_recipes.training.recipe.schema import load_recipe
 
 GENERATOR = os.path.join(REPO_ROOT, "tests", "make_megatron_fixtures.py")
 LAYOUTS = ("tp1", "tp2", "tp2pp2")
@@ -466,8 +466,8 @@ def test_continued_lr_schedule_equals_megatrons(tmp_path, megatron_dir, style, i
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from mindformers import MindFormerConfig
     from mindformers.core.lr import build_lr
-    import ascend_llm_recipes.training.optim  # noqa: F401  (registers StartStepLR)
-    from ascend_llm_recipes.training.train import mindformers_config
+    import ascend_llm_recipes.training.worker.optim  # noqa: F401  (registers StartStepLR)
+    from ascend_llm_recipes.training.worker.train import mindformers_config
 
     ours = tmp_path / "ours"
     from_megatron(str(megatron_dir / "tp1" / "legacy"), str(ours), show_progress=False)  # carries Adam step 2

@@ -189,7 +189,7 @@ def test_a_node_with_another_recipe_and_other_code_is_refused_at_rendezvous(netn
     (other / "__init__.py").write_text("")
     (other / "scripts").mkdir()
     shutil.copy(os.path.join(REPO_ROOT, "scripts", "train.py"), other / "scripts")
-    with open(other / "training" / "optim.py", "a") as f:
+    with open(other / "training" / "worker" / "optim.py", "a") as f:
         f.write("\n# a local edit\n")
     env = {"PYTHONPATH": f"{other.parent}:{os.environ.get('PYTHONPATH', '')}"}
     node0 = Launch(netns_nodes[0], [*args, *cluster_args(netns_nodes, 0, 8124)], f"{tmp_path}/node0")
@@ -198,7 +198,7 @@ def test_a_node_with_another_recipe_and_other_code_is_refused_at_rendezvous(netn
     (code0, _, err0), (code1, _, err1) = node0.finish(), node1.finish()
     assert code0 == code1 == 2
     differences = ("  - recipe key optimizer.weight_decay: 0.0 on node 0, 0.1 on node 1\n"
-                   "  - code: 1 source file(s) differ (training/optim.py)\n")
+                   "  - code: 1 source file(s) differ (training/worker/optim.py)\n")
     assert "error: node 1 (10.231.0.2) does not match node 0 (10.231.0.1):\n" + differences in err0
     assert "error: refused by node 0 at 10.231.0.1:8125: node 1 (10.231.0.2) does not match" in err1
     assert differences in err1 and not (run_dir / "logs").exists()
@@ -226,7 +226,7 @@ def test_two_nodes_on_one_address_get_a_clear_message(netns_nodes, tiny_dataset,
 def test_a_silent_node_is_lost_after_the_node_timeout_and_a_closed_one_at_once():
     """The node heartbeat over a real socket pair; the clock of the last message is moved instead of waiting 30 s."""
     import socket
-    from ascend_llm_recipes.training.rendezvous import NODE_TIMEOUT_SECONDS, Link
+    from ascend_llm_recipes.training.launcher.rendezvous import NODE_TIMEOUT_SECONDS, Link
 
     def until(condition):
         deadline = time.time() + 10

@@ -6,7 +6,7 @@ from mindspore import Parameter, Tensor, nn
 from mindformers.core import build_lr, build_optim
 from mindformers.trainer.optimizer_grouped_parameters import get_optimizer_grouped_parameters
 
-from ascend_llm_recipes.training.optim import OPTIMIZER_TYPE
+from ascend_llm_recipes.training.worker.optim import OPTIMIZER_TYPE
 
 
 class TwoShapes(nn.Cell):

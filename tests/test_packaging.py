@@ -66,7 +66,8 @@ def test_every_data_file_of_the_package_is_installed_with_it():
     """A non-editable install copies .py files only, unless package_data names the others (e.g. the version table)."""
     setup = configparser.ConfigParser()
     setup.read(os.path.join(REPO_ROOT, "setup.cfg"))
-    declared = {(package.rsplit(".", 1)[-1], name) for package, names in setup["options.package_data"].items()
+    declared = {(package.split(".")[1], os.path.join(*package.split(".")[2:], name))
+                for package, names in setup["options.package_data"].items()
                 for name in names.split(",") for name in [name.strip()] if name}
     shipped = {(folder, os.path.relpath(os.path.join(directory, name), os.path.join(REPO_ROOT, folder)))
                for folder in PACKAGE_FOLDERS for directory, dirs, files in os.walk(os.path.join(REPO_ROOT, folder))

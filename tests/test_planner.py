@@ -5,9 +5,9 @@ import pytest
 from conftest import DEMO_RECIPE, TINY_RECIPE
 from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.models.arithmetic import flops_per_token, param_count
-from ascend_llm_recipes.training.planner import (DEVICES, GB, format_plan, layer_activation_bytes, plan,
+from ascend_llm_recipes.training.tools.planner import (DEVICES, GB, format_plan, layer_activation_bytes, plan,
                                                  recompute_working_bytes, stage_memory, stage_parameters)
-from ascend_llm_recipes.training.recipe import load_recipe
+from ascend_llm_recipes.training.recipe.schema import load_recipe
 
 SMALL = ("model.model_config.vocab_size=100", "model.model_config.hidden_size=64",
          "model.model_config.num_layers=2", "model.model_config.num_heads=4", "model.model_config.num_kv_heads=2",
@@ -95,7 +95,7 @@ def test_planner_terms_match_the_real_tensors_on_cpu():
     import mindspore as ms
     import numpy as np
     from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
-    from ascend_llm_recipes.training.planner import activation_terms, logits_bytes
+    from ascend_llm_recipes.training.tools.planner import activation_terms, logits_bytes
 
     r = recipe(*SMALL)
     c = r.model.model_config
@@ -260,9 +260,9 @@ def test_planner_terms_equal_the_real_train_step_parameters(dtype):
     import mindspore as ms
     from mindformers.core import build_lr
     from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
-    from ascend_llm_recipes.training.optim import FoldedAdamW
-    from ascend_llm_recipes.training.planner import RECOMPUTE_MODES, stage_terms
-    from ascend_llm_recipes.training.train_step import PortableTrainOneStepCell
+    from ascend_llm_recipes.training.worker.optim import FoldedAdamW
+    from ascend_llm_recipes.training.tools.planner import RECOMPUTE_MODES, stage_terms
+    from ascend_llm_recipes.training.worker.train_step import PortableTrainOneStepCell
 
     dtypes = (f"model.model_config.param_dtype={dtype}", f"model.model_config.compute_dtype={dtype}",
               "model.model_config.qkv_bias=True")
@@ -303,7 +303,7 @@ ASCEND_RECIPES = ["llama2_7b_8dev", "llama2_13b_8dev", "llama2_70b_32dev", "dens
 def test_every_ascend_recipe_fits_with_ten_percent_headroom(name):
     import glob
     import os
-    from ascend_llm_recipes.training.planner import HEADROOM, has_headroom
+    from ascend_llm_recipes.training.tools.planner import HEADROOM, has_headroom
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ascend = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(root, "recipes", "*.yaml"))

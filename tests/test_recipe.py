@@ -14,8 +14,8 @@ import yaml
 
 from conftest import DEMO_RECIPE, REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.common.errors import RecipeError
-from ascend_llm_recipes.training.planner import plan
-from ascend_llm_recipes.training.recipe import (CheckpointMonitorConfig, Recipe, apply_override, load_recipe,
+from ascend_llm_recipes.training.tools.planner import plan
+from ascend_llm_recipes.training.recipe.schema import (CheckpointMonitorConfig, Recipe, apply_override, load_recipe,
                                                 read_recipe_file, recipe_from_dict)
 
 
@@ -504,7 +504,7 @@ def test_a_mindformers_config_is_named_with_the_import_command(tmp_path, capsys)
     """MindFormers' own Llama 2 pretraining config (configs/llama2/pretrain_llama2_7b.yaml, same keys and layout)."""
     config = tmp_path / "pretrain_llama2_7b.yaml"
     config.write_text(MINDFORMERS_LLAMA2_7B, encoding="utf-8")
-    from ascend_llm_recipes.training.launch import main
+    from ascend_llm_recipes.training.launcher.cli import main
     assert main([str(config), "--plan"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -593,7 +593,7 @@ def small_dataset(tmp_path_factory, tiny_dataset):
 def test_a_missing_dataset_is_built_only_when_it_is_the_recipes_own(tmp_path, tiny_dataset, capsys):
     from ascend_llm_recipes.data.mindrecord_io import read_manifest
     from ascend_llm_recipes.common.errors import DataError
-    from ascend_llm_recipes.training.datasets import ensure_dataset
+    from ascend_llm_recipes.training.launcher.datasets import ensure_dataset
 
     typo = tmp_path / "pystdlib-sp512-s64-n6O"
     recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={typo}",
@@ -620,7 +620,7 @@ def test_eval_dataset_must_share_the_tokenizer_and_hold_a_batch(tmp_path, tiny_d
     from ascend_llm_recipes.data.mindrecord_io import read_manifest
     from ascend_llm_recipes.data.prepare import prepare_dataset
     from ascend_llm_recipes.common.errors import DataError
-    from ascend_llm_recipes.training.datasets import check_datasets
+    from ascend_llm_recipes.training.launcher.datasets import check_datasets
 
     def with_eval(eval_dir, *overrides):
         return load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}", "do_eval=True",
@@ -643,7 +643,7 @@ def test_eval_dataset_must_share_the_tokenizer_and_hold_a_batch(tmp_path, tiny_d
 
 def test_model_vocabulary_against_the_tokenizer(tiny_dataset):
     from ascend_llm_recipes.common.errors import DataError
-    from ascend_llm_recipes.training.datasets import check_datasets
+    from ascend_llm_recipes.training.launcher.datasets import check_datasets
 
     larger = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
                                        "model.model_config.vocab_size=1024"))
@@ -658,7 +658,7 @@ def test_model_vocabulary_against_the_tokenizer(tiny_dataset):
 
 def test_blend_members_expected_repeats_are_printed_and_warned(tiny_dataset, small_dataset, capsys):
     from ascend_llm_recipes.data.mindrecord_io import read_manifest
-    from ascend_llm_recipes.training.datasets import BLEND_REPEAT_WARNING, ensure_dataset
+    from ascend_llm_recipes.training.launcher.datasets import BLEND_REPEAT_WARNING, ensure_dataset
 
     big, small = read_manifest(tiny_dataset)["samples"], read_manifest(small_dataset)["samples"]
     recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
@@ -733,14 +733,14 @@ def test_the_910a_refuses_what_it_lacks_and_float16_needs_loss_scaling():
     load_recipe(TINY_RECIPE, (*on_910a, "model.model_config.compute_dtype=float16",
                               "runner_wrapper.scale_sense={type: DynamicLossScaleUpdateCell}"))
     load_recipe(TINY_RECIPE, ("model.model_config.compute_dtype=float16",))  # CPU: float16 trains without scaling
-    with pytest.raises(RecipeError, match=r"hardware\.device: 'Ascend910C' is not a device of training/planner\.py's "
+    with pytest.raises(RecipeError, match=r"hardware\.device: 'Ascend910C' is not a device of training/tools/planner\.py's "
                                           r"table; use one of .*Ascend910A"):
         load_recipe(TINY_RECIPE, ("hardware.device=Ascend910C",))
 
 
 def test_910a_recipe_is_float16_with_dynamic_loss_scaling_and_fits_with_headroom():
-    from ascend_llm_recipes.training.planner import DEVICES, GB
-    from ascend_llm_recipes.training.recipe import FIRST_GENERATION_910, DynamicLossScaleConfig
+    from ascend_llm_recipes.training.tools.planner import DEVICES, GB
+    from ascend_llm_recipes.training.recipe.schema import FIRST_GENERATION_910, DynamicLossScaleConfig
 
     assert all(not DEVICES[name].bf16 and DEVICES[name].memory_bytes == 32 * GB for name in FIRST_GENERATION_910)
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_910a_16dev.yaml"))

@@ -1,4 +1,4 @@
-"""Checkpoints across parallel layouts (training/relayout.py), checked on CPU where they can be.
+"""Checkpoints across parallel layouts (training/tools/relayout.py), checked on CPU where they can be.
 
 Semi-auto parallel does not run on CPU, so no strategy file can be written here: these tests check
 the MindFormers config that asks for them, the decisions and refusals on a real data-parallel run
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import DP_STEPS, DP2_RECIPE, REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.common.errors import ConversionError, LaunchError, RecipeError
-from ascend_llm_recipes.training.recipe import load_recipe
+from ascend_llm_recipes.training.recipe.schema import load_recipe
 
 TINY_ASCEND = os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml")
 TP_PP = ["parallel_config.data_parallel=2", "parallel_config.model_parallel=2", "parallel_config.pipeline_stage=2",
@@ -26,7 +26,7 @@ AS_TP2 = ["use_parallel=True", "parallel.parallel_mode=1", "parallel.full_batch=
 @pytest.fixture(scope="module")
 def dp2_run(data_parallel_runs, tmp_path_factory):
     """The shared real data-parallel run (2 msrun workers, checkpoint at its last step) and its --to-hf export."""
-    from ascend_llm_recipes.training.export import to_hf
+    from ascend_llm_recipes.training.tools.export import to_hf
 
     _, run = data_parallel_runs
     hf = str(tmp_path_factory.mktemp("relayout") / "hf")
@@ -51,7 +51,7 @@ def test_semi_auto_config_saves_every_ranks_strategy_file_in_the_run_dir(tmp_pat
     from mindformers.core.context.parallel import ParallelOperator
     from mindformers.tools.utils import PARALLEL_MODE
     from mindformers.utils.file_utils import set_strategy_save_path
-    from ascend_llm_recipes.training.train import mindformers_config
+    from ascend_llm_recipes.training.worker.train import mindformers_config
 
     data = f"train_dataset.data_loader.dataset_dir={tiny_dataset}"
     recipe = load_recipe(TINY_ASCEND, [f"output_dir={tmp_path}", data, *TP_PP], planning=True)
@@ -79,7 +79,7 @@ def test_semi_auto_config_saves_every_ranks_strategy_file_in_the_run_dir(tmp_pat
 
 def test_exported_mindformers_config_carries_the_strategy_config(tmp_path):
     import yaml
-    from ascend_llm_recipes.training.mindformers_config import to_mindformers
+    from ascend_llm_recipes.training.recipe.mindformers import to_mindformers
 
     path = tmp_path / "tp_pp.yaml"
     recipe = load_recipe(TINY_ASCEND, [f"output_dir={tmp_path}", *TP_PP], planning=True)
@@ -97,8 +97,8 @@ def test_auto_trans_ckpt_is_refused_on_cpu_by_name(tmp_path):
 
 def test_resume_at_another_layout_is_decided_on_a_real_run_dir(dp2_run, tmp_path):
     """Data-parallel-mode changes need nothing; a semi-auto checkpoint needs auto_trans_ckpt and its strategy files."""
-    from ascend_llm_recipes.training.resume import saved_recipe
-    from ascend_llm_recipes.training.relayout import check_relayout, keep_source_strategy, pending_source_strategy
+    from ascend_llm_recipes.training.launcher.resume import saved_recipe
+    from ascend_llm_recipes.training.tools.relayout import check_relayout, keep_source_strategy, pending_source_strategy
 
     run, _ = dp2_run
     assert not os.listdir(os.path.join(run, "strategy"))  # MindFormers makes the folder; data parallel writes none
@@ -148,7 +148,7 @@ def test_resume_at_another_layout_is_decided_on_a_real_run_dir(dp2_run, tmp_path
 
 
 def test_to_hf_of_a_data_parallel_run_is_unchanged_and_a_tp_run_needs_its_strategy_files(dp2_run, tmp_path):
-    from ascend_llm_recipes.training.relayout import export_source
+    from ascend_llm_recipes.training.tools.relayout import export_source
 
     run, _ = dp2_run
     assert export_source(run) == (run, None)
@@ -168,7 +168,7 @@ def test_to_hf_of_a_data_parallel_run_is_unchanged_and_a_tp_run_needs_its_strate
 
 def test_acceptance_report_from_real_run_directories(dp2_run, tmp_path):
     """evaluate() + write_report() on CPU runs standing in for the kit's run directories."""
-    from ascend_llm_recipes.training import acceptance
+    from ascend_llm_recipes.training.tools import acceptance
 
     run, hf = dp2_run
     out = tmp_path / "out"
@@ -213,7 +213,7 @@ def test_acceptance_report_from_real_run_directories(dp2_run, tmp_path):
 
 def test_the_kit_fails_a_run_that_logs_zero_losses(dp2_run, tmp_path):
     """A run whose rank 0 logged 0 (the loss of a rank that computes none) fails, however well it agrees."""
-    from ascend_llm_recipes.training import acceptance
+    from ascend_llm_recipes.training.tools import acceptance
 
     run, _ = dp2_run
     zeroed = str(tmp_path / "zeroed")
@@ -234,9 +234,9 @@ def test_the_kit_fails_a_run_that_logs_zero_losses(dp2_run, tmp_path):
 def test_the_relayout_launch_hands_mindformers_the_checkpoints_strategy(dp2_run, tmp_path, monkeypatch):
     """After the launcher's checks, the step keeps its layout, and only that launch's config asks MindFormers to
     re-slice (auto_trans_ckpt with src_strategy_path_or_dir as transform_checkpoint.py wants it)."""
-    from ascend_llm_recipes.training.resume import saved_recipe
-    from ascend_llm_recipes.training.relayout import keep_source_strategy
-    from ascend_llm_recipes.training.train import mindformers_config
+    from ascend_llm_recipes.training.launcher.resume import saved_recipe
+    from ascend_llm_recipes.training.tools.relayout import keep_source_strategy
+    from ascend_llm_recipes.training.worker.train import mindformers_config
 
     run = as_tp2(dp2_run[0], tmp_path)  # a copy recorded as a semi-auto DP1 x TP2 run's, resumed at semi-auto DP2
     previous = saved_recipe(run)
@@ -263,7 +263,7 @@ def test_a_semi_auto_runs_checkpoints_are_not_held_to_whole_model_shapes(dp2_run
     """A semi-auto rank saves its slice or stage: resume and verify_checkpoint must not set its steps aside by shape."""
     from ascend_llm_recipes.models.shapes import parameter_shapes
     from ascend_llm_recipes.training.checkpoint import rank_shapes, scan_steps
-    from ascend_llm_recipes.training.resume import saved_recipe
+    from ascend_llm_recipes.training.launcher.resume import saved_recipe
 
     run, _ = dp2_run
     previous = saved_recipe(run)

@@ -14,7 +14,7 @@ DATA_LAYER = {"data_skips.json"}
 
 def test_run_directory_names_are_spelled_only_in_run_files():
     spelled = []
-    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "training", "*.py"))
+    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "training", "**", "*.py"), recursive=True)
                        + glob.glob(os.path.join(REPO_ROOT, "scripts", "*.py"))):
         if os.path.basename(path) == "run_files.py":
             continue

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO_ROOT, TINY_RECIPE
 from make_golden_losses import GOLDEN as GOLDEN_LOSSES, corpus_sha256
-from ascend_llm_recipes.training.launch import launch
+from ascend_llm_recipes.training.launcher.cli import launch
 
 # Absolute, per step. Changes of rounding order measured on this machine (oneDNN's kernels restricted to
 # SSE4.1 with ONEDNN_MAX_CPU_ISA, the gradient summed over 2 data-parallel ranks, OMP_NUM_THREADS=1,
@@ -168,7 +168,7 @@ def lines(ax) -> dict:
 
 def test_dashboard_of_a_run(tiny_run, tmp_path):
     """Loss (raw, EMA, held-out), LR, gradient norm with the clip, throughput and data wait, from a real run."""
-    from ascend_llm_recipes.training.plots import PANELS, dashboard, read_run
+    from ascend_llm_recipes.training.tools.plots import PANELS, dashboard, read_run
 
     run_dir = tiny_run[0]
     train, held_out = read_metrics(run_dir), read_metrics(run_dir, held_out=True)

@@ -13,7 +13,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindformers.core.optim import AdamW
 
 from conftest import TINY_RECIPE
-from ascend_llm_recipes.training.train_step import LOSS_SCALE_STATE, PortableTrainOneStepCell
+from ascend_llm_recipes.training.worker.train_step import LOSS_SCALE_STATE, PortableTrainOneStepCell
 
 
 class Weighted(nn.Cell):
@@ -51,7 +51,7 @@ def test_mindformers_is_patched_only_by_the_explicit_call():
 
     code = ("import importlib\n"
             "from mindspore.communication import comm_func\n"
-            "from ascend_llm_recipes.training import train_step\n"
+            "from ascend_llm_recipes.training.worker import train_step\n"
             "modules = [importlib.import_module(m) for m in ('mindformers.trainer.utils', "
             "'mindformers.utils.load_checkpoint_utils', 'mindformers.core.callback.callback', "
             "'mindformers.version_control')]\n"
@@ -92,7 +92,7 @@ def test_float16_overflow_skips_the_update_lowers_the_scale_and_resumes_bit_exac
     and the optimizer step as they were and halves the scale; clean steps train and grow it again; metrics.jsonl
     and every checkpoint hold the scale; a resume from a step whose scale is not the initial one continues with
     the same scales, counters and losses, bit for bit."""
-    from ascend_llm_recipes.training.launch import launch
+    from ascend_llm_recipes.training.launcher.cli import launch
 
     run_dir = str(tmp_path / "run")
     command = [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}", *FP16]

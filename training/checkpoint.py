@@ -239,7 +239,7 @@ def rank_shapes(recipe):
     itself: None too.
     """
     from ascend_llm_recipes.models.shapes import parameter_shapes
-    from ascend_llm_recipes.training.relayout import semi_auto
+    from ascend_llm_recipes.training.tools.relayout import semi_auto
 
     p = recipe.parallel_config
     whole = parameter_shapes(recipe.model.model_config, p.model_parallel)
@@ -287,7 +287,7 @@ def resume_rank(directory: str, rank: int) -> int:
     has ranks. In data-parallel mode every rank's file holds the whole model and the same AdamW state
     (gradients are averaged before the update; tests/test_data_parallel.py checks identical weights),
     so rank 0's file is every new rank's state. Semi-auto checkpoints hold slices: the launcher
-    refuses to resume them at another device count (training/relayout.py check_relayout).
+    refuses to resume them at another device count (training/tools/relayout.py check_relayout).
     """
     return rank if rank < step_world_size(directory) else 0
 

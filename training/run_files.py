@@ -5,7 +5,7 @@ RUN_DIR/
   amendments.jsonl         recipe changes accepted on resume with --amend, one per line
   preflight.json, .txt     the launcher's environment checks
   launch.lock              held by the launcher that owns the run (node 0's on several nodes)
-  rendezvous.json          on several nodes: node 0's record of the nodes it admitted (training/rendezvous.py)
+  rendezvous.json          on several nodes: node 0's record of the nodes it admitted (training/launcher/rendezvous.py)
   status/rank_N.json       each rank's state: running, done or failed
   heartbeat/rank_N.json    each rank's phase, for the launcher's hang detection
   metrics.jsonl            rank 0's per-step records (metrics_rank_N.jsonl: another rank's)
@@ -18,7 +18,7 @@ RUN_DIR/
                            file, under the name MindFormers looks for (remade by every launch)
   logs/                    msrun.log and each worker's log
   tensorboard/, profile/rank_N/
-  strategy/                each rank's parallel-strategy file (semi-auto runs; training/relayout.py)
+  strategy/                each rank's parallel-strategy file (semi-auto runs; training/tools/relayout.py)
   checkpoints/step_N/strategy/, layout.json   the strategy files a relayout resume re-slices from, kept
   merged_checkpoint/step_N/  a TP/PP step merged into one unsliced checkpoint for --to-hf
   checkpoint/, log/        made by MindFormers' Trainer in its output_dir (ours are above)

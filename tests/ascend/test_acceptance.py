@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from ascend_llm_recipes.training.acceptance import REPO_ROOT, ascend_missing
+from ascend_llm_recipes.training.tools.acceptance import REPO_ROOT, ascend_missing
 
 pytestmark = [pytest.mark.ascend, pytest.mark.skipif(bool(ascend_missing()), reason=ascend_missing() or "-")]
 

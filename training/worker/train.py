@@ -18,9 +18,9 @@ import yaml
 
 from ascend_llm_recipes.common.errors import LaunchError, PretrainError
 from ascend_llm_recipes.common.files import write_json_atomic
-from ascend_llm_recipes.training.heartbeat import Heartbeat
-from ascend_llm_recipes.training.job import stop_orphan, watch_launcher, watch_launcher_from_a_child
-from ascend_llm_recipes.training.recipe import START_STEP_LR, DynamicLossScaleConfig, Recipe, recipe_from_dict
+from ascend_llm_recipes.training.rank_status import Heartbeat
+from ascend_llm_recipes.training.launcher.job import stop_orphan, watch_launcher, watch_launcher_from_a_child
+from ascend_llm_recipes.training.recipe.schema import START_STEP_LR, DynamicLossScaleConfig, Recipe, recipe_from_dict
 from ascend_llm_recipes.training.run_files import (CHECKPOINTS, PROFILE, RESOLVED_RECIPE, SUMMARY, TENSORBOARD,
                                                    metrics_file, status_path)
 
@@ -41,7 +41,7 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
     """The recipe in the exact form MindFormers 1.9's Trainer needs (all keys it reads, none it ignores)."""
     cfg = recipe.to_dict()
     cfg.pop("data_preparation", None)
-    cfg.pop("load_optimizer_state")  # ours: training/optim.py LoadOptimizerState
+    cfg.pop("load_optimizer_state")  # ours: training/worker/optim.py LoadOptimizerState
     cfg["output_dir"] = run_dir
     # MindFormers batches the dataset with train_dataset.batch_size; runner_config owns the value.
     cfg["train_dataset"]["batch_size"] = recipe.runner_config.batch_size
@@ -58,11 +58,11 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
         cfg["lr_schedule"]["total_steps"] = recipe.runner_config.stop_step
     schedule = cfg["lr_schedule"]
     if schedule["start_step"] or schedule["type"] == "LinearWithWarmUpLR" and schedule["lr_end"]:
-        # training/optim.py StartStepLR: MindFormers' schedules start at step 0 and linear ignores lr_end
+        # training/worker/optim.py StartStepLR: MindFormers' schedules start at step 0 and linear ignores lr_end
         cfg["lr_schedule"] = {**schedule, "type": START_STEP_LR, "schedule": schedule["type"]}
     else:
         schedule.pop("start_step")
-    # Ours, handled by training/callbacks.py: MindFormers' own evaluation needs metric classes
+    # Ours, handled by training/worker/callbacks.py: MindFormers' own evaluation needs metric classes
     # our model does not implement, and its `profile` is a boolean.
     for key in ("monitoring", "eval_dataset", "eval_step_interval", "anomaly"):
         cfg.pop(key, None)
@@ -75,7 +75,7 @@ def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
     cfg["monitor_config"] = {"monitor_on": False}
     cfg["profile"] = False
     # Strategy files in RUN_DIR/strategy/, and MindFormers' re-slicing on a resume at another layout.
-    from ascend_llm_recipes.training.relayout import mindformers_keys
+    from ascend_llm_recipes.training.tools.relayout import mindformers_keys
     keys = mindformers_keys(recipe, run_dir, rank_id())
     cfg["parallel"].update(keys.pop("parallel"))
     cfg.update(keys)
@@ -157,7 +157,7 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
     from ascend_llm_recipes.models.shapes import parameter_shapes
     from ascend_llm_recipes.common.errors import ConversionError
     from ascend_llm_recipes.training.checkpoint import RankShapes, held_note, rank_shapes
-    from ascend_llm_recipes.training.relayout import pending_source_strategy
+    from ascend_llm_recipes.training.tools.relayout import pending_source_strategy
 
     if not recipe.load_checkpoint:
         return
@@ -212,10 +212,10 @@ def resume_step(recipe: Recipe) -> int:
 def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) -> tuple:
     """(StepRecorder, Checkpointer or None, AnomalyMonitor or None, every callback to pass to the Trainer)."""
     from ascend_llm_recipes.data.loader import read_skips, skip_ranges
-    from ascend_llm_recipes.training.anomaly import AnomalyMonitor
-    from ascend_llm_recipes.training.callbacks import HeldOutEval, ProfileWindow, StepRecorder
-    from ascend_llm_recipes.training.checkpointer import Checkpointer
-    from ascend_llm_recipes.training.metrics import device_peak_flops, training_flops_per_token
+    from ascend_llm_recipes.training.worker.anomaly import AnomalyMonitor
+    from ascend_llm_recipes.training.worker.callbacks import HeldOutEval, ProfileWindow, StepRecorder
+    from ascend_llm_recipes.training.worker.checkpointer import Checkpointer
+    from ascend_llm_recipes.training.worker.metrics import device_peak_flops, training_flops_per_token
 
     rank = rank_id()
     peak, peak_source = device_peak_flops(recipe)
@@ -226,10 +226,10 @@ def build_callbacks(recipe: Recipe, run_dir: str, heartbeat, initial_step: int) 
                             agree_on_stop=recipe.checkpointing is not None, rank=rank)
     callbacks = [recorder]
     if recipe.load_optimizer_state:
-        from ascend_llm_recipes.training.optim import LoadOptimizerState
+        from ascend_llm_recipes.training.worker.optim import LoadOptimizerState
         callbacks.insert(0, LoadOptimizerState(recipe.load_optimizer_state))
     if initial_step and isinstance(recipe.runner_wrapper.scale_sense, DynamicLossScaleConfig):
-        from ascend_llm_recipes.training.train_step import RestoreLossScale  # MindFormers restores weights only
+        from ascend_llm_recipes.training.worker.train_step import RestoreLossScale  # MindFormers restores weights only
         callbacks.insert(0, RestoreLossScale(loaded_checkpoint_files(recipe, rank)[0][0]))
     if recipe.do_eval:
         callbacks.append(HeldOutEval(recipe.eval_dataset.data_loader.dataset_dir, recipe.runner_config.batch_size,
@@ -275,8 +275,8 @@ def run(run_dir: str, started: float = None) -> dict:
     with open(os.path.join(run_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
         recipe = recipe_from_dict(yaml.safe_load(f), os.path.join(run_dir, RESOLVED_RECIPE))
     # The launcher's dataset checks, on the same resolved recipe: the two cannot disagree. A DryRun
-    # compile (MS_SIMULATION_LEVEL, training/acceptance.py dry_run_compile) reads no data.
-    from ascend_llm_recipes.training.datasets import check_datasets
+    # compile (MS_SIMULATION_LEVEL, training/tools/acceptance.py dry_run_compile) reads no data.
+    from ascend_llm_recipes.training.launcher.datasets import check_datasets
     simulated = bool(os.environ.get("MS_SIMULATION_LEVEL"))
     datasets = {"blend": None} if simulated else check_datasets(recipe)
 
@@ -285,8 +285,8 @@ def run(run_dir: str, started: float = None) -> dict:
     from mindformers import MindFormerConfig, Trainer
     from mindformers.core.context import build_context
     import ascend_llm_recipes.models.llama  # noqa: F401  (registers the model with MindFormers)
-    from ascend_llm_recipes.training.train_step import install_cpu_barrier  # registers the train-step wrapper
-    import ascend_llm_recipes.training.optim  # noqa: F401  (registers FoldedAdamW)
+    from ascend_llm_recipes.training.worker.train_step import install_cpu_barrier  # registers the train-step wrapper
+    import ascend_llm_recipes.training.worker.optim  # noqa: F401  (registers FoldedAdamW)
     from ascend_llm_recipes.data.loader import build_train_dataset, read_skips, simulated_train_dataset, skip_ranges
     install_cpu_barrier()  # before the Trainer: it calls MindFormers' barrier when resuming under data parallel
     imported = time.time()
@@ -364,7 +364,7 @@ def collective_self_test() -> None:
     here in seconds, with the rank named, instead of as a hang inside the first step.
     """
     from mindspore.communication import get_group_size, get_rank
-    from ascend_llm_recipes.training.collectives import all_reduce_sum
+    from ascend_llm_recipes.training.worker.collectives import all_reduce_sum
 
     rank, size = get_rank(), get_group_size()
     got = all_reduce_sum([rank + 1.0] * 8)

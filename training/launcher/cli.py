@@ -23,18 +23,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ascend_llm_recipes.training.datasets import check_load_checkpoint, ensure_dataset
+from ascend_llm_recipes.training.launcher.datasets import check_load_checkpoint, ensure_dataset
 from ascend_llm_recipes.common.errors import LaunchError, PretrainError
-from ascend_llm_recipes.training.job import (LAUNCHER_ENV, RunDirLock, describe_holder, job_processes,
+from ascend_llm_recipes.training.launcher.job import (LAUNCHER_ENV, RunDirLock, describe_holder, job_processes,
                                              process_id, send, start_time)
-from ascend_llm_recipes.training.recipe import Recipe, load_recipe
-from ascend_llm_recipes.training.resume import check_data_position, prepare_run_dir, resumed_step
-from ascend_llm_recipes.training.rendezvous import (DEFAULT_RENDEZVOUS_TIMEOUT, NodeGroup, check_node_address,
+from ascend_llm_recipes.training.recipe.schema import Recipe, load_recipe
+from ascend_llm_recipes.training.launcher.resume import check_data_position, prepare_run_dir, resumed_step
+from ascend_llm_recipes.training.launcher.rendezvous import (DEFAULT_RENDEZVOUS_TIMEOUT, NodeGroup, check_node_address,
                                                     open_rendezvous, report_lost)
 from ascend_llm_recipes.training.run_files import (AMENDMENTS, LOCK_FILE, LOGS, MSRUN_LOG, RESOLVED_RECIPE, SUMMARY,
                                                    heartbeat_path, read_status, worker_log)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # realpath: the package may be a symlink
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))  # realpath: the package may be a symlink
 WORKER_SCRIPT = os.path.join(REPO_ROOT, "scripts", "train.py")
 LOG_TAIL_LINES = 25
 HANG_EXIT_CODE = 3
@@ -198,7 +198,7 @@ class JobOutcome:
     killed: str = ""               # why the launcher killed the job's processes, if it did
     hung: bool = False
     seen_failing: dict = field(default_factory=dict)  # rank -> poll round the launcher first saw it fail or die
-    node_lost: str = ""            # another node lost during the run (training/rendezvous.py), why and where
+    node_lost: str = ""            # another node lost during the run (training/launcher/rendezvous.py), why and where
     msrun_log: str = MSRUN_LOG     # this node's msrun output, in RUN_DIR/logs
 
 
@@ -480,7 +480,7 @@ def format_summary(summary: dict) -> str:
 
 def preflight(recipe: Recipe, master_port: int = None) -> list:
     """Run the environment checks and print them."""
-    from ascend_llm_recipes.training.preflight import format_findings, run_checks
+    from ascend_llm_recipes.training.launcher.preflight import format_findings, run_checks
 
     findings = run_checks(recipe, master_port=master_port)
     print(format_findings(findings), flush=True)
@@ -488,7 +488,7 @@ def preflight(recipe: Recipe, master_port: int = None) -> list:
 
 
 def plan_report(recipe: Recipe, device: str = None) -> str:
-    from ascend_llm_recipes.training.planner import format_plan, plan
+    from ascend_llm_recipes.training.tools.planner import format_plan, plan
 
     return format_plan(plan(recipe, device=device))
 
@@ -500,9 +500,9 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
 
     `amend`: continue a run whose recipe changed, recording the change (continue_run).
     On several nodes, node 0 prepares the (shared) run directory and the others join it first
-    (training/rendezvous.py): `rendezvous_timeout` bounds how long any node waits for the others.
+    (training/launcher/rendezvous.py): `rendezvous_timeout` bounds how long any node waits for the others.
     """
-    from ascend_llm_recipes.training.preflight import has_errors, hccl_env
+    from ascend_llm_recipes.training.launcher.preflight import has_errors, hccl_env
 
     if not os.path.isfile(WORKER_SCRIPT):  # a non-editable install carries the package, not scripts/ or recipes/
         raise LaunchError(f"the msrun worker {WORKER_SCRIPT} is missing: ascend_llm_recipes is installed without its "
@@ -592,7 +592,7 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
     On several nodes node 0 prepares the run directory, then starts every node (`group`).
     """
     from ascend_llm_recipes.data.loader import SKIPS_FILE
-    from ascend_llm_recipes.training.preflight import write_findings
+    from ascend_llm_recipes.training.launcher.preflight import write_findings
 
     if cluster.node_rank == 0:
         run_dir = prepare_run_dir(recipe, recipe_path, amend)
@@ -720,9 +720,9 @@ def main(argv=None) -> int:
             print(plan_report(load_recipe(args.recipe, tuple(args.overrides), planning=True), args.device))
             return 0
         if args.check:
-            from ascend_llm_recipes.training.preflight import has_errors
+            from ascend_llm_recipes.training.launcher.preflight import has_errors
             if args.dry_run:
-                from ascend_llm_recipes.training.acceptance import dry_run_compile
+                from ascend_llm_recipes.training.tools.acceptance import dry_run_compile
                 return dry_run_compile(load_recipe(args.recipe, tuple(args.overrides), planning=True), args.recipe)
             recipe = load_recipe(args.recipe, tuple(args.overrides))
             return 2 if has_errors(preflight(recipe, master_port=args.master_port)) else 0

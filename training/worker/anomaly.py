@@ -7,9 +7,9 @@ import time
 
 from mindspore.train.callback import Callback
 
-from ascend_llm_recipes.training.callbacks import StepRecorder
-from ascend_llm_recipes.training.checkpointer import Checkpointer
-from ascend_llm_recipes.training.recipe import DynamicLossScaleConfig
+from ascend_llm_recipes.training.worker.callbacks import StepRecorder
+from ascend_llm_recipes.training.worker.checkpointer import Checkpointer
+from ascend_llm_recipes.training.recipe.schema import DynamicLossScaleConfig
 from ascend_llm_recipes.common.errors import LaunchError
 
 
@@ -98,7 +98,7 @@ class AnomalyMonitor(Callback):
             return False
         self.checkpointer.wait()
         if self.world_size > 1:
-            from ascend_llm_recipes.training.collectives import all_reduce_sum
+            from ascend_llm_recipes.training.worker.collectives import all_reduce_sum
             all_reduce_sum([1.0])  # every rank's saves are on disk before anyone looks for the last good one
         good = [s for s in ckpt.complete_steps(self.run_dir) if s < step]
         if not good:

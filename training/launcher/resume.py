@@ -10,11 +10,11 @@ import shutil
 import time
 
 from ascend_llm_recipes.common.errors import LaunchError
-from ascend_llm_recipes.training.recipe import Recipe
-from ascend_llm_recipes.training.relayout import check_relayout, keep_source_strategy
+from ascend_llm_recipes.training.recipe.schema import Recipe
+from ascend_llm_recipes.training.tools.relayout import check_relayout, keep_source_strategy
 from ascend_llm_recipes.training.run_files import (AMENDMENTS, CHECKPOINTS, HEARTBEAT, METRICS, METRICS_PATTERN,
                                                    RESOLVED_RECIPE, RESUME_LINKS, STATUS)
-from ascend_llm_recipes.training.train import dataset_manifest_sha256
+from ascend_llm_recipes.training.worker.train import dataset_manifest_sha256
 
 
 def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> str:
@@ -22,7 +22,7 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> st
 
     A finished run is left exactly as it is (nothing rewritten); see continue_run for resumes.
     """
-    run_dir = recipe.output_dir  # absolute: every path was resolved at load (training/recipe.py resolve_paths)
+    run_dir = recipe.output_dir  # absolute: every path was resolved at load (training/recipe/schema.py resolve_paths)
     if os.path.exists(os.path.join(run_dir, RESOLVED_RECIPE)) and not continue_run(recipe, run_dir, amend):
         return run_dir
     leftovers = [n for n in (CHECKPOINTS, METRICS) if os.path.exists(os.path.join(run_dir, n))]
@@ -98,7 +98,7 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
 def saved_recipe(run_dir: str) -> Recipe:
     """RUN_DIR/recipe.yaml, the recipe the run was trained with."""
     import yaml
-    from ascend_llm_recipes.training.recipe import recipe_from_dict
+    from ascend_llm_recipes.training.recipe.schema import recipe_from_dict
 
     path = os.path.join(run_dir, RESOLVED_RECIPE)
     try:
@@ -142,7 +142,7 @@ def record_amendments(run_dir: str, step: int, changes: list) -> None:
                          for key, old, new in changes)
             f.flush()
             os.fsync(f.fileno())
-    from ascend_llm_recipes.training.metrics import read_jsonl
+    from ascend_llm_recipes.training.worker.metrics import read_jsonl
 
     history = read_jsonl(path, log=lambda m: print("[launch] warning: " + m, flush=True)) \
         if os.path.isfile(path) else []
@@ -231,7 +231,7 @@ def resumed_step(recipe: Recipe) -> int:
 def truncate_metrics(run_dir: str, step: int) -> None:
     """Drop per-step records after `step` (and torn lines, with a warning): the resumed run writes them again."""
     from ascend_llm_recipes.common.files import write_atomic
-    from ascend_llm_recipes.training.metrics import read_jsonl
+    from ascend_llm_recipes.training.worker.metrics import read_jsonl
 
     for name in sorted(os.listdir(run_dir)):
         if fnmatch.fnmatch(name, METRICS_PATTERN):

@@ -22,10 +22,10 @@ from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.common.files import write_atomic
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.models.arithmetic import param_count, round_up
-from ascend_llm_recipes.training.recipe import (KEEP_DTYPES, Recipe, deep_merge, load_recipe, read_recipe_file,
+from ascend_llm_recipes.training.recipe.schema import (KEEP_DTYPES, Recipe, deep_merge, load_recipe, read_recipe_file,
                                                 read_yaml_file, recipe_from_dict)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASES = {"CPU": os.path.join(REPO_ROOT, "recipes", "base", "cpu.yaml"),
          "Ascend": os.path.join(REPO_ROOT, "recipes", "base", "ascend.yaml")}
 MF_CONFIG_TYPE = "LlamaConfig"
@@ -87,9 +87,9 @@ SAME_MATH = "our model has no such switch (models/llama.py uses the same ops on 
 DROPPED = {
     "src_strategy_path_or_dir": "distributed-checkpoint strategy files: ours resumes by rerunning the same command, "
                                 "and finds them in the run directory for a resume at another layout "
-                                "(training/relayout.py)",
+                                "(training/tools/relayout.py)",
     "auto_trans_ckpt": "re-slices load_checkpoint, which is not imported; ours sets auto_trans_ckpt to resume a run "
-                       "at another layout (training/relayout.py)",
+                       "at another layout (training/tools/relayout.py)",
     "only_save_strategy": "MindFormers' strategy-only dry run: not used by ours",
     "processor": "tokenizer/processor for inference: ours trains on token ids prepared by scripts/prepare_data.py",
     "metric": "evaluation metric class: ours reports held-out loss and perplexity (eval_dataset)",
@@ -103,14 +103,14 @@ DROPPED = {
     "profile_communication": "profiler option: ours records MindSpore's default profile",
     "profile_memory": "profiler option: ours records MindSpore's default profile",
     "remote_save_url": "AICC/OBS upload address: not used by ours (run directory on local or shared disk)",
-    "train_dataset.batch_size": "the micro-batch is runner_config.batch_size (training/train.py writes it into "
+    "train_dataset.batch_size": "the micro-batch is runner_config.batch_size (training/worker/train.py writes it into "
                                 "the dataset block)",
     "train_dataset_task.dataset_config": "MindFormers' copy of train_dataset (a YAML alias): filled in from it",
     "parallel.enable_alltoall": "all-to-all communication for mixture-of-experts: the model is dense",
     "parallel.strategy_ckpt_save_file": "ours saves every rank's strategy file in RUN_DIR/strategy/ in semi-auto "
-                                        "parallel, as MindFormers does (training/relayout.py)",
+                                        "parallel, as MindFormers does (training/tools/relayout.py)",
     "parallel.strategy_ckpt_config": "ours saves every rank's strategy file in RUN_DIR/strategy/ in semi-auto "
-                                     "parallel, all parameters, as MindFormers does (training/relayout.py)",
+                                     "parallel, all parameters, as MindFormers does (training/tools/relayout.py)",
     "parallel.parallel_optimizer_config.gradient_accumulation_shard": "MindFormers' accumulation-buffer "
                                                                       "sharding: memory only, not in our schema",
     "recompute_config.select_comm_recompute": "selective recompute of communication: memory only; ours "
@@ -334,7 +334,7 @@ class _Importer:
         self.carry(m + "param_init_type", m + "param_dtype", default="float32",
                    convert=lambda v: v if v in ("float32", compute) else "float32",
                    reason="weights stored in this dtype (16-bit ones other than compute_dtype: float32); 16-bit "
-                          "weights get float32 master copies in FoldedAdamW (training/optim.py), which MindFormers' "
+                          "weights get float32 master copies in FoldedAdamW (training/worker/optim.py), which MindFormers' "
                           "AdamW does not keep")
         for key in ("use_flash_attention", "use_attn_mask_compression", "fused_rms_norm"):
             self.carry(m + key, reason="Ascend kernel switch with MindFormers' name and meaning (models/llama.py)")
@@ -509,7 +509,7 @@ class _Importer:
         kind = self.get(o + "type", "AdamW")
         ours = "FoldedAdamW"
         cpu_note = ("; FoldedAdamW is AdamW's update on one fused kernel, with float32 master copies of 16-bit "
-                    "weights (training/optim.py)")
+                    "weights (training/worker/optim.py)")
         if kind == "AdamW":
             d = MF_DEFAULTS["AdamW"]
             self.carry(o + "type", convert=lambda _: ours, reason=cpu_note.lstrip("; "))
@@ -596,7 +596,7 @@ class _Importer:
             self.drop("eval_step_interval", "do_eval is off")
         for key in [k for k in self.leaves if k.startswith("eval_dataset.")]:
             self.drop(key, "do_eval is off" if not self.out.get("do_eval") else
-                      "ours evaluates held-out loss with its own loader (training/callbacks.py)")
+                      "ours evaluates held-out loss with its own loader (training/worker/callbacks.py)")
 
     def parallel(self):
         p = "parallel."

@@ -6,7 +6,7 @@ OUT/acceptance.md with PASS or FAIL per check and its figures. `DRY_RUN=1` print
 Nothing here has executed on Ascend: this repository's machines have no NPU and no CANN.
 
 Losses are compared as rank 0 logged them (metrics.jsonl): StepRecorder normalises them by the
-micro-batches MindFormers' wrappers sum (training/train_step.py summed_micro_batches) and, under
+micro-batches MindFormers' wrappers sum (training/worker/train_step.py summed_micro_batches) and, under
 pipeline parallelism, takes them from the last stage. A loss of 0 or a non-finite one fails a comparison.
 """
 
@@ -22,7 +22,7 @@ import time
 from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.training.run_files import CHECKPOINTS, METRICS, METRICS_PATTERN
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHER = os.path.join(REPO_ROOT, "scripts", "run_distributed.sh")
 TINY = os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml")
 NODE_RECIPES = ("llama2_7b_8dev", "llama2_13b_8dev")        # start on one 8-device node
@@ -74,7 +74,7 @@ CHECKPOINT_SLACK, CHECKPOINT_SLACK_BYTES = 0.01, 1 << 20
 COUNTER_ELEMENTS = 16  # tensors this small are counters and scalars (global_step, loss scale), always needed
 PIPELINE_LAYOUT, PIPELINE_RTOL = "dp2_tp2_pp2", 1e-6
 # Resume at another layout: DP2 x TP2 x PP2 for RELAYOUT_AT of 20 steps (the LR schedule sized for all 20),
-# then the same run directory at each target through MindFormers' auto_trans_ckpt (training/relayout.py).
+# then the same run directory at each target through MindFormers' auto_trans_ckpt (training/tools/relayout.py).
 RELAYOUT_FROM, RELAYOUT_TARGETS, RELAYOUT_AT = "dp2_tp2_pp2", ("dp8", "dp2_tp4"), 10
 HF_EXPORT = "hf_dp2_tp2_pp2"  # --to-hf of the DP2 x TP2 x PP2 layout run (merged with its strategy files)
 
@@ -184,8 +184,8 @@ def compare(a: dict, b: dict, rtol: float) -> dict:
 
 def pipeline_loss_result(run_dir: str) -> dict:
     """Rank 0's logged loss of a (pipeline) run is non-zero, finite and the last stage's (their own rank_loss)."""
-    from ascend_llm_recipes.training.callbacks import last_stage_ranks
-    from ascend_llm_recipes.training.resume import saved_recipe
+    from ascend_llm_recipes.training.worker.callbacks import last_stage_ranks
+    from ascend_llm_recipes.training.launcher.resume import saved_recipe
     from ascend_llm_recipes.training.run_files import metrics_file
 
     logged = logged_losses(run_dir)
@@ -206,14 +206,14 @@ def pipeline_loss_result(run_dir: str) -> dict:
 
 def checkpoint_size_result(run_dir: str) -> dict:
     """Rank 0's newest checkpoint file against the bytes resume needs: the model's parameters, their float32 masters
-    (16-bit weights, training/optim.py) and AdamW moments at the shapes the rank holds (checkpoint.rank_shapes), in
+    (16-bit weights, training/worker/optim.py) and AdamW moments at the shapes the rank holds (checkpoint.rank_shapes), in
     the dtypes saved, plus counters; anything else it holds (e.g. MindFormers' accu_grads) is listed by name prefix
     with its bytes."""
     from ascend_llm_recipes.models.shapes import parameter_shapes
     from ascend_llm_recipes.training.checkpoint import (MANIFEST, itemsize, rank_shapes, read_json, shape_problems,
                                                         step_entries)
-    from ascend_llm_recipes.training.optim import MASTER_PREFIX
-    from ascend_llm_recipes.training.resume import saved_recipe
+    from ascend_llm_recipes.training.worker.optim import MASTER_PREFIX
+    from ascend_llm_recipes.training.launcher.resume import saved_recipe
 
     try:
         recipe = saved_recipe(run_dir)
@@ -245,7 +245,7 @@ def checkpoint_size_result(run_dir: str) -> dict:
 
 def relayout_result(run_dir: str, reference: dict, code) -> dict:
     """A resume at another layout: MindFormers re-sliced the checkpoint, and the losses continue the reference's."""
-    from ascend_llm_recipes.training.relayout import LAYOUT_FILE
+    from ascend_llm_recipes.training.tools.relayout import LAYOUT_FILE
 
     result = compare(logged_losses(run_dir), reference, LAYOUT_RTOL)
     kept = glob.glob(os.path.join(run_dir, CHECKPOINTS, "step_*", LAYOUT_FILE))
@@ -263,7 +263,7 @@ def hf_export_result(hf_dir: str, code=0, tokens: int = 32) -> dict:
     import numpy as np
     from ascend_llm_recipes.models.convert import KL_TOLERANCE, compare_logits, reference_logits
     from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
-    from ascend_llm_recipes.training.export import read_model_section
+    from ascend_llm_recipes.training.tools.export import read_model_section
     from ascend_llm_recipes.training.run_files import MERGED_DIR
 
     try:
@@ -330,8 +330,8 @@ def throughput(run_dir: str) -> dict:
 
 def evaluate(out: str, returncodes: dict) -> dict:
     """Every check's verdict and figures from the run directories under `out`."""
-    from ascend_llm_recipes.training.planner import GB, plan
-    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.tools.planner import GB, plan
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
 
     results = {}
     for name in NODE_RECIPES + MULTI_NODE_RECIPES:
@@ -369,7 +369,7 @@ def evaluate(out: str, returncodes: dict) -> dict:
         planned = plan(load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), planning=True)).total_bytes
         measured = peak_device_memory(os.path.join(out, f"startup_{name}"))
         # MindSpore reports one figure per device, the peak it allocated (ms.runtime.max_memory_allocated,
-        # training/metrics.py); the plan's terms are printed by --plan beside it.
+        # training/worker/metrics.py); the plan's terms are printed by --plan beside it.
         results[f"memory_{name}"] = {"status": "PASS" if measured is not None and measured <= planned else "FAIL",
                                      "planned_gb": round(planned / GB, 2),
                                      "measured_peak_gb": None if measured is None else round(measured / GB, 2),
@@ -437,7 +437,7 @@ def main(argv=None) -> int:
 def ascend_missing() -> str:
     """Why this machine cannot run device work (no CANN toolkit, no npu-smi), or '' when it can."""
     import shutil
-    from ascend_llm_recipes.training.preflight import _cann_version
+    from ascend_llm_recipes.training.launcher.preflight import _cann_version
 
     version, where = _cann_version(dict(os.environ))
     if version is None:
@@ -452,8 +452,8 @@ def dry_run_compile(recipe, recipe_path: str) -> int:
 
     DryRun needs MindSpore's Ascend plugin, which needs CANN; without it, say so in one line.
     """
-    from ascend_llm_recipes.training.resume import prepare_run_dir
-    from ascend_llm_recipes.training.preflight import _cann_version
+    from ascend_llm_recipes.training.launcher.resume import prepare_run_dir
+    from ascend_llm_recipes.training.launcher.preflight import _cann_version
 
     version, where = _cann_version(dict(os.environ))
     if version is None:

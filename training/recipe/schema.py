@@ -249,7 +249,7 @@ class RunnerWrapperConfig:
 
 @dataclass
 class OptimizerConfig:
-    # FoldedAdamW (training/optim.py): AdamW's update on the fused AdamWeightDecay kernel (CPU recipes).
+    # FoldedAdamW (training/worker/optim.py): AdamW's update on the fused AdamWeightDecay kernel (CPU recipes).
     type: Literal["AdamW", "FoldedAdamW"] = "AdamW"
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -269,7 +269,7 @@ class OptimizerConfig:
         return problems
 
 
-START_STEP_LR = "StartStepLR"  # training/optim.py: the MindFormers schedule entered at lr_schedule.start_step
+START_STEP_LR = "StartStepLR"  # training/worker/optim.py: the MindFormers schedule entered at lr_schedule.start_step
 
 
 @dataclass
@@ -537,7 +537,7 @@ class DataPreparationConfig:
         return problems
 
 
-# The first-generation Ascend 910 (no bf16, no FlashAttentionScore) in training/planner.py's table: the chip and
+# The first-generation Ascend 910 (no bf16, no FlashAttentionScore) in training/tools/planner.py's table: the chip and
 # its Atlas 800 (model 9000) training server.
 FIRST_GENERATION_910 = ("Ascend910A", "Atlas800-9000")
 
@@ -546,7 +546,7 @@ FIRST_GENERATION_910 = ("Ascend910A", "Atlas800-9000")
 class HardwareConfig:
     """Where the recipe is meant to run (ours; MindFormers has no such section)."""
 
-    device: str = "CPU"         # a device of training/planner.py's table, e.g. Ascend910B2
+    device: str = "CPU"         # a device of training/tools/planner.py's table, e.g. Ascend910B2
     devices_per_node: int = 0   # 0: every worker on one node
 
     def check(self, recipe: "Recipe") -> list:
@@ -569,11 +569,11 @@ class HardwareConfig:
 
     def device_problems(self, recipe: "Recipe") -> list:
         """What the named device cannot run: an unknown name, and the first-generation 910's missing kernels."""
-        from ascend_llm_recipes.training.planner import DEVICES  # import-light; the planner does not import recipes
+        from ascend_llm_recipes.training.tools.planner import DEVICES  # import-light; the planner does not import recipes
 
         known = {name.lower(): name for name in DEVICES}
         if self.device.lower() not in known:
-            return [f"hardware.device: {self.device!r} is not a device of training/planner.py's table; use one of "
+            return [f"hardware.device: {self.device!r} is not a device of training/tools/planner.py's table; use one of "
                     f"{', '.join(DEVICES)}"]
         if known[self.device.lower()] not in FIRST_GENERATION_910:
             return []
@@ -599,7 +599,7 @@ class HardwareConfig:
 class HcclConfig:
     """HCCL settings the launcher exports to every rank before communication starts (ours).
 
-    None keeps training/preflight.py's documented default. Changing them after HCCL has
+    None keeps training/launcher/preflight.py's documented default. Changing them after HCCL has
     initialised hangs silently, so they are never read from a rank's own environment.
     """
 
@@ -705,7 +705,7 @@ class Recipe:
     # them and with the optimizer step they were saved at
     load_optimizer_state: str = ""
     # MindFormers' key: a resume at another DP/TP/PP layout re-slices the checkpoint at load with the
-    # strategy files the run saved (training/relayout.py); refused on CPU, where no strategy file can exist
+    # strategy files the run saved (training/tools/relayout.py); refused on CPU, where no strategy file can exist
     auto_trans_ckpt: bool = False
     use_parallel: bool = False
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -137,7 +137,7 @@ def device_peak_flops(recipe) -> tuple:
     if recipe.context.device_target == "CPU":
         peak = measure_cpu_peak_flops()
         return peak, f"measured: float32 {GEMM_SIZE}^3 MindSpore MatMul on this host, {peak / 1e9:.1f} GFLOP/s"
-    from ascend_llm_recipes.training.planner import resolve_device
+    from ascend_llm_recipes.training.tools.planner import resolve_device
 
     spec = resolve_device(recipe)
     fp32 = recipe.model.model_config.compute_dtype == "float32"

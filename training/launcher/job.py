@@ -60,7 +60,7 @@ class JobProcess:
 
     @property
     def is_worker(self) -> bool:
-        from ascend_llm_recipes.training.preflight import WORKER_MARK
+        from ascend_llm_recipes.training.launcher.preflight import WORKER_MARK
         return self.role == "MS_WORKER" and WORKER_MARK in self.command
 
 

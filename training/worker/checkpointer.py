@@ -8,7 +8,7 @@ import mindspore as ms
 import numpy as np
 from mindspore.train.callback import Callback
 
-from ascend_llm_recipes.training.callbacks import StepRecorder
+from ascend_llm_recipes.training.worker.callbacks import StepRecorder
 
 
 class Checkpointer(Callback):

@@ -41,7 +41,7 @@ from mindspore.ops import operations as P
 from mindformers.core.optim.adamw import AdamW as MindFormersAdamW
 from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 
-from ascend_llm_recipes.training.recipe import START_STEP_LR
+from ascend_llm_recipes.training.recipe.schema import START_STEP_LR
 
 OPTIMIZER_TYPE = "FoldedAdamW"
 MASTER_PREFIX = "master"          # master.<weight name>: float32 copies of 16-bit weights

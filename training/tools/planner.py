@@ -320,10 +320,10 @@ SOURCES = {
     "gathered_weights": "optimizer parallel all-gathers each sliced weight before use; level1/level2 keep the "
                         "gathered copy from forward to backward, level3 (zero3, _auto_parallel_context.py:1082-1083) "
                         f"re-gathers it ({MINDSPORE_OPTIMIZER_PARALLEL})",
-    "master": "training/optim.py FoldedAdamW._master_of: float32 master.* of each 16-bit weight, sliced like it",
+    "master": "training/worker/optim.py FoldedAdamW._master_of: float32 master.* of each 16-bit weight, sliced like it",
     "accu_grads": "mindformers/wrapper/wrapper.py:849 accu_grads = weights.clone(init='zeros'), in the weights' "
                   "dtype, built by MFPipelineWithLossScaleCell (accumulation > 1 or pipeline stages, "
-                  "training/train_step.py train_step_wrapper); sliced over DP only with gradient_accumulation_shard, "
+                  "training/worker/train_step.py train_step_wrapper); sliced over DP only with gradient_accumulation_shard, "
                   "which optimizer level2 turns on and level1 (default False) and level3 leave off "
                   "(mindspore/parallel/_auto_parallel_context.py:1078-1084)",
     "moments": "mindformers/core/optim/adamw.py:167-168, 179-181 adam_m/adam_v in float32 whatever the weight dtype, "
@@ -334,7 +334,7 @@ SOURCES = {
                   "loss_scale.py:153-154 (two int32 counters)",
     "optimizer_step": "mindspore/nn/optim/optimizer.py global_step (int32); the learning rate is the recipe's "
                       "lr_schedule, a Cell without Parameters (also the wrapper's deepcopy of it, "
-                      "mindformers/wrapper/wrapper.py:253, 883); training/optim.py master_filled (float32) with "
+                      "mindformers/wrapper/wrapper.py:253, 883); training/worker/optim.py master_filled (float32) with "
                       "16-bit weights",
     "activations": "planner.activation_terms (models/llama.py's tensors kept for backward)",
     "logits": "planner.logits_bytes (the last stage's output projection and fp32 loss tensors)",

@@ -5,7 +5,7 @@ Run by the launcher before any worker starts, and (check_datasets) by each worke
 import os
 
 from ascend_llm_recipes.common.errors import DataError, LaunchError, PretrainError
-from ascend_llm_recipes.training.recipe import Recipe
+from ascend_llm_recipes.training.recipe.schema import Recipe
 
 BLEND_REPEAT_WARNING = 10  # a blend member read more often than this per pass is mostly memorised
 
@@ -134,8 +134,8 @@ def check_load_checkpoint(recipe: Recipe) -> None:
     must equal the recipe's, key by key, and every parameter must be in the checkpoint.
     """
     from ascend_llm_recipes.models.convert import architecture_differences
-    from ascend_llm_recipes.training.export import read_model_section, recorded_model_section
-    from ascend_llm_recipes.training.train import check_checkpoint_parameters
+    from ascend_llm_recipes.training.tools.export import read_model_section, recorded_model_section
+    from ascend_llm_recipes.training.worker.train import check_checkpoint_parameters
 
     if not recipe.load_checkpoint:
         return

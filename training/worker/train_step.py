@@ -127,7 +127,7 @@ class RestoreLossScale(Callback):
 
     MindFormers' resume loads the model's and the optimizer's parameters only (trainer/utils.py:759-766) and sets
     the scale from the checkpoint only when a CheckpointMonitor callback is configured (trainer/utils.py:428-434),
-    which ours replaces (training/checkpointer.py); without this the resumed run would start again from the
+    which ours replaces (training/worker/checkpointer.py); without this the resumed run would start again from the
     recipe's initial scale, and with float16 every step after would differ from the uninterrupted run.
     """
 
@@ -160,7 +160,7 @@ class RestoreLossScale(Callback):
 
 def _allreduce_barrier(original):
     """A barrier for CPU, where MindSpore has no Barrier kernel: an all-reduce every rank must join."""
-    from ascend_llm_recipes.training.collectives import all_reduce_sum
+    from ascend_llm_recipes.training.worker.collectives import all_reduce_sum
 
     def barrier(*args, **kwargs):
         if context.get_context("device_target") != "CPU":

@@ -1,7 +1,7 @@
 """Preflight: check the machine before a launch, so a run does not die (or hang) minutes in.
 
 `run_checks(recipe, ...)` returns Findings: "ok", "warn" (the launch goes ahead) or "error" (the
-launcher refuses to start). Checks: software versions against training/supported_versions.yaml,
+launcher refuses to start). Checks: software versions against training/launcher/supported_versions.yaml,
 the device the recipe asks for, the HCCL settings every rank will get, locked-memory and mmap
 limits, the master port, leftover training workers, a writable output_dir, and free disk for the checkpoints.
 
@@ -36,7 +36,7 @@ SUPPORTED_VERSIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "s
 
 COMPONENTS = ("python", "mindspore", "mindformers", "cann", "driver", "firmware")
 ASCEND_ROOT = "/usr/local/Ascend"
-WORKER_MARK = "scripts/train.py"  # what a training worker's command line contains (training/launch.py)
+WORKER_MARK = "scripts/train.py"  # what a training worker's command line contains (training/launcher/cli.py)
 
 # Exported by the launcher to every rank. HCCL reads them once, when communication initialises;
 # values changed later are ignored and ranks that disagree hang. Defaults and ranges from the
@@ -557,9 +557,9 @@ def check_output_dir(recipe, run_dir: Optional[str] = None) -> list:
 
 
 def checkpoint_bytes(recipe) -> int:
-    """One save of every rank: what the planner counts (training/planner.py checkpoint_bytes: weights in their
+    """One save of every rank: what the planner counts (training/tools/planner.py checkpoint_bytes: weights in their
     dtype, float32 masters of 16-bit weights, AdamW moments, the step; each rank its own slices; no accu_grads)."""
-    from ascend_llm_recipes.training.planner import checkpoint_bytes as planned
+    from ascend_llm_recipes.training.tools.planner import checkpoint_bytes as planned
 
     return planned(recipe)[1]
 
@@ -639,9 +639,9 @@ def write_findings(findings: list, run_dir: str) -> tuple:
 
 
 def main(argv=None) -> int:
-    from ascend_llm_recipes.training.recipe import load_recipe
+    from ascend_llm_recipes.training.recipe.schema import load_recipe
 
-    parser = argparse.ArgumentParser(prog="python -m ascend_llm_recipes.training.preflight",
+    parser = argparse.ArgumentParser(prog="python -m ascend_llm_recipes.training.launcher.preflight",
                                      description="Check this machine for a recipe without launching.")
     parser.add_argument("recipe")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")

@@ -24,7 +24,7 @@ from ascend_llm_recipes.models.megatron import OPTIMIZER_DIR, _source_manifest, 
 from ascend_llm_recipes.models.megatron import to_megatron as _to_megatron
 from ascend_llm_recipes.models.torch_state import from_torch as _from_torch
 from ascend_llm_recipes.training.run_files import CHECKPOINTS
-from ascend_llm_recipes.training.recipe import load_recipe
+from ascend_llm_recipes.training.recipe.schema import load_recipe
 from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE as RUN_RECIPE
 
 
@@ -55,7 +55,7 @@ def recorded_model_section(path: str):
 
 def run_recipe(run_dir: str):
     """RUN_DIR/recipe.yaml as recorded; read for planning (an Ascend run's record also loads on this CPU)."""
-    from ascend_llm_recipes.training.recipe import recipe_from_dict
+    from ascend_llm_recipes.training.recipe.schema import recipe_from_dict
 
     path = os.path.join(run_dir, RUN_RECIPE)
     try:
@@ -185,7 +185,7 @@ def to_megatron(source: str, out_dir: str, tp: int = 1, pp: int = 1, iteration: 
 
 # --- A recipe continuing a converted run --------------------------------------------------------
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ASCEND_BASE = os.path.join(REPO_ROOT, "recipes", "base", "ascend.yaml")
 LR_SCHEDULES = {"cosine": "CosineWithWarmUpLR", "linear": "LinearWithWarmUpLR", "constant": "ConstantWarmUpLR"}
 DATASET_PLACEHOLDER = "datasets/CHANGE_ME"
@@ -213,7 +213,7 @@ def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir
     {"path", "notes", "plan"}.
     """
     from ascend_llm_recipes.common.errors import RecipeError
-    from ascend_llm_recipes.training.planner import plan, verdict
+    from ascend_llm_recipes.training.tools.planner import plan, verdict
 
     converted_dir = os.path.abspath(converted_dir)
     cfg, _ = read_model_section(os.path.join(converted_dir, MODEL_SECTION_FILE))

@@ -215,7 +215,7 @@ def export_source(source: str, model_config: str = None) -> tuple:
     if not (os.path.isdir(os.path.join(run_dir, CHECKPOINTS))
             and os.path.isfile(os.path.join(run_dir, RESOLVED_RECIPE))):
         return source, model_config
-    from ascend_llm_recipes.training.export import run_recipe
+    from ascend_llm_recipes.training.tools.export import run_recipe
 
     recipe = run_recipe(run_dir)
     if not semi_auto(recipe):

@@ -12,8 +12,8 @@ import numpy as np
 from mindspore.train.callback import Callback
 
 from ascend_llm_recipes.common.errors import LaunchError
-from ascend_llm_recipes.training.heartbeat import Heartbeat
-from ascend_llm_recipes.training.metrics import (device_memory_bytes, host_memory_bytes, loss_spike,
+from ascend_llm_recipes.training.rank_status import Heartbeat
+from ascend_llm_recipes.training.worker.metrics import (device_memory_bytes, host_memory_bytes, loss_spike,
                                                  model_flops_utilisation)
 
 
@@ -109,7 +109,7 @@ class StepRecorder(Callback):
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.tensorboard_dir = tensorboard_dir
-        from ascend_llm_recipes.training.train_step import summed_micro_batches
+        from ascend_llm_recipes.training.worker.train_step import summed_micro_batches
         self.loss_divisor = summed_micro_batches(recipe)  # the wrapper's loss sums micro-batches
         computing = last_stage_ranks(recipe)
         self.computes_loss = rank in computing
@@ -191,7 +191,7 @@ class StepRecorder(Callback):
         """The step as every rank sees it: loss of the ranks computing it, stop and NaN agreed, in one all-reduce."""
         if not (self.reduce_loss or self.agree_on_stop):
             return local
-        from ascend_llm_recipes.training.collectives import all_reduce_sum
+        from ascend_llm_recipes.training.worker.collectives import all_reduce_sum
 
         computes = self.computes_loss and self.reduce_loss
         sums = all_reduce_sum([local.loss if computes else 0.0, 1.0 if computes else 0.0,

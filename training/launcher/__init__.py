@@ -1,0 +1,1 @@
+"""The launcher: runs on the host, checks before any worker starts, starts msrun, supervises and reports."""

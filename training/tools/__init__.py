@@ -1,0 +1,1 @@
+"""Tools a user runs by hand: planner, plots, Ascend acceptance kit, exports, checkpoint re-layout."""
