@@ -239,7 +239,8 @@ def test_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, capsys):
     from ascend_llm_recipes.common.errors import LaunchError
     from ascend_llm_recipes.training.launcher.job import process_id
     from ascend_llm_recipes.training.run_files import LOCK_FILE
-    from ascend_llm_recipes.training.launcher.cli import Cluster, lock_run_dir
+    from ascend_llm_recipes.training.launcher.cli import lock_run_dir
+    from ascend_llm_recipes.training.launcher.cluster import Cluster
     from ascend_llm_recipes.training.recipe.schema import load_recipe
 
     dead = subprocess.Popen(["sleep", "0"])
@@ -329,7 +330,7 @@ def test_the_first_rank_to_die_is_named_with_its_signal_and_phase(tiny_dataset, 
 
 
 def test_internal_error_is_one_line_and_a_saved_traceback(tmp_path):
-    code = ("import sys, training.launch as launch\n"
+    code = ("import sys, ascend_llm_recipes.training.launcher.cli as launch\n"
             "def broken(*args, **kwargs):\n    raise RuntimeError('boom')\n"
             "launch.load_recipe = broken\n"
             f"sys.exit(launch.main([{TINY_RECIPE!r}]))")
@@ -362,7 +363,7 @@ def test_bad_values_are_refused(bad, tmp_path):
 
 
 def test_slurm_and_explicit_cluster_resolution():
-    from ascend_llm_recipes.training.launcher.cli import first_slurm_host, resolve_cluster
+    from ascend_llm_recipes.training.launcher.cluster import first_slurm_host, resolve_cluster
     from ascend_llm_recipes.training.recipe.schema import load_recipe
     from ascend_llm_recipes.common.errors import LaunchError
 
@@ -396,7 +397,7 @@ def test_slurm_and_explicit_cluster_resolution():
 
 def test_msrun_and_its_workers_run_the_launchers_python(tmp_path):
     """Not the `msrun` on PATH: a pyenv shim puts pyenv's own python first, and msrun starts workers as `python`."""
-    from ascend_llm_recipes.training.launcher.cli import Cluster, msrun_command, worker_env
+    from ascend_llm_recipes.training.launcher.cluster import Cluster, msrun_command, worker_env
 
     command = msrun_command(Cluster(1, 0, "127.0.0.1", 8118, 2, 2), str(tmp_path))
     assert command[:3] == [sys.executable, "-m", "mindspore.parallel.cluster.run"]
@@ -420,7 +421,7 @@ def test_dry_run_prints_the_msrun_command(tmp_path):
 def test_msrun_binds_cores_on_ascend_only(tmp_path):
     """The command msrun's own argument parser reads: --bind_core=True for an Ascend recipe, absent on CPU."""
     from mindspore.parallel.cluster.run import get_args
-    from ascend_llm_recipes.training.launcher.cli import binds_cores, msrun_command, resolve_cluster
+    from ascend_llm_recipes.training.launcher.cluster import binds_cores, msrun_command, resolve_cluster
     from ascend_llm_recipes.training.recipe.schema import load_recipe
 
     parsed = {}

@@ -6,8 +6,8 @@ RUN_DIR/
   preflight.json, .txt     the launcher's environment checks
   launch.lock              held by the launcher that owns the run (node 0's on several nodes)
   rendezvous.json          on several nodes: node 0's record of the nodes it admitted (training/launcher/rendezvous.py)
-  status/rank_N.json       each rank's state: running, done or failed
-  heartbeat/rank_N.json    each rank's phase, for the launcher's hang detection
+  status/rank_N.json       each rank's state: running, done or failed (format: training/rank_status.py)
+  heartbeat/rank_N.json    each rank's phase, for the launcher's hang detection (format: training/rank_status.py)
   metrics.jsonl            rank 0's per-step records (metrics_rank_N.jsonl: another rank's)
   summary.json             rank 0's end-of-run summary
   data_skips.json          samples left out after a loss-spike rollback (named by data/loader.py SKIPS_FILE:
@@ -24,7 +24,6 @@ RUN_DIR/
   checkpoint/, log/        made by MindFormers' Trainer in its output_dir (ours are above)
 """
 
-import json
 import os
 
 RESOLVED_RECIPE = "recipe.yaml"
@@ -58,15 +57,6 @@ def metrics_file(rank: int) -> str:
 
 def status_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, STATUS, f"rank_{rank}.json")
-
-
-def read_status(run_dir: str, rank: int):
-    """RUN_DIR/status/rank_N.json (running, done or failed, with details), or None before the rank wrote one."""
-    try:
-        with open(status_path(run_dir, rank), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def heartbeat_path(run_dir: str, rank: int) -> str:

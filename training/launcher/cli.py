@@ -7,345 +7,37 @@ saved in the run directory; when one fails, the exit code is non-zero and the fa
 rank's last log lines are shown. `DRY_RUN=1` prints the msrun command instead of running it.
 
 One node or many: `--nodes N --node-rank R --master-addr HOST --master-port P`, or the
-same read from Slurm's variables. Ranks are contiguous per node (node R runs ranks
-R x local .. R x local + local - 1), so tensor-parallel groups stay on a node's links.
+same read from Slurm's variables (training/launcher/cluster.py). This module parses the command
+line and runs the steps in order; the job is watched by training/launcher/supervision.py and a
+failure named by training/launcher/failure_report.py. Exit codes: 0 done, 1 a rank failed, 2 bad
+input or preflight errors, HANG_EXIT_CODE .. NODE_LOST_EXIT_CODE below, 70 a bug.
 """
 
 import argparse
 import json
 import os
-import re
 import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
 
-from ascend_llm_recipes.training.launcher.datasets import check_load_checkpoint, ensure_dataset
 from ascend_llm_recipes.common.errors import LaunchError, PretrainError
-from ascend_llm_recipes.training.launcher.job import (LAUNCHER_ENV, RunDirLock, describe_holder, job_processes,
-                                             process_id, send, start_time)
-from ascend_llm_recipes.training.recipe.schema import Recipe, load_recipe
+from ascend_llm_recipes.training.launcher.cluster import (DEFAULT_MULTINODE_PORT, WORKER_SCRIPT, Cluster, binds_cores,
+                                                          msrun_command, msrun_log_name, resolve_cluster, worker_env)
+from ascend_llm_recipes.training.launcher.datasets import check_load_checkpoint, ensure_dataset
+from ascend_llm_recipes.training.launcher.failure_report import failed_ranks, report_failure
+from ascend_llm_recipes.training.launcher.job import RunDirLock, describe_holder
+from ascend_llm_recipes.training.launcher.rendezvous import (DEFAULT_RENDEZVOUS_TIMEOUT, NodeGroup,
+                                                             check_node_address, open_rendezvous, report_lost)
 from ascend_llm_recipes.training.launcher.resume import check_data_position, prepare_run_dir, resumed_step
-from ascend_llm_recipes.training.launcher.rendezvous import (DEFAULT_RENDEZVOUS_TIMEOUT, NodeGroup, check_node_address,
-                                                    open_rendezvous, report_lost)
-from ascend_llm_recipes.training.run_files import (AMENDMENTS, LOCK_FILE, LOGS, MSRUN_LOG, RESOLVED_RECIPE, SUMMARY,
-                                                   heartbeat_path, read_status, worker_log)
+from ascend_llm_recipes.training.launcher.supervision import run_watched
+from ascend_llm_recipes.training.rank_status import read_heartbeat, read_status
+from ascend_llm_recipes.training.recipe.schema import Recipe, load_recipe
+from ascend_llm_recipes.training.run_files import AMENDMENTS, LOCK_FILE, LOGS, RESOLVED_RECIPE, SUMMARY
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))  # realpath: the package may be a symlink
-WORKER_SCRIPT = os.path.join(REPO_ROOT, "scripts", "train.py")
-LOG_TAIL_LINES = 25
 HANG_EXIT_CODE = 3
 PREEMPTED_EXIT_CODE = 4   # stopped on request (SIGTERM, Ctrl-C): each rank saved at the end of its step
 KILLED_EXIT_CODE = 5      # stopped hard (a second Ctrl-C, or the grace ran out): nothing saved at the stop
-MAX_MASTER_PORT = 65534  # the rendezvous listens on master_port + 1
 NODE_LOST_EXIT_CODE = 6   # another node's launcher died, fell silent or failed: this node's part was stopped
 INTERNAL_ERROR_EXIT_CODE = 70
-STOP_GRACE_SECONDS = 120  # after Ctrl-C/SIGTERM: time for the ranks to finish their step and save
-FAILURE_GRACE_SECONDS = 10  # after a rank failed: time for msrun to stop the rest before the launcher kills them
-SETTLE_SECONDS = 10       # every worker has exited: time for msrun and its scheduler to follow
-ENDING_SETTLE_SECONDS = 3  # the same once the job is being stopped (msrun polls its workers every second)
-DEFAULT_MULTINODE_PORT = 8118  # every node must name the same port; a random one cannot be shared
-
-
-@dataclass
-class Cluster:
-    nodes: int
-    node_rank: int
-    master_addr: str
-    master_port: int
-    local_workers: int
-    world_size: int
-
-    @property
-    def ranks(self) -> range:
-        """This node's ranks: contiguous, so tensor-parallel groups never span nodes."""
-        start = self.node_rank * self.local_workers
-        return range(start, start + self.local_workers)
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm nodelist: 'gpu[03-06,09],login1' -> 'gpu03'."""
-    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
-    if not match:
-        return nodelist
-    prefix, _, ranges = match.groups()
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
-def resolve_cluster(recipe: Recipe, nodes=None, node_rank=None, master_addr=None, master_port=None,
-                    env=None) -> Cluster:
-    """Node count, this node's rank and the master address, from arguments, then Slurm, then one node."""
-    env = os.environ if env is None else env
-    nodes = nodes if nodes is not None else _slurm_int(env, "SLURM_NNODES", 1)
-    node_rank = node_rank if node_rank is not None else _slurm_int(env, "SLURM_NODEID", 0)
-    if nodes < 1:
-        raise LaunchError(f"--nodes {nodes}: the node count must be at least 1",
-                          hint="pass the number of nodes the job runs on (under Slurm, SLURM_NNODES gives it)")
-    if not 0 <= node_rank < nodes:
-        raise LaunchError(f"--node-rank {node_rank} must be in [0, {nodes}) for --nodes {nodes}",
-                          hint="number the nodes 0 .. nodes-1, node 0 being the one at --master-addr")
-    if master_port is not None and not 1 <= master_port <= MAX_MASTER_PORT:
-        raise LaunchError(f"--master-port {master_port}: must be in [1, {MAX_MASTER_PORT}] (msrun's scheduler takes "
-                          "it and the launchers' rendezvous the port after it)",
-                          hint="pick a free port, the same on every node, e.g. the default "
-                               f"{DEFAULT_MULTINODE_PORT}")
-    if master_addr is None:
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        master_addr = first_slurm_host(nodelist) if nodelist and nodes > 1 else "127.0.0.1"
-    if master_port is None:
-        master_port = DEFAULT_MULTINODE_PORT if nodes > 1 else free_port()
-    world = recipe.world_size
-    problems = []
-    if world % nodes:
-        problems.append(f"parallel_config: {world} devices (data x model x pipeline parallel) cannot be split "
-                        f"evenly over {nodes} nodes")
-    elif recipe.hardware.devices_per_node and world // nodes != recipe.hardware.devices_per_node:
-        problems.append(f"hardware.devices_per_node: {recipe.hardware.devices_per_node}, but {world} devices over "
-                        f"{nodes} node(s) is {world // nodes} per node; WORLD_SIZE must match the real devices "
-                        "or HCCL initialisation hangs")
-    if problems:
-        raise LaunchError("; ".join(problems), hint="fix the parallel degrees or the node count before launching")
-    return Cluster(nodes, node_rank, master_addr, master_port, world // nodes, world)
-
-
-def _slurm_int(env, name: str, default: int) -> int:
-    try:
-        return int(env.get(name, default))
-    except ValueError:
-        raise LaunchError(f"{name}={env.get(name)!r} is not a whole number",
-                          hint="run under a real Slurm allocation, or pass --nodes/--node-rank and unset it") from None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def msrun_log_name(cluster: Cluster) -> str:
-    """logs/msrun.log, one per node when several nodes share the run directory."""
-    return MSRUN_LOG if cluster.nodes == 1 else f"msrun.node_{cluster.node_rank}.log"
-
-
-def msrun_command(cluster: Cluster, run_dir: str, bind_core: bool = False) -> list:
-    """msrun run by this Python (its console script is mindspore.parallel.cluster.run:main).
-
-    The `msrun` on PATH can belong to another installation: a pyenv shim, for one, runs it through
-    `pyenv exec`, which puts pyenv's own bin first on PATH, and msrun starts each worker as plain
-    `python` (mindspore/parallel/cluster/process_entity/_utils.py:104-106): the workers would then
-    import another copy of ascend_llm_recipes than the launcher's, without a word.
-    msrun echoes the log of this node's first rank only (every rank records the same agreed step, and
-    several `tail -f` into one output interleave): each rank's own log is RUN_DIR/logs/worker_N.log.
-    `bind_core` pins each worker to the CPU cores of its device's NUMA node: MindFormers starts every job
-    with `msrun --bind_core=True` (scripts/msrun_launcher.sh of r1.8.0, lines 128 and 136); msrun derives
-    the binding from the machine (mindspore/parallel/cluster/run.py:178-185). It is used on Ascend; on CPU
-    the workers share the few cores through OMP_NUM_THREADS instead (worker_env).
-    """
-    return [sys.executable, "-m", "mindspore.parallel.cluster.run", *(["--bind_core=True"] if bind_core else []),
-            f"--worker_num={cluster.world_size}",
-            f"--local_worker_num={cluster.local_workers}",
-            f"--master_addr={cluster.master_addr}", f"--master_port={cluster.master_port}",
-            f"--node_rank={cluster.node_rank}", f"--log_dir={os.path.join(run_dir, LOGS)}", "--join=True",
-            f"--tail_worker_log={cluster.ranks.start}", WORKER_SCRIPT, "--run-dir", run_dir]
-
-
-def binds_cores(recipe: Recipe) -> bool:
-    return recipe.context.device_target == "Ascend"
-
-
-def worker_env(run_dir: str, local_workers: int, hccl: dict = None) -> dict:
-    """Environment for msrun and its workers: identical HCCL settings on every rank, set before init."""
-    env = dict(os.environ, LOCAL_DEFAULT_PATH=run_dir)
-    # msrun starts the workers as `python`: this Python, the one that imported this package.
-    env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable), os.environ.get("PATH")) if p)
-    env.update(hccl or {})
-    # msrun sets OMP_NUM_THREADS=1 unless it is already set, which halves CPU kernel speed
-    # on a 2-core machine; share the cores between the local workers instead.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local_workers)))
-    return env
-
-
-def read_heartbeat(run_dir: str, rank: int):
-    try:
-        with open(heartbeat_path(run_dir, rank), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def stalled_ranks(run_dir: str, ranks, timeout: float, started: float, now: float = None) -> list:
-    """(rank, phase, seconds) for each rank whose last heartbeat is older than `timeout`."""
-    now = time.time() if now is None else now
-    stalled = []
-    for rank in ranks:
-        beat = read_heartbeat(run_dir, rank)
-        phase, last = (beat["phase"], beat["time"]) if beat else ("not started", started)
-        if phase != "done" and now - last > timeout:
-            stalled.append((rank, phase, now - last))
-    return stalled
-
-
-@dataclass
-class JobOutcome:
-    """How a run of msrun ended, as the launcher saw it."""
-    returncode: int                # msrun's
-    stopped_by: str = ""           # the signal (SIGINT, SIGTERM, SIGHUP) the launcher was stopped with
-    killed: str = ""               # why the launcher killed the job's processes, if it did
-    hung: bool = False
-    seen_failing: dict = field(default_factory=dict)  # rank -> poll round the launcher first saw it fail or die
-    node_lost: str = ""            # another node lost during the run (training/launcher/rendezvous.py), why and where
-    msrun_log: str = MSRUN_LOG     # this node's msrun output, in RUN_DIR/logs
-
-
-def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: float, poll: float = 1.0,
-                msrun_log: str = MSRUN_LOG, nodes: NodeGroup = None) -> JobOutcome:
-    """Run msrun and watch its job until every process of it is gone.
-
-    Stops the job when a rank fails or dies (whatever msrun does meanwhile: its scheduler can
-    wait minutes for a rank that is gone), when a rank's heartbeat stops for `hang_timeout`
-    seconds, when another node is lost (`nodes`: its ranks are gone, ours would wait on them in
-    a collective), and on SIGINT/SIGTERM/SIGHUP: every worker then saves at the end of its current
-    step and exits; a second signal, or STOP_GRACE_SECONDS, kills the job at once. msrun's own
-    output goes to logs/`msrun_log` (it must not depend on the launcher being alive) and is echoed here.
-    """
-    launcher = process_id()
-    env = dict(env, **{LAUNCHER_ENV: launcher})
-    log_path = os.path.join(run_dir, LOGS, msrun_log)
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    outcome, signals = JobOutcome(returncode=0, msrun_log=msrun_log), []
-    handlers = {sig: signal.signal(sig, lambda signum, _: signals.append(signal.Signals(signum).name))
-                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    started, rounds, proc, echo = time.time(), 0, None, None
-    deadline, terminated, seen_worker, workers_gone = None, set(), False, None
-    try:
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(command, env=env, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        echo = OutputEcho(log_path)
-        while True:
-            if proc.poll() is not None:
-                break
-            rounds += 1
-            now, processes = time.time(), job_processes(launcher)
-            workers = [p for p in processes if p.is_worker]
-            seen_worker = seen_worker or bool(workers)
-            if signals and not outcome.stopped_by:
-                outcome.stopped_by, deadline = signals[0], now + STOP_GRACE_SECONDS
-                print(f"[launch] {signals[0]}: stopping the job: every rank saves at the end of its current step and "
-                      f"exits (at most {STOP_GRACE_SECONDS} s); {signals[0]} again kills it now",
-                      file=sys.stderr, flush=True)
-            if outcome.stopped_by:  # workers msrun starts late get the signal too
-                send([p for p in workers if p.pid not in terminated], signal.SIGTERM)
-                terminated.update(p.pid for p in workers)
-            failing = [r for r in ranks if r not in outcome.seen_failing and rank_failing(run_dir, r, started)]
-            outcome.seen_failing.update((rank, rounds) for rank in failing)
-            if failing and deadline is None:
-                print(f"[launch] rank {', '.join(map(str, failing))} failed: stopping the job", file=sys.stderr,
-                      flush=True)
-                deadline = now + FAILURE_GRACE_SECONDS  # msrun stops the other workers itself; the scheduler may not
-            stalled = [] if deadline is not None else stalled_ranks(run_dir, ranks, hang_timeout, started, now)
-            for rank, phase, seconds in stalled:
-                print(f"[launch] rank {rank} stalled in phase '{phase}' for {seconds:.0f} s "
-                      f"(monitoring.hang_timeout {hang_timeout} s); stopping the job", file=sys.stderr, flush=True)
-            workers_gone = (workers_gone or now) if seen_worker and not workers else None
-            outcome.node_lost = nodes.problem() if nodes is not None else ""
-            # Once the job is ending, msrun only needs to note how its workers exited.
-            settle = SETTLE_SECONDS if deadline is None else ENDING_SETTLE_SECONDS
-            why = (outcome.node_lost if outcome.node_lost else
-                   "a rank stalled" if stalled else
-                   f"second {signals[1]}" if len(signals) > 1 else
-                   "the grace period ran out" if deadline is not None and now > deadline else
-                   "its workers are gone" if workers_gone and now - workers_gone > settle else "")
-            if why:
-                outcome.hung = outcome.hung or bool(stalled)
-                if why != "its workers are gone":
-                    outcome.killed = why
-                kill_job(proc, launcher)
-                break
-            time.sleep(poll)
-        outcome.returncode = proc.wait()
-        kill_job(proc, launcher)  # nothing of the job outlives its launch
-    except BaseException:
-        if proc is not None:
-            kill_job(proc, launcher)
-        raise
-    finally:
-        if echo is not None:
-            echo.close()
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    return outcome
-
-
-class OutputEcho:
-    """Copies msrun's log to stdout from a thread, so a slow or full stdout never holds up the watch."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="msrun-output", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        offset = 0
-        while True:
-            last = self._stop.is_set()
-            offset = echo_new_output(self.path, offset)
-            if last:
-                return
-            self._stop.wait(0.5)
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Copy what is left, waiting at most `timeout` seconds for stdout."""
-        self._stop.set()
-        self._thread.join(timeout)
-
-
-def echo_new_output(path: str, offset: int) -> int:
-    """Copy what msrun wrote to `path` since `offset` to stdout; returns the new offset."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except OSError:
-        return offset
-    if data:
-        try:
-            sys.stdout.flush()
-            sys.stdout.buffer.write(data)
-            sys.stdout.flush()
-        except (OSError, ValueError):  # the terminal is gone (SIGHUP follows): keep watching the job
-            pass
-    return offset + len(data)
-
-
-def kill_job(proc: subprocess.Popen, launcher: str) -> None:
-    """SIGKILL msrun's process group and every process of the job (workers run in sessions of their own)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    deadline = time.time() + 10
-    while True:
-        left = job_processes(launcher)
-        if not left or time.time() > deadline:
-            break
-        send(left, signal.SIGKILL)
-        time.sleep(0.2)
-    proc.wait()
-
-
-def rank_failing(run_dir: str, rank: int, since: float) -> bool:
-    """The rank's status (written after `since`) says failed, or says running while its process is gone."""
-    status = read_status(run_dir, rank)
-    if status is None or status["state"] == "done" or status["time"] < since:
-        return False
-    return status["state"] == "failed" or start_time(status.get("pid", 0)) is None
 
 
 def requested_rollback(run_dir: str, ranks):
@@ -355,99 +47,6 @@ def requested_rollback(run_dir: str, ranks):
         if status and status.get("rollback"):
             return status["rollback"]
     return None
-
-
-def failed_ranks(run_dir: str, ranks) -> list:
-    """(rank, state, error) for each of `ranks` that did not finish: failed, or died without a word."""
-    failed = []
-    for rank in ranks:
-        status = read_status(run_dir, rank)
-        if status is None:
-            failed.append((rank, "never started", ""))
-            continue
-        if status["state"] != "done":
-            state = "killed or crashed" if status["state"] == "running" else status["state"]
-            failed.append((rank, state, status.get("error", "")))
-    return failed
-
-
-def tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return f"(no log at {path})\n"
-
-
-def msrun_exit_codes(run_dir: str, msrun_log: str = MSRUN_LOG) -> dict:
-    """{pid: exit code} of the workers msrun saw exit with an error (negative: killed by that signal)."""
-    codes = {}
-    try:
-        with open(os.path.join(run_dir, LOGS, msrun_log), encoding="utf-8", errors="replace") as f:
-            for match in re.finditer(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)", f.read()):
-                codes.setdefault(int(match.group(1)), int(match.group(2)))
-    except OSError:
-        pass
-    return codes
-
-
-def describe_exit(code) -> str:
-    if code is None:
-        return "died (exit code unknown)"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = "unknown signal"
-        return f"killed by signal {-code} ({name})"
-    return f"exited with code {code}"
-
-
-def first_failure(run_dir: str, failed: list, outcome: JobOutcome, codes: dict):
-    """The rank that failed first: seen first by the launcher, then the one msrun saw, then the earliest status."""
-    def order(item):
-        rank = item[0]
-        status = read_status(run_dir, rank) or {}
-        return (outcome.seen_failing.get(rank, float("inf")), status.get("pid") not in codes,
-                status.get("time", float("inf")) if status.get("state") == "failed" else float("inf"), rank)
-    return min(failed, key=order) if failed else None
-
-
-def failure_report(run_dir: str, ranks, outcome: JobOutcome) -> str:
-    """Which rank failed first, how (signal or exit code, error) and in which phase; then each failed rank's log."""
-    codes = msrun_exit_codes(run_dir, outcome.msrun_log)
-    failed = failed_ranks(run_dir, ranks)
-    first = first_failure(run_dir, failed, outcome, codes)
-    parts = [f"[launch] training failed (msrun exit code {outcome.returncode})"]
-    if first is None:
-        parts.append("no rank reported a failure; see the logs in " + os.path.join(run_dir, LOGS))
-    elif not outcome.hung:  # a stalled rank was named already, and killed by the launcher
-        rank, state, error = first
-        status = read_status(run_dir, rank) or {}
-        beat = read_heartbeat(run_dir, rank)
-        code = codes.get(status.get("pid"))
-        how = describe_exit(code) if code is not None or state != "failed" else "reported a failure"
-        where = f" in phase '{beat['phase']}'" if beat else ""
-        parts.append(f"[launch] rank {rank} failed first: {'never started' if not status else how + where}"
-                     f"{': ' + error if error else ''}")
-        failed.remove(first)
-        failed.insert(0, first)
-    for rank, state, error in failed:
-        log = worker_log(run_dir, rank)
-        beat = read_heartbeat(run_dir, rank)
-        where = f" (last phase '{beat['phase']}', {time.time() - beat['time']:.0f} s ago)" if beat else ""
-        parts.append(f"rank {rank}: {state}{where}{': ' + error if error else ''}\n"
-                     f"--- last {LOG_TAIL_LINES} lines of {log} ---\n{tail(log)}---")
-    return "\n".join(parts)
-
-
-def report_failure(run_dir: str, cluster: Cluster, outcome: JobOutcome, group: NodeGroup = None) -> str:
-    """failure_report for this node's ranks; the other nodes are told its headline (which rank, how, where)."""
-    report = failure_report(run_dir, cluster.ranks, outcome)
-    if group is not None:
-        group.failure = "; ".join(line[len("[launch] "):] for line in report.splitlines()[1:]
-                                  if line.startswith("[launch] ") and not line.startswith("[launch] training failed"))
-    return report
 
 
 def job_complete(run_dir: str, ranks) -> bool:
@@ -488,7 +87,8 @@ def preflight(recipe: Recipe, master_port: int = None) -> list:
 
 
 def plan_report(recipe: Recipe, device: str = None) -> str:
-    from ascend_llm_recipes.training.tools.planner import format_plan, plan
+    from ascend_llm_recipes.training.tools.plan_report import format_plan
+    from ascend_llm_recipes.training.tools.planner import plan
 
     return format_plan(plan(recipe, device=device))
 

@@ -1,8 +1,8 @@
 """One training worker: the resolved recipe -> MindFormers' Trainer, in graph mode.
 
 Started by the launcher (through msrun) as `python scripts/train.py --run-dir RUN_DIR`.
-Each rank records its state in RUN_DIR/status/rank_N.json so the launcher can name the
-rank that failed; rank 0 writes per-step metrics and the final summary.
+Each rank records its state in RUN_DIR/status/rank_N.json (training/rank_status.py) so the launcher
+can name the rank that failed; rank 0 writes per-step metrics and the final summary.
 """
 
 import argparse
@@ -17,24 +17,15 @@ import traceback
 import yaml
 
 from ascend_llm_recipes.common.errors import LaunchError, PretrainError
-from ascend_llm_recipes.common.files import write_json_atomic
-from ascend_llm_recipes.training.rank_status import Heartbeat
+from ascend_llm_recipes.training.rank_status import Heartbeat, write_status
 from ascend_llm_recipes.training.launcher.job import stop_orphan, watch_launcher, watch_launcher_from_a_child
 from ascend_llm_recipes.training.recipe.schema import START_STEP_LR, DynamicLossScaleConfig, Recipe, recipe_from_dict
 from ascend_llm_recipes.training.run_files import (CHECKPOINTS, PROFILE, RESOLVED_RECIPE, SUMMARY, TENSORBOARD,
-                                                   metrics_file, status_path)
+                                                   metrics_file)
 
 
 def rank_id() -> int:
     return int(os.environ.get("RANK_ID", "0"))
-
-
-def write_status(run_dir: str, state: str, **extra) -> None:
-    path = status_path(run_dir, rank_id())
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    # The PID in every state: the launcher matches it with msrun's report of how the process ended.
-    write_json_atomic(path, {"rank": rank_id(), "state": state, "time": time.time(), "pid": os.getpid(), **extra},
-                      fsync=False)
 
 
 def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
@@ -399,17 +390,17 @@ def main(argv=None) -> int:
     run_dir = os.path.abspath(args.run_dir)
     # Workers run in sessions of their own: nothing else stops them when the launcher is killed.
     watch_launcher(lambda pid: stop_orphan(f"rank {rank_id()}", pid, graceful=True))
-    write_status(run_dir, "running")
+    write_status(run_dir, rank_id(), "running")
     try:
         Heartbeat(run_dir, rank_id()).beat("start")
         summary = run(run_dir, started)
     except PretrainError as err:
         print(f"rank {rank_id()}: error: {err}", file=sys.stderr, flush=True)
-        write_status(run_dir, "failed", error=str(err))
+        write_status(run_dir, rank_id(), "failed", error=str(err))
         return 1
     except BaseException as err:  # the launcher reports the rank; the traceback goes to its log
         traceback.print_exc()
-        write_status(run_dir, "failed", error=f"{type(err).__name__}: {err}")
+        write_status(run_dir, rank_id(), "failed", error=f"{type(err).__name__}: {err}")
         return 1
-    write_status(run_dir, "done", preempted=summary["preempted"], rollback=summary["rollback"])
+    write_status(run_dir, rank_id(), "done", preempted=summary["preempted"], rollback=summary["rollback"])
     return 0
