@@ -14,11 +14,12 @@ import yaml
 
 from conftest import DEMO_RECIPE, REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.training.launcher.preflight import (MIN_MAX_MAP_COUNT, check_device, check_disk, check_hccl,
-                                                   check_leftover_processes, check_master_port, check_max_map_count,
-                                                   check_memlock, check_versions, check_writable_dir,
-                                                   checkpoint_bytes, format_findings, has_errors, hccl_env,
-                                                   installed_versions, load_table, run_checks, training_processes,
-                                                   visible_npus, write_findings)
+                                                            check_leftover_processes, check_master_port,
+                                                            check_max_map_count, check_memlock, check_versions,
+                                                            check_writable_dir, checkpoint_bytes, format_findings,
+                                                            has_errors, hccl_env, run_checks, training_processes,
+                                                            visible_npus, write_findings)
+from ascend_llm_recipes.training.launcher.versions import installed_versions, load_table
 from ascend_llm_recipes.common.errors import LaunchError, PretrainError
 from ascend_llm_recipes.training.recipe.schema import load_recipe
 
@@ -135,7 +136,7 @@ def test_hccl_environment_that_differs_warns_and_bad_value_is_refused():
 
 def test_environment_is_the_one_the_user_exported():
     """Importing MindSpore sets HCCL_CONNECT_TIMEOUT=600; that is not the user's setting."""
-    code = ("import os, mindspore; from ascend_llm_recipes.training.launcher.preflight import launch_environment; "
+    code = ("import os, mindspore; from ascend_llm_recipes.training.launcher.versions import launch_environment; "
             "print(os.environ.get('HCCL_CONNECT_TIMEOUT'), launch_environment().get('HCCL_CONNECT_TIMEOUT'))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("HCCL_")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,

@@ -206,8 +206,8 @@ def pipeline_loss_result(run_dir: str) -> dict:
 
 def checkpoint_size_result(run_dir: str) -> dict:
     """Rank 0's newest checkpoint file against the bytes resume needs: the model's parameters, their float32 masters
-    (16-bit weights, training/worker/optim.py) and AdamW moments at the shapes the rank holds (checkpoint.rank_shapes), in
-    the dtypes saved, plus counters; anything else it holds (e.g. MindFormers' accu_grads) is listed by name prefix
+    (16-bit weights, training/worker/optim.py) and AdamW moments at the shapes the rank holds (checkpoint.rank_shapes),
+    in the dtypes saved, plus counters; anything else it holds (e.g. MindFormers' accu_grads) is listed by name prefix
     with its bytes."""
     from ascend_llm_recipes.models.shapes import parameter_shapes
     from ascend_llm_recipes.training.checkpoint import (MANIFEST, itemsize, rank_shapes, read_json, shape_problems,
@@ -437,9 +437,9 @@ def main(argv=None) -> int:
 def ascend_missing() -> str:
     """Why this machine cannot run device work (no CANN toolkit, no npu-smi), or '' when it can."""
     import shutil
-    from ascend_llm_recipes.training.launcher.preflight import _cann_version
+    from ascend_llm_recipes.training.launcher.versions import cann_version
 
-    version, where = _cann_version(dict(os.environ))
+    version, where = cann_version(dict(os.environ))
     if version is None:
         return f"needs an Ascend node: {where}"
     if shutil.which("npu-smi") is None:
@@ -453,9 +453,9 @@ def dry_run_compile(recipe, recipe_path: str) -> int:
     DryRun needs MindSpore's Ascend plugin, which needs CANN; without it, say so in one line.
     """
     from ascend_llm_recipes.training.launcher.resume import prepare_run_dir
-    from ascend_llm_recipes.training.launcher.preflight import _cann_version
+    from ascend_llm_recipes.training.launcher.versions import cann_version
 
-    version, where = _cann_version(dict(os.environ))
+    version, where = cann_version(dict(os.environ))
     if version is None:
         print(f"dry-run: not run: MindSpore's DryRun (MS_SIMULATION_LEVEL) needs CANN and none is installed here "
               f"({where})")
