@@ -343,7 +343,8 @@ def test_lazy_inline_is_where_mindspore_runs_it():
 @pytest.mark.parametrize("name", ASCEND_RECIPES)
 def test_shipped_recipes_use_the_lowest_optimizer_level_that_fits(name):
     """level3 re-gathers fp32 weights per micro-batch: a recipe uses it only when its plan needs it."""
-    from ascend_llm_recipes.training.tools.planner import lowest_fitting_optimizer_level, plan
+    from ascend_llm_recipes.training.tools.plan_report import lowest_fitting_optimizer_level
+    from ascend_llm_recipes.training.tools.planner import plan
 
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), planning=True)
     assert recipe.parallel.parallel_optimizer_config.optimizer_level == lowest_fitting_optimizer_level(recipe)
@@ -354,7 +355,8 @@ def test_llama2_7b_runs_without_recompute_at_tp2_because_dp8_leaves_no_headroom(
     """MindFormers' own layout (DP 8, TP 1) plans to 55.1 GB at best (level3, bf16 weights): under the 10%
     headroom; DP 4 x TP 2 halves the per-rank weights, accu_grads and most activations without recompute."""
     from dataclasses import replace
-    from ascend_llm_recipes.training.tools.planner import has_headroom, plan
+    from ascend_llm_recipes.training.tools.plan_report import has_headroom
+    from ascend_llm_recipes.training.tools.planner import plan
 
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_8dev.yaml"), planning=True)
     p = recipe.parallel_config

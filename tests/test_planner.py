@@ -5,8 +5,10 @@ import pytest
 from conftest import DEMO_RECIPE, TINY_RECIPE
 from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.models.arithmetic import flops_per_token, param_count
-from ascend_llm_recipes.training.tools.planner import (DEVICES, GB, format_plan, layer_activation_bytes, plan,
-                                                 recompute_working_bytes, stage_memory, stage_parameters)
+from ascend_llm_recipes.training.tools.devices import DEVICES, GB
+from ascend_llm_recipes.training.tools.plan_report import format_plan
+from ascend_llm_recipes.training.tools.planner import (layer_activation_bytes, plan, recompute_working_bytes,
+                                                       stage_memory, stage_parameters)
 from ascend_llm_recipes.training.recipe.schema import load_recipe
 
 SMALL = ("model.model_config.vocab_size=100", "model.model_config.hidden_size=64",
@@ -303,7 +305,7 @@ ASCEND_RECIPES = ["llama2_7b_8dev", "llama2_13b_8dev", "llama2_70b_32dev", "dens
 def test_every_ascend_recipe_fits_with_ten_percent_headroom(name):
     import glob
     import os
-    from ascend_llm_recipes.training.tools.planner import HEADROOM, has_headroom
+    from ascend_llm_recipes.training.tools.plan_report import HEADROOM, has_headroom
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ascend = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(root, "recipes", "*.yaml"))

@@ -213,7 +213,8 @@ def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir
     {"path", "notes", "plan"}.
     """
     from ascend_llm_recipes.common.errors import RecipeError
-    from ascend_llm_recipes.training.tools.planner import plan, verdict
+    from ascend_llm_recipes.training.tools.plan_report import verdict
+    from ascend_llm_recipes.training.tools.planner import plan
 
     converted_dir = os.path.abspath(converted_dir)
     cfg, _ = read_model_section(os.path.join(converted_dir, MODEL_SECTION_FILE))

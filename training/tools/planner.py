@@ -8,10 +8,9 @@ moments, the gradients, loss-scale and step state, the activations of the micro-
 and the logits of the last stage; it compares the total with the device's memory. The parameter
 terms are read from the same table models/llama.py builds its Parameters from, and a CPU test checks
 them against the real train-step cell. It also estimates the step time term by term and the
-checkpoint size. `format_plan` prints it for `bash scripts/run_distributed.sh RECIPE --plan`.
-
-GB means 2**30 bytes throughout, the unit of npu-smi's HBM figures and of MindSpore's
-`context.max_device_memory`. Import-light: no MindSpore.
+checkpoint size. The devices and their figures are training/tools/devices.py's (GB = 2**30 bytes);
+training/tools/plan_report.py `format_plan` prints a plan for `bash scripts/run_distributed.sh RECIPE --plan`.
+Import-light: no MindSpore.
 
 Counted as a bound: tensors of operators without a shard strategy are whole on every TP
 rank, the layer being computed or recomputed adds its own activations, and the last stage
@@ -23,96 +22,19 @@ update step's own peak (scaled and clipped gradient copies while the activations
 """
 
 import math
-import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.models.arithmetic import flops_per_token, param_count
 from ascend_llm_recipes.models.parallel import balanced_stages
 from ascend_llm_recipes.models.shapes import dimensions, parameter_dtype, parameter_shapes
+from ascend_llm_recipes.training.tools.devices import DEFAULT_DEVICE, DEVICES, GB, DeviceSpec
 
-GB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 RECOMPUTE_MODES = ("none", "selective", "full")
 MINDSPORE_OPTIMIZER_PARALLEL = "https://www.mindspore.cn/docs/en/r2.9.0/features/parallel/optimizer_parallel.html"
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    name: str
-    memory_bytes: Optional[int]        # HBM (RAM for CPU); the runtime keeps a share of it
-    peak_flops_16bit: Optional[float]  # dense bf16/fp16 matmul peak, FLOP/s; None: no figure we trust
-    peak_flops_fp32: Optional[float]   # dense fp32 peak, FLOP/s; None: no figure we trust
-    bf16: bool = True
-    source: str = ""
-
-
-def _mem_total_bytes() -> Optional[int]:
-    """This machine's RAM: MemTotal from /proc/meminfo (Linux), else the page count."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024  # reported in kB
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-# Capacities: npu-smi reports 32768 MB (910A, 910B4) and 65536 MB (910B1-B3) of HBM; HAMi's
-# Ascend device table (Project-HAMi, vNPU memoryCapacity) lists the same.
-ASCEND_910A = DeviceSpec(
-    "Ascend910A", 32 * GB,
-    # 256 TFLOPS fp16: Huawei's Ascend 910 launch figure (press release Aug 2019, Hot Chips 31).
-    # No bf16 on this chip (fp16 only). Huawei published no fp32 figure.
-    256e12, None, bf16=False,
-    source="32 GB HBM; 256 TFLOPS fp16 (Huawei launch figure, 2019); no bf16; fp32 peak unpublished")
-
-# Huawei publishes no per-bin datasheet for the 910B family. The 16-bit peaks below are the
-# approximate figures commonly quoted for each bin, not vendor numbers: treat them as +-10%.
-# A measured bf16 4096^3 matmul reaches ~315 TFLOP/s on a 910B2 (zzc0721/torch-performance-
-# test-data issue 109), consistent with B2's figure. fp32: no vendor figure (the same
-# measurement gives ~85 TFLOP/s for fp32 matmul, a lower bound only).
-_910B_CAVEAT = "approximate third-party figure, not a Huawei datasheet (+-10%); fp32 peak unpublished"
-ASCEND_910B1 = DeviceSpec(
-    "Ascend910B1", 64 * GB, None, None,  # no peak figure we could confirm for this bin
-    source="64 GB HBM; no 16-bit peak figure we could confirm for the B1 bin")
-ASCEND_910B2 = DeviceSpec("Ascend910B2", 64 * GB, 376e12, None,
-                          source=f"64 GB HBM; ~376 TFLOPS bf16/fp16, {_910B_CAVEAT}")
-ASCEND_910B3 = DeviceSpec("Ascend910B3", 64 * GB, 313e12, None,
-                          source=f"64 GB HBM; ~313 TFLOPS bf16/fp16, {_910B_CAVEAT}")
-# 32 GB is the B4's difference from the other bins (vllm-ascend issue 129, HAMi's table).
-ASCEND_910B4 = DeviceSpec("Ascend910B4", 32 * GB, 280e12, None,
-                          source=f"32 GB HBM; ~280 TFLOPS bf16/fp16, {_910B_CAVEAT}")
-# A 64 GB B4 variant exists: npu-smi names it 910B4-1 and shows 65536 MB (Project-HAMi/HAMi-WebUI
-# issue 47); no peak figure for it.
-ASCEND_910B4_1 = DeviceSpec("Ascend910B4-1", 64 * GB, None, None,
-                            source="64 GB HBM (npu-smi: 65536 MB); no peak figure for this variant")
-
-
-def _server(name: str, chip: DeviceSpec, what: str) -> DeviceSpec:
-    return replace(chip, name=name, source=f"{what}, per device: {chip.source}")
-
-
-DEVICES = {spec.name: spec for spec in (
-    ASCEND_910A, ASCEND_910B1, ASCEND_910B2, ASCEND_910B3, ASCEND_910B4, ASCEND_910B4_1,
-    # Servers, for people who know the box rather than the chip. An Atlas 800T A2 holds 8
-    # devices of one 910B bin; `npu-smi info` names it (Name column: 910B1, 910B2, 910B3).
-    _server("Atlas800T-A2-910B1", ASCEND_910B1, "Atlas 800T A2 training server, 8 x 910B1"),
-    _server("Atlas800T-A2-910B2", ASCEND_910B2, "Atlas 800T A2 training server, 8 x 910B2"),
-    _server("Atlas800T-A2-910B3", ASCEND_910B3, "Atlas 800T A2 training server, 8 x 910B3"),
-    _server("Atlas800-9000", ASCEND_910A, "Atlas 800 training server (model 9000), 8 x 910A"),
-    # This machine: its RAM; a CPU's peak FLOP/s depends on cores, clock and vector width.
-    DeviceSpec("CPU", _mem_total_bytes(), None, None,
-               source="this machine's MemTotal (/proc/meminfo); peak FLOP/s unknown"),
-)}
-
-DEFAULT_DEVICE = {"CPU": "CPU", "Ascend": "Ascend910B2"}
 
 
 @dataclass
@@ -323,9 +245,9 @@ SOURCES = {
     "master": "training/worker/optim.py FoldedAdamW._master_of: float32 master.* of each 16-bit weight, sliced like it",
     "accu_grads": "mindformers/wrapper/wrapper.py:849 accu_grads = weights.clone(init='zeros'), in the weights' "
                   "dtype, built by MFPipelineWithLossScaleCell (accumulation > 1 or pipeline stages, "
-                  "training/worker/train_step.py train_step_wrapper); sliced over DP only with gradient_accumulation_shard, "
-                  "which optimizer level2 turns on and level1 (default False) and level3 leave off "
-                  "(mindspore/parallel/_auto_parallel_context.py:1078-1084)",
+                  "training/worker/train_step.py train_step_wrapper); sliced over DP only with "
+                  "gradient_accumulation_shard, which optimizer level2 turns on and level1 (default False) and level3 "
+                  "leave off (mindspore/parallel/_auto_parallel_context.py:1078-1084)",
     "moments": "mindformers/core/optim/adamw.py:167-168, 179-181 adam_m/adam_v in float32 whatever the weight dtype, "
                "sliced like the weight under optimizer parallel (param_info cloned, adamw.py:183)",
     "gradients": "the backward's gradient of every weight (weights' dtype), alive together for the global-norm clip "
@@ -553,10 +475,6 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
                   else f"every operator split by DP {p.data_parallel}; no tensor parallelism"))
 
 
-# Published Llama 2 7B pretraining speeds, seq 4096 on 8 x 910B, tokens/s per device: MindFormers' README
-# (Llama 2 7B pretrain table) and MindSpeed-LLM's (Llama 2 7B, 69% MFU); the issue's figures.
-PUBLISHED_TOKENS_PER_S = {"MindFormers": 4160, "MindSpeed-LLM": 4672}
-LLAMA2_7B_PARAMETERS = 6_738_415_616  # the model those figures are for (models/presets.py "llama2-7b")
 # Assumptions for the non-matmul terms (no Huawei datasheet figure): 910B HBM ~1.6 TB/s; intra-node HCCL
 # collectives at ~100 GB/s bus bandwidth per device, not overlapped with compute (no parallel_speed_up_json).
 HBM_BYTES_PER_S = 1.6e12
@@ -627,31 +545,6 @@ def speed_estimate(recipe, spec: DeviceSpec, mfu: float) -> Optional[SpeedEstima
     return SpeedEstimate(terms, step, tokens_device / step, notes)
 
 
-OPTIMIZER_LEVELS = ("level1", "level2", "level3")
-HEADROOM = 0.10  # share of the budget a shipped recipe leaves free: the plan is a model, not a measurement
-
-
-def has_headroom(plan: "Plan", share: float = HEADROOM) -> bool:
-    """Whether the plan fits with `share` of the budget to spare."""
-    return bool(plan.fits) and plan.headroom_bytes >= share * plan.device_memory_bytes
-
-
-def lowest_fitting_optimizer_level(recipe, device: str = None) -> Optional[str]:
-    """The least-communicating optimizer-parallel level at which the recipe fits with HEADROOM, None if none does.
-
-    level1 gathers the weights once per step, level2 also reduce-scatters gradients, level3
-    re-gathers the fp32 weights for every micro-batch's backward; so the lowest level that fits wins.
-    """
-    from dataclasses import replace as copy_with
-    config = recipe.parallel.parallel_optimizer_config
-    for level in OPTIMIZER_LEVELS:
-        trial = copy_with(recipe, parallel=copy_with(recipe.parallel, parallel_optimizer_config=copy_with(
-            config, optimizer_level=level)))
-        if has_headroom(plan(trial, device)):
-            return level
-    return None
-
-
 def _with(recipe, **changes):
     """The recipe with parallel / recompute settings changed (for the levers' what-ifs)."""
     from dataclasses import replace as copy_with
@@ -686,84 +579,3 @@ def _unused_levers(recipe, mode, shard, total) -> list:
     if p.model_parallel == 1:
         levers.append("tensor parallel")
     return levers
-
-
-def _gb(n: int) -> str:
-    return f"{n / GB:.2f}"
-
-
-def format_plan(plan: Plan) -> str:
-    """A readable table: one line per component (GB), the verdict, the step time."""
-    tp, pp = plan.tensor_parallel, plan.pipeline_stages
-    budget = "unknown" if plan.device_memory_bytes is None else f"{_gb(plan.device_memory_bytes)} GB"
-    stage_desc = (f"stage {plan.stage} of {pp} ({plan.stage_layers[plan.stage]} layers"
-                  f"{', embedding' if plan.stage == 0 else ''}{', output projection' if plan.stage == pp - 1 else ''})"
-                  if pp > 1 else f"all {plan.stage_layers[0]} layers")
-    devices = f"{plan.world_size} device{'s' if plan.world_size > 1 else ''}"
-    lines = [
-        f"plan: {plan.parameters:,} parameters on DP {plan.data_parallel} x TP {tp} x PP {pp} = {devices}",
-        f"attention: {plan.attention}",
-        f"sharding: {plan.sharding}",
-        f"device: {plan.device} ({plan.device_source})",
-        f"memory budget: {budget} ({plan.device_memory_note})",
-        f"per device: {stage_desc}, {plan.stage_parameters:,} parameters; micro-batch {plan.micro_batch} x seq "
-        f"{plan.seq_length}, {plan.compute_dtype} compute, {plan.in_flight} micro-batch"
-        f"{'es' if plan.in_flight > 1 else ''} in flight",
-        "",
-        f"{'buffer (what allocates each: sources, below)':<72}{'GB':>9}",
-    ]
-
-    def row(label, n, mark=""):
-        lines.append(f"{label:<72}{_gb(n):>9}{mark}")
-
-    for term in plan.terms:
-        row(term.label, term.bytes)
-    for mode, label in (("none", "no recompute"), ("selective", "selective recompute (core attention)"),
-                        ("full", "full recompute (layer inputs + one layer rebuilt)")):
-        if mode != plan.recompute:
-            lines.append(f"  (activations with {label}: {_gb(getattr(plan, f'activation_bytes_{mode}'))} GB)")
-    lines.append("-" * 81)
-    row("total", plan.total_bytes)
-    if pp > 1:
-        lines.append("  per stage: " + ", ".join(_gb(t) for t in plan.stage_total_bytes) + " GB")
-    lines.append("")
-    lines.append(verdict(plan))
-    peak = "unknown" if plan.peak_flops is None else f"{plan.peak_flops / 1e12:.0f} TFLOP/s peak"
-    dtype = "fp32" if plan.compute_dtype == "float32" else plan.compute_dtype
-    step = (f"step time: not estimated (no {dtype} peak FLOP/s for {plan.device})" if plan.step_time_s is None else
-            f"step time at {plan.mfu:.0%} MFU of {peak}: {plan.step_time_s:.2f} s "
-            f"({plan.tokens_per_step / plan.step_time_s:,.0f} tokens/s)")
-    lines.append(f"compute: {plan.flops_per_token / 1e9:,.3f} GFLOP/token x {plan.tokens_per_step:,} tokens/step; "
-                 + step)
-    if plan.speed is not None:
-        lines.append("step time, term by term (one device):")
-        for label, seconds in plan.speed.terms:
-            lines.append(f"  {label:<70}{seconds:>9.3f} s")
-        lines.append(f"  {'estimated step':<70}{plan.speed.step_time_s:>9.3f} s")
-        lines.append(f"  => {plan.speed.tokens_per_s_per_device:,.0f} tokens/s/device")
-        if plan.parameters == LLAMA2_7B_PARAMETERS and plan.device.startswith("Ascend910B"):
-            # The published figures are for this model on 910B only: other models and devices are not compared.
-            published = ", ".join(f"{name} {value:,}" for name, value in PUBLISHED_TOKENS_PER_S.items())
-            ratio = plan.speed.tokens_per_s_per_device / PUBLISHED_TOKENS_PER_S["MindSpeed-LLM"]
-            lines[-1] += f"; published for Llama 2 7B, seq 4096, 8 x 910B: {published} ({ratio:.0%} of MindSpeed-LLM's)"
-        lines.extend(f"  {n}" for n in plan.speed.notes)
-    lines.append(f"checkpoint per save: {_gb(plan.checkpoint_rank_bytes)} GB per rank, "
-                 f"{_gb(plan.checkpoint_total_bytes)} GB in all (weights, masters, moments, step; not accu_grads)")
-    lines.append("sources:")
-    for category in dict.fromkeys(t.category for t in plan.terms):
-        lines.append(f"  [{category}] {SOURCES[category]}")
-    lines.extend(f"note: {n}" for n in plan.notes)
-    return "\n".join(lines)
-
-
-def verdict(plan: Plan) -> str:
-    if plan.fits is None:
-        return f"fits: unknown (needs {plan.total_bytes / GB:.1f} GB; the device memory is unknown)"
-    need, have = plan.total_bytes / GB, plan.device_memory_bytes / GB
-    if plan.fits:
-        headroom = plan.headroom_bytes / plan.device_memory_bytes
-        return f"fits: {need:.1f} GB of {have:.1f} GB ({headroom:.0%} headroom)"
-    levers = ("levers in order: " + ", ".join(plan.levers) if plan.levers
-              else "every lever is in use: add devices (or offload, the last resort)")
-    return (f"WILL NOT FIT: needs {need:.1f} GB, device has {have:.1f} GB (short by "
-            f"{-plan.headroom_bytes / GB:.1f} GB); {levers}")
