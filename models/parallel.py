@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 
 from ascend_llm_recipes.models.shapes import dimensions
 
-RECOMPUTE_MODES = ("none", "full", "selective")
+RECOMPUTE_MODES = ("none", "selective", "full")  # by memory saved: core attention only, then whole layers
+
+
+def recompute_mode(recompute: bool, select_recompute: bool) -> str:
+    """The mode recompute_config's two flags select: full (whole layers, core attention included) wins
+    over selective; the recipe refuses both set at once."""
+    return "full" if recompute else "selective" if select_recompute else "none"
+
+
 # recompute_config keys MindSpore's Cell.recompute acts on (mindspore/nn/cell.py:3685-3692); its third,
 # parallel_optimizer_comm_recompute, only logs a warning in 2.9 and is refused by the recipe check.
 RECOMPUTE_OPTIONS = ("mp_comm_recompute", "recompute_slice_activation")
@@ -111,10 +119,8 @@ def plan_layout_from_mindformers(cfg, parallel_config) -> LlamaLayout:
     """The layout from MindFormers' TransformerOpParallelConfig (recipe parallel_config + recompute_config)."""
     recompute_config = getattr(parallel_config, "recompute", None)
     recompute = "none"
-    if recompute_config is not None and recompute_config.recompute:
-        recompute = "full"
-    elif recompute_config is not None and recompute_config.select_recompute:
-        recompute = "selective"
+    if recompute_config is not None:
+        recompute = recompute_mode(recompute_config.recompute, recompute_config.select_recompute)
     options = {}
     if recompute_config is not None:
         options = {name: getattr(recompute_config, name) for name in RECOMPUTE_OPTIONS}

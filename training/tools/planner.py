@@ -28,12 +28,12 @@ from typing import Optional
 
 from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.models.arithmetic import flops_per_token, param_count
-from ascend_llm_recipes.models.parallel import balanced_stages
+from ascend_llm_recipes.models.parallel import RECOMPUTE_MODES, balanced_stages
+from ascend_llm_recipes.models.parallel import recompute_mode as mode_of_flags
 from ascend_llm_recipes.models.shapes import dimensions, parameter_dtype, parameter_shapes
 from ascend_llm_recipes.training.tools.devices import DEFAULT_DEVICE, DEVICES, GB, DeviceSpec
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-RECOMPUTE_MODES = ("none", "selective", "full")
 MINDSPORE_OPTIMIZER_PARALLEL = "https://www.mindspore.cn/docs/en/r2.9.0/features/parallel/optimizer_parallel.html"
 
 
@@ -376,8 +376,8 @@ def _ceil_div(n: int, d: int) -> int:
 
 
 def recompute_mode(recipe) -> str:
-    r = recipe.recompute_config
-    return "full" if r.recompute else "selective" if r.select_recompute else "none"
+    """The recipe's recompute mode, as the model applies it (models/parallel.py recompute_mode)."""
+    return mode_of_flags(recipe.recompute_config.recompute, recipe.recompute_config.select_recompute)
 
 
 def optimizer_sharded(recipe) -> bool:
