@@ -1,1 +1,2 @@
-"""Tools a user runs by hand: planner, plots, Ascend acceptance kit, exports, checkpoint re-layout."""
+"""Tools a user runs by hand: the planner (`planner`, its device table `devices`, its printed form `plan_report`),
+plots, the Ascend acceptance kit, exports, checkpoint re-layout."""
