@@ -73,10 +73,11 @@ def test_launcher_names_the_python_it_found_and_the_real_import_error(bare_pytho
     result = subprocess.run([bash, LAUNCHER, TINY_RECIPE], capture_output=True, text=True, timeout=120,
                             env=dict(env, PATH=f"{bare_python3}{os.pathsep}{tools}", PYTHONPATH=package_copy))
     assert result.returncode == 2
-    assert result.stderr.startswith(f"error: {bare_python3}/python3 cannot import ascend_llm_recipes.training.launcher.cli: "
+    assert result.stderr.startswith(f"error: {bare_python3}/python3 cannot import "
+                                    "ascend_llm_recipes.training.launcher.cli: "
                                     "ModuleNotFoundError: No module named 'yaml'\n"), result.stderr
-    assert re.search(rf'\n  raised at "{package_copy}/ascend_llm_recipes/training/\w+\.py", line \d+, in <module>\n',
-                     result.stderr), result.stderr
+    assert re.search(rf'\n  raised at "{package_copy}/ascend_llm_recipes/training/[\w/]+\.py", line \d+, '
+                     r'in <module>\n', result.stderr), result.stderr
     result = subprocess.run([bash, LAUNCHER, TINY_RECIPE], capture_output=True, text=True, timeout=120,
                             env=dict(env, PATH=tools))
     assert result.returncode == 2
@@ -507,7 +508,8 @@ def test_a_process_blocked_holding_the_gil_still_stops_when_its_launcher_is_gone
     try:
         for how in ("watch_launcher(lambda pid: os._exit(3))", "watch_launcher_from_a_child('scheduler')"):
             code = ("import ctypes, os\n"
-                    f"from ascend_llm_recipes.training.launcher.job import watch_launcher, watch_launcher_from_a_child\n"
+                    "from ascend_llm_recipes.training.launcher.job import (watch_launcher,\n"
+                    "                                                      watch_launcher_from_a_child)\n"
                     f"{how}\nctypes.PyDLL(None).sleep(20)\n")
             blocked[how] = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
                                             env=dict(os.environ, **{LAUNCHER_ENV: process_id(launcher.pid)}))
