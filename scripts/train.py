@@ -2,8 +2,11 @@
 
 import sys
 
+from ascend_llm_recipes.training.worker.without_torch import keep_torch_out
 
-from ascend_llm_recipes.training.worker.train import main
+keep_torch_out()  # before MindFormers is imported: it would import PyTorch only to probe for it
+
+from ascend_llm_recipes.training.worker.train import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())
