@@ -32,10 +32,33 @@ LLAMA2_LAYOUT_SP_MODEL = os.path.join(importlib.util.find_spec("mistral_common")
 DRILL_FIXTURES = {"data_parallel_runs", "megatron_dir", "slurm_run"}
 
 
+# With pytest-xdist (`-n 2 --dist loadgroup`, the README's command) each worker process builds its own session
+# fixtures and clusters: the tests that share one of these run in one worker, so each is built once and two
+# workers never start two Slurm clusters or two pairs of namespaces on the same addresses and ports.
+SHARED_FIXTURES = {"data_parallel_runs": "data_parallel_runs", "megatron_dir": "megatron",
+                   "slurm_cluster": "slurm", "ray_cluster": "ray", "netns_nodes": "netns"}
+
+
 def pytest_collection_modifyitems(items):
+    uses = {}
     for item in items:
-        if DRILL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if DRILL_FIXTURES & fixtures:
             item.add_marker(pytest.mark.drill)
+        uses[item] = {SHARED_FIXTURES[f] for f in fixtures & SHARED_FIXTURES.keys()}
+    # a test needing two of them joins their groups (else two workers could hold one resource each and both want
+    # the other's): the groups are the connected sets of resources
+    group = {name: {name} for name in SHARED_FIXTURES.values()}
+    for needed in uses.values():
+        joined = set().union(*(group[name] for name in needed)) if needed else set()
+        for name in joined:
+            group[name] = joined
+    for item, needed in uses.items():
+        # the rest by module, so that a module's fixtures are built once too
+        name = "+".join(sorted(group[next(iter(needed))])) if needed else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(name))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the long shared groups first, not left as the tail of the run
+        items.sort(key=lambda item: not uses[item])
 
 
 def load_script(name: str):
