@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO_ROOT
 from ascend_llm_recipes.common.errors import RecipeError
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 
 TINY_ASCEND = os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml")
 LAYOUTS = {  # the acceptance kit's layouts, all at a global batch of 8 sequences
@@ -422,7 +422,7 @@ if os.environ.get("MS_ROLE") == "MS_SCHED":
 ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", full_batch=True)  # the training context
 from ascend_llm_recipes.training.worker.callbacks import StepRecord, StepRecorder
 from ascend_llm_recipes.training.rank_status import Heartbeat
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 rank = get_rank()
 recipe = load_recipe(os.environ["TINY_ASCEND"], ["parallel_config.data_parallel=1", "parallel_config.pipeline_stage=2",
                                                  "parallel_config.micro_batch_num=2", "hardware.devices_per_node=2"],

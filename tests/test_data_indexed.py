@@ -19,7 +19,7 @@ from ascend_llm_recipes.data.packing import StreamPacker
 from ascend_llm_recipes.data.prepare import check_dataset
 from ascend_llm_recipes.data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
 from ascend_llm_recipes.training.launcher.datasets import check_datasets
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 
 torch = pytest.importorskip("torch")
 indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset",

@@ -20,7 +20,7 @@ from ascend_llm_recipes.training.launcher.preflight import (MIN_MAX_MAP_COUNT, c
                                                    installed_versions, load_table, run_checks, training_processes,
                                                    visible_npus, write_findings)
 from ascend_llm_recipes.common.errors import LaunchError, PretrainError
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 
 
 @pytest.fixture(scope="module")

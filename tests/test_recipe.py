@@ -15,8 +15,8 @@ import yaml
 from conftest import DEMO_RECIPE, REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.training.tools.planner import plan
-from ascend_llm_recipes.training.recipe.schema import (CheckpointMonitorConfig, Recipe, apply_override, load_recipe,
-                                                read_recipe_file, recipe_from_dict)
+from ascend_llm_recipes.training.recipe.loading import apply_override, load_recipe, read_recipe_file, recipe_from_dict
+from ascend_llm_recipes.training.recipe.schema import CheckpointMonitorConfig, Recipe
 
 
 def write(tmp_path, text, base=TINY_RECIPE):
@@ -740,7 +740,8 @@ def test_the_910a_refuses_what_it_lacks_and_float16_needs_loss_scaling():
 
 def test_910a_recipe_is_float16_with_dynamic_loss_scaling_and_fits_with_headroom():
     from ascend_llm_recipes.training.tools.planner import DEVICES, GB
-    from ascend_llm_recipes.training.recipe.schema import FIRST_GENERATION_910, DynamicLossScaleConfig
+    from ascend_llm_recipes.training.recipe.device import FIRST_GENERATION_910
+    from ascend_llm_recipes.training.recipe.schema import DynamicLossScaleConfig
 
     assert all(not DEVICES[name].bf16 and DEVICES[name].memory_bytes == 32 * GB for name in FIRST_GENERATION_910)
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_910a_16dev.yaml"))

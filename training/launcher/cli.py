@@ -27,7 +27,8 @@ from ascend_llm_recipes.training.launcher.datasets import check_load_checkpoint,
 from ascend_llm_recipes.common.errors import LaunchError, PretrainError
 from ascend_llm_recipes.training.launcher.job import (LAUNCHER_ENV, RunDirLock, describe_holder, job_processes,
                                              process_id, send, start_time)
-from ascend_llm_recipes.training.recipe.schema import Recipe, load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
+from ascend_llm_recipes.training.recipe.schema import Recipe
 from ascend_llm_recipes.training.launcher.resume import check_data_position, prepare_run_dir, resumed_step
 from ascend_llm_recipes.training.launcher.rendezvous import (DEFAULT_RENDEZVOUS_TIMEOUT, NodeGroup, check_node_address,
                                                     open_rendezvous, report_lost)

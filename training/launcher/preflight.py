@@ -639,7 +639,7 @@ def write_findings(findings: list, run_dir: str) -> tuple:
 
 
 def main(argv=None) -> int:
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     parser = argparse.ArgumentParser(prog="python -m ascend_llm_recipes.training.launcher.preflight",
                                      description="Check this machine for a recipe without launching.")

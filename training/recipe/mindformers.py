@@ -22,8 +22,10 @@ from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.common.files import write_atomic
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.models.arithmetic import param_count, round_up
-from ascend_llm_recipes.training.recipe.schema import (KEEP_DTYPES, Recipe, deep_merge, load_recipe, read_recipe_file,
-                                                read_yaml_file, recipe_from_dict)
+from ascend_llm_recipes.training.recipe.device import KEEP_DTYPES
+from ascend_llm_recipes.training.recipe.loading import (deep_merge, load_recipe, read_recipe_file, read_yaml_file,
+                                                        recipe_from_dict)
+from ascend_llm_recipes.training.recipe.schema import Recipe
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASES = {"CPU": os.path.join(REPO_ROOT, "recipes", "base", "cpu.yaml"),
@@ -739,7 +741,7 @@ class _Importer:
             return
         self.carry(key, convert=lambda _: found,
                    reason="communication-overlap options, checked against MindSpore's list at load (training/"
-                          "recipe.py SPEED_UP_KEYS) and passed as MindFormers passes them")
+                          "recipe/device.py SPEED_UP_KEYS) and passed as MindFormers passes them")
 
     def leftovers(self):
         m = "model.model_config."

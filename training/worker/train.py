@@ -20,7 +20,8 @@ from ascend_llm_recipes.common.errors import LaunchError, PretrainError
 from ascend_llm_recipes.common.files import write_json_atomic
 from ascend_llm_recipes.training.rank_status import Heartbeat
 from ascend_llm_recipes.training.launcher.job import stop_orphan, watch_launcher, watch_launcher_from_a_child
-from ascend_llm_recipes.training.recipe.schema import START_STEP_LR, DynamicLossScaleConfig, Recipe, recipe_from_dict
+from ascend_llm_recipes.training.recipe.loading import recipe_from_dict
+from ascend_llm_recipes.training.recipe.schema import START_STEP_LR, DynamicLossScaleConfig, Recipe
 from ascend_llm_recipes.training.run_files import (CHECKPOINTS, PROFILE, RESOLVED_RECIPE, SUMMARY, TENSORBOARD,
                                                    metrics_file, status_path)
 
