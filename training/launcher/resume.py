@@ -200,7 +200,8 @@ def check_data_position(recipe: Recipe, run_dir: str, previous: Recipe = None) -
         raise LaunchError(f"resume from step {step}: the checkpoint was trained without the samples at training-order "
                           f"positions {lost}, which {os.path.join(run_dir, SKIPS_FILE)} does not list",
                           hint=f"restore {SKIPS_FILE} (the rollback record this run wrote), or start a new output_dir")
-    now = next_samples(recipe, position, skips, saved["count"])
+    from ascend_llm_recipes.training.recipe.loader_spec import loader_spec
+    now = next_samples(loader_spec(recipe, skips=skips), position, saved["count"])
     if now["sha256"] != saved["sha256"]:
         changed = []
         if previous is not None:

@@ -83,6 +83,19 @@ def deep_merge(base: dict, override: dict) -> dict:
     return merged
 
 
+def prune_inherited(data: dict, base: dict) -> dict:
+    """`data` without the values `base` already has (the recipe inherits them)."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            inner = prune_inherited(value, base[key])
+            if inner:
+                out[key] = inner
+        elif key not in base or base[key] != value:
+            out[key] = value
+    return out
+
+
 class DuplicateKeyError(yaml.YAMLError):
     """A mapping of a YAML document gives one key twice."""
 

@@ -305,6 +305,11 @@ class RecomputeConfig:
     # passes these three to Cell.recompute per layer, as MindFormers does.
     recompute_slice_activation: bool = False
 
+    @property
+    def mode(self) -> str:
+        """models/parallel.py's recompute mode: full wins over selective, as in MindFormers (utils.py:383-402)."""
+        return "full" if self.recompute else "selective" if self.select_recompute else "none"
+
     def check(self, recipe: "Recipe") -> list:
         if not self.recompute and not self.select_recompute:
             # Cell.recompute's options act only on recomputed cells: without recompute they are ignored.
