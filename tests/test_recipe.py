@@ -81,6 +81,17 @@ def test_bases_are_merged_under_the_recipe():
     assert "base" not in dp2.to_dict()
 
 
+def test_base_recipes_leave_the_optimizer_defaults_to_the_schema():
+    """AdamW's betas, eps and weight decay are stated once, in OptimizerConfig; a base recipe sets only what differs."""
+    from ascend_llm_recipes.training.recipe.schema import OptimizerConfig
+
+    defaults = dataclasses.asdict(OptimizerConfig())
+    for path in glob.glob(os.path.join(REPO_ROOT, "recipes", "base", "*.yaml")):
+        optimizer = read_recipe_file(path).get("optimizer", {})
+        assert not [key for key, value in optimizer.items() if defaults.get(key) == value], path
+    assert load_recipe(TINY_RECIPE).optimizer.betas == defaults["betas"]
+
+
 def test_base_errors(tmp_path):
     (tmp_path / "a.yaml").write_text("base: b.yaml\n")
     (tmp_path / "b.yaml").write_text("base: a.yaml\n")

@@ -207,13 +207,21 @@ class HardwareConfig:
 class HcclConfig:
     """HCCL settings the launcher exports to every rank before communication starts (ours).
 
-    None keeps training/launcher/preflight.py's documented default. Changing them after HCCL has
-    initialised hangs silently, so they are never read from a rank's own environment.
+    HCCL reads them once, when communication initialises; values changed later are ignored and
+    ranks that disagree hang, so they are never read from a rank's own environment
+    (training/launcher/preflight.py hccl_env, check_hccl). Defaults and ranges from the CANN 9.0.0
+    environment-variable reference (hiascend.com, canncommercial/900, envref_07_0077/78/80):
+      HCCL_CONNECT_TIMEOUT: CANN default 120 s, accepted [120, 7200]; MindSpore 2.9.0 sets 600 at import
+        when unset (mindspore/context.py). 1200 here: on multi-node jobs ranks reach HCCL init minutes
+        apart (container start, data checks), and a short timeout turns that into a failed launch.
+      HCCL_EXEC_TIMEOUT: CANN default 1836 s (Atlas A2/A3: [0, 2^31-1], 0 = never; Atlas training series
+        round it down to a multiple of 68 s, and 1836 = 27 x 68 is the same everywhere).
+      HCCL_BUFFSIZE: CANN default 200 MB per communication domain (each domain takes 2x: send + receive).
     """
 
-    connect_timeout: Optional[int] = None  # HCCL_CONNECT_TIMEOUT, seconds
-    exec_timeout: Optional[int] = None     # HCCL_EXEC_TIMEOUT, seconds
-    buffsize: Optional[int] = None         # HCCL_BUFFSIZE, MB
+    connect_timeout: int = 1200  # HCCL_CONNECT_TIMEOUT, seconds
+    exec_timeout: int = 1836     # HCCL_EXEC_TIMEOUT, seconds
+    buffsize: int = 200          # HCCL_BUFFSIZE, MB
 
     def check(self, recipe: "Recipe") -> list:
         return at_least("hccl", self, 1, "connect_timeout", "exec_timeout", "buffsize")
