@@ -3,10 +3,11 @@ layer-to-pipeline-stage assignment, and full or selective recompute.
 
 `plan_layout` is pure arithmetic (testable anywhere) and gives a typed `LlamaLayout`, which
 training plans from the recipe (training/recipe/mindformers.py model_layout) and hands to
-`LlamaForCausalLM(config, layout)`; `apply_layout` sets the strategies on the model's Primitives, `pipeline_stage` on its Cells and recompute flags. Strategies
-and stages only take effect under MindSpore's semi-auto parallel mode, which needs Ascend
-(or GPU); in other modes MindSpore ignores them (mindspore/ops/primitive.py:262-263), so they
-are set for every layout, data parallel only included, and checked on CPU.
+`LlamaForCausalLM(config, layout)`; `apply_layout` sets the strategies on the model's Primitives,
+`pipeline_stage` on its Cells and recompute flags. Strategies and stages only take effect
+under MindSpore's semi-auto parallel mode, which needs Ascend (or GPU); in other modes MindSpore
+ignores them (mindspore/ops/primitive.py:262-263), so they are set for every layout, data parallel
+only included, and checked on CPU.
 
 Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019): q/k/v and gate/up are split
 by output columns (attention heads, MLP width), o and down by input rows, so each
