@@ -453,11 +453,6 @@ def _ceil_div(n: int, d: int) -> int:
     return -(-n // d)
 
 
-def recompute_mode(recipe) -> str:
-    r = recipe.recompute_config
-    return "full" if r.recompute else "selective" if r.select_recompute else "none"
-
-
 def optimizer_sharded(recipe) -> bool:
     """MindSpore >= 2.4 shards optimizer states over DP only in semi-auto/auto parallel."""
     return (recipe.parallel.enable_parallel_optimizer and recipe.parallel.parallel_mode in (1, 2)
@@ -494,7 +489,7 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
     spec = resolve_device(recipe, device)
     cfg = recipe.model.model_config
     p = recipe.parallel_config
-    mode, shard = recompute_mode(recipe), optimizer_sharded(recipe)
+    mode, shard = recipe.recompute_config.mode, optimizer_sharded(recipe)
     notes = []
 
     stages = stage_memory(recipe)
@@ -585,7 +580,7 @@ def speed_estimate(recipe, spec: DeviceSpec, mfu: float) -> Optional[SpeedEstima
     tokens_device = recipe.tokens_per_step / recipe.world_size
     compute = tokens_device * flops_per_token(cfg) / (peak * mfu)
     terms = [(f"matmuls and attention at {mfu:.0%} MFU", compute)]
-    mode = recompute_mode(recipe)
+    mode = recipe.recompute_config.mode
     if mode == "full":
         terms.append(("full recompute: one more forward (1/3 of the compute)", compute / 3))
     if pp > 1:
