@@ -24,6 +24,10 @@ A loss-spike rollback (training/worker/callbacks.py) removes the offending sampl
 reads is that order with those positions left out. The skips a run made are kept in
 RUN_DIR/data_skips.json and in every checkpoint after them, so each later rebuild (a
 resume, another rank) reads the same order.
+
+Everything here takes plain inputs, a `LoaderSpec`: training builds it from the recipe
+(training/recipe/loader_spec.py), including MindFormers' rule for which ranks read which
+batch; no function here reads a recipe (tests/test_layering.py checks).
 """
 
 import hashlib
@@ -41,6 +45,29 @@ SKIPS_FILE = "data_skips.json"
 
 
 @dataclass(frozen=True)
+class LoaderSpec:
+    """What one rank reads, in plain values."""
+
+    sources: tuple          # (dataset_dir, weight, the key naming it in errors), in blend order
+    seed: int
+    passes: int             # passes over the data in the order (epochs x repeat)
+    shuffle: bool
+    batch: int              # samples per batch on this rank
+    dp_rank: int = 0        # this rank's slice of every global batch ...
+    dp_size: int = 1        # ... of dp_size slices (1: every rank reads the whole global batch)
+    skips: tuple = ()       # [start, end) ranges of the order a loss-spike rollback removed
+    seq_length: int = 0     # tokens per sample - 1 (the shape of a simulated dataset)
+    num_parallel_workers: int = 1
+    prefetch_size: int = 1
+    numa_enable: bool = False
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over every data-parallel rank."""
+        return self.batch * self.dp_size
+
+
+@dataclass(frozen=True)
 class Source:
     dataset_dir: str
     weight: float
@@ -48,8 +75,8 @@ class Source:
     files: tuple
 
 
-def load_sources(entries: list) -> list:
-    """[(dataset_dir, weight, recipe key)] -> Sources; blended datasets must share tokenizer and sample length."""
+def load_sources(entries) -> list:
+    """[(dataset_dir, weight, key naming it)] -> Sources; blended datasets must share tokenizer and sample length."""
     sources, first = [], None
     for dataset_dir, weight, key in entries:
         try:
@@ -107,48 +134,23 @@ def rank_positions(total: int, batch: int, dp_rank: int, dp_size: int, start_ste
     return (steps[:, None] * global_batch + dp_rank * batch + np.arange(batch)[None, :]).reshape(-1)
 
 
-def data_parallel_layout(recipe, rank: int) -> tuple:
-    """(data-parallel rank, data-parallel ranks, samples per batch on this rank), as MindFormers shards data."""
-    p = recipe.parallel_config
-    if not recipe.use_parallel or recipe.world_size == 1:
-        return 0, 1, recipe.runner_config.batch_size
-    if recipe.parallel.parallel_mode in (1, 2):  # semi-auto / auto parallel
-        if recipe.parallel.full_batch:          # every rank reads the whole global batch
-            return 0, 1, recipe.global_batch_size
-        per_stage = recipe.world_size // p.pipeline_stage
-        return rank % per_stage // p.model_parallel, p.data_parallel, recipe.global_batch_size // p.data_parallel
-    return rank, recipe.world_size, recipe.runner_config.batch_size
+def verify_datasets(dataset_dirs) -> list:
+    """Verify the files of every dataset in `dataset_dirs` before training; one line each."""
+    return [f"dataset {d}: {verify_cached(d, read_manifest(d))}" for d in dict.fromkeys(dataset_dirs)]
 
 
-def recipe_sources(recipe) -> list:
-    """[(dataset_dir, weight, recipe key)] the recipe trains on."""
-    if recipe.train_dataset.blend:
-        return [(b.dataset_dir, b.weight, f"train_dataset.blend[{i}].dataset_dir")
-                for i, b in enumerate(recipe.train_dataset.blend)]
-    return [(recipe.dataset_dir, 1.0, "train_dataset.data_loader.dataset_dir")]
+def training_order(spec: LoaderSpec) -> tuple:
+    """(sources, flat sample ids in the order training reads them): the blend order minus `spec.skips`.
 
-
-def verify_recipe_datasets(recipe) -> list:
-    """Verify the files of every dataset the recipe reads (train or blend, eval) before training; one line each."""
-    dirs = [d for d, _, _ in recipe_sources(recipe)]
-    if recipe.do_eval and recipe.eval_dataset is not None:
-        dirs.append(recipe.eval_dataset.data_loader.dataset_dir)
-    return [f"dataset {d}: {verify_cached(d, read_manifest(d))}" for d in dict.fromkeys(dirs)]
-
-
-def training_order(recipe, skips=()) -> tuple:
-    """(sources, flat sample ids in the order training reads them): the blend order minus `skips`.
-
-    A flat id indexes the sources' samples concatenated in recipe order (dataset d's sample i
+    A flat id indexes the sources' samples concatenated in blend order (dataset d's sample i
     is offsets[d] + i), which is how the shard files are listed to MindDataset.
     """
-    sources = load_sources(recipe_sources(recipe))
-    passes = recipe.runner_config.epochs * recipe.train_dataset.repeat
-    dataset, sample = blend_order([s.samples for s in sources], [s.weight for s in sources], recipe.seed, passes,
-                                  recipe.train_dataset.data_loader.shuffle)
+    sources = load_sources(spec.sources)
+    dataset, sample = blend_order([s.samples for s in sources], [s.weight for s in sources], spec.seed, spec.passes,
+                                  spec.shuffle)
     offsets = np.cumsum([0] + [s.samples for s in sources[:-1]])
     ids = offsets[dataset] + sample
-    return sources, ids[kept_positions(len(ids), skips)]
+    return sources, ids[kept_positions(len(ids), spec.skips)]
 
 
 def kept_positions(total: int, skips=()) -> np.ndarray:
@@ -171,14 +173,13 @@ def next_samples_count(global_batch_size: int) -> int:
     return min(global_batch_size, 1024)
 
 
-def next_samples(recipe, position: int, skips=(), count: int = None) -> dict:
+def next_samples(spec: LoaderSpec, position: int, count: int = None) -> dict:
     """What a checkpoint records to verify its data position: the next `count` sample ids and their hash.
 
     `count` defaults to next_samples_count. On resume the same function runs on the resumed
-    recipe: a different seed, shuffle, blend, dataset or skip list gives other ids.
+    recipe's spec: a different seed, shuffle, blend, dataset or skip list gives other ids.
     """
-    return describe_next(training_order(recipe, skips)[1], position,
-                         count or next_samples_count(recipe.global_batch_size))
+    return describe_next(training_order(spec)[1], position, count or next_samples_count(spec.global_batch))
 
 
 def describe_next(ids: np.ndarray, position: int, count: int) -> dict:
@@ -202,20 +203,18 @@ def skip_ranges(rollbacks: list) -> list:
     return [tuple(r) for rollback in rollbacks for r in rollback["skipped_positions"]]
 
 
-def rank_samples(recipe, rank: int, start_step: int = 0, skips=()) -> tuple:
+def rank_samples(spec: LoaderSpec, start_step: int = 0) -> tuple:
     """(sources, flat sample indices this rank reads in order, batch size): everything but the MindSpore dataset."""
-    sources, ids = training_order(recipe, skips)
-    dp_rank, dp_size, batch = data_parallel_layout(recipe, rank)
-    positions = rank_positions(len(ids), batch, dp_rank, dp_size, start_step)
+    sources, ids = training_order(spec)
+    positions = rank_positions(len(ids), spec.batch, spec.dp_rank, spec.dp_size, start_step)
     if not len(positions):
-        passes = recipe.runner_config.epochs * recipe.train_dataset.repeat
-        raise DataError(f"train_dataset: {len(ids)} samples ({passes} pass(es)) hold no global batch of "
-                        f"{batch * dp_size} samples after step {start_step}",
+        raise DataError(f"train_dataset: {len(ids)} samples ({spec.passes} pass(es)) hold no global batch of "
+                        f"{spec.global_batch} samples after step {start_step}",
                         hint="use more data, more runner_config.epochs, or a smaller runner_config.batch_size")
-    return sources, ids[positions], batch
+    return sources, ids[positions], spec.batch
 
 
-def simulated_train_dataset(recipe, rank: int, steps: int):
+def simulated_train_dataset(spec: LoaderSpec, steps: int):
     """Batches of zeros of the training data's shape, for MindSpore's DryRun (MS_SIMULATION_LEVEL).
 
     A simulated compile computes no values (mindspore/utils/dryrun.py:37-57), so it needs the shapes
@@ -223,27 +222,26 @@ def simulated_train_dataset(recipe, rank: int, steps: int):
     """
     import mindspore.dataset as ds
 
-    _, _, batch = data_parallel_layout(recipe, rank)
-    rows = np.zeros((steps * batch, recipe.model.model_config.seq_length + 1), np.int32)
-    return ds.NumpySlicesDataset({"input_ids": rows}, shuffle=False).batch(batch, drop_remainder=True)
+    rows = np.zeros((steps * spec.batch, spec.seq_length + 1), np.int32)
+    return ds.NumpySlicesDataset({"input_ids": rows}, shuffle=False).batch(spec.batch, drop_remainder=True)
 
 
-def build_train_dataset(recipe, rank: int, start_step: int = 0, skips=()):
-    """The MindSpore dataset rank `rank` trains on: batches of (batch, seq_length + 1) int32 `input_ids`."""
+def build_train_dataset(spec: LoaderSpec, start_step: int = 0):
+    """The MindSpore dataset a rank trains on from `start_step`: batches of (batch, seq_length + 1) int32 input_ids."""
     import mindspore.dataset as ds
 
     # As MindFormers' own dataset builder does. It matters beyond data: it also seeds Python's
     # and NumPy's global generators, which the model's initial weights are drawn from next.
-    ds.config.set_seed(recipe.seed)
-    ds.config.set_prefetch_size(recipe.train_dataset.prefetch_size)
-    ds.config.set_numa_enable(recipe.train_dataset.numa_enable)
-    sources, indices, batch = rank_samples(recipe, rank, start_step, skips)
+    ds.config.set_seed(spec.seed)
+    ds.config.set_prefetch_size(spec.prefetch_size)
+    ds.config.set_numa_enable(spec.numa_enable)
+    sources, indices, batch = rank_samples(spec, start_step)
     files = [f for s in sources for f in s.files]
     # MindRecord refuses a subset longer than the data it samples, so several passes
     # (epochs x repeat) read as consecutive segments of at most that length.
     rows = sum(s.samples for s in sources)
     segments = [ds.MindDataset(files, columns_list=["input_ids"], sampler=ds.SubsetSampler(part.tolist()),
-                               num_parallel_workers=recipe.train_dataset.num_parallel_workers)
+                               num_parallel_workers=spec.num_parallel_workers)
                 for part in np.split(indices, range(rows, len(indices), rows))]
     data = segments[0].concat(segments[1:]) if len(segments) > 1 else segments[0]
     return data.batch(batch, drop_remainder=True)

@@ -60,7 +60,7 @@ class LlamaConfig(PretrainedConfig):
                          pad_token_id=cfg.pad_token_id, **kwargs)
         for name in FIELDS:
             setattr(self, name, getattr(cfg, name))
-        self.num_kv_heads = cfg.kv_heads  # vocab_size: real tokens; the tables are padded (padded_vocab_size)
+        self.num_kv_heads = cfg.kv_heads  # vocab_size: real tokens; LlamaForCausalLM pads the tables
 
     @property
     def head_dim(self) -> int:
@@ -69,15 +69,6 @@ class LlamaConfig(PretrainedConfig):
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads  # already resolved from ModelConfig.kv_heads
-
-    @property
-    def tensor_parallel(self) -> int:
-        """Tensor-parallel degree MindFormers attached (parallel_config), 1 when none."""
-        return getattr(getattr(self, "parallel_config", None), "model_parallel", 1) or 1
-
-    @property
-    def padded_vocab_size(self) -> int:
-        return padded_vocab_size(self.vocab_size, self.vocab_pad_multiple, self.tensor_parallel)
 
 
 def lazy_inline_applies(device_target: str, parallel_mode: str) -> bool:
@@ -381,9 +372,9 @@ class DocumentMask(nn.Cell):
 class LlamaModel(nn.Cell):
     """Token embedding, the decoder stack and the final norm."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, padded_vocab: int):
         super().__init__()
-        self.embed_tokens = Embedding(config.padded_vocab_size, config.hidden_size, config.initializer_range,
+        self.embed_tokens = Embedding(padded_vocab, config.hidden_size, config.initializer_range,
                                       DTYPES[config.compute_dtype], DTYPES[config.param_dtype])
         self.layers = nn.CellList([DecoderLayer(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
@@ -484,13 +475,17 @@ class LlamaForCausalLM(PreTrainedModel):
     # MindFormers decorates its LlamaForCausalLM.__init__ the same way (mindformers/models/llama/llama.py:486):
     # the network is compiled once and reused by every micro-batch instead of being inlined into each.
     @lazy_inline_where_supported
-    def __init__(self, config: LlamaConfig, **kwargs):
+    def __init__(self, config: LlamaConfig, layout=None, **kwargs):
+        """`layout`: a models/parallel.py LlamaLayout (shard strategies, pipeline stages, recompute), or None."""
         # auto_prefix keeps parameter names unique ("model.layers.0...", "lm_head.weight").
         super().__init__(config, auto_prefix=True)
-        self.model = LlamaModel(config)
+        # The tables are padded to a multiple of vocab_pad_multiple x TP, so they split evenly over TP.
+        padded_vocab = padded_vocab_size(config.vocab_size, config.vocab_pad_multiple,
+                                         layout.tensor_parallel if layout is not None else 1)
+        self.model = LlamaModel(config, padded_vocab)
         self.tie_word_embeddings = config.tie_word_embeddings
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.padded_vocab_size, config.initializer_range,
+            self.lm_head = Linear(config.hidden_size, padded_vocab, config.initializer_range,
                                   compute_dtype=DTYPES[config.compute_dtype], param_dtype=DTYPES[config.param_dtype])
         if self.tie_word_embeddings:
             self.head_matmul = ops.MatMul(transpose_b=True)
@@ -499,9 +494,9 @@ class LlamaForCausalLM(PreTrainedModel):
         self.compute_dtype = DTYPES[config.compute_dtype]
         # The padding rows of the table are masked out of the loss's softmax with -1e9 (exp gives 0), so
         # the vocabulary axis stays whole and splits evenly over tensor parallel.
-        padding = np.zeros((1, config.padded_vocab_size), np.float32)
+        padding = np.zeros((1, padded_vocab), np.float32)
         padding[:, config.vocab_size:] = MASK_VALUE
-        self.vocab_padding = Tensor(padding) if config.padded_vocab_size != config.vocab_size else None
+        self.vocab_padding = Tensor(padding) if padded_vocab != config.vocab_size else None
         self.no_negative_ids = ops.Maximum()
         self.inputs = ops.StridedSlice()
         self.labels = ops.StridedSlice()
@@ -510,13 +505,9 @@ class LlamaForCausalLM(PreTrainedModel):
         if self.whole_vocabulary_loss:
             self.fused_loss = WholeVocabularyCrossEntropy(config.vocab_size, config.pad_token_id)
             self.keep_mul = ops.Mul()
-        self.apply_parallel_layout(getattr(config, "parallel_config", None))
-
-    def apply_parallel_layout(self, parallel_config) -> None:
-        """Shard strategies, pipeline stages and recompute, all from models/parallel.py."""
-        if parallel_config is not None:
-            from ascend_llm_recipes.models.parallel import apply_layout, plan_layout_from_mindformers
-            apply_layout(self, plan_layout_from_mindformers(self.config, parallel_config))
+        if layout is not None:
+            from ascend_llm_recipes.models.parallel import apply_layout
+            apply_layout(self, layout)
 
     def padded_logits(self, tokens):
         """(B, S) token ids -> (B * S, padded vocabulary) logits in the compute dtype."""

@@ -1,11 +1,13 @@
 """Parallel layout of the Llama model, in one place: tensor-parallel shard strategies,
 layer-to-pipeline-stage assignment, and full or selective recompute.
 
-`plan_layout` is pure arithmetic (testable anywhere); `apply_layout` sets the strategies
-on the model's Primitives, `pipeline_stage` on its Cells and recompute flags. Strategies
-and stages only take effect under MindSpore's semi-auto parallel mode, which needs Ascend
-(or GPU); in other modes MindSpore ignores them (mindspore/ops/primitive.py:262-263), so they
-are set for every layout, data parallel only included, and checked on CPU.
+`plan_layout` is pure arithmetic (testable anywhere) and gives a typed `LlamaLayout`, which
+training plans from the recipe (training/recipe/mindformers.py model_layout) and hands to
+`LlamaForCausalLM(config, layout)`; `apply_layout` sets the strategies on the model's Primitives,
+`pipeline_stage` on its Cells and recompute flags. Strategies and stages only take effect
+under MindSpore's semi-auto parallel mode, which needs Ascend (or GPU); in other modes MindSpore
+ignores them (mindspore/ops/primitive.py:262-263), so they are set for every layout, data parallel
+only included, and checked on CPU.
 
 Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019): q/k/v and gate/up are split
 by output columns (attention heads, MLP width), o and down by input rows, so each
@@ -113,21 +115,6 @@ def plan_layout(cfg, dp: int = 1, tp: int = 1, pp: int = 1, micro_batches: int =
     }
     return LlamaLayout(dp, tp, pp, micro_batches, stage_of_layer, recompute, strategies,
                        dict(recompute_options or {}), gradient_aggregation_group)
-
-
-def plan_layout_from_mindformers(cfg, parallel_config) -> LlamaLayout:
-    """The layout from MindFormers' TransformerOpParallelConfig (recipe parallel_config + recompute_config)."""
-    recompute_config = getattr(parallel_config, "recompute", None)
-    recompute = "none"
-    if recompute_config is not None:
-        recompute = recompute_mode(recompute_config.recompute, recompute_config.select_recompute)
-    options = {}
-    if recompute_config is not None:
-        options = {name: getattr(recompute_config, name) for name in RECOMPUTE_OPTIONS}
-    return plan_layout(cfg, parallel_config.data_parallel, parallel_config.model_parallel,
-                       parallel_config.pipeline_stage, parallel_config.micro_batch_num,
-                       getattr(cfg, "pipeline_stage_layers", None), recompute, parallel_config.vocab_emb_dp,
-                       options, parallel_config.gradient_aggregation_group)
 
 
 # Operators left without a strategy on purpose: MindSpore derives their layout from their input

@@ -118,7 +118,7 @@ def batches(shape: Shape, count: int, seed: int = 0) -> np.ndarray:
 
 def load_shape_recipe(shape: Shape, total_steps: int):
     """The demo recipe (its optimizer, clipping, LR schedule, wrapper) at this model shape."""
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     return load_recipe(DEMO_RECIPE, overrides=shape.overrides() + (f"runner_config.stop_step={total_steps}",))
 
@@ -434,7 +434,7 @@ def torch_demo(steps: int, dataset_dir: str) -> dict:
     """The PyTorch peer at the demo's shape, reading the demo's MindRecord dataset (batch time included)."""
     import mindspore.dataset as ds
     from ascend_llm_recipes.data.mindrecord_io import read_manifest, shard_files
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     recipe = load_recipe(DEMO_RECIPE, overrides=(f"runner_config.stop_step={steps}",))
     files = shard_files(dataset_dir, read_manifest(dataset_dir))

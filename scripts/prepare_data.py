@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     try:
         if args.validate:
             from ascend_llm_recipes.data.inspection import validate_dataset
-            from ascend_llm_recipes.training.recipe.schema import load_recipe
+            from ascend_llm_recipes.training.recipe.loading import load_recipe
             model = load_recipe(args.recipe).model.model_config if args.recipe else None
             print(validate_dataset(args.validate, args.recipe, model))
         elif args.report:
@@ -171,7 +171,7 @@ def build(parser: argparse.ArgumentParser, args, argv) -> int:
 
     model_vocab = 0
     if args.recipe:
-        from ascend_llm_recipes.training.recipe.schema import load_recipe
+        from ascend_llm_recipes.training.recipe.loading import load_recipe
         model = load_recipe(args.recipe).model.model_config
         args.seq_length = args.seq_length or model.seq_length
         model_vocab = model.vocab_size

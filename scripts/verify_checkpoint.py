@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     try:
         if args.recipe:
             from ascend_llm_recipes.training.checkpoint import rank_shapes
-            from ascend_llm_recipes.training.recipe.schema import load_recipe
+            from ascend_llm_recipes.training.recipe.loading import load_recipe
             recipe = load_recipe(args.recipe, tuple(args.overrides), planning=True)
             shapes = rank_shapes(recipe)
         directories = steps_to_verify(args.path)

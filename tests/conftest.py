@@ -82,7 +82,7 @@ def tiny_corpus_files() -> list:
 def prepare_tiny_dataset(out: str) -> None:
     """The tiny recipe's dataset (its seq_length, vocab_size and max_documents) built from TINY_CORPUS into OUT."""
     from ascend_llm_recipes.data.prepare import prepare_dataset
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     recipe = load_recipe(TINY_RECIPE)
     prepare_dataset(out, recipe.model.model_config.seq_length, recipe.data_preparation.vocab_size,

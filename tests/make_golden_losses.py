@@ -54,7 +54,7 @@ def vector_flags() -> list:
 
 def main(argv) -> int:
     from ascend_llm_recipes.training.launcher.cli import launch
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     out_json = argv[0] if argv else GOLDEN
     recipe = load_recipe(TINY_RECIPE)

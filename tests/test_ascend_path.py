@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO_ROOT
 from ascend_llm_recipes.common.errors import RecipeError
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 
 TINY_ASCEND = os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml")
 LAYOUTS = {  # the acceptance kit's layouts, all at a global batch of 8 sequences
@@ -49,28 +49,30 @@ def test_full_batch_agrees_with_the_context_mindformers_builds(tmp_path, tiny_da
 
 def test_every_rank_reads_the_global_batch_under_semi_auto(tmp_path, tiny_dataset):
     from ascend_llm_recipes.data.loader import rank_samples, training_order
+    from ascend_llm_recipes.training.recipe.loader_spec import loader_spec
 
     global_batches = {}
     for name, overrides in LAYOUTS.items():
         recipe = ascend_recipe(tmp_path, tiny_dataset, *overrides)
         assert recipe.global_batch_size == 8
-        per_rank = [rank_samples(recipe, rank)[1] for rank in range(recipe.world_size)]
+        per_rank = [rank_samples(loader_spec(recipe, rank))[1] for rank in range(recipe.world_size)]
         for rank, ids in enumerate(per_rank):
             np.testing.assert_array_equal(ids, per_rank[0], err_msg=f"{name} rank {rank}")
-        assert rank_samples(recipe, 0)[2] == 8  # batches of the global batch
+        assert rank_samples(loader_spec(recipe, 0))[2] == 8  # batches of the global batch
         global_batches[name] = per_rank[0]
-    order = training_order(recipe)[1]
+    order = training_order(loader_spec(recipe))[1]
     for name, ids in global_batches.items():  # the same samples per step at every layout
         np.testing.assert_array_equal(ids, order[:len(ids)], err_msg=name)
 
 
 def test_data_parallel_mode_ranks_read_disjoint_slices(tmp_path, tiny_dataset):
     from ascend_llm_recipes.data.loader import rank_samples, training_order
+    from ascend_llm_recipes.training.recipe.loader_spec import loader_spec
 
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml"),
                          [f"train_dataset.data_loader.dataset_dir={tiny_dataset}", f"output_dir={tmp_path}"])
-    a, b = (rank_samples(recipe, r)[1].reshape(-1, 2) for r in (0, 1))
-    order = training_order(recipe)[1]
+    a, b = (rank_samples(loader_spec(recipe, r))[1].reshape(-1, 2) for r in (0, 1))
+    order = training_order(loader_spec(recipe))[1]
     np.testing.assert_array_equal(np.concatenate([a, b], 1).reshape(-1), order[:2 * a.size])
 
 
@@ -94,16 +96,15 @@ def test_ignored_keys_are_refused_by_name(tmp_path, override, match):
 
 def test_recompute_options_and_fusion_groups_reach_the_cells():
     """recompute_config's Cell.recompute options and gradient_aggregation_group are applied per layer."""
-    from mindformers.modules.transformer.transformer import TransformerOpParallelConfig, TransformerRecomputeConfig
     from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
+    from ascend_llm_recipes.models.parallel import plan_layout
 
     def build(pp, **recompute):
-        parallel = TransformerOpParallelConfig(
-            data_parallel=1, model_parallel=2, pipeline_stage=pp, micro_batch_num=8, gradient_aggregation_group=2,
-            recompute=TransformerRecomputeConfig(recompute=True, **recompute))
-        return LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, num_layers=5, num_heads=8,
-                                            num_kv_heads=4, intermediate_size=160, seq_length=32,
-                                            parallel_config=parallel))
+        config = LlamaConfig(vocab_size=100, hidden_size=64, num_layers=5, num_heads=8, num_kv_heads=4,
+                             intermediate_size=160, seq_length=32)
+        options = {"mp_comm_recompute": True, "recompute_slice_activation": False, **recompute}
+        return LlamaForCausalLM(config, plan_layout(config, tp=2, pp=pp, micro_batches=8, recompute="full",
+                                                    recompute_options=options, gradient_aggregation_group=2))
 
     net = build(1, recompute_slice_activation=True, mp_comm_recompute=False)
     for layer in net.model.layers:
@@ -158,7 +159,8 @@ ASCEND_RECIPES = {"llama2_7b_8dev": 16, "llama2_13b_8dev": 16, "llama2_70b_32dev
 
 @pytest.mark.parametrize("name,summed", ASCEND_RECIPES.items())
 def test_shipped_ascend_recipes_run_the_pipeline_wrapper_and_divide_its_loss(name, summed):
-    from ascend_llm_recipes.training.worker.train_step import PIPELINE_WRAPPER_TYPE, summed_micro_batches, train_step_wrapper
+    from ascend_llm_recipes.training.worker.train_step import (PIPELINE_WRAPPER_TYPE, summed_micro_batches,
+                                                               train_step_wrapper)
 
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), planning=True)
     assert train_step_wrapper(recipe) == PIPELINE_WRAPPER_TYPE
@@ -275,11 +277,13 @@ def test_every_recipe_the_kit_launches_loads(tmp_path):
 def test_a_dry_run_compile_reads_no_dataset():
     """Under MS_SIMULATION_LEVEL the worker trains on zeros of the data's shape, not the recipe's placeholder set."""
     from ascend_llm_recipes.data.loader import simulated_train_dataset
+    from ascend_llm_recipes.training.recipe.loader_spec import loader_spec
 
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_70b_32dev.yaml"), planning=True)
     assert not os.path.exists(recipe.dataset_dir)
-    batch = next(simulated_train_dataset(recipe, 0, 2).create_tuple_iterator())[0]
-    # Every rank reads the global batch under full_batch (data/loader.py data_parallel_layout): 32 x (4096 + 1).
+    batch = next(simulated_train_dataset(loader_spec(recipe, 0), 2).create_tuple_iterator())[0]
+    # Every rank reads the global batch under full_batch (training/recipe/mindformers.py data_parallel_layout):
+    # 32 x (4096 + 1).
     assert batch.shape == (recipe.global_batch_size, recipe.model.model_config.seq_length + 1) == (32, 4097)
 
 
@@ -424,7 +428,7 @@ if os.environ.get("MS_ROLE") == "MS_SCHED":
 ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", full_batch=True)  # the training context
 from ascend_llm_recipes.training.worker.callbacks import StepRecord, StepRecorder
 from ascend_llm_recipes.training.rank_status import Heartbeat
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 rank = get_rank()
 recipe = load_recipe(os.environ["TINY_ASCEND"], ["parallel_config.data_parallel=1", "parallel_config.pipeline_stage=2",
                                                  "parallel_config.micro_batch_num=2", "hardware.devices_per_node=2"],

@@ -85,7 +85,7 @@ def test_saved_bytes_are_the_planned_checkpoint_size(baseline):
     """What one rank wrote (its manifest's tensors) is what --plan prints as the checkpoint per rank."""
     import numpy as np
     from ascend_llm_recipes.training.tools.planner import checkpoint_bytes
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     manifest = read_json(os.path.join(baseline, "checkpoints", "step_00000020", "rank_0", MANIFEST))
     written = sum(int(np.prod(t["shape"])) * np.dtype(t["dtype"]).itemsize for t in manifest["tensors"].values())
@@ -221,7 +221,7 @@ def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_da
     from scripts.verify_checkpoint import main as verify
     from ascend_llm_recipes.common.errors import LaunchError
     from ascend_llm_recipes.training.launcher.resume import prepare_run_dir
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     run_dir = str(tmp_path / "run")
     shutil.copytree(baseline, run_dir)
@@ -258,7 +258,7 @@ def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_da
 
 def test_deleted_state_json_falls_back_to_the_previous_step(baseline, tiny_dataset, tmp_path):
     from ascend_llm_recipes.training.launcher.resume import prepare_run_dir
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     run_dir = str(tmp_path / "run")
     shutil.copytree(baseline, run_dir)
@@ -280,7 +280,7 @@ def test_recipe_change_that_alters_shapes_is_refused(baseline, tiny_dataset):
 
 def test_truncated_file_and_another_model(baseline, tmp_path):
     from ascend_llm_recipes.models.shapes import parameter_shapes
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     copy = str(tmp_path / "step")
     shutil.copytree(step_dir(baseline, 20), copy)
@@ -302,7 +302,7 @@ def test_missing_optimizer_state_is_refused_for_resume(tmp_path):
     import numpy as np
     import mindspore as ms
     from ascend_llm_recipes.models.shapes import parameter_shapes
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     cfg = load_recipe(TINY_RECIPE).model.model_config
     shapes = parameter_shapes(cfg)
@@ -532,7 +532,7 @@ def test_a_dp_only_semi_auto_rank_resumes_from_the_slices_optimizer_parallel_giv
     from ascend_llm_recipes.common.errors import LaunchError
     from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
     from ascend_llm_recipes.training.checkpoint import rank_shapes, verify_step
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
     from ascend_llm_recipes.training.worker.train import check_checkpoint_parameters
 
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml"),

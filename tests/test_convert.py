@@ -30,7 +30,7 @@ from ascend_llm_recipes.training.checkpoint import MANIFEST, STATE, read_json, s
 from ascend_llm_recipes.training.launcher.datasets import check_load_checkpoint
 from ascend_llm_recipes.training.tools.export import to_hf
 from ascend_llm_recipes.training.launcher.cli import launch
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.worker.train import check_checkpoint_parameters
 
 PAD = 3  # the tiny dataset's pad id (labels equal to it are not trained on)

@@ -14,7 +14,7 @@ from ascend_llm_recipes.models.arithmetic import param_count
 from ascend_llm_recipes.training.launcher.cli import plan_report
 from ascend_llm_recipes.training.recipe.mindformers import (LLAMA_CONFIG_ARGS, MF_DEFAULTS, _leaves, from_mindformers,
                                                             mindformers_ffn_width, to_mindformers)
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 
 DATA = os.path.join(REPO_ROOT, "tests", "data", "mindformers")
 SCRIPT = os.path.join(REPO_ROOT, "scripts", "convert_recipe.py")
@@ -327,7 +327,7 @@ def test_speed_up_options_are_mindspores_own():
     the two recompute overlap keys (its own exception, context.py:912-913)."""
     import re
     import mindspore as ms
-    from ascend_llm_recipes.training.recipe.schema import SPEED_UP_KEYS
+    from ascend_llm_recipes.training.recipe.device import SPEED_UP_KEYS
 
     source = inspect.getsource(ms.context._Context._set_speedup_config_path)
     theirs = dict(re.findall(r'"(\w+)":\s*\(\s*ms_ctx_param\.\w+,\s*\(?([\w, ]+?)\)?\)', source))

@@ -150,7 +150,7 @@ def test_launch_verifies_shard_contents_before_training(tiny_dataset, tmp_path):
     from conftest import TINY_RECIPE
     from ascend_llm_recipes.data.mindrecord_io import VERIFY_CACHE
     from ascend_llm_recipes.training.launcher.datasets import ensure_dataset
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     copy = str(tmp_path / "copy")
     shutil.copytree(tiny_dataset, copy)
@@ -185,7 +185,7 @@ def test_launch_verifies_shard_contents_before_training(tiny_dataset, tmp_path):
 def test_launch_names_what_it_verified(tiny_dataset, capsys):
     from conftest import TINY_RECIPE
     from ascend_llm_recipes.training.launcher.datasets import ensure_dataset
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={tiny_dataset}",))
     ensure_dataset(recipe, show_progress=False)

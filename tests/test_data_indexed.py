@@ -19,7 +19,8 @@ from ascend_llm_recipes.data.packing import StreamPacker
 from ascend_llm_recipes.data.prepare import check_dataset
 from ascend_llm_recipes.data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
 from ascend_llm_recipes.training.launcher.datasets import check_datasets
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loader_spec import loader_spec
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 
 torch = pytest.importorskip("torch")
 indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset",
@@ -117,7 +118,7 @@ def test_the_packed_stream_is_the_bin_read_in_document_order_with_one_eod_each(c
     recipe = load_recipe(TINY_RECIPE, (f"train_dataset.data_loader.dataset_dir={root / 'one'}",
                                        "train_dataset.data_loader.shuffle=False"))
     assert check_datasets(recipe)["manifest"]["run_fingerprint"] == manifest["run_fingerprint"]
-    batch = next(build_train_dataset(recipe, 0).create_tuple_iterator(output_numpy=True))[0]
+    batch = next(build_train_dataset(loader_spec(recipe, 0)).create_tuple_iterator(output_numpy=True))[0]
     assert np.array_equal(batch, rows[:recipe.runner_config.batch_size])
     assert not os.path.exists(partial_dir(str(root / "one")))
 

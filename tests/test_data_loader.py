@@ -10,12 +10,14 @@ import pytest
 from conftest import REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.common.errors import DataError, RecipeError
 from ascend_llm_recipes.data.corpus import python_stdlib_files
-from ascend_llm_recipes.data.loader import blend_order, build_train_dataset, data_parallel_layout, rank_samples
+from ascend_llm_recipes.data.loader import blend_order, build_train_dataset, rank_samples
 from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
 from ascend_llm_recipes.data.prepare import prepare_dataset
 from ascend_llm_recipes.training.launcher.datasets import check_blend
 from ascend_llm_recipes.training.launcher.cli import launch
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loader_spec import loader_spec
+from ascend_llm_recipes.training.recipe.loading import load_recipe
+from ascend_llm_recipes.training.recipe.mindformers import data_parallel_layout
 
 DP2_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml")
 
@@ -34,7 +36,7 @@ def recipe(path, dataset, *overrides):
 
 
 def batches(rcp, rank, count, start_step=0):
-    data = build_train_dataset(rcp, rank, start_step).create_tuple_iterator(output_numpy=True)
+    data = build_train_dataset(loader_spec(rcp, rank), start_step).create_tuple_iterator(output_numpy=True)
     return [next(data)[0] for _ in range(count)]
 
 
@@ -57,9 +59,9 @@ def test_blend_keeps_every_prefix_in_proportion_and_cycles_small_datasets():
 def test_ranks_read_disjoint_slices_that_make_up_the_global_batch(tiny_dataset):
     one, two = recipe(TINY_RECIPE, tiny_dataset), recipe(DP2_RECIPE, tiny_dataset)
     assert data_parallel_layout(two, 1) == (1, 2, 2)
-    _, order0, _ = rank_samples(two, 0)
-    _, order1, _ = rank_samples(two, 1)
-    _, single, _ = rank_samples(one, 0)
+    _, order0, _ = rank_samples(loader_spec(two, 0))
+    _, order1, _ = rank_samples(loader_spec(two, 1))
+    _, single, _ = rank_samples(loader_spec(one, 0))
     assert not set(order0.tolist()) & set(order1.tolist())
     assert len(order0) == len(order1) == len(single) // 2
     # Step by step, the two ranks' batches are exactly the single process's batch: the same seeded order.
@@ -80,10 +82,10 @@ def test_the_position_is_all_a_resumed_run_needs(tiny_dataset):
 
 def test_each_epoch_has_its_own_shuffle_and_all_are_read(tiny_dataset):
     rcp = recipe(TINY_RECIPE, tiny_dataset, "runner_config.epochs=3")
-    _, order, batch = rank_samples(rcp, 0)
+    _, order, batch = rank_samples(loader_spec(rcp, 0))
     first, second, third = np.split(order, 3)
     assert sorted(first.tolist()) == sorted(second.tolist()) and (first != second).any()
-    data = build_train_dataset(rcp, 0)  # longer than the dataset: read as consecutive segments
+    data = build_train_dataset(loader_spec(rcp, 0))  # longer than the dataset: read as consecutive segments
     assert data.get_dataset_size() == len(order) // batch
     rows = np.stack(list(read_samples(tiny_dataset, read_manifest(tiny_dataset))))
     got = np.concatenate([b for (b,) in data.create_tuple_iterator(output_numpy=True)])
@@ -155,9 +157,10 @@ def test_skips_remove_positions_and_a_second_rollback_maps_through_the_first(tin
     assert skip_range(40, [(8, 12)], 3, 4, 4) == [[12, 20]]
     assert skip_range(40, [(8, 12)], 2, 3, 4) == [[4, 8], [12, 16]]
     rcp = recipe(TINY_RECIPE, tiny_dataset)
-    _, order = training_order(rcp)
-    _, skipped = training_order(rcp, [(8, 12)])
+    _, order = training_order(loader_spec(rcp))
+    _, skipped = training_order(loader_spec(rcp, skips=[(8, 12)]))
     assert (skipped == np.delete(order, range(8, 12))).all()
-    same, other_seed = next_samples(rcp, 8), next_samples(recipe(TINY_RECIPE, tiny_dataset, "seed=3"), 8)
+    same = next_samples(loader_spec(rcp), 8)
+    other_seed = next_samples(loader_spec(recipe(TINY_RECIPE, tiny_dataset, "seed=3")), 8)
     assert same["first_ids"] == order[8:12].tolist() and same["sha256"] != other_seed["sha256"]
-    assert next_samples(rcp, 8, [(8, 12)])["first_ids"][:4] == order[12:16].tolist()
+    assert next_samples(loader_spec(rcp, skips=[(8, 12)]), 8)["first_ids"][:4] == order[12:16].tolist()

@@ -142,7 +142,7 @@ def test_one_host_all_reduce_per_step_carries_loss_and_stop(tiny_dataset, tmp_pa
     from ascend_llm_recipes.training.worker.callbacks import StepRecord
     from ascend_llm_recipes.training.worker.checkpointer import Checkpointer
     from ascend_llm_recipes.training.rank_status import Heartbeat
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
     from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE
     from ascend_llm_recipes.training.worker.train import build_callbacks
 

@@ -242,7 +242,7 @@ def test_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, capsys):
     from ascend_llm_recipes.training.run_files import LOCK_FILE
     from ascend_llm_recipes.training.launcher.cli import lock_run_dir
     from ascend_llm_recipes.training.launcher.cluster import Cluster
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     dead = subprocess.Popen(["sleep", "0"])
     dead_id = process_id(dead.pid)
@@ -365,7 +365,7 @@ def test_bad_values_are_refused(bad, tmp_path):
 
 def test_slurm_and_explicit_cluster_resolution():
     from ascend_llm_recipes.training.launcher.cluster import first_slurm_host, resolve_cluster
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
     from ascend_llm_recipes.common.errors import LaunchError
 
     assert first_slurm_host("gpu[03-06,09],login1") == "gpu03"
@@ -423,7 +423,7 @@ def test_msrun_binds_cores_on_ascend_only(tmp_path):
     """The command msrun's own argument parser reads: --bind_core=True for an Ascend recipe, absent on CPU."""
     from mindspore.parallel.cluster.run import get_args
     from ascend_llm_recipes.training.launcher.cluster import binds_cores, msrun_command, resolve_cluster
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     parsed = {}
     for name in ("llama2_7b_8dev", "tiny_dp2_cpu"):

@@ -1,4 +1,5 @@
-"""Imports run one way (common <- models, data <- training <- scripts) and one package root is installed."""
+"""Imports run one way (common <- models, data <- training <- scripts), data/ reads no recipe, and one package
+root is installed."""
 
 import ast
 import configparser
@@ -65,6 +66,58 @@ def test_an_upward_import_is_caught(tmp_path, folder, statement):
     (tmp_path / folder / "bad.py").write_text(statement + "\n")
     problems = layering_violations(str(tmp_path))
     assert len(problems) == 1 and problems[0].startswith(f"{folder}/bad.py:"), problems
+
+
+# What reading a recipe looks like: a name for the recipe, or a section only a recipe has. data/ takes plain
+# inputs (data/loader.py LoaderSpec) that training builds, so none of these may appear there.
+RECIPE_NAMES = ("recipe", "rcp")
+RECIPE_SECTIONS = ("runner_config", "runner_wrapper", "lr_schedule", "train_dataset", "train_dataset_task",
+                   "parallel_config", "recompute_config", "data_preparation", "eval_dataset", "checkpointing",
+                   "global_batch_size", "use_parallel")
+
+
+def recipe_reads(repo: str, folder: str = "data") -> list:
+    """'file:line reads X' for every recipe name (a variable or parameter) and recipe section used in `folder`."""
+    problems = []
+    for directory, _, files in os.walk(os.path.join(repo, folder)):
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(directory, name)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), filename=path)
+            for node in ast.walk(tree):
+                read = (node.id if isinstance(node, ast.Name) and node.id in RECIPE_NAMES else
+                        node.arg if isinstance(node, ast.arg) and node.arg in RECIPE_NAMES else
+                        node.attr if isinstance(node, ast.Attribute) and node.attr in RECIPE_SECTIONS else None)
+                if read:
+                    problems.append(f"{os.path.relpath(path, repo)}:{node.lineno} reads {read}")
+    return problems
+
+
+def test_data_reads_no_recipe():
+    assert recipe_reads(REPO_ROOT) == []
+
+
+def test_the_recipe_sections_named_are_the_recipes():
+    import dataclasses
+
+    from ascend_llm_recipes.training.recipe.schema import Recipe
+
+    names = {f.name for f in dataclasses.fields(Recipe)} | {n for n in dir(Recipe) if not n.startswith("_")}
+    assert set(RECIPE_SECTIONS) <= names, set(RECIPE_SECTIONS) - names
+
+
+@pytest.mark.parametrize("statement", [
+    "def batches(recipe):\n    return 1\n",
+    "def batches(spec):\n    return spec.runner_config.batch_size\n",
+    "from x import y\nsize = y().parallel_config\n",
+])
+def test_a_recipe_read_in_data_is_caught(tmp_path, statement):
+    os.makedirs(tmp_path / "data")
+    (tmp_path / "data" / "bad.py").write_text(statement)
+    problems = recipe_reads(str(tmp_path))
+    assert len(problems) == 1 and problems[0].startswith("data/bad.py:"), problems
 
 
 def test_one_top_level_package_installed():

@@ -24,8 +24,6 @@ OVERSIZED = {
     "data/indexed_prepare.py": "being split on fix/datasteps",
     "data/pipeline.py": "being split on fix/datasteps",
     "data/scale.py": "being split on fix/datasteps",
-    "training/recipe/schema.py": "being split on fix/mfconfig",
-    "training/recipe/mindformers.py": "being split on fix/mfconfig",
 }
 CROWDED = {
     "data": "being split on fix/datasteps",

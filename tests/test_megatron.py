@@ -26,7 +26,7 @@ from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.training.tools.export import from_torch, to_megatron, write_recipe, to_hf
 from ascend_llm_recipes.training.launcher.cli import launch
 from ascend_llm_recipes.training.tools.planner import plan
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 
 GENERATOR = os.path.join(REPO_ROOT, "tests", "make_megatron_fixtures.py")
 LAYOUTS = ("tp1", "tp2", "tp2pp2")

@@ -4,7 +4,7 @@ import pytest
 
 from ascend_llm_recipes.models.arithmetic import Gemm
 from ascend_llm_recipes.training.worker.metrics import (MindSporeGemm, gemm_operands, measure_cpu_peak_flops,
-                                                 model_flops_utilisation)
+                                                        model_flops_utilisation)
 
 
 def test_mfu_hand_computed():

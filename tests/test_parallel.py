@@ -2,7 +2,6 @@
 
 import mindspore as ms
 import pytest
-from mindformers.modules.transformer.transformer import TransformerOpParallelConfig, TransformerRecomputeConfig
 
 from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 from ascend_llm_recipes.models.parallel import balanced_stages, layout_problems, plan_layout
@@ -11,24 +10,21 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
 
 
-def semi_auto_model(config: LlamaConfig) -> LlamaForCausalLM:
+def semi_auto_model(config: LlamaConfig, layout=None) -> LlamaForCausalLM:
     """The model as semi-auto parallel builds it (the loss splits the vocabulary; models/llama.py
     loss_splits_vocabulary), the context set back to stand-alone for CPU."""
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
     try:
-        return LlamaForCausalLM(config)
+        return LlamaForCausalLM(config, layout)
     finally:
         ms.set_auto_parallel_context(parallel_mode="stand_alone")
 
 
-def build(dp, tp, pp, micro=4, recompute=False, select=False, vocab_emb_dp=True, **fields):
-    parallel = TransformerOpParallelConfig(
-        data_parallel=dp, model_parallel=tp, pipeline_stage=pp, micro_batch_num=micro, vocab_emb_dp=vocab_emb_dp,
-        recompute=TransformerRecomputeConfig(recompute=recompute, select_recompute=select))
-    config = dict(vocab_size=100, hidden_size=64, num_layers=5, num_heads=8, num_kv_heads=4,
-                  intermediate_size=160, seq_length=32, parallel_config=parallel)
-    config.update(fields)
-    return semi_auto_model(LlamaConfig(**config))
+def build(dp, tp, pp, micro=4, recompute=False, select=False, vocab_emb_dp=True, stage_layers=None, **fields):
+    config = LlamaConfig(**{**dict(vocab_size=100, hidden_size=64, num_layers=5, num_heads=8, num_kv_heads=4,
+                                   intermediate_size=160, seq_length=32), **fields})
+    mode = "full" if recompute else "selective" if select else "none"
+    return semi_auto_model(config, plan_layout(config, dp, tp, pp, micro, stage_layers, mode, vocab_emb_dp))
 
 
 def linears(net):
@@ -91,7 +87,7 @@ def test_every_layer_on_exactly_one_stage():
 
 
 def test_explicit_stage_counts():
-    net = build(1, 1, 2, micro=4, pipeline_stage_layers=[1, 4])
+    net = build(1, 1, 2, micro=4, stage_layers=[1, 4])
     assert [layer.pipeline_stage for layer in net.model.layers] == [0, 1, 1, 1, 1]
 
 
@@ -143,14 +139,13 @@ COVERAGE_WORKER = """
 import sys
 import numpy as np, mindspore as ms
 ms.set_context(mode=0, device_target="CPU")
-from mindformers.modules.transformer.transformer import TransformerOpParallelConfig
 from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
-parallel = TransformerOpParallelConfig(data_parallel=2, model_parallel=2, pipeline_stage=1, micro_batch_num=1)
+from ascend_llm_recipes.models.parallel import plan_layout
+config = LlamaConfig(vocab_size=100, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                     seq_length=32, qkv_bias=True, document_attention=True)
 # Built as in semi-auto parallel (the loss then splits the vocabulary), compiled stand-alone (CPU).
 ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
-net = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                                   intermediate_size=96, seq_length=32, qkv_bias=True, document_attention=True,
-                                   parallel_config=parallel))
+net = LlamaForCausalLM(config, plan_layout(config, dp=2, tp=2))
 ms.set_auto_parallel_context(parallel_mode="stand_alone")
 net.set_train(True)
 net.compile(ms.Tensor(np.ones((2, 33), np.int32)))
@@ -188,9 +183,7 @@ def test_every_operator_of_the_compiled_tp_graph_has_a_strategy(tmp_path):
     assert {"Transpose", "Concat", "Neg", "SiLU", "Rsqrt", "ReduceMax", "OneHot", "Tile", "Cummax"} <= sharded
 
 
-def kernel_config(parallel=None, **kernels):
-    if parallel is not None:
-        kernels["parallel_config"] = parallel
+def kernel_config(**kernels):
     return LlamaConfig(vocab_size=100, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                        intermediate_size=96, seq_length=32, document_attention=True, **kernels)
 
@@ -204,8 +197,8 @@ def test_every_primitive_of_every_cell_is_sharded_with_or_without_ascend_kernels
     """The Ascend kernels cannot run on CPU, but the cells build: walk every Primitive the cells hold."""
     from ascend_llm_recipes.models.parallel import UNSHARDED_OPERATORS, flash_attention_strategy
 
-    parallel = TransformerOpParallelConfig(data_parallel=2, model_parallel=2, pipeline_stage=1, micro_batch_num=1)
-    net = semi_auto_model(kernel_config(parallel, **kernels))
+    config = kernel_config(**kernels)
+    net = semi_auto_model(config, plan_layout(config, dp=2, tp=2))
     # MindFormers' generation mixin (text_generator.py:94) owns a Gather our training graph never calls.
     unused = {("", "gather")}
     unsharded = [(cell_name, attr, prim.name) for cell_name, cell in net.cells_and_names()
@@ -230,3 +223,41 @@ def test_parameter_names_and_shapes_do_not_depend_on_the_kernels():
     plain = LlamaForCausalLM(kernel_config())
     fused = LlamaForCausalLM(kernel_config(**ASCEND_KERNELS))
     assert [(p.name, p.shape) for p in plain.get_parameters()] == [(p.name, p.shape) for p in fused.get_parameters()]
+
+
+def test_the_recipe_layout_reaches_the_model_through_mindformers_build(tmp_path):
+    """worker_config's typed layout reaches our model through MindFormers' own model builder, with the degrees
+    MindFormers uses: the recipe's in semi-auto parallel, one device's outside it (base_trainer.py:289-296)."""
+    import os
+
+    from mindformers import MindFormerConfig
+    from mindformers.core.parallel_config import build_parallel_config
+    from mindformers.models import build_network
+
+    from conftest import REPO_ROOT
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
+    from ascend_llm_recipes.training.recipe.mindformers import model_layout, worker_config
+
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml"), [
+        f"output_dir={tmp_path}", "parallel_config.data_parallel=1", "parallel_config.model_parallel=2",
+        "parallel_config.pipeline_stage=2", "parallel_config.micro_batch_num=4",
+        "parallel_config.stage_layers=[1, 3]", "recompute_config.recompute=True", "hardware.devices_per_node=4",
+    ], planning=True)
+    config = MindFormerConfig(**worker_config(recipe, str(tmp_path)))
+    build_parallel_config(config)
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+    try:
+        net = build_network(config.model, default_args={"parallel_config": config.parallel_config,
+                                                        "moe_config": config.moe_config})
+    finally:
+        ms.set_auto_parallel_context(parallel_mode="stand_alone")
+    assert [layer.pipeline_stage for layer in net.model.layers] == [0, 1, 1, 1]
+    assert net.model.layers[0].self_attn.q_proj.matmul.in_strategy == ((1, 1), (2, 1))
+    assert "recompute_comm_op" in net.model.layers[0].self_attn.q_proj.matmul.attrs  # set by Cell.recompute
+    # MindFormers turns vocab_emb_dp off under pipeline stages: the embedding table splits over TP
+    assert net.model.embed_tokens.gather.in_strategy == ((2, 1), (1, 1))
+    data_parallel = model_layout(load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml"), [
+        f"output_dir={tmp_path}", "parallel.parallel_mode=0", "parallel.full_batch=False",
+        "parallel.gradients_mean=True", "parallel_config.data_parallel=8", "parallel_config.model_parallel=1",
+        "parallel_config.pipeline_stage=1"], planning=True))
+    assert (data_parallel.data_parallel, data_parallel.tensor_parallel, data_parallel.recompute) == (1, 1, "none")

@@ -9,7 +9,7 @@ from ascend_llm_recipes.training.tools.devices import DEVICES, GB
 from ascend_llm_recipes.training.tools.plan_report import format_plan
 from ascend_llm_recipes.training.tools.planner import (layer_activation_bytes, plan, recompute_working_bytes,
                                                        stage_memory, stage_parameters)
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 
 SMALL = ("model.model_config.vocab_size=100", "model.model_config.hidden_size=64",
          "model.model_config.num_layers=2", "model.model_config.num_heads=4", "model.model_config.num_kv_heads=2",

@@ -21,7 +21,7 @@ from ascend_llm_recipes.training.launcher.preflight import (MIN_MAX_MAP_COUNT, c
                                                             visible_npus, write_findings)
 from ascend_llm_recipes.training.launcher.versions import installed_versions, load_table
 from ascend_llm_recipes.common.errors import LaunchError, PretrainError
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import yaml
 from conftest import DEMO_RECIPE, REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.training.tools.planner import plan
-from ascend_llm_recipes.training.recipe.schema import (CheckpointMonitorConfig, Recipe, apply_override, load_recipe,
-                                                read_recipe_file, recipe_from_dict)
+from ascend_llm_recipes.training.recipe.loading import apply_override, load_recipe, read_recipe_file, recipe_from_dict
+from ascend_llm_recipes.training.recipe.schema import CheckpointMonitorConfig, Recipe
 
 
 def write(tmp_path, text, base=TINY_RECIPE):
@@ -79,6 +79,17 @@ def test_bases_are_merged_under_the_recipe():
     assert dp2.model == tiny.model and dp2.lr_schedule == tiny.lr_schedule  # inherited through two levels
     assert dp2.context.device_target == "CPU" and dp2.runner_wrapper.type == "PortableTrainOneStepCell"
     assert "base" not in dp2.to_dict()
+
+
+def test_base_recipes_leave_the_optimizer_defaults_to_the_schema():
+    """AdamW's betas, eps and weight decay are stated once, in OptimizerConfig; a base recipe sets only what differs."""
+    from ascend_llm_recipes.training.recipe.schema import OptimizerConfig
+
+    defaults = dataclasses.asdict(OptimizerConfig())
+    for path in glob.glob(os.path.join(REPO_ROOT, "recipes", "base", "*.yaml")):
+        optimizer = read_recipe_file(path).get("optimizer", {})
+        assert not [key for key, value in optimizer.items() if defaults.get(key) == value], path
+    assert load_recipe(TINY_RECIPE).optimizer.betas == defaults["betas"]
 
 
 def test_base_errors(tmp_path):
@@ -733,14 +744,15 @@ def test_the_910a_refuses_what_it_lacks_and_float16_needs_loss_scaling():
     load_recipe(TINY_RECIPE, (*on_910a, "model.model_config.compute_dtype=float16",
                               "runner_wrapper.scale_sense={type: DynamicLossScaleUpdateCell}"))
     load_recipe(TINY_RECIPE, ("model.model_config.compute_dtype=float16",))  # CPU: float16 trains without scaling
-    with pytest.raises(RecipeError, match=r"hardware\.device: 'Ascend910C' is not a device of training/tools/planner\.py's "
-                                          r"table; use one of .*Ascend910A"):
+    with pytest.raises(RecipeError, match=r"hardware\.device: 'Ascend910C' is not a device of "
+                                          r"training/tools/devices\.py's table; use one of .*Ascend910A"):
         load_recipe(TINY_RECIPE, ("hardware.device=Ascend910C",))
 
 
 def test_910a_recipe_is_float16_with_dynamic_loss_scaling_and_fits_with_headroom():
     from ascend_llm_recipes.training.tools.planner import DEVICES, GB
-    from ascend_llm_recipes.training.recipe.schema import FIRST_GENERATION_910, DynamicLossScaleConfig
+    from ascend_llm_recipes.training.recipe.device import FIRST_GENERATION_910
+    from ascend_llm_recipes.training.recipe.schema import DynamicLossScaleConfig
 
     assert all(not DEVICES[name].bf16 and DEVICES[name].memory_bytes == 32 * GB for name in FIRST_GENERATION_910)
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_910a_16dev.yaml"))

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import DP_STEPS, DP2_RECIPE, REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.common.errors import ConversionError, LaunchError, RecipeError
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 
 TINY_ASCEND = os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml")
 TP_PP = ["parallel_config.data_parallel=2", "parallel_config.model_parallel=2", "parallel_config.pipeline_stage=2",

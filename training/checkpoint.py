@@ -239,7 +239,7 @@ def rank_shapes(recipe):
     itself: None too.
     """
     from ascend_llm_recipes.models.shapes import parameter_shapes
-    from ascend_llm_recipes.training.tools.relayout import semi_auto
+    from ascend_llm_recipes.training.recipe.mindformers import semi_auto
 
     p = recipe.parallel_config
     whole = parameter_shapes(recipe.model.model_config, p.model_parallel)

@@ -30,7 +30,8 @@ from ascend_llm_recipes.training.launcher.rendezvous import (DEFAULT_RENDEZVOUS_
 from ascend_llm_recipes.training.launcher.resume import check_data_position, prepare_run_dir, resumed_step
 from ascend_llm_recipes.training.launcher.supervision import run_watched
 from ascend_llm_recipes.training.rank_status import read_heartbeat, read_status
-from ascend_llm_recipes.training.recipe.schema import Recipe, load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
+from ascend_llm_recipes.training.recipe.schema import Recipe
 from ascend_llm_recipes.training.run_files import AMENDMENTS, LOCK_FILE, LOGS, RESOLVED_RECIPE, SUMMARY
 
 HANG_EXIT_CODE = 3

@@ -36,8 +36,9 @@ def ensure_dataset(recipe: Recipe, show_progress: bool = True) -> dict:
         print(f"[launch] blend: {member['dataset_dir']}: weight {member['share']:.1%} of the samples, "
               f"{member['samples']:,} samples, read ~{member['repeats_per_pass']:.2f} times per pass", flush=True)
     # shard contents: full sha256 on first use, then cached
-    from ascend_llm_recipes.data.loader import verify_recipe_datasets
-    print("\n".join(f"[launch] {line}" for line in verify_recipe_datasets(recipe)), flush=True)
+    from ascend_llm_recipes.data.loader import verify_datasets
+    from ascend_llm_recipes.training.recipe.loader_spec import dataset_dirs
+    print("\n".join(f"[launch] {line}" for line in verify_datasets(dataset_dirs(recipe))), flush=True)
     return checked["manifest"]
 
 
@@ -111,15 +112,16 @@ def check_blend(recipe: Recipe) -> list:
     Returns per member: its recipe key, directory, samples, share of the draws and how many
     times a pass (sum of the members' sizes drawn by weight) is expected to read each sample.
     """
-    from ascend_llm_recipes.data.loader import load_sources, recipe_sources
+    from ascend_llm_recipes.data.loader import load_sources
+    from ascend_llm_recipes.training.recipe.loader_spec import dataset_sources
 
-    for dataset_dir, _, key in recipe_sources(recipe):
+    for dataset_dir, _, key in dataset_sources(recipe):
         _checked_manifest(recipe, key, dataset_dir)
-    sources = load_sources(recipe_sources(recipe))
+    sources = load_sources(dataset_sources(recipe))
     total_weight = sum(s.weight for s in sources)
     drawn = sum(s.samples for s in sources)
     members = []
-    for (_, _, key), source in zip(recipe_sources(recipe), sources):
+    for (_, _, key), source in zip(dataset_sources(recipe), sources):
         share = source.weight / total_weight
         members.append({"key": key, "dataset_dir": source.dataset_dir, "samples": source.samples,
                         "weight": source.weight, "share": round(share, 6),

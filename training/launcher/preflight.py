@@ -34,18 +34,10 @@ from ascend_llm_recipes.training.run_files import PREFLIGHT_JSON, PREFLIGHT_TXT
 # What a training worker's command line contains (training/launcher/cluster.py WORKER_SCRIPT).
 WORKER_MARK = "scripts/train.py"
 
-# Exported by the launcher to every rank. HCCL reads them once, when communication initialises;
-# values changed later are ignored and ranks that disagree hang. Defaults and ranges from the
-# CANN 9.0.0 environment-variable reference (hiascend.com, canncommercial/900, envref_07_0077/78/80):
-#   HCCL_CONNECT_TIMEOUT: CANN default 120 s, accepted [120, 7200]; MindSpore 2.9.0 sets 600 at import
-#     when unset (mindspore/context.py). 1200 here: on multi-node jobs ranks reach HCCL init minutes
-#     apart (container start, data checks), and a short timeout turns that into a failed launch.
-#   HCCL_EXEC_TIMEOUT: CANN default 1836 s (Atlas A2/A3: [0, 2^31-1], 0 = never; Atlas training series
-#     round it down to a multiple of 68 s, and 1836 = 27 x 68 is the same everywhere).
-#   HCCL_BUFFSIZE: CANN default 200 MB per communication domain (each domain takes 2x: send + receive).
+# Exported by the launcher to every rank: the recipe's hccl section, whose defaults and HCCL's ranges
+# are documented in training/recipe/device.py HcclConfig.
 HCCL_VARIABLES = {"connect_timeout": "HCCL_CONNECT_TIMEOUT", "exec_timeout": "HCCL_EXEC_TIMEOUT",
                   "buffsize": "HCCL_BUFFSIZE"}
-HCCL_DEFAULTS = {"connect_timeout": 1200, "exec_timeout": 1836, "buffsize": 200}
 HCCL_RANGES = {"connect_timeout": (120, 7200), "exec_timeout": (0, 2**31 - 1), "buffsize": (1, None)}
 
 # Every mmap'd region (MindSpore's memory pool, mapped dataset and checkpoint files, thread stacks)
@@ -181,23 +173,18 @@ def check_device(recipe, env: dict = None) -> list:
 
 
 def hccl_env(recipe) -> dict:
-    """HCCL_CONNECT_TIMEOUT, HCCL_EXEC_TIMEOUT, HCCL_BUFFSIZE for every rank: the recipe's `hccl` section
-    (attributes connect_timeout, exec_timeout, buffsize; None = default), else HCCL_DEFAULTS."""
-    section = getattr(recipe, "hccl", None)
-    values = {}
-    for key, variable in HCCL_VARIABLES.items():
-        value = getattr(section, key, None) if section is not None else None
-        values[variable] = str(HCCL_DEFAULTS[key] if value is None else value)
-    return values
+    """HCCL_CONNECT_TIMEOUT, HCCL_EXEC_TIMEOUT, HCCL_BUFFSIZE for every rank: the recipe's `hccl` section."""
+    return {variable: str(getattr(recipe.hccl, key)) for key, variable in HCCL_VARIABLES.items()}
 
 
 def check_hccl(recipe, env: dict = None) -> list:
     """The HCCL values the launcher exports: within HCCL's ranges, and not silently replacing the user's own."""
     env = launch_environment() if env is None else env
     wanted = hccl_env(recipe)
-    section = getattr(recipe, "hccl", None)
-    from_recipe = [k for k in HCCL_VARIABLES if getattr(section, k, None) is not None]
-    origin = f"recipe hccl.{', hccl.'.join(from_recipe)}" if from_recipe else "preflight defaults"
+    from ascend_llm_recipes.training.recipe.device import HcclConfig
+
+    from_recipe = [k for k in HCCL_VARIABLES if getattr(recipe.hccl, k) != getattr(HcclConfig(), k)]
+    origin = f"recipe hccl.{', hccl.'.join(from_recipe)}" if from_recipe else "the hccl section's defaults"
     findings = []
     for key, variable in HCCL_VARIABLES.items():
         low, high = HCCL_RANGES[key]
@@ -459,7 +446,7 @@ def write_findings(findings: list, run_dir: str) -> tuple:
 
 
 def main(argv=None) -> int:
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     parser = argparse.ArgumentParser(prog="python -m ascend_llm_recipes.training.launcher.preflight",
                                      description="Check this machine for a recipe without launching.")

@@ -22,7 +22,7 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> st
 
     A finished run is left exactly as it is (nothing rewritten); see continue_run for resumes.
     """
-    run_dir = recipe.output_dir  # absolute: every path was resolved at load (training/recipe/schema.py resolve_paths)
+    run_dir = recipe.output_dir  # absolute: every path was resolved at load (training/recipe/loading.py resolve_paths)
     if os.path.exists(os.path.join(run_dir, RESOLVED_RECIPE)) and not continue_run(recipe, run_dir, amend):
         return run_dir
     leftovers = [n for n in (CHECKPOINTS, METRICS) if os.path.exists(os.path.join(run_dir, n))]
@@ -98,7 +98,7 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
 def saved_recipe(run_dir: str) -> Recipe:
     """RUN_DIR/recipe.yaml, the recipe the run was trained with."""
     import yaml
-    from ascend_llm_recipes.training.recipe.schema import recipe_from_dict
+    from ascend_llm_recipes.training.recipe.loading import recipe_from_dict
 
     path = os.path.join(run_dir, RESOLVED_RECIPE)
     try:
@@ -200,7 +200,8 @@ def check_data_position(recipe: Recipe, run_dir: str, previous: Recipe = None) -
         raise LaunchError(f"resume from step {step}: the checkpoint was trained without the samples at training-order "
                           f"positions {lost}, which {os.path.join(run_dir, SKIPS_FILE)} does not list",
                           hint=f"restore {SKIPS_FILE} (the rollback record this run wrote), or start a new output_dir")
-    now = next_samples(recipe, position, skips, saved["count"])
+    from ascend_llm_recipes.training.recipe.loader_spec import loader_spec
+    now = next_samples(loader_spec(recipe, skips=skips), position, saved["count"])
     if now["sha256"] != saved["sha256"]:
         changed = []
         if previous is not None:

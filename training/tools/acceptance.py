@@ -331,7 +331,7 @@ def throughput(run_dir: str) -> dict:
 def evaluate(out: str, returncodes: dict) -> dict:
     """Every check's verdict and figures from the run directories under `out`."""
     from ascend_llm_recipes.training.tools.planner import GB, plan
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     results = {}
     for name in NODE_RECIPES + MULTI_NODE_RECIPES:

@@ -24,7 +24,7 @@ from ascend_llm_recipes.models.megatron import OPTIMIZER_DIR, _source_manifest, 
 from ascend_llm_recipes.models.megatron import to_megatron as _to_megatron
 from ascend_llm_recipes.models.torch_state import from_torch as _from_torch
 from ascend_llm_recipes.training.run_files import CHECKPOINTS
-from ascend_llm_recipes.training.recipe.schema import load_recipe
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE as RUN_RECIPE
 
 
@@ -55,7 +55,7 @@ def recorded_model_section(path: str):
 
 def run_recipe(run_dir: str):
     """RUN_DIR/recipe.yaml as recorded; read for planning (an Ascend run's record also loads on this CPU)."""
-    from ascend_llm_recipes.training.recipe.schema import recipe_from_dict
+    from ascend_llm_recipes.training.recipe.loading import recipe_from_dict
 
     path = os.path.join(run_dir, RUN_RECIPE)
     try:

@@ -29,7 +29,6 @@ from typing import Optional
 from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.models.arithmetic import flops_per_token, param_count
 from ascend_llm_recipes.models.parallel import RECOMPUTE_MODES, balanced_stages
-from ascend_llm_recipes.models.parallel import recompute_mode as mode_of_flags
 from ascend_llm_recipes.models.shapes import dimensions, parameter_dtype, parameter_shapes
 from ascend_llm_recipes.training.tools.devices import DEFAULT_DEVICE, DEVICES, GB, DeviceSpec
 
@@ -375,11 +374,6 @@ def _ceil_div(n: int, d: int) -> int:
     return -(-n // d)
 
 
-def recompute_mode(recipe) -> str:
-    """The recipe's recompute mode, as the model applies it (models/parallel.py recompute_mode)."""
-    return mode_of_flags(recipe.recompute_config.recompute, recipe.recompute_config.select_recompute)
-
-
 def optimizer_sharded(recipe) -> bool:
     """MindSpore >= 2.4 shards optimizer states over DP only in semi-auto/auto parallel."""
     return (recipe.parallel.enable_parallel_optimizer and recipe.parallel.parallel_mode in (1, 2)
@@ -416,7 +410,7 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
     spec = resolve_device(recipe, device)
     cfg = recipe.model.model_config
     p = recipe.parallel_config
-    mode, shard = recompute_mode(recipe), optimizer_sharded(recipe)
+    mode, shard = recipe.recompute_config.mode, optimizer_sharded(recipe)
     notes = []
 
     stages = stage_memory(recipe)
@@ -503,7 +497,7 @@ def speed_estimate(recipe, spec: DeviceSpec, mfu: float) -> Optional[SpeedEstima
     tokens_device = recipe.tokens_per_step / recipe.world_size
     compute = tokens_device * flops_per_token(cfg) / (peak * mfu)
     terms = [(f"matmuls and attention at {mfu:.0%} MFU", compute)]
-    mode = recompute_mode(recipe)
+    mode = recipe.recompute_config.mode
     if mode == "full":
         terms.append(("full recompute: one more forward (1/3 of the compute)", compute / 3))
     if pp > 1:

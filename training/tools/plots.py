@@ -91,7 +91,7 @@ def read_metrics(run_dir: str, log=print) -> tuple:
 def read_run(run_dir: str, label: str = None, log=print) -> RunHistory:
     """A run directory's metrics, rollbacks and the recipe values the dashboard marks."""
     from ascend_llm_recipes.data.loader import SKIPS_FILE, read_skips
-    from ascend_llm_recipes.training.recipe.schema import load_recipe
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
 
     train, held_out = read_metrics(run_dir, log)
     run = RunHistory(label or os.path.basename(os.path.normpath(run_dir)), train, held_out)

@@ -18,6 +18,7 @@ import os
 import shutil
 
 from ascend_llm_recipes.common.errors import ConversionError, LaunchError
+from ascend_llm_recipes.training.recipe.mindformers import semi_auto
 from ascend_llm_recipes.training.run_files import CHECKPOINTS, LAYOUT_FILE, MERGED_DIR, RESOLVED_RECIPE, STRATEGY_DIR
 
 # MindFormers saves a rank's strategy as get_output_root_path()/strategy/ckpt_strategy_rank_N.ckpt:
@@ -29,10 +30,6 @@ NO_STRATEGY_ON_CPU = ("strategy files are written only by the compile of a semi-
 
 def strategy_file(run_dir: str, rank: int) -> str:
     return os.path.join(os.path.realpath(run_dir), STRATEGY_DIR, f"ckpt_strategy_rank_{rank}.ckpt")
-
-
-def semi_auto(recipe) -> bool:
-    return recipe.use_parallel and recipe.parallel.parallel_mode in (1, 2)
 
 
 def layout(recipe) -> dict:

@@ -14,7 +14,7 @@ from mindspore.train.callback import Callback
 from ascend_llm_recipes.common.errors import LaunchError
 from ascend_llm_recipes.training.rank_status import Heartbeat
 from ascend_llm_recipes.training.worker.metrics import (device_memory_bytes, host_memory_bytes, loss_spike,
-                                                 model_flops_utilisation)
+                                                        model_flops_utilisation)
 
 
 def _scalar(value):

@@ -28,6 +28,7 @@ class Checkpointer(Callback):
                  state_extra: dict, skips: list):
         super().__init__()
         from ascend_llm_recipes.data.loader import training_order
+        from ascend_llm_recipes.training.recipe.loader_spec import loader_spec
 
         settings = recipe.checkpointing
         self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
@@ -39,7 +40,8 @@ class Checkpointer(Callback):
         self.global_batch_size = recipe.global_batch_size
         self.state_extra = state_extra
         self.skips = skips
-        self.order = training_order(recipe, self.skips)[1]  # flat sample ids, in the order training reads them
+        # flat sample ids, in the order training reads them
+        self.order = training_order(loader_spec(recipe, skips=self.skips))[1]
         self.preempted = False
         self.stopped_for_rollback = False
         self.last_saved = None

@@ -19,7 +19,9 @@ import yaml
 from ascend_llm_recipes.common.errors import LaunchError, PretrainError
 from ascend_llm_recipes.training.rank_status import Heartbeat, write_status
 from ascend_llm_recipes.training.launcher.job import stop_orphan, watch_launcher, watch_launcher_from_a_child
-from ascend_llm_recipes.training.recipe.schema import START_STEP_LR, DynamicLossScaleConfig, Recipe, recipe_from_dict
+from ascend_llm_recipes.training.recipe.loading import recipe_from_dict
+from ascend_llm_recipes.training.recipe.mindformers import worker_config
+from ascend_llm_recipes.training.recipe.schema import DynamicLossScaleConfig, Recipe
 from ascend_llm_recipes.training.run_files import (CHECKPOINTS, PROFILE, RESOLVED_RECIPE, SUMMARY, TENSORBOARD,
                                                    metrics_file)
 
@@ -29,42 +31,8 @@ def rank_id() -> int:
 
 
 def mindformers_config(recipe: Recipe, run_dir: str) -> dict:
-    """The recipe in the exact form MindFormers 1.9's Trainer needs (all keys it reads, none it ignores)."""
-    cfg = recipe.to_dict()
-    cfg.pop("data_preparation", None)
-    cfg.pop("load_optimizer_state")  # ours: training/worker/optim.py LoadOptimizerState
-    cfg["output_dir"] = run_dir
-    # MindFormers batches the dataset with train_dataset.batch_size; runner_config owns the value.
-    cfg["train_dataset"]["batch_size"] = recipe.runner_config.batch_size
-    cfg["train_dataset_task"]["dataset_config"] = cfg["train_dataset"]
-    cfg["runner_config"].pop("stop_step")  # 1.9 reads it but never acts on it; StepRecorder does.
-    # Ours: data/loader.py builds the dataset, with every pass (epochs x repeat) in it, each with its own shuffle.
-    cfg["train_dataset"].pop("blend", None)
-    cfg["runner_config"]["epochs"] = 1
-    # Ours, not MindFormers': the model's layout (models/parallel.py) reads it from the model config.
-    stage_layers = cfg["parallel_config"].pop("stage_layers", None)
-    if stage_layers is not None:
-        cfg["model"]["model_config"]["pipeline_stage_layers"] = stage_layers
-    if recipe.lr_schedule.total_steps == -1 and recipe.runner_config.stop_step:
-        cfg["lr_schedule"]["total_steps"] = recipe.runner_config.stop_step
-    schedule = cfg["lr_schedule"]
-    if schedule["start_step"] or schedule["type"] == "LinearWithWarmUpLR" and schedule["lr_end"]:
-        # training/worker/optim.py StartStepLR: MindFormers' schedules start at step 0 and linear ignores lr_end
-        cfg["lr_schedule"] = {**schedule, "type": START_STEP_LR, "schedule": schedule["type"]}
-    else:
-        schedule.pop("start_step")
-    # Ours, handled by training/worker/callbacks.py: MindFormers' own evaluation needs metric classes
-    # our model does not implement, and its `profile` is a boolean.
-    for key in ("monitoring", "eval_dataset", "eval_step_interval", "anomaly"):
-        cfg.pop(key, None)
-    # training/checkpoint.py saves (atomic files, manifests, full state) instead of CheckpointMonitor.
-    cfg["callbacks"] = [c for c in cfg["callbacks"] if c["type"] != "CheckpointMonitor"]
-    cfg["do_eval"] = False
-    # Keys the 1.9 Trainer dereferences unconditionally.
-    cfg["use_legacy_format"] = True  # .ckpt checkpoints; resume by checkpoint name needs this set
-    cfg["micro_batch_interleave_num"] = 1
-    cfg["monitor_config"] = {"monitor_on": False}
-    cfg["profile"] = False
+    """The recipe as this rank's MindFormers 1.9 Trainer reads it (training/recipe/mindformers.py worker_config)."""
+    cfg = worker_config(recipe, run_dir)
     # Strategy files in RUN_DIR/strategy/, and MindFormers' re-slicing on a resume at another layout.
     from ascend_llm_recipes.training.tools.relayout import mindformers_keys
     keys = mindformers_keys(recipe, run_dir, rank_id())
@@ -279,6 +247,7 @@ def run(run_dir: str, started: float = None) -> dict:
     from ascend_llm_recipes.training.worker.train_step import install_cpu_barrier  # registers the train-step wrapper
     import ascend_llm_recipes.training.worker.optim  # noqa: F401  (registers FoldedAdamW)
     from ascend_llm_recipes.data.loader import build_train_dataset, read_skips, simulated_train_dataset, skip_ranges
+    from ascend_llm_recipes.training.recipe.loader_spec import loader_spec
     install_cpu_barrier()  # before the Trainer: it calls MindFormers' barrier when resuming under data parallel
     imported = time.time()
 
@@ -306,9 +275,9 @@ def run(run_dir: str, started: float = None) -> dict:
     # Samples a loss-spike rollback removed stay out of it (RUN_DIR/data_skips.json).
     data_start = time.time()
     if simulated:
-        train_dataset = simulated_train_dataset(recipe, rank_id(), recipe.runner_config.stop_step or 1)
+        train_dataset = simulated_train_dataset(loader_spec(recipe, rank_id()), recipe.runner_config.stop_step or 1)
     else:
-        train_dataset = build_train_dataset(recipe, rank_id(), skips=skip_ranges(read_skips(run_dir)))
+        train_dataset = build_train_dataset(loader_spec(recipe, rank_id(), skip_ranges(read_skips(run_dir))))
     data_seconds = time.time() - data_start
     trainer = Trainer(args=config, callbacks=callbacks, train_dataset=train_dataset)
     setup_done = time.time()
