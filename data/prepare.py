@@ -13,7 +13,8 @@ import sys
 from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.data.corpus import expand_inputs, python_stdlib_files
 from ascend_llm_recipes.data.mindrecord_io import check_files_present, read_manifest
-from ascend_llm_recipes.data.pipeline import PrepareOptions, Run
+from ascend_llm_recipes.data.pipeline import PrepareOptions, prepare_local
+from ascend_llm_recipes.data.run_state import Job
 from ascend_llm_recipes.models.arithmetic import ALIGN, round_up
 
 SOURCES = ("python_stdlib",)
@@ -70,14 +71,14 @@ def prepare_dataset(output_dir: str, seq_length: int, vocab_size: int = 2048, so
 
     executor/tasks: with more than one task or another executor than "local", the run is cut into
     `tasks` ranges run by datatrove (data/scale.py); `workers` is then the number of tasks at once and
-    `cluster` holds data.scale.ClusterOptions' scheduler fields (partition, time, cpus_per_task, address,
+    `cluster` holds data.executors.ClusterOptions' scheduler fields (partition, time, cpus_per_task, address,
     dry_run). Needs the `scale` extra.
     """
     opts = PrepareOptions(**options)
     problems = opts.problems()
     scaled = executor != "local" or tasks != 1
     if scaled:
-        from ascend_llm_recipes.data.scale import ClusterOptions
+        from ascend_llm_recipes.data.executors import ClusterOptions
         cluster = ClusterOptions(executor=executor, tasks=tasks, workers=opts.workers, **(cluster or {}))
         problems += cluster.problems()
         if max_documents:
@@ -160,11 +161,11 @@ def _prepare(output_dir, seq_length, vocab_size, source, inputs, files, missing,
     if scaled:
         from dataclasses import replace
 
-        from ascend_llm_recipes.data.scale import ScaleRun, prepare_scaled
+        from ascend_llm_recipes.data.scale import prepare_scaled
         # Each task processes its range in its own process; parallelism is the number of tasks at once.
         arguments = arguments[:-1] + (replace(opts, workers=0),)
-        return prepare_scaled(ScaleRun(*arguments, tasks=tasks), cluster)
-    return Run(*arguments).execute()
+        return prepare_scaled(Job(*arguments, tasks=tasks), cluster)
+    return prepare_local(Job(*arguments))
 
 
 def summary(output_dir: str, manifest: dict) -> str:

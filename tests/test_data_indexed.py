@@ -246,7 +246,8 @@ def test_arguments_that_do_not_apply_are_refused(corpora, tmp_path, capsys, args
 
 
 def test_a_run_stopped_after_its_plan_continues_from_it_to_the_same_bytes(corpora, one_task, tmp_path):
-    from ascend_llm_recipes.data.indexed_prepare import IndexedRun, _open_work, plan, scan
+    from ascend_llm_recipes.data.indexed_prepare import IndexedRun, _open_work
+    from ascend_llm_recipes.data.indexed_steps import plan, scan
 
     root, tokenizer = corpora
     out = str(tmp_path / "ds")
