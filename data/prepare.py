@@ -1,6 +1,6 @@
 """Build a packed MindRecord dataset from raw documents, and check one against a recipe.
 
-`prepare_dataset` is the whole chain (data/pipeline.py runs it: streaming, parallel,
+`prepare_dataset` is the whole chain (data/text/pipeline.py runs it: streaming, parallel,
 restartable); `check_dataset` is what the launcher asks before training.
 """
 
@@ -11,9 +11,9 @@ import shlex
 import sys
 
 from ascend_llm_recipes.common.errors import DataError
-from ascend_llm_recipes.data.corpus import expand_inputs, python_stdlib_files
+from ascend_llm_recipes.data.text.corpus import expand_inputs, python_stdlib_files
 from ascend_llm_recipes.data.mindrecord_io import check_files_present, read_manifest
-from ascend_llm_recipes.data.pipeline import PrepareOptions, prepare_local
+from ascend_llm_recipes.data.text.pipeline import PrepareOptions, prepare_local
 from ascend_llm_recipes.data.run_state import Job
 from ascend_llm_recipes.models.arithmetic import ALIGN, round_up
 
@@ -35,7 +35,7 @@ def prepare_command(output_dir: str, seq_length: int, vocab_size: int) -> str:
 def rerun_command(manifest: dict, output_dir: str, seq_length: int = None, vocab_size: int = None) -> str:
     """The command that builds `manifest`'s dataset again, with another output (and seq_length/vocabulary)."""
     if manifest.get("source") == "megatron_indexed":
-        from ascend_llm_recipes.data.indexed_prepare import indexed_command
+        from ascend_llm_recipes.data.indexed.prepare import indexed_command
         return indexed_command(manifest, output_dir, seq_length, vocab_size)
     args = manifest.get("arguments", {})
     seq_length = seq_length or manifest["seq_length"]
@@ -70,7 +70,7 @@ def prepare_dataset(output_dir: str, seq_length: int, vocab_size: int = 2048, so
     arguments, continues from its last completed shard.
 
     executor/tasks: with more than one task or another executor than "local", the run is cut into
-    `tasks` ranges run by datatrove (data/scale.py); `workers` is then the number of tasks at once and
+    `tasks` ranges run by datatrove (data/cluster/scale.py); `workers` is then the number of tasks at once and
     `cluster` holds data.executors.ClusterOptions' scheduler fields (partition, time, cpus_per_task, address,
     dry_run). Needs the `scale` extra.
     """
@@ -78,7 +78,7 @@ def prepare_dataset(output_dir: str, seq_length: int, vocab_size: int = 2048, so
     problems = opts.problems()
     scaled = executor != "local" or tasks != 1
     if scaled:
-        from ascend_llm_recipes.data.executors import ClusterOptions
+        from ascend_llm_recipes.data.cluster.executors import ClusterOptions
         cluster = ClusterOptions(executor=executor, tasks=tasks, workers=opts.workers, **(cluster or {}))
         problems += cluster.problems()
         if max_documents:
@@ -161,7 +161,7 @@ def _prepare(output_dir, seq_length, vocab_size, source, inputs, files, missing,
     if scaled:
         from dataclasses import replace
 
-        from ascend_llm_recipes.data.scale import prepare_scaled
+        from ascend_llm_recipes.data.cluster.scale import prepare_scaled
         # Each task processes its range in its own process; parallelism is the number of tasks at once.
         arguments = arguments[:-1] + (replace(opts, workers=0),)
         return prepare_scaled(Job(*arguments, tasks=tasks), cluster)
@@ -171,7 +171,7 @@ def _prepare(output_dir, seq_length, vocab_size, source, inputs, files, missing,
 def summary(output_dir: str, manifest: dict) -> str:
     """One paragraph: what was kept, filtered and written."""
     if manifest.get("source") == "megatron_indexed":
-        from ascend_llm_recipes.data.indexed_prepare import indexed_summary
+        from ascend_llm_recipes.data.indexed.prepare import indexed_summary
         return indexed_summary(output_dir, manifest)
     d = manifest["documents"]
     extra = "".join(f", {d[key]} {label}" for key, label in (("too_long", "too long"),

@@ -1,7 +1,7 @@
 """What a preparation run reports: its counts (`Tallies`), the bad input it met (`Report`, in input order; with
 --strict the first one stops the run) and the manifest(s) written at the end (`write_manifests`).
 
-The single-machine run (data/pipeline.py) keeps one Tallies; each task of data/scale.py keeps its
+The single-machine run (data/text/pipeline.py) keeps one Tallies; each task of data/cluster/scale.py keeps its
 own and the merge adds them up, so both write the same manifest from the same fields.
 """
 
@@ -12,11 +12,11 @@ import numpy as np
 
 from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.common.files import file_sha256
-from ascend_llm_recipes.data.clean import INVALID_UTF8, KEPT, TOO_LONG, TOO_SHORT
-from ascend_llm_recipes.data.corpus import input_format
-from ascend_llm_recipes.data.dedup import JACCARD_THRESHOLD, MIN_SHINGLES, NEAR_DUPLICATES, SHINGLE
+from ascend_llm_recipes.data.text.clean import INVALID_UTF8, KEPT, TOO_LONG, TOO_SHORT
+from ascend_llm_recipes.data.text.corpus import input_format
+from ascend_llm_recipes.data.text.dedup import JACCARD_THRESHOLD, MIN_SHINGLES, NEAR_DUPLICATES, SHINGLE
 from ascend_llm_recipes.data.mindrecord_io import write_manifest
-from ascend_llm_recipes.data.workers import BAD_STATUSES, MALFORMED_JSON, MISSING_FIELD, STATUS_NAMES
+from ascend_llm_recipes.data.text.workers import BAD_STATUSES, MALFORMED_JSON, MISSING_FIELD, STATUS_NAMES
 
 LENGTH_BINS = 32  # document lengths (tokens) bucketed by powers of two: bin k holds [2^k, 2^(k+1))
 DOCUMENT_COUNTS = ("read", "kept", "invalid_utf8", "too_short", "too_long", "malformed_json", "missing_field",
@@ -180,7 +180,7 @@ def write_manifests(state, tok, trained_on, tallies: Tallies, splits: dict, prov
         common["validation"] = {"dataset_dir": os.path.relpath(job.val_output, job.output_dir),
                                 "documents": tallies.documents["validation"],
                                 "samples": val_manifest["samples"], "tokens": val_manifest["tokens"]}
-    if job.opts.near_dedup:  # the audit trail of what near-dedup dropped (data/dedup.py)
+    if job.opts.near_dedup:  # the audit trail of what near-dedup dropped (data/text/dedup.py)
         common["near_duplicates"] = {"file": NEAR_DUPLICATES, "documents": tallies.documents["near_duplicates"],
                                      "jaccard_threshold": JACCARD_THRESHOLD, "shingle_chars": SHINGLE,
                                      "min_shingles": MIN_SHINGLES}

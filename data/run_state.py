@@ -4,8 +4,8 @@ A run lives in OUTPUT.partial/ until it is complete, its scratch state in OUTPUT
 with run.json (the fingerprint of the job and the identity it was computed from). A rerun
 with the same job reopens an interrupted run; one with other arguments is refused, naming the
 differences (or starts over when nothing completed). When the manifest is written, the state
-is removed and OUTPUT.partial/ renamed to OUTPUT. The single-machine run (data/pipeline.py)
-and the run in N tasks (data/scale.py) share both objects; only the task count differs.
+is removed and OUTPUT.partial/ renamed to OUTPUT. The single-machine run (data/text/pipeline.py)
+and the run in N tasks (data/cluster/scale.py) share both objects; only the task count differs.
 """
 
 import errno
@@ -19,7 +19,7 @@ from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.common.files import file_sha256, write_json_atomic
 from ascend_llm_recipes.data.mindrecord_io import MANIFEST, MINDRECORD_MIN_FREE, partial_dir
 from ascend_llm_recipes.data.tokenizer import resolve_tokenizer
-from ascend_llm_recipes.data.workers import default_workers
+from ascend_llm_recipes.data.text.workers import default_workers
 
 STATE = "state"
 # Output bytes (shards, index files) per input byte, on the high side: measured 0.9 for Python source with
@@ -32,7 +32,7 @@ IDENTITY_DEFAULTS = {"tasks": 1}
 
 class Job:
     """The inputs, arguments and options of one run; `tasks` is None for the single pass, else the number of
-    ranges data/scale.py cuts the work into (part of the identity: it shapes the samples)."""
+    ranges data/cluster/scale.py cuts the work into (part of the identity: it shapes the samples)."""
 
     def __init__(self, output_dir: str, seq_length: int, vocab_size: int, source: str, patterns: list,
                  files: list, missing: list, max_documents: int, tokenizer: str, samples_per_shard: int,

@@ -18,8 +18,8 @@ each in a fresh process:
              trained model, so the tokens are the same; --hf-tokenizer: e.g. a Llama 3 directory)
   ceiling_hf the `tokenizers` library's batch encoding alone (its own threads, all cores)
 
-With --executors (and --tasks), it measures data/scale.py instead: the same corpus prepared by
-N tasks on each executor (local: datatrove's per-task runner in data/tasks.py's watched processes, one
+With --executors (and --tasks), it measures data/cluster/scale.py instead: the same corpus prepared by
+N tasks on each executor (local: datatrove's per-task runner in data/cluster/tasks.py's watched processes, one
 per task at once up to the cores; ray: a local Ray with all cores), against today's single-process run
 (local, 1 task), with each stage's wall time, each task's CPU seconds and peak memory (from
 OUTPUT.logs/<stage>/costs/), and a projection of 1 TB on 16 nodes x 64 cores from the measured
@@ -54,7 +54,7 @@ CEILING = {"ours": "ceiling", "baseline": "ceiling", "ceiling": "ceiling", "ours
 
 def build_corpus(path: str, megabytes: int, seed: int = 0) -> None:
     """Distinct documents of 1-16 KB, each a seeded random run of stdlib paragraphs, as JSONL."""
-    from ascend_llm_recipes.data.corpus import python_stdlib_files
+    from ascend_llm_recipes.data.text.corpus import python_stdlib_files
 
     paragraphs = [p for f in python_stdlib_files() for p in f.read_text(encoding="utf-8").split("\n\n")
                   if len(p.strip()) > 40]
@@ -125,7 +125,7 @@ def run_ceiling_hf(corpus: str, tokenizer: str, out: str, seq_length: int) -> tu
     from ascend_llm_recipes.data.tokenizer import resolve_tokenizer
 
     hf = Tokenizer.from_file(resolve_tokenizer(tokenizer))
-    hf.encode_special_tokens = True  # as data/workers.py: special tokens written in the text are text
+    hf.encode_special_tokens = True  # as data/text/workers.py: special tokens written in the text are text
     with open(corpus, encoding="utf-8") as f:
         docs = [json.loads(line)["text"] for line in f]
     start = time.perf_counter()
@@ -171,7 +171,7 @@ def stage_costs(out: str) -> dict:
 def child(method: str, corpus: str, tokenizer: str, out: str, seq_length: int) -> None:
     """Runs in the measured process; prints one JSON line."""
     if method.startswith("scale:"):  # scale:EXECUTOR:TASKS
-        import ascend_llm_recipes.data.scale  # noqa: F401  (MindSpore before the clock, as for ours)
+        import ascend_llm_recipes.data.cluster.scale  # noqa: F401  (MindSpore before the clock, as for ours)
         _, executor, tasks = method.split(":")
         start = time.perf_counter()
         tokens = run_scale(corpus, tokenizer, out, seq_length, executor, int(tasks))
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="runs of ours and ceiling (best kept)")
     parser.add_argument("--workdir", default="/tmp/benchmark_data")
     parser.add_argument("--executors", nargs="+", choices=["local", "ray"],
-                        help="measure data/scale.py on these executors (with --tasks) instead of the methods")
+                        help="measure data/cluster/scale.py on these executors (with --tasks) instead of the methods")
     parser.add_argument("--tasks", type=int, nargs="+", default=[1, 2, 4], help="with --executors: task counts")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", help=argparse.SUPPRESS)

@@ -214,7 +214,7 @@ TEXT_ONLY = ("input", "text_field", "lines", "normalize", "min_chars", "max_char
 
 
 def build_indexed(parser: argparse.ArgumentParser, args, command: str, model_vocab: int) -> int:
-    from ascend_llm_recipes.data.indexed_prepare import IndexedOptions, indexed_summary, prepare_indexed
+    from ascend_llm_recipes.data.indexed.prepare import IndexedOptions, indexed_summary, prepare_indexed
 
     if not args.from_megatron_indexed:
         raise DataError("--weights/--eod-id/--pad-id apply to --from-megatron-indexed",

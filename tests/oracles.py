@@ -5,7 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ascend_llm_recipes.data.clean import TOO_LONG, TOO_SHORT, CleanOptions, clean_document, decode_utf8, doc_digest
+from ascend_llm_recipes.data.text.clean import (TOO_LONG, TOO_SHORT, CleanOptions, clean_document, decode_utf8,
+                                                doc_digest)
 from ascend_llm_recipes.data.packing import PackStats, StreamPacker
 
 

@@ -452,7 +452,7 @@ def poisoned_dataset(tiny_dataset, root):
     import random
 
     import numpy as np
-    from ascend_llm_recipes.data.corpus import python_stdlib_files
+    from ascend_llm_recipes.data.text.corpus import python_stdlib_files
     from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
     from ascend_llm_recipes.data.prepare import prepare_dataset
 

@@ -10,8 +10,8 @@ import pytest
 from conftest import tiny_corpus_files
 from oracles import CleanStats, clean_documents, pack_documents, read_documents
 from ascend_llm_recipes.common.errors import DataError
-from ascend_llm_recipes.data.clean import clean_text
-from ascend_llm_recipes.data.corpus import python_stdlib_files
+from ascend_llm_recipes.data.text.clean import clean_text
+from ascend_llm_recipes.data.text.corpus import python_stdlib_files
 from ascend_llm_recipes.data.mindrecord_io import MANIFEST, partial_dir, read_manifest, read_samples, verify_files
 from ascend_llm_recipes.data.packing import PackStats
 from ascend_llm_recipes.data.prepare import check_dataset, prepare_dataset

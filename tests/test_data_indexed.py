@@ -11,8 +11,8 @@ import pytest
 
 from conftest import TINY_RECIPE, load_script
 from ascend_llm_recipes.common.errors import DataError
-from ascend_llm_recipes.data.corpus import python_stdlib_files
-from ascend_llm_recipes.data.indexed_prepare import IndexedOptions, prepare_indexed
+from ascend_llm_recipes.data.text.corpus import python_stdlib_files
+from ascend_llm_recipes.data.indexed.prepare import IndexedOptions, prepare_indexed
 from ascend_llm_recipes.data.loader import build_train_dataset
 from ascend_llm_recipes.data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_files
 from ascend_llm_recipes.data.packing import StreamPacker
@@ -246,8 +246,8 @@ def test_arguments_that_do_not_apply_are_refused(corpora, tmp_path, capsys, args
 
 
 def test_a_run_stopped_after_its_plan_continues_from_it_to_the_same_bytes(corpora, one_task, tmp_path):
-    from ascend_llm_recipes.data.indexed_prepare import IndexedRun, _open_work
-    from ascend_llm_recipes.data.indexed_steps import plan, scan
+    from ascend_llm_recipes.data.indexed.prepare import IndexedRun, _open_work
+    from ascend_llm_recipes.data.indexed.steps import plan, scan
 
     root, tokenizer = corpora
     out = str(tmp_path / "ds")

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.common.errors import DataError, RecipeError
-from ascend_llm_recipes.data.corpus import python_stdlib_files
+from ascend_llm_recipes.data.text.corpus import python_stdlib_files
 from ascend_llm_recipes.data.loader import blend_order, build_train_dataset, rank_samples
 from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
 from ascend_llm_recipes.data.prepare import prepare_dataset

@@ -18,8 +18,8 @@ import sentencepiece as spm
 
 from conftest import REPO_ROOT, load_script
 from ascend_llm_recipes.common.errors import DataError
-from ascend_llm_recipes.data.clean import clean_text
-from ascend_llm_recipes.data.corpus import python_stdlib_files
+from ascend_llm_recipes.data.text.clean import clean_text
+from ascend_llm_recipes.data.text.corpus import python_stdlib_files
 from ascend_llm_recipes.data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_cached, verify_files
 from ascend_llm_recipes.data.prepare import prepare_dataset
 from ascend_llm_recipes.data.tokenizer import EOD_ID, PAD_ID, load_tokenizer
@@ -470,9 +470,9 @@ def test_a_huge_single_line_is_tokenized_in_bounded_memory_to_the_same_tokens(tm
     script.write_text(f"""
 import json, sys
 import sentencepiece as spm
-from ascend_llm_recipes.data.clean import CleanOptions, clean_text
-from ascend_llm_recipes.data.corpus import Piece, python_stdlib_files
-from ascend_llm_recipes.data.workers import WorkerConfig, init_worker, process_chunk
+from ascend_llm_recipes.data.text.clean import CleanOptions, clean_text
+from ascend_llm_recipes.data.text.corpus import Piece, python_stdlib_files
+from ascend_llm_recipes.data.text.workers import WorkerConfig, init_worker, process_chunk
 text = " ".join(f.read_text(encoding="utf-8").replace("\\n", " ") for f in python_stdlib_files()[:400])
 text = clean_text((text * (1 + 4_000_000 // len(text)))[:4_000_000]).strip()
 line = text.encode("utf-8")

@@ -1,4 +1,4 @@
-"""Dataset preparation in N tasks on datatrove (data/scale.py): the same documents and tokens as one process,
+"""Dataset preparation in N tasks on datatrove (data/cluster/scale.py): the same documents and tokens as one process,
 duplicates removed across tasks, a killed task redone alone, changed arguments refused, Ray and Slurm."""
 
 import json
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import REPO_ROOT, load_script
-from ascend_llm_recipes.data.corpus import python_stdlib_files
+from ascend_llm_recipes.data.text.corpus import python_stdlib_files
 from ascend_llm_recipes.data.loader import load_sources
 from ascend_llm_recipes.data.mindrecord_io import partial_dir, read_manifest, read_samples, verify_files
 from ascend_llm_recipes.data.prepare import check_dataset, prepare_dataset

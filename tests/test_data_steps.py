@@ -1,4 +1,5 @@
-"""The text preparation steps (data/steps.py) composed by hand, as data/pipeline.py and data/scale.py compose them:
+"""The text preparation steps (data/text/steps.py) composed by hand, as data/text/pipeline.py and data/cluster/scale.py
+compose them:
 dedup keeps the first copy across chunks, decide's verdicts replayed by `Verdicts` keep what `Dedup` keeps, and a
 bad input line under --strict stops the Account step naming its file and line."""
 
@@ -8,13 +9,13 @@ import numpy as np
 import pytest
 
 from ascend_llm_recipes.common.errors import DataError
-from ascend_llm_recipes.data.dedup import KeyIndex
-from ascend_llm_recipes.data.pipeline import PrepareOptions
+from ascend_llm_recipes.data.text.dedup import KeyIndex
+from ascend_llm_recipes.data.text.pipeline import PrepareOptions
 from ascend_llm_recipes.data.report import Report, Tallies
 from ascend_llm_recipes.data.run_state import Job
-from ascend_llm_recipes.data.steps import (DUPLICATE, KEEP, Account, CleanTokenize, Dedup, PerBatch, Reader,
-                                           Verdicts, run_steps)
-from ascend_llm_recipes.data.workers import WorkerConfig
+from ascend_llm_recipes.data.text.steps import (DUPLICATE, KEEP, Account, CleanTokenize, Dedup, PerBatch, Reader,
+                                                Verdicts, run_steps)
+from ascend_llm_recipes.data.text.workers import WorkerConfig
 
 DOCS = ["the first document, long enough", "a second document, also long enough", "the first document, long enough",
         "a third one that is different", "a second document, also long enough"]
@@ -62,7 +63,8 @@ def test_dedup_keeps_the_first_copy_within_a_chunk_and_across_chunks(tmp_path):
 
 
 def test_verdicts_taken_once_keep_what_dedup_keeps(tmp_path):
-    """data/scale.py's decide stage judges with Dedup.judge; its pack stage replays the verdicts with Verdicts."""
+    """data/cluster/scale.py's decide stage judges with Dedup.judge; its pack stage replays the verdicts with
+    Verdicts."""
     job = job_for(tmp_path, [json.dumps({"text": d}) for d in DOCS])
     tallies, keeps = Tallies(1), Keeps()
     run_steps(read_steps(job, tallies) + [Dedup(tallies, KeyIndex(str(tmp_path / "seen.u64"))), keeps])

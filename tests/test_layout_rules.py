@@ -21,13 +21,8 @@ OVERSIZED = {
     "models/convert.py": "being split on fix/convert2",
     "models/llama.py": "being split on fix/convert2",
     "scripts/benchmark_training.py": "being split on fix/convert2",
-    "data/indexed_prepare.py": "being split on fix/datasteps",
-    "data/pipeline.py": "being split on fix/datasteps",
-    "data/scale.py": "being split on fix/datasteps",
 }
-CROWDED = {
-    "data": "being split on fix/datasteps",
-}
+CROWDED = {}
 
 
 def _folders(repo: str):

@@ -592,7 +592,7 @@ def test_one_dataset_listed_twice_through_other_spellings_is_refused_at_load(tmp
 @pytest.fixture(scope="module")
 def small_dataset(tmp_path_factory, tiny_dataset):
     """A few stdlib files with the tiny dataset's tokenizer: blendable with it, and fewer samples."""
-    from ascend_llm_recipes.data.corpus import python_stdlib_files
+    from ascend_llm_recipes.data.text.corpus import python_stdlib_files
     from ascend_llm_recipes.data.prepare import prepare_dataset
 
     out = str(tmp_path_factory.mktemp("small") / "small")
@@ -627,7 +627,7 @@ def test_a_missing_dataset_is_built_only_when_it_is_the_recipes_own(tmp_path, ti
 
 
 def test_eval_dataset_must_share_the_tokenizer_and_hold_a_batch(tmp_path, tiny_dataset, small_dataset):
-    from ascend_llm_recipes.data.corpus import python_stdlib_files
+    from ascend_llm_recipes.data.text.corpus import python_stdlib_files
     from ascend_llm_recipes.data.mindrecord_io import read_manifest
     from ascend_llm_recipes.data.prepare import prepare_dataset
     from ascend_llm_recipes.common.errors import DataError

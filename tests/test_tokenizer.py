@@ -10,9 +10,9 @@ import sentencepiece as spm
 
 from conftest import LLAMA2_LAYOUT_SP_MODEL
 from ascend_llm_recipes.common.errors import DataError
-from ascend_llm_recipes.data.clean import clean_document
+from ascend_llm_recipes.data.text.clean import clean_document
 from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
-from ascend_llm_recipes.data.pipeline import PrepareOptions
+from ascend_llm_recipes.data.text.pipeline import PrepareOptions
 from ascend_llm_recipes.data.prepare import check_dataset, prepare_dataset
 from ascend_llm_recipes.data.tokenizer import HF, NO_PAD, SENTENCEPIECE, load_tokenizer
 

@@ -9,7 +9,7 @@ reported with its task, its pid and the signal. A task's console output (datatro
 traceback) goes to a file beside datatrove's task log; its error comes back as a TaskFailure, which
 `raise_failures` turns into the one-line error the single-process run would give.
 
-The Ray executor (data/scale.py) reports its tasks' failures as TaskFailures too.
+The Ray executor (data/cluster/scale.py) reports its tasks' failures as TaskFailures too.
 """
 
 import ctypes
@@ -54,7 +54,8 @@ def failure_of(rank: int, err: BaseException, trace: str = "") -> TaskFailure:
 def raise_failures(stage: str, failures: list, total: int, completed: int, os_error) -> None:
     """Raise the error the user should see for a stage's failed tasks (the first by rank of the gravest kind).
 
-    os_error: the run's translation of an OSError (data/pipeline.py Run.os_error: a full disk, with the space needed).
+    os_error: the run's translation of an OSError (data/run_state.py RunState.os_error: a full disk, with the space
+    needed).
     """
     failures = sorted(failures, key=lambda f: f.rank)
     by_kind = {kind: [f for f in failures if f.kind == kind] for kind in (ERROR, OS_ERROR, BUG, DIED)}

@@ -1,6 +1,6 @@
 """The per-document work, run in worker processes: parse, decode, clean, hash, tokenize.
 
-A worker receives a chunk's pieces (data/corpus.py) and returns compact numpy arrays:
+A worker receives a chunk's pieces (data/text/corpus.py) and returns compact numpy arrays:
 one status per raw document (for counts and the first offending file:line), then, for
 the documents that passed the filters, their digests and their tokens with EOD appended.
 Deduplication, the validation split and packing need the whole stream in order, so they
@@ -18,9 +18,9 @@ from typing import Optional
 
 import numpy as np
 
-from ascend_llm_recipes.data.clean import (INVALID_UTF8, KEPT, TOO_LONG, TOO_SHORT, CleanOptions, clean_document,
-                                           decode_utf8, doc_digest)
-from ascend_llm_recipes.data.dedup import BANDS, band_keys, shingle_hashes, shingle_set
+from ascend_llm_recipes.data.text.clean import (INVALID_UTF8, KEPT, TOO_LONG, TOO_SHORT, CleanOptions, clean_document,
+                                                decode_utf8, doc_digest)
+from ascend_llm_recipes.data.text.dedup import BANDS, band_keys, shingle_hashes, shingle_set
 from ascend_llm_recipes.data.tokenizer import (ENCODE_PIECE_CHARS, HF, continuation_processor, encode_long,
                                                tokenizer_kind)
 

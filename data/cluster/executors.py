@@ -1,6 +1,6 @@
 """Where the stages of a preparation run execute: datatrove's executors (local processes, Slurm jobs) or Ray
-tasks, chosen by `ClusterOptions` (prepare_data.py --executor/--tasks). data/scale.py (text) and
-data/indexed_prepare.py (Megatron indexed corpora) hand their pipeline steps to `stage_executor`.
+tasks, chosen by `ClusterOptions` (prepare_data.py --executor/--tasks). data/cluster/scale.py (text) and
+data/indexed/prepare.py (Megatron indexed corpora) hand their pipeline steps to `stage_executor`.
 Needs the `scale` extra (datatrove, and ray for --executor ray); nothing here is imported by the
 single-machine run.
 """
@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 
 from ascend_llm_recipes.common.errors import DataError
-from ascend_llm_recipes.data.tasks import DIED, TaskFailure, failure_of, raise_failures
+from ascend_llm_recipes.data.cluster.tasks import DIED, TaskFailure, failure_of, raise_failures
 
 EXECUTORS = ("local", "slurm", "ray")
 
@@ -93,7 +93,7 @@ def ray_executor_class():
 def stage_executor(pipeline: list, tasks: int, cluster: ClusterOptions, logging_dir: str, job_name: str,
                    previous=None):
     """The datatrove executor of one stage on the chosen cluster (Slurm jobs depend on the `previous` stage's).
-    A local one is run by data/tasks.py's watched processes (TaskPool), not by datatrove's own Pool."""
+    A local one is run by data/cluster/tasks.py's watched processes (TaskPool), not by datatrove's own Pool."""
     if cluster.executor == "local":
         from datatrove.executor.local import LocalPipelineExecutor
         workers = cluster.workers if cluster.workers > 0 else (os.cpu_count() or 1)
@@ -179,9 +179,9 @@ def connect_ray(address: str) -> None:
 
 
 def run_stage(executor, name: str, pool, os_error, incomplete) -> None:
-    """Run one stage's executor: on `pool` (data/tasks.py's watched processes) or by itself (Ray). A failed task
-    raises its own error (data/tasks.py raise_failures, OSErrors through `os_error`); tasks left incomplete raise
-    `incomplete(ranks)`."""
+    """Run one stage's executor: on `pool` (data/cluster/tasks.py's watched processes) or by itself (Ray). A failed task
+    raises its own error (data/cluster/tasks.py raise_failures, OSErrors through `os_error`); tasks left incomplete
+    raise `incomplete(ranks)`."""
     failures = pool.run(executor, name) if pool else executor.run()
     left = executor.get_incomplete_ranks()
     if failures:

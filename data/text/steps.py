@@ -1,11 +1,11 @@
-"""The steps of text preparation, each a small object the single-machine run (data/pipeline.py) and the tasks
-of data/scale.py compose alike:
+"""The steps of text preparation, each a small object the single-machine run (data/text/pipeline.py) and the tasks
+of data/cluster/scale.py compose alike:
 
-    Reader        inputs (a byte range of them) -> chunks of ~1 MB of raw text            (data/corpus.py)
-    CleanTokenize chunks -> per document: status, digest, tokens + EOD, inline or in workers (data/workers.py)
+    Reader        inputs (a byte range of them) -> chunks of ~1 MB of raw text            (data/text/corpus.py)
+    CleanTokenize chunks -> per document: status, digest, tokens + EOD, inline or in workers (data/text/workers.py)
     Account       counts by status, bad input with its file:line (--strict: the first stops) (data/report.py)
-    Dedup         exact and near dedup in input order, the first copy kept                   (data/dedup.py)
-    Verdicts      data/scale.py's stand-in for Dedup: the verdicts its `decide` stage took
+    Dedup         exact and near dedup in input order, the first copy kept                   (data/text/dedup.py)
+    Verdicts      data/cluster/scale.py's stand-in for Dedup: the verdicts its `decide` stage took
     SplitPack     validation split by digest, packing, shard writing per Split               (data/packing.py,
                                                                                                data/mindrecord_io.py)
     TokenizerStep the dataset's tokenizer: the user's, or one trained on a TokenizerSample
@@ -28,13 +28,13 @@ import numpy as np
 from tqdm import tqdm
 
 from ascend_llm_recipes.common.files import write_json_atomic
-from ascend_llm_recipes.data.clean import KEPT
-from ascend_llm_recipes.data.corpus import ChunkReader, Position
+from ascend_llm_recipes.data.text.clean import KEPT
+from ascend_llm_recipes.data.text.corpus import ChunkReader, Position
 from ascend_llm_recipes.data.mindrecord_io import ShardWriter
 from ascend_llm_recipes.data.packing import make_packer
 from ascend_llm_recipes.data.report import LENGTH_BINS
 from ascend_llm_recipes.data.tokenizer import FILES, SENTENCEPIECE, check_vocab_size, load_tokenizer, train_tokenizer
-from ascend_llm_recipes.data.workers import init_pool_worker, init_worker, process_chunk
+from ascend_llm_recipes.data.text.workers import init_pool_worker, init_worker, process_chunk
 
 TOKENIZER = FILES[SENTENCEPIECE]  # a trained tokenizer's name in the dataset (a user's keeps its kind's name)
 KEEP, DUPLICATE, NEAR_DUPLICATE = 0, 1, 2   # a dedup verdict per kept document
@@ -49,7 +49,7 @@ class Batch:
     count: int                  # raw documents taken (max_documents may cut the last chunk)
     keep: np.ndarray = None     # over the chunk's KEPT documents: what dedup left
     written: int = 0            # shards this chunk completed
-    mark: tuple = None          # the run's state before this chunk (data/pipeline.py's snapshots)
+    mark: tuple = None          # the run's state before this chunk (data/text/pipeline.py's snapshots)
 
 
 def run_steps(steps: list, rank: int = 0, world_size: int = 1) -> None:
@@ -179,7 +179,7 @@ def count_verdicts(tallies, batch: Batch, verdict: np.ndarray) -> None:
 
 
 class Dedup(PerBatch):
-    """Exact dedup on `seen` (data/dedup.py KeyIndex) and, with `near`, near dedup; the first copy is kept."""
+    """Exact dedup on `seen` (data/text/dedup.py KeyIndex) and, with `near`, near dedup; the first copy is kept."""
 
     def __init__(self, tallies, seen, near=None):
         self.tallies, self.seen, self.near = tallies, seen, near
@@ -213,7 +213,7 @@ class Dedup(PerBatch):
 
 
 class Verdicts(PerBatch):
-    """Dedup by verdicts taken earlier (data/scale.py's decide stage), consumed in order."""
+    """Dedup by verdicts taken earlier (data/cluster/scale.py's decide stage), consumed in order."""
 
     def __init__(self, tallies, verdicts: np.ndarray):
         self.tallies, self.verdicts, self.at = tallies, verdicts, 0
@@ -249,7 +249,7 @@ class Split:
 
 def make_splits(job, directory: str, pad_id: int, task: str = "") -> dict:
     """The train split in `directory` and, with --val-fraction, the validation split in directory/val; `task`
-    names the shards of one of data/scale.py's tasks."""
+    names the shards of one of data/cluster/scale.py's tasks."""
     splits = {"train": Split("train", directory, job, pad_id, f"train{task}" if task else "")}
     if job.opts.val_fraction:
         splits["val"] = Split("val", os.path.join(directory, "val"), job, pad_id, f"val{task}" if task else "")
@@ -359,7 +359,8 @@ class TokenizerStep:
         return load_tokenizer(self.path), trained_on
 
     def install(self, model: str, trained_on: str) -> tuple:
-        """Put a tokenizer trained elsewhere (data/scale.py's decide stage) in place with its record; loads it."""
+        """Put a tokenizer trained elsewhere (data/cluster/scale.py's decide stage) in place with its record; loads
+        it."""
         for source, destination in ((model, self.path), (trained_on, self.record)):
             shutil.copyfile(source, destination + ".tmp")
             os.replace(destination + ".tmp", destination)

@@ -1,4 +1,4 @@
-"""The single-machine preparation run behind `data.prepare.prepare_dataset`: data/steps.py's steps composed
+"""The single-machine preparation run behind `data.prepare.prepare_dataset`: data/text/steps.py's steps composed
 for one task, streaming, with worker processes and a restartable state.
 
     Reader -> CleanTokenize (worker processes) -> Progress -> [snapshot mark] -> Account -> Dedup
@@ -30,16 +30,16 @@ import numpy as np
 
 from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.common.files import write_json_atomic
-from ascend_llm_recipes.data.clean import INVALID_UTF8_POLICIES, KEPT, NORMALIZATIONS, CleanOptions
-from ascend_llm_recipes.data.corpus import Position
-from ascend_llm_recipes.data.dedup import NEAR_DUPLICATES, KeyIndex, NearDuplicateIndex
+from ascend_llm_recipes.data.text.clean import INVALID_UTF8_POLICIES, KEPT, NORMALIZATIONS, CleanOptions
+from ascend_llm_recipes.data.text.corpus import Position
+from ascend_llm_recipes.data.text.dedup import NEAR_DUPLICATES, KeyIndex, NearDuplicateIndex
 from ascend_llm_recipes.data.packing import PACKINGS, TAILS
 from ascend_llm_recipes.data.report import Report, Tallies, write_manifests
 from ascend_llm_recipes.data.run_state import Job, RunState
-from ascend_llm_recipes.data.steps import (Account, CleanTokenize, Dedup, PerBatch, Progress, Reader, SplitPack,
-                                           TokenizerSample, TokenizerStep, make_splits, run_steps, sample_below)
+from ascend_llm_recipes.data.text.steps import (Account, CleanTokenize, Dedup, PerBatch, Progress, Reader, SplitPack,
+                                                TokenizerSample, TokenizerStep, make_splits, run_steps, sample_below)
 from ascend_llm_recipes.data.tokenizer import EOD_ID
-from ascend_llm_recipes.data.workers import WorkerConfig, pin_mmap_threshold
+from ascend_llm_recipes.data.text.workers import WorkerConfig, pin_mmap_threshold
 
 RERUN = "rerun the same command: it continues from the last completed shard"
 

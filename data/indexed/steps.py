@@ -1,4 +1,4 @@
-"""The four steps of an indexed import (data/indexed_prepare.py runs them, through datatrove's executors or in
+"""The four steps of an indexed import (data/indexed/prepare.py runs them, through datatrove's executors or in
 this process): scan, plan, write and merge, each a function of (run, rank) writing its result under a
 scratch name and renaming it when complete.
 """

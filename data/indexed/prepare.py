@@ -1,4 +1,4 @@
-"""Pack Megatron indexed corpora (PREFIX.bin + .idx, data/indexed.py) into our MindRecord dataset, without
+"""Pack Megatron indexed corpora (PREFIX.bin + .idx, data/indexed/reader.py) into our MindRecord dataset, without
 re-tokenizing: `prepare_data.py --from-megatron-indexed PREFIX [PREFIX ...] [--weights W ...]`.
 
 The token stream is the text path's stream packing (data/packing.py StreamPacker, samples of
@@ -18,8 +18,8 @@ keeps the same proportions). A prefix drawn more often than it has samples is re
 passes, then evenly spaced samples of one more pass); one drawn less often contributes evenly
 spaced samples. The manifest records each prefix's samples and draws.
 
-The work is four steps (data/indexed_steps.py), each a callable that datatrove's executors run as a
-pipeline step (data/executors.py; one task in this process when --tasks is 1):
+The work is four steps (data/indexed/steps.py), each a callable that datatrove's executors run as a
+pipeline step (data/cluster/executors.py; one task in this process when --tasks is 1):
 
     scan   (N tasks) documents in N ranges: check ids, find EODs, hash for the validation split
     plan   (1 task)  stream lengths -> samples, the blend order, shards per write task
@@ -42,8 +42,8 @@ import numpy as np
 
 from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.common.files import file_sha256
-from ascend_llm_recipes.data.indexed import open_indexed
-from ascend_llm_recipes.data.indexed_steps import SOURCE, merge, plan, scan, write
+from ascend_llm_recipes.data.indexed.reader import open_indexed
+from ascend_llm_recipes.data.indexed.steps import SOURCE, merge, plan, scan, write
 from ascend_llm_recipes.data.mindrecord_io import MANIFEST, partial_dir
 from ascend_llm_recipes.data.packing import TAILS
 from ascend_llm_recipes.data.run_state import RunState
@@ -229,8 +229,8 @@ def step_tasks(run: IndexedRun, name: str) -> int:
 
 
 def build_executors(run: IndexedRun, cluster) -> list:
-    """One datatrove executor per step (data/executors.py's choices: local processes, Slurm jobs, Ray tasks)."""
-    from ascend_llm_recipes.data.executors import stage_executor
+    """One datatrove executor per step (data/cluster/executors.py's choices: local processes, Slurm jobs, Ray tasks)."""
+    from ascend_llm_recipes.data.cluster.executors import stage_executor
 
     executors, previous = [], None
     for name in STEPS:
@@ -245,14 +245,14 @@ def prepare_indexed(output_dir: str, opts: IndexedOptions, executor: str = "loca
     """Pack the prefixes into `output_dir`; returns the manifest (None when Slurm jobs were submitted).
 
     One task on the local executor runs the steps in this process; more tasks, or another executor,
-    run them through datatrove (the `scale` extra), as data/scale.py does for text.
+    run them through datatrove (the `scale` extra), as data/cluster/scale.py does for text.
     """
     from ascend_llm_recipes.data.prepare import output_lock
 
     scaled = executor != "local" or tasks != 1
     options = None
     if scaled:
-        from ascend_llm_recipes.data.executors import ClusterOptions
+        from ascend_llm_recipes.data.cluster.executors import ClusterOptions
         options = ClusterOptions(executor=executor, tasks=tasks, workers=workers, **(cluster or {}))
         problems = options.problems()
         if problems:
@@ -291,7 +291,7 @@ def _run_steps(run: IndexedRun, options):
     if options.executor == "ray":
         import ray
         if not ray.is_initialized():
-            from ascend_llm_recipes.data.executors import connect_ray
+            from ascend_llm_recipes.data.cluster.executors import connect_ray
             connect_ray(options.address)
     executors = build_executors(run, options)
     if options.executor == "slurm":  # plan and merge run as one-task jobs there
@@ -299,10 +299,10 @@ def _run_steps(run: IndexedRun, options):
         print(f"prepare: submitted {len(STEPS)} Slurm steps (last job id {executors[-1].job_id}); logs in "
               f"{run.logs}; rerun the same command when they are done to finish", file=sys.stderr)
         return None
-    from ascend_llm_recipes.data.executors import run_stage
-    from ascend_llm_recipes.data.tasks import TaskPool
+    from ascend_llm_recipes.data.cluster.executors import run_stage
+    from ascend_llm_recipes.data.cluster.tasks import TaskPool
 
-    # Local tasks run in data/tasks.py's watched processes, as the text path's do: a killed task stops the run
+    # Local tasks run in data/cluster/tasks.py's watched processes, as the text path's do: a killed task stops the run
     # naming it instead of leaving datatrove's Pool waiting forever.
     most = max(step_tasks(run, name) for name in STEPS)
     pool = TaskPool(min(most, options.workers if options.workers > 0 else os.cpu_count() or 1)) \

@@ -16,7 +16,7 @@ English and CJK text (no word splitting).
 The exact index keeps one integer per key in memory (~60 bytes each); the near index 14
 band keys per kept document, with the documents' 5-gram sets on disk (4 bytes per 5-gram).
 Everything is appended to files, so an interrupted run restores both exactly (see
-data/pipeline.py).
+data/text/pipeline.py).
 """
 
 import json

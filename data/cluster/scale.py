@@ -1,5 +1,5 @@
 """Dataset preparation split over N tasks, run by datatrove's executors (local, Slurm) or on Ray
-(data/executors.py), each stage a datatrove pipeline step built from data/steps.py's steps:
+(data/cluster/executors.py), each stage a datatrove pipeline step built from data/text/steps.py's steps:
 
     plan        (the submitting process) N disjoint byte ranges of the inputs in input order: whole
                 files, and line-based files (.jsonl, --lines) cut after a newline so that one huge
@@ -16,7 +16,7 @@
 
 The kept documents and their tokens are the single-process run's; only the packing differs, each
 task packing its own stream (so only each task's tail pads). Datatrove's dedup blocks are not used:
-their MinHash differs from data/dedup.py's, and the result must equal the single-machine run's.
+their MinHash differs from data/text/dedup.py's, and the result must equal the single-machine run's.
 
 Restart: datatrove records each finished task (OUTPUT.logs/<stage>/completions/) and a rerun
 skips those; a task writes under a scratch name and renames it when complete, so a killed task
@@ -34,21 +34,22 @@ import time
 import numpy as np
 
 from ascend_llm_recipes.common.errors import DataError
-from ascend_llm_recipes.data.clean import KEPT
-from ascend_llm_recipes.data.corpus import JSONL, TEXT, Position, input_format
-from ascend_llm_recipes.data.dedup import BANDS, NEAR_DUPLICATES, KeyIndex, NearDuplicateIndex, band_keys, \
+from ascend_llm_recipes.data.text.clean import KEPT
+from ascend_llm_recipes.data.text.corpus import JSONL, TEXT, Position, input_format
+from ascend_llm_recipes.data.text.dedup import BANDS, NEAR_DUPLICATES, KeyIndex, NearDuplicateIndex, band_keys, \
     shingle_hashes, shingle_set
-from ascend_llm_recipes.data.executors import ClusterOptions, connect_ray, run_stage, sbatch_scripts, stage_executor
+from ascend_llm_recipes.data.cluster.executors import (ClusterOptions, connect_ray, run_stage, sbatch_scripts,
+                                                       stage_executor)
 from ascend_llm_recipes.data.mindrecord_io import MANIFEST, write_json_atomic
 from ascend_llm_recipes.data.packing import PackStats
 from ascend_llm_recipes.data.report import Report, Tallies, dataset_entry, write_manifests
 from ascend_llm_recipes.data.run_state import Job, RunState
-from ascend_llm_recipes.data.steps import (TOKENIZER, Account, CleanTokenize, Dedup, Reader, SplitPack,
-                                           TokenizerSample, TokenizerStep, Verdicts, make_splits, run_steps,
-                                           sample_below, train_on)
-from ascend_llm_recipes.data.tasks import RERUN, TaskPool
+from ascend_llm_recipes.data.text.steps import (TOKENIZER, Account, CleanTokenize, Dedup, Reader, SplitPack,
+                                                TokenizerSample, TokenizerStep, Verdicts, make_splits, run_steps,
+                                                sample_below, train_on)
+from ascend_llm_recipes.data.cluster.tasks import RERUN, TaskPool
 from ascend_llm_recipes.data.tokenizer import EOD_ID
-from ascend_llm_recipes.data.workers import WorkerConfig
+from ascend_llm_recipes.data.text.workers import WorkerConfig
 
 STAGES = ("signatures", "decide", "pack", "merge")
 _NEWLINE_SCAN = 16 << 20
@@ -206,7 +207,7 @@ def signatures(run: ScaleRun, rank: int) -> None:
 
 
 def decide(run: ScaleRun, rank: int = 0) -> None:
-    """Stage 2, once: the dedup verdict of every kept document in input order (data/steps.py's Dedup), and the
+    """Stage 2, once: the dedup verdict of every kept document in input order (data/text/steps.py's Dedup), and the
     tokenizer."""
     job, work, final = run.job, run.path("decide.tmp"), run.path("decide")
     shutil.rmtree(work, ignore_errors=True)
@@ -384,7 +385,8 @@ def prepare_scaled(job: Job, cluster: ClusterOptions):
 
 
 def _run_stages(run: ScaleRun, cluster: ClusterOptions, executors: list) -> None:
-    """Run the stages in order on this machine's watched processes (data/tasks.py) or on Ray; the first stage with
+    """Run the stages in order on this machine's watched processes (data/cluster/tasks.py) or on Ray; the first stage
+    with
     a failed task stops the run with that task's error."""
     pool = TaskPool(min(run.tasks, cluster.workers if cluster.workers > 0 else os.cpu_count() or 1),
                     run.job.show_progress) if cluster.executor == "local" else None

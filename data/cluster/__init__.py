@@ -1,0 +1,1 @@
+"""Data preparation as N tasks on datatrove's executors (local processes, Slurm job arrays, Ray)."""

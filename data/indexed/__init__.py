@@ -1,0 +1,1 @@
+"""Megatron-LM `.bin`/`.idx` token corpora: the reader, and their import into packed MindRecord datasets."""
