@@ -51,6 +51,8 @@ CHECKPOINT_FILE = "weights.safetensors"  # not model.safetensors: see the module
 MODEL_SECTION_FILE = "model_config.yaml"
 MANIFEST_FILE = "conversion.json"
 HF_WEIGHTS_FILE = "model.safetensors"
+OPTIMIZER_DIR = "optimizer"  # of a conversion: adam_m.safetensors, adam_v.safetensors (weights' names)
+MOMENT_FILES = {"adam_m": "exp_avg", "adam_v": "exp_avg_sq"}  # MindFormers' AdamW state <- torch's
 DEFAULT_MAX_SEQ_LENGTH = 4096  # the rotary table and causal mask are seq_length-sized; long contexts opt in
 # --verify bounds for float32 weights (bf16 sources are widened exactly). Rounding error grows with the
 # logits' magnitude, so max |delta| is bounded relative to the reference's largest |logit| (at least 1).
@@ -453,7 +455,7 @@ def publish(work_dir: str, out_dir: str, manifest: dict, existing: dict) -> dict
     return manifest
 
 
-def _io_error(err: OSError, out_dir: str) -> ConversionError:
+def io_error(err: OSError, out_dir: str) -> ConversionError:
     return ConversionError(f"{err.filename or out_dir}: {err.strerror or err} while converting into {out_dir}; "
                            "nothing was written", hint="check that the input is readable and that the output's "
                                                        "disk has space, then run the same command again")
@@ -471,7 +473,7 @@ def work_dir_for(out_dir: str) -> str:
                               hint="choose an --output in a writable directory") from None
 
 
-def _progress(total: int, desc: str, show: bool):
+def progress_bar(total: int, desc: str, show: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="tensor", disable=not show, leave=False)
@@ -500,44 +502,78 @@ def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = Fa
     found = {name: info[2] for name, info in weights.tensors.items()}
     tied_copy = (TIED_HEAD,) if cfg.tie_word_embeddings else ()
     ignored = check_tensors(found, {p.hf: p.hf_shape for p in plan}, IGNORED_HF, hf_dir, extra_ok=tied_copy)
+    family = family_of(hf_config, where)
+    source = {"path": hf_dir, "model_type": family.model_type, "architectures": hf_config.get("architectures"),
+              "config_sha256": config_sha, "format": weights.format,
+              "files": [{"file": name, "bytes": os.path.getsize(os.path.join(hf_dir, name))}
+                        for name in weights.files]}
+
+    def tokenizer_entries(work_dir: str) -> dict:
+        note, files = copy_hf_tokenizer(hf_dir, work_dir, out_dir)
+        return {"tokenizer": note, "tokenizer_files": files}
+
+    check = (lambda work_dir: verify_logits(hf_dir, work_dir)) if verify else None
+    return write_ours(weights, cfg, out_dir, "from-hf", source, f"Converted from {hf_dir} ({family.model_type})",
+                      verify=check, ignored=ignored, show_progress=show_progress, more_files=tokenizer_entries,
+                      start=start)
+
+
+def write_ours(weights: HFWeights, cfg: ModelConfig, out_dir: str, direction: str, source: dict, header: str,
+               verify=None, ignored=(), show_progress: bool = True, moments=None, more_files=None, start=None,
+               **extra) -> dict:
+    """OUT_DIR in our format (weights.safetensors, model_config.yaml, conversion.json) from HF-named `weights`.
+
+    from_hf, megatron.from_megatron and torch_state.from_torch all write through here (and so through
+    write_conversion). moments ({"adam_m": HF-named moments, "adam_v": ...}) go to optimizer/adam_m.safetensors
+    and adam_v.safetensors under the weights' names; more_files(work_dir) writes further files and returns
+    their manifest entries (the tokenizer of from_hf); verify(work_dir) returns the parity result.
+    """
+    plan = tensor_plan(cfg)
     model = to_plain(cfg)
     existing = existing_conversion(out_dir, model)
 
+    def write_files(work_dir: str) -> dict:
+        tensors = write_weights(weights, plan, os.path.join(work_dir, CHECKPOINT_FILE), show_progress,
+                                source["path"], direction)
+        if TIED_HEAD in ignored:
+            check_tied_copy(weights, tensors)
+        for prefix, values in (moments or {}).items():
+            os.makedirs(os.path.join(work_dir, OPTIMIZER_DIR), exist_ok=True)
+            write_weights(values, plan, os.path.join(work_dir, OPTIMIZER_DIR, f"{prefix}.safetensors"),
+                          show_progress, f"{source['path']} ({MOMENT_FILES[prefix]})", direction)
+        with open(os.path.join(work_dir, MODEL_SECTION_FILE), "w", encoding="utf-8") as f:
+            f.write(model_section_yaml(cfg, f"{header} by scripts/convert_checkpoint.py.\n{recipe_keys(out_dir)}"))
+        manifest = {"format_version": FORMAT_VERSION, "direction": direction,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "source": source,
+                    "checkpoint": CHECKPOINT_FILE, "dtype": "float32", "model": model,
+                    "padded_vocab_size": dimensions(cfg)["padded_vocab"], "tensors": tensors,
+                    "ignored": list(ignored), "fingerprint": fingerprint(model, tensors), **extra}
+        if more_files is not None:
+            manifest.update(more_files(work_dir))
+        return manifest
+
+    return write_conversion(out_dir, write_files, existing, verify=verify, start=start)
+
+
+def write_conversion(out_dir: str, write_files, existing: dict = None, verify=None, start: float = None) -> dict:
+    """The one way a conversion reaches OUT_DIR: built in a hidden sibling, checked, then renamed into place.
+
+    write_files(work_dir) writes the files and returns the manifest; verify(work_dir), when given, returns
+    the parity result (or raises) before anything is published; `existing` is existing_conversion(out_dir, ...)
+    (None for a free OUT_DIR). Any OSError (a full disk, an unreadable input, a vanished output) becomes a
+    ConversionError naming the file, and a failed conversion leaves nothing behind. Returns the manifest.
+    """
+    start = time.perf_counter() if start is None else start
     work_dir = work_dir_for(out_dir)
     try:
-        tensors = _write_weights(weights, plan, os.path.join(work_dir, CHECKPOINT_FILE), show_progress, hf_dir,
-                                 "from-hf")
-        if TIED_HEAD in ignored:
-            _check_tied_copy(weights, tensors)
-        family = family_of(hf_config, where)
-        with open(os.path.join(work_dir, MODEL_SECTION_FILE), "w", encoding="utf-8") as f:
-            f.write(model_section_yaml(cfg, f"Converted from {hf_dir} ({family.model_type}) by "
-                                            f"scripts/convert_checkpoint.py.\n{recipe_keys(out_dir)}"))
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "direction": "from-hf",
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "source": {"path": hf_dir, "model_type": family.model_type,
-                       "architectures": hf_config.get("architectures"), "config_sha256": config_sha,
-                       "format": weights.format,
-                       "files": [{"file": name, "bytes": os.path.getsize(os.path.join(hf_dir, name))}
-                                 for name in weights.files]},
-            "checkpoint": CHECKPOINT_FILE,
-            "dtype": "float32",
-            "model": model,
-            "padded_vocab_size": dimensions(cfg)["padded_vocab"],
-            "tensors": tensors,
-            "ignored": ignored,
-            "fingerprint": fingerprint(model, tensors),
-        }
-        manifest["tokenizer"], manifest["tokenizer_files"] = copy_hf_tokenizer(hf_dir, work_dir, out_dir)
-        if verify:
-            manifest["verify"] = verify_logits(hf_dir, work_dir)
+        manifest = write_files(work_dir)
+        if verify is not None:
+            manifest["verify"] = verify(work_dir)
         manifest["seconds"] = round(time.perf_counter() - start, 2)
         published = publish(work_dir, out_dir, manifest, existing)
-        return {**published, "verify": manifest["verify"]} if verify else published
-    except OSError as err:  # a full disk, an unreadable input, a vanished output: nothing is published
-        raise _io_error(err, out_dir) from None
+        return {**published, "verify": manifest["verify"]} if verify is not None else published
+    except OSError as err:
+        raise io_error(err, out_dir) from None
     finally:
         if os.path.isdir(work_dir):
             shutil.rmtree(work_dir)
@@ -562,12 +598,13 @@ def copy_hf_tokenizer(hf_dir: str, work_dir: str, out_dir: str) -> tuple:
             f"scripts/prepare_data.py --tokenizer {os.path.abspath(out_dir)}"), files
 
 
-def _write_weights(weights: HFWeights, plan: list, path: str, show_progress: bool, where: str,
-                   direction: str) -> list:
+def write_weights(weights: HFWeights, plan: list, path: str, show_progress: bool, where: str,
+                  direction: str) -> list:
+    """Our safetensors file of `weights` (HF-named) along `plan`, one tensor at a time; returns the records."""
     # MindSpore's save_checkpoint(format="safetensors") marks its files the same way.
     writer = SafetensorsWriter(path, {p.ours: p.our_shape for p in plan}, metadata={"format": "ms"})
     records, non_finite = [], []
-    with _progress(len(plan), "convert", show_progress) as bar:
+    with progress_bar(len(plan), "convert", show_progress) as bar:
         for item in plan:
             source = weights.read(item.hf)
             tensor = TRANSFORMS[item.transform][0](source, item.our_shape)
@@ -582,7 +619,7 @@ def _write_weights(weights: HFWeights, plan: list, path: str, show_progress: boo
     return records
 
 
-def _check_tied_copy(weights: HFWeights, records: list) -> None:
+def check_tied_copy(weights: HFWeights, records: list) -> None:
     """A tied checkpoint that stores lm_head.weight must store the embedding again, nothing else."""
     embedding = next(r for r in records if r["source"] == "model.embed_tokens.weight")
     head = pad_vocab_rows(weights.read(TIED_HEAD), tuple(embedding["shape"]))
@@ -618,12 +655,11 @@ def write_hf(ckpt_path: str, cfg: ModelConfig, out_dir: str, tensor_parallel: in
     hf_config = hf_config_from_model(cfg)
     existing = existing_conversion(out_dir, hf_config)
 
-    work_dir = work_dir_for(out_dir)
-    try:
+    def write_files(work_dir: str) -> dict:
         writer = SafetensorsWriter(os.path.join(work_dir, HF_WEIGHTS_FILE), {p.hf: p.hf_shape for p in plan},
                                    metadata={"format": "pt"})  # transformers refuses files without it
         records, non_finite = [], []
-        with _progress(len(plan), "convert", show_progress) as bar:
+        with progress_bar(len(plan), "convert", show_progress) as bar:
             for item in plan:
                 tensor = TRANSFORMS[item.transform][1](ckpt.read(item.ours), item.hf_shape)
                 non_finite += _non_finite(item.ours, tensor)
@@ -638,7 +674,7 @@ def write_hf(ckpt_path: str, cfg: ModelConfig, out_dir: str, tensor_parallel: in
             json.dump(hf_config, f, indent=2)
         if tokenizer:
             write_hf_tokenizer(tokenizer, work_dir)
-        manifest = {
+        return {
             "format_version": FORMAT_VERSION,
             "direction": "to-hf",
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -650,14 +686,9 @@ def write_hf(ckpt_path: str, cfg: ModelConfig, out_dir: str, tensor_parallel: in
             "ignored": ignored,
             "tokenizer": tokenizer_note,
             "fingerprint": fingerprint(hf_config, records),
-            "seconds": round(time.perf_counter() - start, 2),
         }
-        return publish(work_dir, out_dir, manifest, existing)
-    except OSError as err:  # a full disk, an unreadable input, a vanished output: nothing is published
-        raise _io_error(err, out_dir) from None
-    finally:
-        if os.path.isdir(work_dir):
-            shutil.rmtree(work_dir)
+
+    return write_conversion(out_dir, write_files, existing, start=start)
 
 
 def _non_finite(name: str, tensor: np.ndarray) -> list:

@@ -8,8 +8,9 @@ training/tools/export.py resolves what a user names (a run directory, a recipe a
 these functions' arguments and writes the recipe continuing a converted run (--write-recipe).
 
 Output is what models/convert.py's --from-hf writes (weights.safetensors, model_config.yaml,
-conversion.json), through its tensor plan, writer and atomic publish: the Megatron tensors are
-presented under HuggingFace names (MegatronWeights) and everything downstream is shared.
+conversion.json), through its write_ours: the Megatron tensors are presented under HuggingFace names
+(MegatronWeights) and everything downstream is shared. to_megatron publishes through the same
+write_conversion (hidden sibling directory, atomic rename, OSError reported by name).
 
 Megatron's layouts (megatron-core transformer/attention.py and mlp.py, local or TransformerEngine
 spec): `linear_qkv` rows are grouped per KV group, [q_1 .. q_{heads/groups}, k, v] x head_dim for
@@ -30,26 +31,20 @@ import json
 import math
 import os
 import re
-import shutil
 import time
 
 import numpy as np
 
 from ascend_llm_recipes.common.errors import ConversionError
-from ascend_llm_recipes.common.schema import to_plain
 from ascend_llm_recipes.models.arithmetic import round_up
 from ascend_llm_recipes.models.checkpoint_io import CkptFile, SafetensorsFile
 from ascend_llm_recipes.models.config import ModelConfig
-from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, FORMAT_VERSION, MANIFEST_FILE, MODEL_SECTION_FILE,
-                                               TIED_HEAD, HFWeights, _check_tied_copy, _progress, _write_weights,
-                                               check_parity, compare_logits, existing_conversion,
-                                               fingerprint, load_our_model, model_section_yaml, publish, recipe_keys,
-                                               tensor_plan, work_dir_for)
-from ascend_llm_recipes.models.shapes import dimensions
+from ascend_llm_recipes.models.convert import (FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES,
+                                               OPTIMIZER_DIR, HFWeights, check_parity, compare_logits,
+                                               load_our_model, progress_bar, tensor_plan, write_conversion,
+                                               write_ours)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
-OPTIMIZER_DIR = "optimizer"  # of a conversion: adam_m.safetensors, adam_v.safetensors (weights' names)
-MOMENT_FILES = {"adam_m": "exp_avg", "adam_v": "exp_avg_sq"}  # MindFormers' AdamW state <- torch's
 RANK_FILE = "model_optim_rng.pt"
 EXTRA_STATE = "._extra_state"  # TransformerEngine/FP8 bookkeeping, never weights
 # Norm weights under the local spec's names, or fused into the next linear (TransformerEngine spec).
@@ -581,10 +576,10 @@ def from_megatron(ckpt_dir: str, out_dir: str, iteration: int = None, vocab_size
               "files": [{"file": f, "bytes": os.path.getsize(os.path.join(ckpt.path, f))} for f in ckpt.files]}
     check = (lambda work_dir: verify_against_megatron(ckpt, cfg, work_dir)) if verify else None
     moments, optimizer = carried_moments(ckpt, cfg, qkv_layout, fc1_merge)
-    return write_conversion(weights, cfg, out_dir, "from-megatron", source,
-                            f"Converted from {ckpt.path} (Megatron {ckpt.format}, iteration {ckpt.iteration}, "
-                            f"TP {ckpt.tp} x PP {ckpt.pp})", verify=check, show_progress=show_progress,
-                            moments=moments, optimizer=optimizer)
+    return write_ours(weights, cfg, out_dir, "from-megatron", source,
+                      f"Converted from {ckpt.path} (Megatron {ckpt.format}, iteration {ckpt.iteration}, "
+                      f"TP {ckpt.tp} x PP {ckpt.pp})", verify=check, show_progress=show_progress,
+                      moments=moments, optimizer=optimizer)
 
 
 def carried_moments(ckpt, cfg: ModelConfig, qkv_layout: str = "grouped", fc1_merge: str = "per_rank") -> tuple:
@@ -605,45 +600,6 @@ def carried_moments(ckpt, cfg: ModelConfig, qkv_layout: str = "grouped", fc1_mer
     return moments, {"carried": True, "directory": OPTIMIZER_DIR, "global_step": step,
                      "note": f"Adam moments and step {step} carried over into {OPTIMIZER_DIR}/ (recipe key "
                              "load_optimizer_state)"}
-
-
-def write_conversion(weights: HFWeights, cfg: ModelConfig, out_dir: str, direction: str, source: dict,
-                     header: str, verify=None, ignored=(), show_progress: bool = True, moments=None,
-                     **extra) -> dict:
-    """convert.py's output (weights.safetensors, model_config.yaml, conversion.json) for HF-named weights.
-
-    moments ({"adam_m": HF-named moments, "adam_v": ...}) go to optimizer/adam_m.safetensors and
-    adam_v.safetensors under the weights' names.
-    """
-    start = time.perf_counter()
-    plan = tensor_plan(cfg)
-    model = to_plain(cfg)
-    existing = existing_conversion(out_dir, model)
-    work_dir = work_dir_for(out_dir)
-    try:
-        tensors = _write_weights(weights, plan, os.path.join(work_dir, CHECKPOINT_FILE), show_progress,
-                                 source["path"], direction)
-        if TIED_HEAD in ignored:
-            _check_tied_copy(weights, tensors)
-        for prefix, values in (moments or {}).items():
-            os.makedirs(os.path.join(work_dir, OPTIMIZER_DIR), exist_ok=True)
-            _write_weights(values, plan, os.path.join(work_dir, OPTIMIZER_DIR, f"{prefix}.safetensors"),
-                           show_progress, f"{source['path']} ({MOMENT_FILES[prefix]})", direction)
-        with open(os.path.join(work_dir, MODEL_SECTION_FILE), "w", encoding="utf-8") as f:
-            f.write(model_section_yaml(cfg, f"{header} by scripts/convert_checkpoint.py.\n{recipe_keys(out_dir)}"))
-        manifest = {"format_version": FORMAT_VERSION, "direction": direction,
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "source": source,
-                    "checkpoint": CHECKPOINT_FILE, "dtype": "float32", "model": model,
-                    "padded_vocab_size": dimensions(cfg)["padded_vocab"], "tensors": tensors,
-                    "ignored": list(ignored), "fingerprint": fingerprint(model, tensors), **extra}
-        if verify:
-            manifest["verify"] = verify(work_dir)
-        manifest["seconds"] = round(time.perf_counter() - start, 2)
-        published = publish(work_dir, out_dir, manifest, existing)
-        return {**published, "verify": manifest["verify"]} if verify else published
-    finally:
-        if os.path.isdir(work_dir):
-            shutil.rmtree(work_dir)
 
 
 # --- Parity with a pure-torch forward of the Megatron tensors ---------------------------------
@@ -760,7 +716,6 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
     padded = args["padded_vocab_size"]
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConversionError(f"output {out_dir} exists and is not empty", hint="choose another --output")
-    work_dir = work_dir_for(out_dir)
     iter_name = f"iter_{iteration:07d}" if iteration else "release"
 
     def ours(hf_name):
@@ -771,9 +726,9 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
         table[:cfg.vocab_size] = ours(hf_name)[:cfg.vocab_size]
         return table
 
-    try:
+    def write_files(work_dir: str) -> dict:
         layers_per_stage = cfg.num_layers // pp
-        with _progress(tp * pp, "write rank files", show_progress) as bar:
+        with progress_bar(tp * pp, "write rank files", show_progress) as bar:
             for p in range(pp):
                 for t in range(tp):
                     state = {}
@@ -797,21 +752,13 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
                     bar.update()
         with open(os.path.join(work_dir, LATEST_FILE), "w", encoding="utf-8") as f:
             f.write(str(iteration) if iteration else "release")
-        manifest = {"format_version": FORMAT_VERSION, "direction": "to-megatron",
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "source": {"path": ckpt_path, "model_section": section_path}, "checkpoint": iter_name,
-                    "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                    "model": json_args(args), "tensors": [], "ignored": [],
-                    "seconds": round(time.perf_counter() - start, 2)}
-        with open(os.path.join(work_dir, MANIFEST_FILE), "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=2)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)
-        os.rename(work_dir, out_dir)
-        return manifest
-    finally:
-        if os.path.isdir(work_dir):
-            shutil.rmtree(work_dir)
+        return {"format_version": FORMAT_VERSION, "direction": "to-megatron",
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "source": {"path": ckpt_path, "model_section": section_path}, "checkpoint": iter_name,
+                "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                "model": json_args(args), "tensors": [], "ignored": []}
+
+    return write_conversion(out_dir, write_files, start=start)
 
 
 def _megatron_layer(ours, cfg: ModelConfig, n: int, local: int, t: int, tp: int) -> dict:
@@ -836,7 +783,7 @@ def _megatron_layer(ours, cfg: ModelConfig, n: int, local: int, t: int, tp: int)
 
 def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteration: int = None) -> dict:
     """Megatron-LM arguments for cfg at TP x PP, starting from the original run's when it came from Megatron."""
-    original = _source_manifest(source).get("source", {})
+    original = source_manifest(source).get("source", {})
     args = dict(original.get("megatron_args") or {})
     divisible = args.get("make_vocab_size_divisible_by", 128)
     groups = cfg.kv_heads
@@ -857,7 +804,8 @@ def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteratio
     return args
 
 
-def _source_manifest(source: str) -> dict:
+def source_manifest(source: str) -> dict:
+    """The conversion.json of directory `source`, or {} when it has none (a run directory, a bare file)."""
     path = os.path.join(source, MANIFEST_FILE)
     try:
         with open(path, encoding="utf-8") as f:

@@ -4,7 +4,7 @@
                                              recipe says which model), names a --key-map renames, or
                                              Meta's original layout: consolidated.NN.pth + params.json
 
-Output is what models/convert.py's --from-hf writes, through megatron.py's write_conversion: the
+Output is what models/convert.py's --from-hf writes, through convert.py's write_ours and write_conversion: the
 tensors are presented under HuggingFace names and everything downstream is shared.
 
 Meta's layout (the original Llama releases, facebookresearch/llama model.py; torchtitan saves the
@@ -33,8 +33,7 @@ from ascend_llm_recipes.models.checkpoint_io import SafetensorsWriter, TorchBinF
 from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.convert import (DEFAULT_MAX_SEQ_LENGTH, HF_WEIGHTS_FILE, NO_TOKEN, TIED_HEAD,
                                                HFWeights, check_tensors, hf_config_from_model, model_config_from_hf,
-                                               reference_logits, tensor_plan, verify_against)
-from ascend_llm_recipes.models.megatron import write_conversion
+                                               reference_logits, tensor_plan, verify_against, write_ours)
 
 STATE_DICT_KEYS = ("model", "model_state_dict", "state_dict", "module")
 
@@ -411,8 +410,8 @@ def from_torch(path: str, out_dir: str, model_config: str, cfg: ModelConfig = No
         check = (lambda work_dir: verify_against(
             lambda tokens: hf_reference_logits(weights, hf_config, kept, tokens, work_dir), work_dir, where))
     header = f"Converted from {path}" + (f" (Meta's layout, {len(shards)} model-parallel shard(s))" if meta else "")
-    return write_conversion(weights, cfg, out_dir, "from-torch", source, header, verify=check, ignored=ignored,
-                            show_progress=show_progress)
+    return write_ours(weights, cfg, out_dir, "from-torch", source, header, verify=check, ignored=ignored,
+                      show_progress=show_progress)
 
 
 class _Renamed:
