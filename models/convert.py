@@ -774,8 +774,13 @@ def verify_logits(hf_dir: str, converted_dir: str, batch: int = 2, max_tokens: i
 
 def verify_against(reference, converted_dir: str, where: str, name: str = "transformers",
                    hint: str = "nothing was written; report the model's config.json", batch: int = 2,
-                   max_tokens: int = 128, seed: int = 0) -> dict:
-    """Our logits against reference(tokens) -> (B, S, vocab) logits on random tokens; raises outside PARITY_RULE."""
+                   max_tokens: int = 128, seed: int = 0, label: str = None) -> dict:
+    """Our logits against reference(tokens) -> (B, S, vocab) logits on random tokens; raises outside PARITY_RULE.
+
+    The one parity check of every direction: transformers for from_hf (verify_logits), a pure-torch
+    forward for Meta's layout and for Megatron's (megatron.py). `name` is recorded in the manifest,
+    `label` (default: name) is what the error says the logits differ from.
+    """
     import mindspore as ms
 
     net, cfg = load_our_model(converted_dir)
@@ -785,7 +790,7 @@ def verify_against(reference, converted_dir: str, where: str, name: str = "trans
     del net
     result = compare_logits(reference(tokens), ours)
     result.update(batch=batch, tokens=length, reference=name)
-    check_parity(result, where, reference=name if name != "transformers" else "transformers'", hint=hint)
+    check_parity(result, where, reference=label or (name if name != "transformers" else "transformers'"), hint=hint)
     return result
 
 

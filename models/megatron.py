@@ -40,9 +40,8 @@ from ascend_llm_recipes.models.arithmetic import round_up
 from ascend_llm_recipes.models.checkpoint_io import CkptFile, SafetensorsFile
 from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.convert import (FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES,
-                                               OPTIMIZER_DIR, HFWeights, check_parity, compare_logits,
-                                               load_our_model, progress_bar, tensor_plan, write_conversion,
-                                               write_ours)
+                                               OPTIMIZER_DIR, HFWeights, progress_bar, tensor_plan, verify_against,
+                                               write_conversion, write_ours)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
@@ -662,22 +661,12 @@ def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.
     return (x @ weight.T)[..., :cfg.vocab_size].numpy()
 
 
-def verify_against_megatron(ckpt, cfg: ModelConfig, converted_dir: str, batch: int = 2, max_tokens: int = 64,
-                            seed: int = 0) -> dict:
-    """Our logits against megatron_reference_logits on random tokens; raises outside tolerance."""
-    import mindspore as ms
-
-    net, _ = load_our_model(converted_dir)
-    length = min(cfg.seq_length, max_tokens)
-    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, length))
-    ours = net.logits(ms.Tensor(tokens.astype(np.int32))).asnumpy().astype(np.float64)[..., :cfg.vocab_size]
-    del net
-    result = compare_logits(megatron_reference_logits(ckpt, cfg, tokens), ours)
-    result.update(batch=batch, tokens=length, reference="a pure-torch Megatron forward")
-    check_parity(result, ckpt.path, reference="the Megatron reference forward",
-                 hint="nothing was written; the tensor layouts (qkv groups, fc1 halves) do not match this "
-                      "checkpoint: report its args")
-    return result
+def verify_against_megatron(ckpt, cfg: ModelConfig, converted_dir: str) -> dict:
+    """Our logits against megatron_reference_logits on random tokens (convert.verify_against's rule)."""
+    return verify_against(lambda tokens: megatron_reference_logits(ckpt, cfg, tokens), converted_dir, ckpt.path,
+                          name="a pure-torch Megatron forward", label="the Megatron reference forward",
+                          hint="nothing was written; the tensor layouts (qkv groups, fc1 halves) do not match this "
+                               "checkpoint: report its args", max_tokens=64)
 
 
 # --- ours -> Megatron (legacy) ----------------------------------------------------------------
