@@ -32,6 +32,7 @@ import math
 import os
 import re
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -39,24 +40,42 @@ from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.models.arithmetic import round_up
 from ascend_llm_recipes.models.checkpoint_io import CkptFile, SafetensorsFile
 from ascend_llm_recipes.models.config import ModelConfig
-from ascend_llm_recipes.models.convert import (FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES,
-                                               OPTIMIZER_DIR, HFWeights, progress_bar, tensor_plan, verify_against,
+from ascend_llm_recipes.models.convert import (FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES, OPTIMIZER_DIR,
+                                               TRANSFORMS, HFWeights, progress_bar, tensor_plan, verify_against,
                                                write_conversion, write_ours)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
 EXTRA_STATE = "._extra_state"  # TransformerEngine/FP8 bookkeeping, never weights
-# Norm weights under the local spec's names, or fused into the next linear (TransformerEngine spec).
-NORM_NAMES = {"input_norm": ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
-              "mlp_norm": ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")}
-LAYER_TENSORS = {"qkv": "self_attention.linear_qkv.weight", "qkv_bias": "self_attention.linear_qkv.bias",
-                 "proj": "self_attention.linear_proj.weight", "fc1": "mlp.linear_fc1.weight",
-                 "fc2": "mlp.linear_fc2.weight"}
-GLOBAL_TENSORS = {"embedding": "embedding.word_embeddings.weight", "final_norm": "decoder.final_layernorm.weight",
-                  "output": "output_layer.weight"}
-SPLIT_DIM = {"embedding": 0, "output": 0, "qkv": 0, "qkv_bias": 0, "fc1": 0, "proj": 1, "fc2": 1}  # TP split
 
-# HF name (as in convert.KEY_MAP) -> (Megatron kind, part). Parts: q/k/v of the grouped qkv, gate/up of fc1.
+
+@dataclass(frozen=True)
+class MegatronTensor:
+    """One tensor of a Megatron-core GPT model: its names, its tensor-parallel split and how HF parts fuse into it."""
+
+    names: tuple        # the first is written (local spec); the others are read too (TransformerEngine spec)
+    tp_dim: int = None  # the dimension tensor-parallel ranks split; None: replicated on every rank
+    fuse: str = None    # how its HF parts make one rank's tensor (FUSE); None: a single part
+    stage: str = None   # a tensor outside the layers: the pipeline stage holding it ("first", "last")
+
+
+# The Megatron-core table (megatron-core gpt_layer_specs.py, local and TransformerEngine specs), in the order
+# rank files are written. Norms fused into the next linear (TransformerEngine) are read under their second name.
+MEGATRON_TENSORS = {
+    "embedding": MegatronTensor(("embedding.word_embeddings.weight",), tp_dim=0, stage="first"),
+    "input_norm": MegatronTensor(("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")),
+    "mlp_norm": MegatronTensor(("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")),
+    "qkv": MegatronTensor(("self_attention.linear_qkv.weight",), tp_dim=0, fuse="qkv"),
+    "qkv_bias": MegatronTensor(("self_attention.linear_qkv.bias",), tp_dim=0, fuse="qkv"),
+    "proj": MegatronTensor(("self_attention.linear_proj.weight",), tp_dim=1),
+    "fc1": MegatronTensor(("mlp.linear_fc1.weight",), tp_dim=0, fuse="gate_up"),
+    "fc2": MegatronTensor(("mlp.linear_fc2.weight",), tp_dim=1),
+    "final_norm": MegatronTensor(("decoder.final_layernorm.weight",), stage="last"),
+    "output": MegatronTensor(("output_layer.weight",), tp_dim=0, stage="last"),
+}
+
+# HF name (as in convert.KEY_MAP) -> (Megatron kind, part). Parts: q/k/v of the grouped qkv, gate/up of fc1
+# (in fusing order), vocab: rows padded to make_vocab_size_divisible_by x TP. Reading and writing both follow it.
 HF_FROM_MEGATRON = {
     "model.embed_tokens.weight": ("embedding", "vocab"),
     "model.layers.{n}.input_layernorm.weight": ("input_norm", None),
@@ -74,6 +93,24 @@ HF_FROM_MEGATRON = {
     "model.norm.weight": ("final_norm", None),
     "lm_head.weight": ("output", "vocab"),
 }
+# Megatron kind -> [(part, HF name template)], the table read the other way: what writing fuses.
+MEGATRON_PARTS = {kind: [(part, hf) for hf, (k, part) in HF_FROM_MEGATRON.items() if k == kind]
+                  for kind in MEGATRON_TENSORS}
+
+
+def megatron_kinds(qkv_bias: bool, tied: bool) -> list:
+    """The kinds of MEGATRON_TENSORS a model holds (q/k/v bias only with add_qkv_bias, an output layer untied)."""
+    return [kind for kind in MEGATRON_TENSORS if (qkv_bias or kind != "qkv_bias") and (not tied or kind != "output")]
+
+
+def layer_names(kind: str, local: int = None) -> tuple:
+    """Candidate names of a kind: `decoder.layers.{local}.` + name for a layer's tensor (layers. when stacked)."""
+    spec = MEGATRON_TENSORS[kind]
+    if spec.stage is not None:
+        return spec.names
+    prefix = "decoder.layers." if local is None else f"decoder.layers.{local}."
+    return tuple(prefix + name for name in spec.names)
+
 
 # Megatron-LM argument -> (the only supported value, why); checked before any tensor is read.
 UNSUPPORTED_ARGS = (
@@ -218,11 +255,9 @@ class LegacyCheckpoint:
     def names(self, kind: str, layer: int = None) -> tuple:
         """(stage, candidate names) of one Megatron tensor in the rank files."""
         if layer is None:
-            stage = self.pp - 1 if kind in ("final_norm", "output") else 0
-            return stage, (GLOBAL_TENSORS[kind],)
+            return (self.pp - 1 if MEGATRON_TENSORS[kind].stage == "last" else 0), layer_names(kind)
         stage, local = self.layer_location(layer)
-        suffixes = NORM_NAMES.get(kind) or (LAYER_TENSORS[kind],)
-        return stage, tuple(f"decoder.layers.{local}.{s}" for s in suffixes)
+        return stage, layer_names(kind, local)
 
     def find(self, kind: str, layer: int = None) -> tuple:
         stage, names = self.names(kind, layer)
@@ -264,7 +299,8 @@ class LegacyCheckpoint:
         fc1_merge="concat" stacks the ranks' [gate; up] blocks as they are: wrong for TP > 1, kept to
         show that only a logits comparison catches it.
         """
-        if kind not in SPLIT_DIM:  # norms are replicated: every rank must hold the same values
+        spec = MEGATRON_TENSORS[kind]
+        if spec.tp_dim is None:  # norms are replicated: every rank must hold the same values
             first = self.shard(kind, layer, 0)
             for t in range(1, self.tp):
                 if not np.array_equal(first, self.shard(kind, layer, t)):
@@ -272,20 +308,22 @@ class LegacyCheckpoint:
                                           f"ranks 0 and {t} (replicated weights must agree)")
             return first
         shards = [self.shard(kind, layer, t) for t in range(self.tp)]
-        if kind == "fc1" and fc1_merge == "per_rank":
+        if spec.fuse == "gate_up" and fc1_merge == "per_rank":
             halves = [np.split(s, 2, axis=0) for s in shards]
             return np.concatenate([h[0] for h in halves] + [h[1] for h in halves], axis=0)
-        return np.concatenate(shards, axis=SPLIT_DIM[kind])
+        return np.concatenate(shards, axis=spec.tp_dim)
 
     def unknown_tensors(self, qkv_bias: bool) -> list:
         """Names in the rank files that no rule consumes (biases other than q/k/v, MoE, ...)."""
         known = set()
+        kinds = megatron_kinds(qkv_bias, tied=False)
         for p in range(self.pp):
-            known |= {GLOBAL_TENSORS["embedding"]} if p == 0 else set()
-            known |= {GLOBAL_TENSORS["final_norm"], GLOBAL_TENSORS["output"]} if p == self.pp - 1 else set()
+            stages = {"first"} if p == 0 else set()
+            stages |= {"last"} if p == self.pp - 1 else set()
+            known |= {n for kind in kinds if MEGATRON_TENSORS[kind].stage in stages for n in layer_names(kind)}
             for local in range(len(self.stage_layers[p])):
-                for suffixes in [*NORM_NAMES.values(), *[(s,) for s in _layer_tensors(qkv_bias)]]:
-                    known |= {f"decoder.layers.{local}.{s}" for s in suffixes}
+                known |= {n for kind in kinds if MEGATRON_TENSORS[kind].stage is None
+                          for n in layer_names(kind, local)}
         return [f"{self.files[p * self.tp + t]}: {name}" for (t, p), names in self.index.items()
                 for name in names if name not in known]
 
@@ -320,11 +358,7 @@ class TorchDistCheckpoint:
             self.tensors[name] = tuple(meta.size)
 
     def find(self, kind: str, layer: int = None) -> tuple:
-        if layer is None:
-            names = (GLOBAL_TENSORS[kind],)
-        else:
-            names = tuple(f"decoder.layers.{s}" for s in NORM_NAMES.get(kind) or (LAYER_TENSORS[kind],))
-        return None, next((n for n in names if n in self.tensors), None)
+        return None, next((n for n in layer_names(kind) if n in self.tensors), None)
 
     def merged(self, kind: str, layer: int = None, fc1_merge: str = "per_rank") -> np.ndarray:
         """The global tensor (one layer of a stacked one), assembled from its saved chunks."""
@@ -333,7 +367,7 @@ class TorchDistCheckpoint:
 
         _, name = self.find(kind, layer)
         if name is None:
-            wanted = GLOBAL_TENSORS.get(kind) or LAYER_TENSORS.get(kind) or kind
+            wanted = MEGATRON_TENSORS[kind].names[0]
             raise ConversionError(f"{self.path}: {wanted}: missing")
         size = self.tensors[name]
         stacked = layer is not None
@@ -368,16 +402,16 @@ class TorchDistCheckpoint:
     def shard(self, kind: str, layer: int, tp_rank: int) -> np.ndarray:
         """What tensor-parallel rank tp_rank held (legacy's per-rank layout), cut from the global tensor."""
         full = self.merged(kind, layer)
-        if kind not in SPLIT_DIM:
+        spec = MEGATRON_TENSORS[kind]
+        if spec.tp_dim is None:
             return full
-        if kind == "fc1":
+        if spec.fuse == "gate_up":
             gate, up = np.split(full, 2, axis=0)
             return np.concatenate([np.split(gate, self.tp)[tp_rank], np.split(up, self.tp)[tp_rank]])
-        return np.split(full, self.tp, axis=SPLIT_DIM[kind])[tp_rank]
+        return np.split(full, self.tp, axis=spec.tp_dim)[tp_rank]
 
     def unknown_tensors(self, qkv_bias: bool) -> list:
-        known = set(GLOBAL_TENSORS.values()) | {f"decoder.layers.{s}" for v in NORM_NAMES.values() for s in v}
-        known |= {f"decoder.layers.{s}" for s in _layer_tensors(qkv_bias)}
+        known = {n for kind in megatron_kinds(qkv_bias, tied=False) for n in layer_names(kind)}
         return [name for name in self.tensors if name not in known]
 
 
@@ -417,11 +451,6 @@ def optimizer_moments(state: dict, path: str, key: str) -> dict:
                                   f"{name} has {tuple(model[name].shape)}")
         moments[name] = entry[key]
     return moments
-
-
-def _layer_tensors(qkv_bias: bool) -> list:
-    """Per-layer tensor names a model with or without q/k/v bias holds (a bias the args deny is unknown)."""
-    return [name for kind, name in LAYER_TENSORS.items() if qkv_bias or kind != "qkv_bias"]
 
 
 def _args_of(state, path: str) -> dict:
@@ -518,10 +547,11 @@ class MegatronWeights(HFWeights):
         full = self._cache[1]
         if part == "vocab":
             return np.ascontiguousarray(full[:self.cfg.vocab_size])
-        if part in ("gate", "up"):
-            return np.ascontiguousarray(np.split(full, 2, axis=0)[part == "up"])
-        if part in ("q", "k", "v"):
+        fuse = MEGATRON_TENSORS[kind].fuse
+        if fuse == "qkv":
             return split_qkv(full, self.cfg, self.qkv_layout)[part]
+        if fuse is not None:
+            return np.ascontiguousarray(UNFUSE[fuse](full, self.cfg)[part])
         return full
 
 
@@ -541,14 +571,39 @@ def split_qkv(fused: np.ndarray, cfg: ModelConfig, layout: str = "grouped") -> d
             "v": np.ascontiguousarray(grouped[:, per_group + 1].reshape(-1, *rest))}
 
 
-def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    """The inverse of split_qkv: HF q, k, v rows -> Megatron's grouped fused rows."""
-    head_dim = cfg.hidden_size // cfg.num_heads
-    groups = cfg.kv_heads
+def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, groups: int, head_dim: int) -> np.ndarray:
+    """The inverse of split_qkv: HF q, k, v rows of `groups` KV groups -> Megatron's grouped fused rows."""
     rest = q.shape[1:]
+    # (rows, ...) -> (groups, heads per group or 1, head_dim, ...), then [q..., k, v] per group
     grouped = np.concatenate([q.reshape(groups, -1, head_dim, *rest), k.reshape(groups, 1, head_dim, *rest),
                               v.reshape(groups, 1, head_dim, *rest)], axis=1)
     return grouped.reshape(-1, *rest)
+
+
+# How a rank's parts (in MEGATRON_PARTS order) make its tensor, and back; `groups` are the rank's KV groups.
+FUSE = {
+    None: lambda parts, groups, head_dim: parts[0],
+    "qkv": lambda parts, groups, head_dim: fuse_qkv(*parts, groups, head_dim),
+    "gate_up": lambda parts, groups, head_dim: np.concatenate(parts),
+}
+UNFUSE = {"qkv": split_qkv, "gate_up": lambda full, cfg: dict(zip(("gate", "up"), np.split(full, 2, axis=0)))}
+
+
+def rank_tensor(kind: str, parts: list, t: int, tp: int, cfg: ModelConfig, padded_vocab: int) -> np.ndarray:
+    """What tensor-parallel rank t of tp holds of `kind`, from its HF parts [(part, tensor)] (MEGATRON_PARTS order).
+
+    Each part is split on the table's tp_dim (vocabulary tables padded to padded_vocab rows first) and the
+    rank's slices fused: so each rank holds whole KV groups and its own [gate; up] halves, as Megatron does.
+    """
+    spec = MEGATRON_TENSORS[kind]
+    pieces = []
+    for part, tensor in parts:
+        if part == "vocab":
+            padded = np.zeros((padded_vocab, *tensor.shape[1:]), np.float32)
+            padded[:tensor.shape[0]] = tensor
+            tensor = padded
+        pieces.append(tensor if spec.tp_dim is None else np.split(tensor, tp, spec.tp_dim)[t])
+    return FUSE[spec.fuse](pieces, cfg.kv_heads // tp, cfg.hidden_size // cfg.num_heads)
 
 
 # --- Megatron -> ours -------------------------------------------------------------------------
@@ -707,30 +762,35 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
         raise ConversionError(f"output {out_dir} exists and is not empty", hint="choose another --output")
     iter_name = f"iter_{iteration:07d}" if iteration else "release"
 
-    def ours(hf_name):
-        return ckpt.read(plan[hf_name].ours)
+    kinds = megatron_kinds(cfg.qkv_bias, cfg.tie_word_embeddings)
 
-    def vocab_table(hf_name):
-        table = np.zeros((padded, cfg.hidden_size), np.float32)
-        table[:cfg.vocab_size] = ours(hf_name)[:cfg.vocab_size]
-        return table
+    def rank_state(p: int, t: int) -> dict:
+        """Rank (t, p)'s tensors, generated from MEGATRON_TENSORS and HF_FROM_MEGATRON.
+
+        In the order Megatron's model holds them: the embedding (first stage), each layer, the final norm and
+        output layer (last stage).
+        """
+        first = cfg.num_layers // pp * p
+        layers = [(n, n - first) for n in range(first, first + cfg.num_layers // pp)]
+        state = {}
+        for group in ("first", None, "last"):
+            if group == "first" and p != 0 or group == "last" and p != pp - 1:
+                continue
+            for n, local in layers if group is None else [(None, None)]:
+                for kind in (k for k in kinds if MEGATRON_TENSORS[k].stage == group):
+                    parts = [(part, hf_tensor(name.format(n=n))) for part, name in MEGATRON_PARTS[kind]]
+                    state[layer_names(kind, local)[0]] = rank_tensor(kind, parts, t, tp, cfg, padded)
+        return state
+
+    def hf_tensor(hf_name):
+        item = plan[hf_name]
+        return TRANSFORMS[item.transform][1](ckpt.read(item.ours), item.hf_shape)
 
     def write_files(work_dir: str) -> dict:
-        layers_per_stage = cfg.num_layers // pp
         with progress_bar(tp * pp, "write rank files", show_progress) as bar:
             for p in range(pp):
                 for t in range(tp):
-                    state = {}
-                    if p == 0:
-                        state["embedding.word_embeddings.weight"] = np.split(
-                            vocab_table("model.embed_tokens.weight"), tp)[t]
-                    for local in range(layers_per_stage):
-                        n = p * layers_per_stage + local
-                        state.update(_megatron_layer(ours, cfg, n, local, t, tp))
-                    if p == pp - 1:
-                        state["decoder.final_layernorm.weight"] = ours("model.norm.weight")
-                        if not cfg.tie_word_embeddings:
-                            state["output_layer.weight"] = np.split(vocab_table("lm_head.weight"), tp)[t]
+                    state = rank_state(p, t)
                     name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
                     os.makedirs(os.path.join(work_dir, iter_name, name))
                     torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0,
@@ -748,26 +808,6 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
                 "model": json_args(args), "tensors": [], "ignored": []}
 
     return write_conversion(out_dir, write_files, start=start)
-
-
-def _megatron_layer(ours, cfg: ModelConfig, n: int, local: int, t: int, tp: int) -> dict:
-    """One layer's tensors as tensor-parallel rank t holds them (local spec names)."""
-    prefix, hf = f"decoder.layers.{local}.", f"model.layers.{n}."
-    layer = {prefix + "input_layernorm.weight": ours(hf + "input_layernorm.weight"),
-             prefix + "pre_mlp_layernorm.weight": ours(hf + "post_attention_layernorm.weight")}
-    for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-        q, k, v = (ours(f"{hf}self_attn.{x}_proj.{kind}") for x in "qkv")
-        # whole KV groups per rank: split q, k and v by group, then fuse each rank's groups
-        q, k, v = (np.split(x, tp)[t] for x in (q, k, v))
-        local_cfg = ModelConfig(vocab_size=1, hidden_size=cfg.hidden_size // tp, num_layers=1,
-                                num_heads=cfg.num_heads // tp, num_kv_heads=cfg.kv_heads // tp,
-                                intermediate_size=1, seq_length=1)
-        layer[prefix + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, local_cfg)
-    layer[prefix + "self_attention.linear_proj.weight"] = np.split(ours(hf + "self_attn.o_proj.weight"), tp, 1)[t]
-    gate, up = (np.split(ours(f"{hf}mlp.{x}_proj.weight"), tp)[t] for x in ("gate", "up"))
-    layer[prefix + "mlp.linear_fc1.weight"] = np.concatenate([gate, up])
-    layer[prefix + "mlp.linear_fc2.weight"] = np.split(ours(hf + "mlp.down_proj.weight"), tp, 1)[t]
-    return layer
 
 
 def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteration: int = None) -> dict:
