@@ -1,6 +1,6 @@
 """Parameter names and shapes of models/llama.py's LlamaForCausalLM, without building it.
 
-The one description of the architecture's tensors: the converter's tensor list (models/convert.py),
+The one description of the architecture's tensors: the converter's tensor list (models/conversion/tables.py),
 the checkpoint checks against a recipe, and the parameter and FLOP counts (models/arithmetic.py,
 the planner) derive from it. `cfg` is a ModelConfig (models/config.py) or a LlamaConfig.
 """

@@ -19,8 +19,8 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, TINY_RECIPE, load_script
-from ascend_llm_recipes.models.convert import HF_WEIGHTS_FILE, MODEL_SECTION_FILE
-from ascend_llm_recipes.models.megatron import from_megatron
+from ascend_llm_recipes.models.conversion.ours import HF_WEIGHTS_FILE, MODEL_SECTION_FILE
+from ascend_llm_recipes.models.conversion.megatron import from_megatron
 from test_convert import assert_nothing_written, make_hf_model
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.training.tools.export import from_torch, to_megatron, write_recipe, to_hf
@@ -244,12 +244,12 @@ def test_meta_layout_converts_by_itself_with_transformers_logits(tmp_path, shard
 
 def test_meta_layout_verify_catches_unpermuted_rotary_rows(tmp_path, monkeypatch):
     """What the README's old --key-map example did (q/k copied in Meta's order) fails --verify."""
-    from ascend_llm_recipes.models import torch_state
+    from ascend_llm_recipes.models.conversion import tables
 
     write_meta_checkpoint(bf16_hf_model(tmp_path / "hf"), tmp_path / "meta", 2)
     for hf_name in ("model.layers.{n}.self_attn.q_proj.weight", "model.layers.{n}.self_attn.k_proj.weight"):
-        meta, _, split = torch_state.META_LAYOUT[hf_name]
-        monkeypatch.setitem(torch_state.META_LAYOUT, hf_name, (meta, "identity", split))
+        meta, _, split = tables.META_LAYOUT[hf_name]
+        monkeypatch.setitem(tables.META_LAYOUT, hf_name, (meta, "identity", split))
     with pytest.raises(ConversionError, match="converted logits differ from a pure-torch forward after Meta's"):
         from_torch(str(tmp_path / "meta" / "consolidated.00.pth"), str(tmp_path / "out"),
                    str(tmp_path / "meta" / "params.json"), seq_length=64, verify=True, show_progress=False)
@@ -319,7 +319,7 @@ def test_to_megatron_numeric_arguments_are_refused_by_name(tmp_path, capsys, arg
 def test_to_megatron_refuses_layouts_and_iterations_it_cannot_write(tmp_path):
     """Called as a library too: no ZeroDivisionError, no iter_-000005 that --from-megatron would refuse."""
     make_hf_model(tmp_path / "hf")  # 4 heads, 2 KV heads, 2 layers
-    from ascend_llm_recipes.models.convert import from_hf
+    from ascend_llm_recipes.models.conversion.hf import from_hf
     from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), show_progress=False)
     for kwargs, message in ((dict(tp=0), "--tp 0: must be a positive integer"),
                             (dict(pp=-1), "--pp -1: must be a positive integer"),
@@ -410,7 +410,8 @@ def test_converted_fixture_trains_and_exports(tmp_path, megatron_dir, tiny_datas
 
 def test_adam_moments_of_legacy_files_are_carried_over(tmp_path, megatron_dir):
     """Each rank's moments, found by index in optimizer.state_dict(), are the live optimizer's for that parameter."""
-    from ascend_llm_recipes.models.megatron import MOMENT_FILES, open_megatron
+    from ascend_llm_recipes.models.conversion.ours import MOMENT_FILES
+    from ascend_llm_recipes.models.conversion.megatron_files import open_megatron
 
     manifest = from_megatron(str(megatron_dir / "tp2pp2" / "legacy"), str(tmp_path / "ours"), show_progress=False)
     assert manifest["optimizer"]["carried"] and manifest["optimizer"]["global_step"] == 2  # steps taken, not 40

@@ -1,6 +1,6 @@
 """Exports that start from a training run: a run or converted directory, a recipe, a recipe to write.
 
-models/convert.py and models/megatron.py convert checkpoint files for a given ModelConfig and know
+models/conversion/ (hf.py, megatron.py, torch_state.py) converts checkpoint files for a given ModelConfig and know
 nothing of runs or recipes; this module resolves what a user names (a run directory's newest
 verified step and its recorded recipe, a recipe given as --model-config, the run dataset's
 tokenizer) into those plain values, and writes recipes that continue a converted run
@@ -18,11 +18,12 @@ from ascend_llm_recipes.common.errors import ConversionError, PretrainError
 from ascend_llm_recipes.common.files import file_sha256
 from ascend_llm_recipes.common.schema import to_plain
 from ascend_llm_recipes.models.config import ModelConfig
-from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, MODEL_SECTION_FILE, OPTIMIZER_DIR,
-                                               model_section, read_model_yaml, write_hf)
-from ascend_llm_recipes.models.megatron import from_megatron, source_manifest
-from ascend_llm_recipes.models.megatron import to_megatron as _to_megatron
-from ascend_llm_recipes.models.torch_state import from_torch as _from_torch
+from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, MODEL_SECTION_FILE, OPTIMIZER_DIR,
+                                                       model_section, read_model_yaml)
+from ascend_llm_recipes.models.conversion.hf import write_hf
+from ascend_llm_recipes.models.conversion.megatron import from_megatron, source_manifest
+from ascend_llm_recipes.models.conversion.megatron import to_megatron as _to_megatron
+from ascend_llm_recipes.models.conversion.torch_state import from_torch as _from_torch
 from ascend_llm_recipes.training.run_files import CHECKPOINTS
 from ascend_llm_recipes.training.recipe.schema import load_recipe
 from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE as RUN_RECIPE
@@ -317,7 +318,8 @@ def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int,
 
 def run_cli(parser, args) -> int:
     """scripts/convert_checkpoint.py for --from-megatron, --from-torch, --to-megatron and --write-recipe."""
-    from ascend_llm_recipes.models.convert import from_hf, summary
+    from ascend_llm_recipes.models.conversion.hf import from_hf
+    from ascend_llm_recipes.models.conversion.write import summary
 
     if args.key_map and not args.from_torch:
         parser.error("--key-map applies to --from-torch")

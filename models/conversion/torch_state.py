@@ -4,7 +4,7 @@
                                              recipe says which model), names a --key-map renames, or
                                              Meta's original layout: consolidated.NN.pth + params.json
 
-Output is what models/convert.py's --from-hf writes, through convert.py's write_ours and write_conversion: the
+Output is what hf.py's from_hf writes, through write.py's write_ours and write_conversion: the
 tensors are presented under HuggingFace names and everything downstream is shared.
 
 Meta's layout (the original Llama releases, facebookresearch/llama model.py; torchtitan saves the
@@ -29,11 +29,16 @@ import numpy as np
 import yaml
 
 from ascend_llm_recipes.common.errors import ConversionError
-from ascend_llm_recipes.models.checkpoint_io import SafetensorsWriter, TorchBinFile
 from ascend_llm_recipes.models.config import ModelConfig
-from ascend_llm_recipes.models.convert import (DEFAULT_MAX_SEQ_LENGTH, HF_WEIGHTS_FILE, NO_TOKEN, TIED_HEAD,
-                                               HFWeights, check_tensors, hf_config_from_model, model_config_from_hf,
-                                               reference_logits, tensor_plan, verify_against, write_ours)
+from ascend_llm_recipes.models.conversion.formats import HFWeights, SafetensorsWriter, TorchBinFile
+from ascend_llm_recipes.models.conversion.hf import (DEFAULT_MAX_SEQ_LENGTH, NO_TOKEN, hf_config_from_model,
+                                                     model_config_from_hf)
+from ascend_llm_recipes.models.conversion.ours import HF_WEIGHTS_FILE
+from ascend_llm_recipes.models.conversion.tables import (META_LAYOUT, META_TRANSFORMS, TIED_HEAD, check_tensors,
+                                                         tensor_plan)
+from ascend_llm_recipes.models.conversion.verify import reference_logits, verify_against
+from ascend_llm_recipes.models.conversion.write import write_ours
+
 
 STATE_DICT_KEYS = ("model", "model_state_dict", "state_dict", "module")
 
@@ -48,8 +53,6 @@ class TorchStateFile(TorchBinFile):
                 return state[key]
         return state
 
-
-# --- Key maps -----------------------------------------------------------------------------------
 
 KEY_MAP_FORMAT = "`their name pattern: HF name pattern` ({n} = a layer number, {name} = any text; null = ignore)"
 
@@ -117,36 +120,6 @@ def apply_key_map(names, rules: list, where: str) -> tuple:
     return mapped, ignored
 
 
-# --- Meta's layout ------------------------------------------------------------------------------
-
-def interleaved_to_half(x: np.ndarray, head_dim: int) -> np.ndarray:
-    """q/k rows of each head from Meta's rotary order (pairs 2i, 2i+1) to HF's (i, i + head_dim/2).
-
-    transformers' convert_llama_weights_to_hf.py `permute`: (heads, head_dim/2, 2, in) -> (heads, 2, head_dim/2, in).
-    """
-    rows, cols = x.shape
-    return np.ascontiguousarray(x.reshape(rows // head_dim, head_dim // 2, 2, cols).transpose(0, 2, 1, 3)
-                                .reshape(rows, cols))
-
-
-META_TRANSFORMS = {"identity": lambda x, head_dim: x, "interleaved_to_half": interleaved_to_half}
-VOCAB_OR_HIDDEN = (1, 0)  # tok_embeddings: Llama 1/2 shard the hidden dimension, Llama 3 the vocabulary
-
-# HF name: (Meta's name, transform Meta -> HF, the dimension model-parallel shards split; None = replicated)
-META_LAYOUT = {
-    "model.embed_tokens.weight": ("tok_embeddings.weight", "identity", VOCAB_OR_HIDDEN),
-    "model.layers.{n}.input_layernorm.weight": ("layers.{n}.attention_norm.weight", "identity", None),
-    "model.layers.{n}.self_attn.q_proj.weight": ("layers.{n}.attention.wq.weight", "interleaved_to_half", (0,)),
-    "model.layers.{n}.self_attn.k_proj.weight": ("layers.{n}.attention.wk.weight", "interleaved_to_half", (0,)),
-    "model.layers.{n}.self_attn.v_proj.weight": ("layers.{n}.attention.wv.weight", "identity", (0,)),
-    "model.layers.{n}.self_attn.o_proj.weight": ("layers.{n}.attention.wo.weight", "identity", (1,)),
-    "model.layers.{n}.post_attention_layernorm.weight": ("layers.{n}.ffn_norm.weight", "identity", None),
-    "model.layers.{n}.mlp.gate_proj.weight": ("layers.{n}.feed_forward.w1.weight", "identity", (0,)),
-    "model.layers.{n}.mlp.down_proj.weight": ("layers.{n}.feed_forward.w2.weight", "identity", (1,)),
-    "model.layers.{n}.mlp.up_proj.weight": ("layers.{n}.feed_forward.w3.weight", "identity", (0,)),
-    "model.norm.weight": ("norm.weight", "identity", None),
-    "lm_head.weight": ("output.weight", "identity", (0,)),
-}
 META_RULES = [(_pattern_regex(meta), hf, meta) for hf, (meta, _, _) in META_LAYOUT.items()] + \
     [(re.compile(r"rope\.freqs\Z"), None, "rope.freqs")]  # Llama 1's rotary table, recomputed from rope_theta
 META_SHARD = re.compile(r"consolidated\.(\d+)\.pth")
@@ -336,8 +309,6 @@ def hf_reference_logits(weights: HFWeights, hf_config: dict, names: list, tokens
         writer.close()
         return reference_logits(hf_dir, tokens)
 
-
-# --- torch.save'd files -> ours -----------------------------------------------------------------
 
 def read_json_config(path: str) -> dict:
     try:
