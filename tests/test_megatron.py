@@ -5,6 +5,7 @@ own GPTModel at TP1 (tied embeddings), TP2 (q/k/v bias) and TP2xPP2 with grouped
 legacy and torch_dist formats, with megatron-core's forward logits on fixed tokens.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -248,8 +249,8 @@ def test_meta_layout_verify_catches_unpermuted_rotary_rows(tmp_path, monkeypatch
 
     write_meta_checkpoint(bf16_hf_model(tmp_path / "hf"), tmp_path / "meta", 2)
     for hf_name in ("model.layers.{n}.self_attn.q_proj.weight", "model.layers.{n}.self_attn.k_proj.weight"):
-        meta, _, split = tables.META_LAYOUT[hf_name]
-        monkeypatch.setitem(tables.META_LAYOUT, hf_name, (meta, "identity", split))
+        unpermuted = dataclasses.replace(tables.META_TABLE[hf_name], transform="identity")
+        monkeypatch.setitem(tables.META_TABLE, hf_name, unpermuted)
     with pytest.raises(ConversionError, match="converted logits differ from a pure-torch forward after Meta's"):
         from_torch(str(tmp_path / "meta" / "consolidated.00.pth"), str(tmp_path / "out"),
                    str(tmp_path / "meta" / "params.json"), seq_length=64, verify=True, show_progress=False)
@@ -412,6 +413,7 @@ def test_adam_moments_of_legacy_files_are_carried_over(tmp_path, megatron_dir):
     """Each rank's moments, found by index in optimizer.state_dict(), are the live optimizer's for that parameter."""
     from ascend_llm_recipes.models.conversion.ours import MOMENT_FILES
     from ascend_llm_recipes.models.conversion.megatron_files import open_megatron
+    from ascend_llm_recipes.models.conversion.tables import MEGATRON_TENSORS
 
     manifest = from_megatron(str(megatron_dir / "tp2pp2" / "legacy"), str(tmp_path / "ours"), show_progress=False)
     assert manifest["optimizer"]["carried"] and manifest["optimizer"]["global_step"] == 2  # steps taken, not 40
@@ -421,7 +423,8 @@ def test_adam_moments_of_legacy_files_are_carried_over(tmp_path, megatron_dir):
             truth = torch.load(megatron_dir / "tp2pp2" / f"moments_{t:02d}_{p:03d}.pt")
             for index, key in enumerate(MOMENT_FILES.values()):
                 view = ckpt.moments(key)
-                for kind in ("qkv", "fc1", "proj", "fc2", "input_norm"):
+                for ours in ("q_proj", "gate_proj", "o_proj", "down_proj", "input_layernorm"):
+                    kind = next(k for k, tensor in MEGATRON_TENSORS.items() if ours in tensor.rows[0].ours)
                     stage, name = view.find(kind, 2 * p)
                     assert torch.equal(torch.from_numpy(view.shard(kind, 2 * p, t)), truth[name][index]), name
     moments = load_file(str(tmp_path / "ours" / "optimizer" / "adam_m.safetensors"))
@@ -494,3 +497,18 @@ def test_continued_lr_schedule_equals_megatrons(tmp_path, megatron_dir, style, i
             assert float(schedule(ms.Tensor(step, ms.int32)).asnumpy()) == pytest.approx(expected, rel=1e-5,
                                                                                          abs=1e-9), step
         megatron.step(increment=batch)
+
+
+def test_each_format_table_has_a_row_for_every_tensor_and_a_tensor_without_one_is_named():
+    """A tensor added to models/shapes.py must get a row in each format's table: the tables are the whole mapping."""
+    from ascend_llm_recipes.models.conversion.tables import HF_TABLE, MEGATRON_TABLE, META_TABLE, row_for
+    from ascend_llm_recipes.models.shapes import TENSORS
+
+    ours = {pattern for pattern, _, _ in TENSORS}
+    assert set(HF_TABLE) == ours and set(MEGATRON_TABLE) == ours
+    assert set(META_TABLE) == {pattern for pattern, _, flag in TENSORS if flag != "qkv_bias"}  # Meta's Llama: no bias
+    row, numbers = row_for(MEGATRON_TABLE, "model.layers.3.self_attn.k_proj.bias", "ckpt")
+    assert (row.theirs[0], row.part, numbers) == ("decoder.layers.{n}.self_attention.linear_qkv.bias", "k", {"n": 3})
+    with pytest.raises(ConversionError, match=r"(?s)ckpt: model\.layers\.0\.self_attn\.q_norm\.weight: no row .*"
+                                              r"HINT.*needs a row in each format's table"):
+        row_for(MEGATRON_TABLE, "model.layers.0.self_attn.q_norm.weight", "ckpt")

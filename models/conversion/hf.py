@@ -19,7 +19,7 @@ newer path (mindformers/checkpoint/checkpoint.py) reads the same directory, but 
 
 Everything is driven by two tables: CONFIG_MAP (config.json keys <-> model_config fields, with
 the options each family must leave at their supported value) and the model's tensor list
-(models/shapes.py: names, shapes from the config), with tables.KEY_MAP naming each tensor's transform.
+(models/shapes.py: names, shapes from the config), with tables.HF_TABLE naming each tensor's transform.
 Conversion is strict: every source tensor is converted or named in an ignore list, every shape
 is checked against the config before any data is read, unknown tensors are errors, and so is any
 NaN or inf value. Output goes through write.write_conversion: built in a hidden sibling directory and

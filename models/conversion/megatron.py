@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import re
 import time
 
 import numpy as np
@@ -39,10 +38,12 @@ from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.conversion.formats import CkptFile, HFWeights, SafetensorsFile
 from ascend_llm_recipes.models.conversion.megatron_files import LATEST_FILE, LegacyCheckpoint, RANK_FILE, open_megatron
 from ascend_llm_recipes.models.conversion.ours import FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES, OPTIMIZER_DIR
-from ascend_llm_recipes.models.conversion.tables import (HF_FROM_MEGATRON, MEGATRON_PARTS, MEGATRON_TENSORS, TRANSFORMS,
-                                                         layer_names, megatron_kinds, tensor_plan)
+from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TABLE, MEGATRON_TENSORS, TRANSFORMS,
+                                                         layer_names, megatron_name, present_tensors, row_for,
+                                                         tensor_plan)
 from ascend_llm_recipes.models.conversion.verify import verify_against
 from ascend_llm_recipes.models.conversion.write import progress_bar, write_conversion, write_ours
+from ascend_llm_recipes.models.shapes import dimensions, tensor_dimensions
 
 
 # Megatron-LM argument -> (the only supported value, why); checked before any tensor is read.
@@ -113,7 +114,7 @@ def json_args(args: dict) -> dict:
 
 
 class MegatronWeights(HFWeights):
-    """A Megatron checkpoint seen as HuggingFace-named tensors, so write.py's writer consumes it.
+    """A Megatron checkpoint seen as HuggingFace-named tensors (by tables.MEGATRON_TABLE), so write.py consumes it.
 
     qkv_layout="grouped" is Megatron's; "separate" (all q rows, then k, then v) is the common mistake,
     kept so that tests can show the parity check rejects it.
@@ -124,81 +125,29 @@ class MegatronWeights(HFWeights):
         self._cache = (None, None)  # the last merged tensor: q, k and v come from one qkv
         plan = tensor_plan(cfg)
         super().__init__(ckpt.format, ckpt.files, {p.hf: (self, "F32", p.hf_shape) for p in plan})
-        self.sources = {p.hf: self.source_of(p.hf) for p in plan}
-
-    def source_of(self, hf_name: str) -> tuple:
-        """(kind, layer, part) of the Megatron tensor behind an HF name."""
-        match = re.search(r"\.layers\.(\d+)\.", hf_name)
-        layer = int(match.group(1)) if match else None
-        pattern = hf_name.replace(f".layers.{layer}.", ".layers.{n}.") if match else hf_name
-        kind, part = HF_FROM_MEGATRON[pattern]
-        return kind, layer, part
+        self.sources = {p.hf: (*row_for(MEGATRON_TABLE, p.hf, ckpt.path), p.hf_shape) for p in plan}
 
     def read(self, name: str) -> np.ndarray:
-        kind, layer, part = self.sources[name]
-        if self._cache[0] != (kind, layer):
+        row, numbers, shape = self.sources[name]
+        key = (row.theirs, numbers.get("n"))
+        if self._cache[0] != key:
             self._cache = (None, None)  # drop the previous one first: one merged tensor alive at a time
-            self._cache = ((kind, layer), self.ckpt.merged(kind, layer, self.fc1_merge))
-        full = self._cache[1]
-        if part == "vocab":
-            return np.ascontiguousarray(full[:self.cfg.vocab_size])
-        fuse = MEGATRON_TENSORS[kind].fuse
-        if fuse == "qkv":
-            return split_qkv(full, self.cfg, self.qkv_layout)[part]
-        if fuse is not None:
-            return np.ascontiguousarray(UNFUSE[fuse](full, self.cfg)[part])
-        return full
+            self._cache = (key, self.ckpt.merged(row.theirs[0], numbers.get("n"), self.fc1_merge))
+        tensor = self._cache[1]
+        if row.fuse is not None:
+            tensor = FUSE[row.fuse][1](tensor, self.cfg, self.qkv_layout)[row.part]
+        return TRANSFORMS[row.transform][0](tensor, shape, self.cfg)
 
 
-def split_qkv(fused: np.ndarray, cfg: ModelConfig, layout: str = "grouped") -> dict:
-    """Megatron's fused qkv (weight or bias, rows first) -> q, k, v in our (= HF) row order."""
-    head_dim = cfg.hidden_size // cfg.num_heads
-    groups = cfg.kv_heads
-    per_group = cfg.num_heads // groups
-    rest = fused.shape[1:]
-    if layout == "separate":
-        q, k, v = np.split(fused, [cfg.num_heads * head_dim, (cfg.num_heads + groups) * head_dim])
-        return {"q": q, "k": k, "v": v}
-    # (groups x (per_group + 2) x head_dim, ...) -> (groups, per_group + 2, head_dim, ...)
-    grouped = fused.reshape(groups, per_group + 2, head_dim, *rest)
-    return {"q": np.ascontiguousarray(grouped[:, :per_group].reshape(-1, *rest)),
-            "k": np.ascontiguousarray(grouped[:, per_group].reshape(-1, *rest)),
-            "v": np.ascontiguousarray(grouped[:, per_group + 1].reshape(-1, *rest))}
+def rank_tensor(kind: str, parts: list, t: int, tp: int, cfg: ModelConfig) -> np.ndarray:
+    """What tensor-parallel rank t of tp holds of Megatron tensor `kind`, from its parts (its rows' tensors).
 
-
-def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, groups: int, head_dim: int) -> np.ndarray:
-    """The inverse of split_qkv: HF q, k, v rows of `groups` KV groups -> Megatron's grouped fused rows."""
-    rest = q.shape[1:]
-    # (rows, ...) -> (groups, heads per group or 1, head_dim, ...), then [q..., k, v] per group
-    grouped = np.concatenate([q.reshape(groups, -1, head_dim, *rest), k.reshape(groups, 1, head_dim, *rest),
-                              v.reshape(groups, 1, head_dim, *rest)], axis=1)
-    return grouped.reshape(-1, *rest)
-
-
-# How a rank's parts (in MEGATRON_PARTS order) make its tensor, and back; `groups` are the rank's KV groups.
-FUSE = {
-    None: lambda parts, groups, head_dim: parts[0],
-    "qkv": lambda parts, groups, head_dim: fuse_qkv(*parts, groups, head_dim),
-    "gate_up": lambda parts, groups, head_dim: np.concatenate(parts),
-}
-UNFUSE = {"qkv": split_qkv, "gate_up": lambda full, cfg: dict(zip(("gate", "up"), np.split(full, 2, axis=0)))}
-
-
-def rank_tensor(kind: str, parts: list, t: int, tp: int, cfg: ModelConfig, padded_vocab: int) -> np.ndarray:
-    """What tensor-parallel rank t of tp holds of `kind`, from its HF parts [(part, tensor)] (MEGATRON_PARTS order).
-
-    Each part is split on the table's tp_dim (vocabulary tables padded to padded_vocab rows first) and the
-    rank's slices fused: so each rank holds whole KV groups and its own [gate; up] halves, as Megatron does.
+    Each part (in Megatron's layout, table order) is split on the table's dimension and the rank's slices
+    fused, so each rank holds whole KV groups and its own [gate; up] halves, as Megatron does.
     """
     spec = MEGATRON_TENSORS[kind]
-    pieces = []
-    for part, tensor in parts:
-        if part == "vocab":
-            padded = np.zeros((padded_vocab, *tensor.shape[1:]), np.float32)
-            padded[:tensor.shape[0]] = tensor
-            tensor = padded
-        pieces.append(tensor if spec.tp_dim is None else np.split(tensor, tp, spec.tp_dim)[t])
-    return FUSE[spec.fuse](pieces, cfg.kv_heads // tp, cfg.hidden_size // cfg.num_heads)
+    pieces = [part if spec.split is None else np.split(part, tp, spec.split)[t] for part in parts]
+    return pieces[0] if spec.fuse is None else FUSE[spec.fuse][0](pieces, cfg.kv_heads // tp, cfg.head_dim)
 
 
 def from_megatron(ckpt_dir: str, out_dir: str, iteration: int = None, vocab_size: int = None,
@@ -211,7 +160,7 @@ def from_megatron(ckpt_dir: str, out_dir: str, iteration: int = None, vocab_size
     """
     ckpt = open_megatron(ckpt_dir, iteration)
     cfg = model_config_from_args(ckpt.args, f"{ckpt.path} (args)", vocab_size)
-    unknown = ckpt.unknown_tensors(cfg.qkv_bias)
+    unknown = ckpt.unknown_tensors(cfg)
     if unknown:
         raise ConversionError(f"{ckpt.path}: {len(unknown)} tensor(s) this converter does not know:\n" +
                               "\n".join(f"  - {u}" for u in unknown[:20]),
@@ -249,6 +198,17 @@ def carried_moments(ckpt, cfg: ModelConfig, qkv_layout: str = "grouped", fc1_mer
                              "load_optimizer_state)"}
 
 
+# The Megatron tensors the reference forward reads, found through the table by our names.
+EMBED, OUTPUT = megatron_name("model.embed_tokens.weight"), megatron_name("lm_head.weight")
+INPUT_NORM = megatron_name("model.layers.{n}.input_layernorm.weight")
+QKV, QKV_BIAS = (megatron_name(f"model.layers.{{n}}.self_attn.q_proj.{w}") for w in ("weight", "bias"))
+PROJ = megatron_name("model.layers.{n}.self_attn.o_proj.weight")
+MLP_NORM = megatron_name("model.layers.{n}.post_attention_layernorm.weight")
+FC1 = megatron_name("model.layers.{n}.mlp.gate_proj.weight")
+FC2 = megatron_name("model.layers.{n}.mlp.down_proj.weight")
+FINAL_NORM = megatron_name("model.norm.weight")
+
+
 def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.ndarray:
     """Logits (batch, seq, vocab) of a pure-torch Megatron forward, tensor-parallel ranks simulated.
 
@@ -269,7 +229,7 @@ def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.
     per_group = cfg.num_heads // groups
     batch, seq = tokens.shape
     ids = torch.from_numpy(tokens).long()
-    x = torch.cat([t(ckpt.shard("embedding", None, r)) for r in range(tp)])[ids]  # (B, S, H)
+    x = torch.cat([t(ckpt.shard(EMBED, None, r)) for r in range(tp)])[ids]  # (B, S, H)
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     angles = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
@@ -280,12 +240,12 @@ def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.
 
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)
     for layer in range(cfg.num_layers):
-        h = rms(x, t(ckpt.merged("input_norm", layer)))
+        h = rms(x, t(ckpt.merged(INPUT_NORM, layer)))
         attn = 0
         for r in range(tp):
-            qkv = h @ t(ckpt.shard("qkv", layer, r)).T
+            qkv = h @ t(ckpt.shard(QKV, layer, r)).T
             if cfg.qkv_bias:
-                qkv = qkv + t(ckpt.shard("qkv_bias", layer, r))
+                qkv = qkv + t(ckpt.shard(QKV_BIAS, layer, r))
             # (B, S, local groups x (per_group + 2) x head_dim) -> (B, S, local groups, per_group + 2, head_dim)
             qkv = qkv.view(batch, seq, groups // tp, per_group + 2, head_dim)
             q = qkv[:, :, :, :per_group].reshape(batch, seq, -1, head_dim).transpose(1, 2)
@@ -293,16 +253,16 @@ def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.
             v = qkv[:, :, :, per_group + 1].transpose(1, 2).repeat_interleave(per_group, 1)
             scores = rotate(q) @ rotate(k).transpose(-1, -2) / math.sqrt(head_dim)
             context = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v  # (B, local heads, S, head_dim)
-            attn = attn + context.transpose(1, 2).reshape(batch, seq, -1) @ t(ckpt.shard("proj", layer, r)).T
+            attn = attn + context.transpose(1, 2).reshape(batch, seq, -1) @ t(ckpt.shard(PROJ, layer, r)).T
         x = x + attn
-        h = rms(x, t(ckpt.merged("mlp_norm", layer)))
+        h = rms(x, t(ckpt.merged(MLP_NORM, layer)))
         mlp = 0
         for r in range(tp):
-            gate, up = (h @ t(ckpt.shard("fc1", layer, r)).T).chunk(2, -1)
-            mlp = mlp + (F.silu(gate) * up) @ t(ckpt.shard("fc2", layer, r)).T
+            gate, up = (h @ t(ckpt.shard(FC1, layer, r)).T).chunk(2, -1)
+            mlp = mlp + (F.silu(gate) * up) @ t(ckpt.shard(FC2, layer, r)).T
         x = x + mlp
-    x = rms(x, t(ckpt.merged("final_norm")))
-    head = "embedding" if cfg.tie_word_embeddings else "output"
+    x = rms(x, t(ckpt.merged(FINAL_NORM)))
+    head = EMBED if cfg.tie_word_embeddings else OUTPUT
     weight = torch.cat([t(ckpt.shard(head, None, r)) for r in range(tp)])
     return (x @ weight.T)[..., :cfg.vocab_size].numpy()
 
@@ -351,10 +311,12 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
         raise ConversionError(f"output {out_dir} exists and is not empty", hint="choose another --output")
     iter_name = f"iter_{iteration:07d}" if iteration else "release"
 
-    kinds = megatron_kinds(cfg.qkv_bias, cfg.tie_word_embeddings)
+    kinds = present_tensors(MEGATRON_TENSORS, cfg)
+    dims = {**dimensions(cfg), "vocab": padded}  # Megatron's shapes: vocabulary rows padded
+    their_shapes = {pattern: tuple(dims[d] for d in names) for pattern, _, names in tensor_dimensions(cfg)}
 
     def rank_state(p: int, t: int) -> dict:
-        """Rank (t, p)'s tensors, generated from MEGATRON_TENSORS and HF_FROM_MEGATRON.
+        """Rank (t, p)'s tensors, generated from MEGATRON_TABLE.
 
         In the order Megatron's model holds them: the embedding (first stage), each layer, the final norm and
         output layer (last stage).
@@ -367,13 +329,15 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
                 continue
             for n, local in layers if group is None else [(None, None)]:
                 for kind in (k for k in kinds if MEGATRON_TENSORS[k].stage == group):
-                    parts = [(part, hf_tensor(name.format(n=n))) for part, name in MEGATRON_PARTS[kind]]
-                    state[layer_names(kind, local)[0]] = rank_tensor(kind, parts, t, tp, cfg, padded)
+                    parts = [their_tensor(row, n) for row in MEGATRON_TENSORS[kind].rows]
+                    state[layer_names(kind, local)[0]] = rank_tensor(kind, parts, t, tp, cfg)
         return state
 
-    def hf_tensor(hf_name):
-        item = plan[hf_name]
-        return TRANSFORMS[item.transform][1](ckpt.read(item.ours), item.hf_shape)
+    def their_tensor(row, n):
+        """Our tensor of `row` at layer n, in Megatron's layout (vocabulary rows padded)."""
+        item = plan[row.ours.format(n=n)]
+        hf = TRANSFORMS[item.transform][1](ckpt.read(item.ours), item.hf_shape)
+        return TRANSFORMS[row.transform][1](hf, their_shapes[row.ours], cfg)
 
     def write_files(work_dir: str) -> dict:
         with progress_bar(tp * pp, "write rank files", show_progress) as bar:

@@ -1,8 +1,9 @@
 """Megatron-LM checkpoint files: legacy mp_rank_TT[_PPP]/model_optim_rng.pt and torch_dist directories.
 
-The readers present each tensor by its kind in tables.MEGATRON_TENSORS, one tensor-parallel shard or the
-merged global tensor at a time. Legacy files are pickles of argparse namespaces (Megatron loads them with
-weights_only=False, and so must this reader): convert only checkpoints you trust.
+The readers present each Megatron tensor (a key of tables.MEGATRON_TENSORS, generated from
+MEGATRON_TABLE's rows), one tensor-parallel shard or the merged global tensor at a time. Legacy files
+are pickles of argparse namespaces (Megatron loads them with weights_only=False, and so must this
+reader): convert only checkpoints you trust.
 """
 
 import argparse
@@ -14,7 +15,7 @@ import re
 import numpy as np
 
 from ascend_llm_recipes.common.errors import ConversionError
-from ascend_llm_recipes.models.conversion.tables import MEGATRON_TENSORS, layer_names, megatron_kinds
+from ascend_llm_recipes.models.conversion.tables import MEGATRON_TENSORS, layer_names, present_tensors
 
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -191,7 +192,7 @@ class LegacyCheckpoint:
         show that only a logits comparison catches it.
         """
         spec = MEGATRON_TENSORS[kind]
-        if spec.tp_dim is None:  # norms are replicated: every rank must hold the same values
+        if spec.split is None:  # norms are replicated: every rank must hold the same values
             first = self.shard(kind, layer, 0)
             for t in range(1, self.tp):
                 if not np.array_equal(first, self.shard(kind, layer, t)):
@@ -202,12 +203,12 @@ class LegacyCheckpoint:
         if spec.fuse == "gate_up" and fc1_merge == "per_rank":
             halves = [np.split(s, 2, axis=0) for s in shards]
             return np.concatenate([h[0] for h in halves] + [h[1] for h in halves], axis=0)
-        return np.concatenate(shards, axis=spec.tp_dim)
+        return np.concatenate(shards, axis=spec.split)
 
-    def unknown_tensors(self, qkv_bias: bool) -> list:
-        """Names in the rank files that no rule consumes (biases other than q/k/v, MoE, ...)."""
+    def unknown_tensors(self, cfg) -> list:
+        """Names in the rank files that no row consumes (biases other than q/k/v, MoE, ...)."""
         known = set()
-        kinds = megatron_kinds(qkv_bias, tied=False)
+        kinds = present_tensors(MEGATRON_TENSORS, cfg, keep_output=True)
         for p in range(self.pp):
             stages = {"first"} if p == 0 else set()
             stages |= {"last"} if p == self.pp - 1 else set()
@@ -258,7 +259,7 @@ class TorchDistCheckpoint:
 
         _, name = self.find(kind, layer)
         if name is None:
-            wanted = MEGATRON_TENSORS[kind].names[0]
+            wanted = layer_names(kind)[0]
             raise ConversionError(f"{self.path}: {wanted}: missing")
         size = self.tensors[name]
         stacked = layer is not None
@@ -294,15 +295,15 @@ class TorchDistCheckpoint:
         """What tensor-parallel rank tp_rank held (legacy's per-rank layout), cut from the global tensor."""
         full = self.merged(kind, layer)
         spec = MEGATRON_TENSORS[kind]
-        if spec.tp_dim is None:
+        if spec.split is None:
             return full
         if spec.fuse == "gate_up":
             gate, up = np.split(full, 2, axis=0)
             return np.concatenate([np.split(gate, self.tp)[tp_rank], np.split(up, self.tp)[tp_rank]])
-        return np.split(full, self.tp, axis=spec.tp_dim)[tp_rank]
+        return np.split(full, self.tp, axis=spec.split)[tp_rank]
 
-    def unknown_tensors(self, qkv_bias: bool) -> list:
-        known = {n for kind in megatron_kinds(qkv_bias, tied=False) for n in layer_names(kind)}
+    def unknown_tensors(self, cfg) -> list:
+        known = {n for kind in present_tensors(MEGATRON_TENSORS, cfg, keep_output=True) for n in layer_names(kind)}
         return [name for name in self.tensors if name not in known]
 
 

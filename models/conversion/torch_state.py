@@ -8,7 +8,7 @@ Output is what hf.py's from_hf writes, through write.py's write_ours and write_c
 tensors are presented under HuggingFace names and everything downstream is shared.
 
 Meta's layout (the original Llama releases, facebookresearch/llama model.py; torchtitan saves the
-same names) is recognised by its tensor names and converted by one table, META_LAYOUT: each HF
+same names) is recognised by its tensor names and converted by one table, tables.META_TABLE: each HF
 tensor's Meta name, the transform from Meta's values to HF's, and the dimension Meta's
 model-parallel shards split (fairscale ColumnParallelLinear rows, RowParallelLinear columns,
 ParallelEmbedding the hidden dimension in Llama 1/2, VocabParallelEmbedding the rows in Llama 3;
@@ -34,8 +34,8 @@ from ascend_llm_recipes.models.conversion.formats import HFWeights, SafetensorsW
 from ascend_llm_recipes.models.conversion.hf import (DEFAULT_MAX_SEQ_LENGTH, NO_TOKEN, hf_config_from_model,
                                                      model_config_from_hf)
 from ascend_llm_recipes.models.conversion.ours import HF_WEIGHTS_FILE
-from ascend_llm_recipes.models.conversion.tables import (META_LAYOUT, META_TRANSFORMS, TIED_HEAD, check_tensors,
-                                                         tensor_plan)
+from ascend_llm_recipes.models.conversion.tables import (META_TABLE, TIED_HEAD, TRANSFORMS, check_tensors, tensor_plan,
+                                                         template_of)
 from ascend_llm_recipes.models.conversion.verify import reference_logits, verify_against
 from ascend_llm_recipes.models.conversion.write import write_ours
 
@@ -120,7 +120,7 @@ def apply_key_map(names, rules: list, where: str) -> tuple:
     return mapped, ignored
 
 
-META_RULES = [(_pattern_regex(meta), hf, meta) for hf, (meta, _, _) in META_LAYOUT.items()] + \
+META_RULES = [(_pattern_regex(row.theirs[0]), row.ours, row.theirs[0]) for row in META_TABLE.values()] + \
     [(re.compile(r"rope\.freqs\Z"), None, "rope.freqs")]  # Llama 1's rotary table, recomputed from rope_theta
 META_SHARD = re.compile(r"consolidated\.(\d+)\.pth")
 
@@ -150,28 +150,28 @@ def shard_files(path: str) -> list:
 
 
 class MetaWeights(HFWeights):
-    """Meta's model-parallel shards seen as HuggingFace-named, merged and permuted tensors (META_LAYOUT)."""
+    """Meta's model-parallel shards seen as HuggingFace-named, merged and permuted tensors (tables.META_TABLE)."""
 
     def __init__(self, shards: list, cfg: ModelConfig, mapped: dict):
         self.shards, self.cfg = shards, cfg
-        self.sources = {}  # HF name -> (Meta name, transform, split dimension or None)
+        self.sources = {}  # HF name -> (Meta name, transform, split dimension or None, shape)
         expected = {p.hf: p.hf_shape for p in tensor_plan(cfg)}
         tensors = {}
         for hf, meta in mapped.items():
-            pattern = re.sub(r"\.layers\.\d+\.", ".layers.{n}.", hf)
-            if pattern not in META_LAYOUT:  # not one of Meta's names: check_tensors reports it as unknown
+            pattern = template_of(hf)[0]
+            if pattern not in META_TABLE:  # not one of Meta's names: check_tensors reports it as unknown
                 tensors[hf] = (self, shards[0].tensors[meta][0], shards[0].tensors[meta][1])
                 continue
-            _, transform, dims = META_LAYOUT[pattern]
-            dim, shape = self._merged_shape(meta, dims, expected.get(hf))
-            self.sources[hf] = (meta, transform, dim)
+            row = META_TABLE[pattern]
+            dim, shape = self._merged_shape(meta, row.split, expected.get(hf))
+            self.sources[hf] = (meta, row.transform, dim, shape)
             tensors[hf] = (self, shards[0].tensors[meta][0], shape)
         super().__init__("meta", [os.path.basename(s.path) for s in shards], tensors)
 
     def _merged_shape(self, meta: str, dims, expected) -> tuple:
         """(split dimension, merged shape): the candidate dimension that gives the expected shape, else the first."""
         shapes = [s.tensors[meta][1] for s in self.shards]
-        if dims is None:  # replicated: read() checks that the shards agree
+        if not dims:  # replicated: read() checks that the shards agree
             return None, shapes[0]
         merged = []
         for dim in dims:
@@ -181,7 +181,7 @@ class MetaWeights(HFWeights):
         return next((m for m in merged if m[1] == tuple(expected or ())), merged[0])
 
     def read(self, name: str) -> np.ndarray:
-        meta, transform, dim = self.sources[name]
+        meta, transform, dim, shape = self.sources[name]
         parts = [s.read(meta) for s in self.shards]
         if dim is None:
             if any(not np.array_equal(parts[0], p) for p in parts[1:]):
@@ -190,7 +190,7 @@ class MetaWeights(HFWeights):
         else:
             merged = np.concatenate(parts, axis=dim)
         del parts
-        return META_TRANSFORMS[transform](merged, self.cfg.head_dim)
+        return TRANSFORMS[transform][0](merged, shape, self.cfg)
 
 
 META_PARAMS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
