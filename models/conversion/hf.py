@@ -173,6 +173,13 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     return config
 
 
+def transformers_config(cfg: ModelConfig):
+    """Our model_config as a transformers config object: the config.json write_hf writes, for a model in memory."""
+    import transformers
+
+    return transformers.AutoConfig.for_model(**hf_config_from_model(cfg))
+
+
 def open_hf_weights(hf_dir: str) -> HFWeights:
     """Index the weight files of hf_dir (safetensors preferred, like transformers), reading headers only."""
     layouts = (("model.safetensors.index.json", "safetensors"), ("model.safetensors", "safetensors"),
