@@ -512,3 +512,25 @@ def test_each_format_table_has_a_row_for_every_tensor_and_a_tensor_without_one_i
     with pytest.raises(ConversionError, match=r"(?s)ckpt: model\.layers\.0\.self_attn\.q_norm\.weight: no row .*"
                                               r"HINT.*needs a row in each format's table"):
         row_for(MEGATRON_TABLE, "model.layers.0.self_attn.q_norm.weight", "ckpt")
+
+
+@pytest.mark.parametrize("ours", ["model.layers.{n}.self_attn.q_proj.weight", "model.layers.{n}.self_attn.q_proj.bias",
+                                  "model.layers.{n}.mlp.gate_proj.weight", "model.layers.{n}.self_attn.o_proj.weight"])
+def test_rank_shares_of_a_fused_tensor_join_back_and_unfuse_into_its_rows(ours):
+    """Writing (rank_share) and reading (join_ranks, the FUSE split) are one table read both ways, at TP 1, 2, 4."""
+    from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TABLE, MEGATRON_TENSORS, join_ranks,
+                                                             megatron_name, rank_share)
+
+    groups, head_dim, heads, hidden = 4, 8, 8, 64  # 2 query heads per KV group
+    rows = {"q": heads * head_dim, "k": groups * head_dim, "v": groups * head_dim, "gate": 96, "up": 96, None: hidden}
+    tensor = MEGATRON_TENSORS[megatron_name(ours)]
+    rng = np.random.default_rng(0)
+    bias = MEGATRON_TABLE[ours].ours.endswith("bias")
+    parts = [rng.standard_normal((rows[row.part],) if bias else (rows[row.part], hidden)) for row in tensor.rows]
+    whole = FUSE[tensor.fuse][0](parts, groups, head_dim) if tensor.fuse else parts[0]
+    for tp in (1, 2, 4):
+        shares = [rank_share(tensor, parts, t, tp, groups, head_dim) for t in range(tp)]
+        assert np.array_equal(join_ranks(tensor, shares, groups, head_dim), whole), tp
+    if tensor.fuse:
+        unfused = FUSE[tensor.fuse][1](whole, groups, head_dim)
+        assert all(np.array_equal(unfused[row.part], part) for row, part in zip(tensor.rows, parts))

@@ -36,11 +36,12 @@ from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.models.arithmetic import round_up
 from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.conversion.formats import CkptFile, HFWeights, SafetensorsFile
-from ascend_llm_recipes.models.conversion.megatron_files import LATEST_FILE, LegacyCheckpoint, RANK_FILE, open_megatron
+from ascend_llm_recipes.models.conversion.megatron_files import (LATEST_FILE, LegacyCheckpoint, RANK_FILE, kv_groups,
+                                                                 open_megatron)
 from ascend_llm_recipes.models.conversion.ours import FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES, OPTIMIZER_DIR
 from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TABLE, MEGATRON_TENSORS, TRANSFORMS,
-                                                         layer_names, megatron_name, present_tensors, row_for,
-                                                         tensor_plan)
+                                                         layer_names, megatron_name, present_tensors, rank_share,
+                                                         row_for, tensor_plan)
 from ascend_llm_recipes.models.conversion.verify import verify_against
 from ascend_llm_recipes.models.conversion.write import progress_bar, write_conversion, write_ours
 from ascend_llm_recipes.models.shapes import dimensions, tensor_dimensions
@@ -78,8 +79,7 @@ def model_config_from_args(args: dict, where: str, vocab_size: int = None) -> Mo
                               hint="only Llama-style Megatron models convert: RMSNorm, rotary positions, SwiGLU, "
                                    "optional q/k/v bias")
     hidden, heads = args["hidden_size"], args["num_attention_heads"]
-    groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
-    groups = groups or heads
+    groups = kv_groups(args)[0]
     tp = args["tensor_model_parallel_size"]
     if args.get("kv_channels") not in (None, hidden // heads) or hidden % heads:
         problems.append(f"kv_channels: {args.get('kv_channels')} with hidden_size {hidden} and {heads} heads is not "
@@ -135,19 +135,8 @@ class MegatronWeights(HFWeights):
             self._cache = (key, self.ckpt.merged(row.theirs[0], numbers.get("n"), self.fc1_merge))
         tensor = self._cache[1]
         if row.fuse is not None:
-            tensor = FUSE[row.fuse][1](tensor, self.cfg, self.qkv_layout)[row.part]
+            tensor = FUSE[row.fuse][1](tensor, self.cfg.kv_heads, self.cfg.head_dim, self.qkv_layout)[row.part]
         return TRANSFORMS[row.transform][0](tensor, shape, self.cfg)
-
-
-def rank_tensor(kind: str, parts: list, t: int, tp: int, cfg: ModelConfig) -> np.ndarray:
-    """What tensor-parallel rank t of tp holds of Megatron tensor `kind`, from its parts (its rows' tensors).
-
-    Each part (in Megatron's layout, table order) is split on the table's dimension and the rank's slices
-    fused, so each rank holds whole KV groups and its own [gate; up] halves, as Megatron does.
-    """
-    spec = MEGATRON_TENSORS[kind]
-    pieces = [part if spec.split is None else np.split(part, tp, spec.split)[t] for part in parts]
-    return pieces[0] if spec.fuse is None else FUSE[spec.fuse][0](pieces, cfg.kv_heads // tp, cfg.head_dim)
 
 
 def from_megatron(ckpt_dir: str, out_dir: str, iteration: int = None, vocab_size: int = None,
@@ -330,7 +319,8 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
             for n, local in layers if group is None else [(None, None)]:
                 for kind in (k for k in kinds if MEGATRON_TENSORS[k].stage == group):
                     parts = [their_tensor(row, n) for row in MEGATRON_TENSORS[kind].rows]
-                    state[layer_names(kind, local)[0]] = rank_tensor(kind, parts, t, tp, cfg)
+                    state[layer_names(kind, local)[0]] = rank_share(MEGATRON_TENSORS[kind], parts, t, tp, cfg.kv_heads,
+                                                                    cfg.head_dim)
         return state
 
     def their_tensor(row, n):

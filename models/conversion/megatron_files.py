@@ -15,7 +15,8 @@ import re
 import numpy as np
 
 from ascend_llm_recipes.common.errors import ConversionError
-from ascend_llm_recipes.models.conversion.tables import MEGATRON_TENSORS, layer_names, present_tensors
+from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TENSORS, join_ranks, layer_names,
+                                                         present_tensors, rank_share)
 
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -54,6 +55,13 @@ def iteration_dir(ckpt_dir: str, iteration: int = None) -> tuple:
     if not os.path.isdir(path):
         raise ConversionError(f"{path}: missing", hint="pass --iteration with an iteration that was saved")
     return path, iteration
+
+
+def kv_groups(args: dict) -> tuple:
+    """(KV groups, head_dim) of a Megatron model from its arguments (the fused qkv's layout)."""
+    heads = args["num_attention_heads"]
+    groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
+    return groups or heads, args["hidden_size"] // heads
 
 
 def open_megatron(ckpt_dir: str, iteration: int = None):
@@ -200,10 +208,9 @@ class LegacyCheckpoint:
                                           f"ranks 0 and {t} (replicated weights must agree)")
             return first
         shards = [self.shard(kind, layer, t) for t in range(self.tp)]
-        if spec.fuse == "gate_up" and fc1_merge == "per_rank":
-            halves = [np.split(s, 2, axis=0) for s in shards]
-            return np.concatenate([h[0] for h in halves] + [h[1] for h in halves], axis=0)
-        return np.concatenate(shards, axis=spec.split)
+        if fc1_merge == "concat":
+            return np.concatenate(shards, axis=spec.split)
+        return join_ranks(spec, shards, *kv_groups(self.args))
 
     def unknown_tensors(self, cfg) -> list:
         """Names in the rank files that no row consumes (biases other than q/k/v, MoE, ...)."""
@@ -297,10 +304,9 @@ class TorchDistCheckpoint:
         spec = MEGATRON_TENSORS[kind]
         if spec.split is None:
             return full
-        if spec.fuse == "gate_up":
-            gate, up = np.split(full, 2, axis=0)
-            return np.concatenate([np.split(gate, self.tp)[tp_rank], np.split(up, self.tp)[tp_rank]])
-        return np.split(full, self.tp, axis=spec.split)[tp_rank]
+        groups, head_dim = kv_groups(self.args)
+        parts = FUSE[spec.fuse][1](full, groups, head_dim) if spec.fuse else {None: full}
+        return rank_share(spec, [parts[row.part] for row in spec.rows], tp_rank, self.tp, groups, head_dim)
 
     def unknown_tensors(self, cfg) -> list:
         known = {n for kind in present_tensors(MEGATRON_TENSORS, cfg, keep_output=True) for n in layer_names(kind)}

@@ -30,8 +30,7 @@ class Row:
     ours: str                   # our (= HuggingFace) name template
     theirs: tuple               # the format's name templates: the first is written, every one is read
     transform: str = "identity"  # TRANSFORMS: theirs -> ours, and back
-    split: tuple = ()           # dimensions the format's parallel ranks may split (() = replicated); Meta's
-    #                             readers take the first whose merged shape matches, Megatron the first
+    split: tuple = ()           # the dimension(s) parallel ranks split, () = replicated (Meta: candidates)
     fuse: str = None            # the FUSE rule by which this and sibling rows make one tensor of theirs
     part: str = None            # this row's part of that fused tensor (q/k/v, gate/up)
     stage: str = None           # a tensor outside the layers: the pipeline stage holding it ("first", "last")
@@ -100,16 +99,15 @@ def fuse_qkv(parts: list, groups: int, head_dim: int) -> np.ndarray:
     return grouped.reshape(-1, *rest)
 
 
-def split_qkv(fused: np.ndarray, cfg: ModelConfig, layout: str = "grouped") -> dict:
-    """Megatron's fused qkv (weight or bias, rows first) -> {q, k, v} in our (= HF) row order.
+def split_qkv(fused: np.ndarray, groups: int, head_dim: int, layout: str = "grouped") -> dict:
+    """Megatron's fused qkv of `groups` KV groups (weight or bias, rows first) -> {q, k, v} in our row order.
 
     layout="separate" (all q rows, then k, then v) is the common mistake, kept so tests show --verify refuses it.
     """
-    head_dim, groups = cfg.head_dim, cfg.kv_heads
-    per_group = cfg.num_heads // groups
+    per_group = fused.shape[0] // (groups * head_dim) - 2  # query heads per KV group
     rest = fused.shape[1:]
     if layout == "separate":
-        q, k, v = np.split(fused, [cfg.num_heads * head_dim, (cfg.num_heads + groups) * head_dim])
+        q, k, v = np.split(fused, [groups * per_group * head_dim, groups * (per_group + 1) * head_dim])
         return {"q": q, "k": k, "v": v}
     # (groups x (per_group + 2) x head_dim, ...) -> (groups, per_group + 2, head_dim, ...)
     grouped = fused.reshape(groups, per_group + 2, head_dim, *rest)
@@ -118,7 +116,7 @@ def split_qkv(fused: np.ndarray, cfg: ModelConfig, layout: str = "grouped") -> d
             "v": np.ascontiguousarray(grouped[:, per_group + 1].reshape(-1, *rest))}
 
 
-def split_halves(fused: np.ndarray, cfg: ModelConfig, layout: str = "grouped") -> dict:
+def split_halves(fused: np.ndarray, groups: int, head_dim: int, layout: str = "grouped") -> dict:
     """Megatron's fc1 [gate; up] -> {gate, up}."""
     gate, up = np.split(fused, 2, axis=0)
     return {"gate": np.ascontiguousarray(gate), "up": np.ascontiguousarray(up)}
@@ -299,6 +297,26 @@ def fused_tensors(rows: dict) -> dict:
 
 
 MEGATRON_TENSORS = fused_tensors(MEGATRON_TABLE)
+
+
+def rank_share(tensor: FusedTensor, parts: list, t: int, tp: int, groups: int, head_dim: int) -> np.ndarray:
+    """What tensor-parallel rank t of tp holds of `tensor`, from its whole parts (its rows' tensors, in order).
+
+    Each part is split on the table's dimension and the rank's slices fused: so a rank holds whole KV groups
+    and its own [gate; up] halves, as Megatron's ranks do. `groups`: the KV groups of the whole tensor.
+    """
+    pieces = [part if tensor.split is None else np.split(part, tp, tensor.split)[t] for part in parts]
+    return pieces[0] if tensor.fuse is None else FUSE[tensor.fuse][0](pieces, groups // tp, head_dim)
+
+
+def join_ranks(tensor: FusedTensor, shards: list, groups: int, head_dim: int) -> np.ndarray:
+    """The whole tensor (fused over all parts) from what each tensor-parallel rank holds: rank_share's inverse."""
+    if tensor.fuse is None:
+        return np.concatenate(shards, axis=tensor.split)
+    fuse, split = FUSE[tensor.fuse]
+    local = [split(shard, groups // len(shards), head_dim) for shard in shards]
+    return fuse([np.concatenate([parts[row.part] for parts in local], axis=tensor.split) for row in tensor.rows],
+                groups, head_dim)
 
 
 def megatron_name(ours: str) -> str:
