@@ -6,11 +6,11 @@
                                  (the recipe's `model:` section) and conversion.json (the manifest)
     write_hf(CKPT, cfg, OUT_DIR)  one of our .ckpt or .safetensors files -> OUT_DIR/config.json +
                               model.safetensors for transformers (+ tokenizer.model and tokenizer_config.json
-                              when given one); training/export.py's to_hf(OURS, OUT_DIR) takes a converted
+                              when given one); training/tools/export.py's to_hf(OURS, OUT_DIR) takes a converted
                               directory, a run directory (its newest verified step) or a file and calls it
 
 How the Trainer reads OUT_DIR (recipe keys `load_checkpoint: OUT_DIR`, `load_ckpt_format:
-safetensors`): training/train.py runs MindFormers 1.9 with `use_legacy_format: True`, whose
+safetensors`): training/worker/train.py runs MindFormers 1.9 with `use_legacy_format: True`, whose
 transform_and_load_checkpoint -> load_checkpoint_with_safetensors loads every `*.safetensors` of a
 directory without `rank_N/` folders into every rank ("multi checkpoint file" mode: complete
 weights, as data parallel needs), by parameter name. Without use_legacy_format, MindFormers'
@@ -296,7 +296,7 @@ def write_hf(ckpt_path: str, cfg: ModelConfig, out_dir: str, tensor_parallel: in
     """Convert one of our checkpoint files to OUT_DIR/config.json + model.safetensors (float32).
 
     `source` is recorded in the manifest; `tokenizer` (file, its dataset manifest entry) is copied beside
-    the weights. training/export.py's to_hf finds these for a run or converted directory. Returns the manifest.
+    the weights. training/tools/export.py's to_hf finds these for a run or converted directory. Returns the manifest.
     """
     start = time.perf_counter()
     ckpt = CkptFile(ckpt_path) if ckpt_path.endswith(".ckpt") else SafetensorsFile(ckpt_path)
