@@ -1,6 +1,6 @@
 """Parameter names and shapes of models/llama.py's LlamaForCausalLM, without building it.
 
-The one description of the architecture's tensors: the converter's tensor list (models/convert.py),
+The one description of the architecture's tensors: the converter's tensor list (models/conversion/tables.py),
 the checkpoint checks against a recipe, and the parameter and FLOP counts (models/arithmetic.py,
 the planner) derive from it. `cfg` is a ModelConfig (models/config.py) or a LlamaConfig.
 """
@@ -37,9 +37,14 @@ def dimensions(cfg, tensor_parallel: int = 1) -> dict:
             "padded_vocab": padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple, tensor_parallel)}
 
 
+def tensor_flags(cfg) -> dict:
+    """{flag of TENSORS: whether cfg's model has the tensors it marks}."""
+    return {None: True, "qkv_bias": cfg.qkv_bias, "untied": not cfg.tie_word_embeddings}
+
+
 def tensor_dimensions(cfg, layers: range = None) -> list:
     """[(name pattern, name, dimension names)] of the tensors cfg's model has, in TENSORS order (all layers)."""
-    flags = {None: True, "qkv_bias": cfg.qkv_bias, "untied": not cfg.tie_word_embeddings}
+    flags = tensor_flags(cfg)
     layers = range(cfg.num_layers) if layers is None else layers
     return [(pattern, pattern.format(n=n), dims) for pattern, dims, flag in TENSORS if flags[flag]
             for n in (layers if "{n}" in pattern else (None,))]

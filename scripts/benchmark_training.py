@@ -8,7 +8,7 @@ For each shape (reference: hidden 256, 4 layers, 8 heads, MLP 688, vocabulary 81
 seq_length 256, batch 8; larger: hidden 512, 8 layers, MLP 1376, vocabulary 16384,
 seq_length 512, batch 2; demo: the demo recipe's model, vocabulary 2048) it trains our
 LlamaForCausalLM through PortableTrainOneStepCell with the recipes' optimizer, and
-transformers' LlamaForCausalLM (float32, eager; and under torch.compile when that works here)
+transformers' LlamaForCausalLM (scripts/torch_peer.py; float32, eager, and under torch.compile when it works)
 with torch.optim.AdamW and the same hyper-parameters, alternating their steps in this one
 process, and prints steady-state tokens/s, the ratio,
 MFU against a float32 GEMM peak measured between the steps, and our compile time. tokens/s
@@ -53,6 +53,7 @@ import numpy as np
 
 from ascend_llm_recipes.models.arithmetic import flops_per_token
 from ascend_llm_recipes.training.run_files import METRICS, RESOLVED_RECIPE, SUMMARY
+from torch_peer import GemmPeak, TorchGemm, TorchTrainer  # scripts/ is on sys.path when a script in it runs
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Importing MindFormers creates ./output/log unless told where to log (it is imported lazily, below).
@@ -162,143 +163,6 @@ class MindSporeTrainer:
     def step(self, batch: np.ndarray) -> float:
         outputs = self.step_cell(self.ms.Tensor(batch))
         return float(outputs[0].asnumpy())
-
-
-class TorchTrainer:
-    """transformers' LlamaForCausalLM, float32, eager (or torch.compile), torch.optim.AdamW.
-
-    Same hyper-parameters as the recipe: AdamW betas/eps/weight decay (none on 1-D
-    parameters, as MindFormers groups them), gradient clipping at max_grad_norm, the
-    same cosine-with-warm-up LR, pad labels excluded from the loss.
-    """
-
-    def __init__(self, recipe, compile_model: bool = False):
-        import torch
-        from transformers import LlamaConfig as HFConfig, LlamaForCausalLM as HFLlama
-
-        m = recipe.model.model_config
-        torch.manual_seed(recipe.seed)
-        self.name = "torch.compile" if compile_model else "pytorch"
-        config = HFConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                          num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-                          num_key_value_heads=m.num_kv_heads or m.num_heads, max_position_embeddings=m.seq_length,
-                          rms_norm_eps=m.rms_norm_eps, rope_theta=m.rope_theta,
-                          tie_word_embeddings=m.tie_word_embeddings, initializer_range=m.initializer_range)
-        self.model = HFLlama(config).float().train()
-        decay = [p for p in self.model.parameters() if p.ndim > 1]
-        no_decay = [p for p in self.model.parameters() if p.ndim <= 1]
-        opt = recipe.optimizer
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},
-                                            {"params": no_decay, "weight_decay": 0.0}],
-                                           lr=recipe.lr_schedule.learning_rate, betas=tuple(opt.betas), eps=opt.eps)
-        self.max_grad_norm = recipe.runner_wrapper.max_grad_norm
-        self.pad_id = m.pad_token_id
-        self.vocab = m.vocab_size
-        self.lr = cosine_with_warmup(recipe)
-        self.steps = 0
-        self.forward = torch.compile(self.model) if compile_model else self.model
-        self.torch = torch
-
-    def step(self, batch: np.ndarray) -> float:
-        torch = self.torch
-        ids = torch.from_numpy(batch).long()
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr(self.steps)
-        logits = self.forward(input_ids=ids[:, :-1].clamp(min=0)).logits  # -1 padding (no pad token): masked below
-        # The labels name the step's sections in scripts/profile_step.py's profile (free when not profiling).
-        with torch.profiler.record_function("step:loss"):
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab), ids[:, 1:].reshape(-1),
-                                                     ignore_index=self.pad_id)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        with torch.profiler.record_function("step:clip_grad_norm"):
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
-        self.steps += 1
-        return float(loss.detach())
-
-
-def cosine_with_warmup(recipe):
-    """The recipe's CosineWithWarmUpLR as a function of the step (for the PyTorch side)."""
-    s = recipe.lr_schedule
-    total = s.total_steps if s.total_steps > 0 else recipe.runner_config.stop_step
-    warmup = s.warmup_steps if s.warmup_steps else int(total * (s.warmup_ratio or 0.0))
-
-    def lr(step: int) -> float:
-        if step < warmup:
-            return s.learning_rate * (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return s.lr_end + 0.5 * (s.learning_rate - s.lr_end) * (1 + np.cos(np.pi * progress))
-
-    return lr
-
-
-class GemmPeak:
-    """float32 GEMM FLOP/s of each framework, measured between training steps.
-
-    The MindSpore figure is training/worker/metrics.py's measurement (the MFU denominator used by
-    our runs); measuring it between steps puts it under the same machine load as the steps.
-    """
-
-    def __init__(self):
-        import torch
-        from ascend_llm_recipes.training.worker.metrics import GEMM_SIZE
-
-        self.size = GEMM_SIZE
-        self.a = torch.randn(GEMM_SIZE, GEMM_SIZE)
-        self.b = torch.randn(GEMM_SIZE, GEMM_SIZE)
-        self.torch = torch
-        self.samples = {"mindspore": [], "torch": []}
-
-    def measure(self, repeats: int = 3) -> None:
-        from ascend_llm_recipes.training.worker.metrics import measure_cpu_peak_flops
-
-        self.samples["mindspore"].append(measure_cpu_peak_flops(self.size, repeats))
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            self.torch.matmul(self.a, self.b)
-            best = min(best, time.perf_counter() - start)
-        self.samples["torch"].append(2.0 * self.size ** 3 / best)
-
-    def median(self, framework: str) -> float:
-        return statistics.median(self.samples[framework])
-
-
-class TorchGemm:
-    """One GEMM form as PyTorch runs it: torch.matmul on transposed views, as F.linear and autograd do.
-
-    F.linear(x, W) is mm(x, W.t()); its backward is mm(dY, W) and mm(dY.t(), X) (mm_mat1/mm_mat2_backward);
-    attention's matmuls and their backward are bmm on transposed views. Same operands and repetitions per
-    call as training/worker/metrics.py MindSporeGemm, for a like-for-like comparison.
-    """
-
-    def __init__(self, gemm, unroll: int = None):
-        import torch
-        from ascend_llm_recipes.training.worker.metrics import gemm_operands, gemm_unroll
-
-        self.unroll = unroll or gemm_unroll(gemm)
-        a_copies, b = gemm_operands(gemm, self.unroll)
-
-        def stored(x, transposed):
-            t = torch.from_numpy(x)
-            return t.transpose(-1, -2) if transposed else t
-
-        self.a_copies = [stored(a, gemm.transpose_a) for a in a_copies]
-        self.b = stored(b, gemm.transpose_b)
-        self.torch = torch
-        self.seconds()  # first-call allocations
-
-    def seconds(self, repeats: int = 1) -> float:
-        """Best time of one GEMM over `repeats` calls of `unroll` GEMMs."""
-        best = float("inf")
-        with self.torch.no_grad():
-            for _ in range(repeats):
-                start = time.perf_counter()
-                for a in self.a_copies:
-                    self.torch.matmul(a, self.b)
-                best = min(best, time.perf_counter() - start)
-        return best / self.unroll
 
 
 def gemm_yardstick(recipe, shape: Shape):

@@ -12,7 +12,7 @@ transformers before anything is written.
 resume would take) or a .ckpt / .safetensors file, and writes config.json + model.safetensors
 (plus the run's tokenizer when its dataset names one).
 --from-megatron and --from-torch write the same converted directory as --from-hf; --to-megatron writes
-Megatron-LM legacy files, mp_rank_TT[_PPP]/model_optim_rng.pt (models/megatron.py).
+Megatron-LM legacy files, mp_rank_TT[_PPP]/model_optim_rng.pt (models/conversion/megatron.py).
 Exit codes: 0 converted, 2 bad input (the message says what to fix), 1 internal error, 130 interrupted.
 """
 
@@ -20,7 +20,8 @@ import argparse
 import sys
 import traceback
 
-from ascend_llm_recipes.models.convert import from_hf, summary
+from ascend_llm_recipes.models.conversion.hf import from_hf
+from ascend_llm_recipes.models.conversion.write import summary
 from ascend_llm_recipes.training.tools.export import to_hf
 from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.training.launcher.preflight import check_writable_dir
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
                         help="--to-hf: recipe or model_config.yaml, when not found beside the checkpoint; "
                              "--from-torch: config.json, Meta's params.json, model_config.yaml or recipe")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    # Megatron-LM and plain PyTorch files (models/megatron.py, through training/tools/export.py)
+    # Megatron-LM and plain PyTorch files (models/conversion/megatron.py, torch_state.py; training/tools/export.py)
     direction.add_argument("--from-megatron", metavar="CKPT_DIR",
                            help="Megatron-LM save directory (latest_checkpointed_iteration.txt) or iter_NNNNNNN "
                                 "directory, legacy or torch_dist, any TP/PP")

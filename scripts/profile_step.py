@@ -38,6 +38,7 @@ import time
 from collections import defaultdict
 
 import benchmark_training as bench  # scripts/ is on sys.path when a script in it runs
+import torch_peer
 
 GEMM = "GEMM"
 LOSS = "loss"
@@ -89,7 +90,7 @@ MINDSPORE_EXPANDED_RULES = ((ACTIVATION, "forward", r"^Expand/_SiLU/"), (ACTIVAT
 # PyTorch: (class, pattern on the op name or None, pattern on the scope or None). The scope is the phase and
 # the module that ran the op ("forward/model.layers.0.mlp"); a backward op gets the scope of the forward op
 # that recorded its autograd node, so "backward/model.layers.0.self_attn" is the attention's gradient. The
-# step's own sections (loss, clip_grad_norm, optimizer) are labelled by benchmark_training.TorchTrainer.
+# step's own sections (loss, clip_grad_norm, optimizer) are labelled by torch_peer.TorchTrainer.
 TORCH_RULES = (
     (GEMM, r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|addmv)$|(^|: )(Mm|Addmm|Bmm|Baddbmm)Backward", None),
     (ATTENTION, r"scaled_dot_product|flash_attention|softmax", r"self_attn"),
@@ -251,24 +252,6 @@ class MindSporeSide:
         return summarize(mindspore_table(self.prof_dir, len(self.walls)), self.walls, profiler_total_s=profiler_total)
 
 
-def module_scopes(model, torch) -> list:
-    """Hooks that label each module's forward with its name ("module:model.layers.0.mlp") in the profile."""
-    handles = []
-    for name, module in model.named_modules():
-        if not name:
-            continue
-
-        def enter(_module, _inputs, label=f"module:{name}"):
-            _module._profile_scope = torch.profiler.record_function(label)
-            _module._profile_scope.__enter__()
-
-        def leave(_module, _inputs, _output):
-            _module._profile_scope.__exit__(None, None, None)
-
-        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
-    return handles
-
-
 def torch_scope(event, forward_scopes: dict) -> str:
     """'phase/innermost label' of a PyTorch profiler event (labels: module hooks and the step's sections)."""
     node, backward_seq = event, None
@@ -338,11 +321,11 @@ class TorchSide:
         import torch
 
         self.torch = torch
-        self.trainer = bench.TorchTrainer(recipe)
+        self.trainer = torch_peer.TorchTrainer(recipe)
         self.walls = []
 
     def start(self) -> None:
-        self.handles = module_scopes(self.trainer.model, self.torch)
+        self.handles = torch_peer.module_scopes(self.trainer.model, self.torch)
         self.prof = self.torch.profiler.profile(activities=[self.torch.profiler.ProfilerActivity.CPU])
         self.prof.__enter__()
 

@@ -62,10 +62,16 @@ def pytest_collection_modifyitems(items):
 
 
 def load_script(name: str):
-    """scripts/NAME.py as a module (scripts/ is not a package), to call its main() in the test process."""
+    """scripts/NAME.py as a module (scripts/ is not a package), to call its main() in the test process.
+
+    scripts/ goes on sys.path (last, shadowing nothing), as it is first when a script in it runs: the scripts
+    import their shared modules (torch_peer, benchmark_training) by name.
+    """
     import importlib.util
     import sys
 
+    if os.path.join(REPO_ROOT, "scripts") not in sys.path:
+        sys.path.append(os.path.join(REPO_ROOT, "scripts"))
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, "scripts", f"{name}.py"))
         module = importlib.util.module_from_spec(spec)

@@ -49,7 +49,7 @@ def test_count_matches_real_cells(fields):
 def test_shapes_converter_plan_and_counts_agree_with_the_cell(fields):
     """models/shapes.py is the architecture: the real Cell's parameters, the converter's plan and the counts."""
     from ascend_llm_recipes.models.config import ModelConfig
-    from ascend_llm_recipes.models.convert import tensor_plan
+    from ascend_llm_recipes.models.conversion.tables import tensor_plan
     from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
     from ascend_llm_recipes.models.shapes import parameter_shapes
 

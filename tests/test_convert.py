@@ -24,8 +24,10 @@ from conftest import TINY_RECIPE, load_script
 from ascend_llm_recipes.common.errors import ConversionError, LaunchError
 from ascend_llm_recipes.data.mindrecord_io import read_manifest, read_samples
 from ascend_llm_recipes.data.prepare import prepare_dataset
-from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, HF_WEIGHTS_FILE, KL_TOLERANCE, MODEL_SECTION_FILE,
-                                               from_hf, summary, verify_logits)
+from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, HF_WEIGHTS_FILE, MODEL_SECTION_FILE
+from ascend_llm_recipes.models.conversion.verify import KL_TOLERANCE, verify_logits
+from ascend_llm_recipes.models.conversion.hf import from_hf
+from ascend_llm_recipes.models.conversion.write import summary
 from ascend_llm_recipes.training.checkpoint import MANIFEST, STATE, read_json, step_dir, write_rank
 from ascend_llm_recipes.training.launcher.datasets import check_load_checkpoint
 from ascend_llm_recipes.training.tools.export import to_hf
@@ -535,7 +537,7 @@ def test_non_finite_hf_weights_are_refused(tmp_path):
 WRITER_DRILL = """
 import sys
 import numpy as np
-from ascend_llm_recipes.models.checkpoint_io import SafetensorsWriter
+from ascend_llm_recipes.models.conversion.formats import SafetensorsWriter
 from ascend_llm_recipes.common.errors import ConversionError
 
 writer = SafetensorsWriter(sys.argv[1], {"a": (2, 3), "b": (4,)}, metadata={})
@@ -548,7 +550,7 @@ except ConversionError as err:
 
 def test_safetensors_writer_refuses_what_its_header_does_not_announce_even_under_python_O(tmp_path):
     """The header is written first: a tensor of another shape, name or dtype, or a missing one, would make it lie."""
-    from ascend_llm_recipes.models.checkpoint_io import SafetensorsFile, SafetensorsWriter
+    from ascend_llm_recipes.models.conversion.formats import SafetensorsFile, SafetensorsWriter
 
     path = tmp_path / "w.safetensors"
     run = subprocess.run([sys.executable, "-O", "-c", WRITER_DRILL, str(path)], capture_output=True, text=True)

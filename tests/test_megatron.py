@@ -5,6 +5,7 @@ own GPTModel at TP1 (tied embeddings), TP2 (q/k/v bias) and TP2xPP2 with grouped
 legacy and torch_dist formats, with megatron-core's forward logits on fixed tokens.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -19,8 +20,8 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, TINY_RECIPE, load_script
-from ascend_llm_recipes.models.convert import HF_WEIGHTS_FILE, MODEL_SECTION_FILE
-from ascend_llm_recipes.models.megatron import from_megatron
+from ascend_llm_recipes.models.conversion.ours import HF_WEIGHTS_FILE, MODEL_SECTION_FILE
+from ascend_llm_recipes.models.conversion.megatron import from_megatron
 from test_convert import assert_nothing_written, make_hf_model
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.training.tools.export import from_torch, to_megatron, write_recipe, to_hf
@@ -244,12 +245,12 @@ def test_meta_layout_converts_by_itself_with_transformers_logits(tmp_path, shard
 
 def test_meta_layout_verify_catches_unpermuted_rotary_rows(tmp_path, monkeypatch):
     """What the README's old --key-map example did (q/k copied in Meta's order) fails --verify."""
-    from ascend_llm_recipes.models import torch_state
+    from ascend_llm_recipes.models.conversion import tables
 
     write_meta_checkpoint(bf16_hf_model(tmp_path / "hf"), tmp_path / "meta", 2)
     for hf_name in ("model.layers.{n}.self_attn.q_proj.weight", "model.layers.{n}.self_attn.k_proj.weight"):
-        meta, _, split = torch_state.META_LAYOUT[hf_name]
-        monkeypatch.setitem(torch_state.META_LAYOUT, hf_name, (meta, "identity", split))
+        unpermuted = dataclasses.replace(tables.META_TABLE[hf_name], transform="identity")
+        monkeypatch.setitem(tables.META_TABLE, hf_name, unpermuted)
     with pytest.raises(ConversionError, match="converted logits differ from a pure-torch forward after Meta's"):
         from_torch(str(tmp_path / "meta" / "consolidated.00.pth"), str(tmp_path / "out"),
                    str(tmp_path / "meta" / "params.json"), seq_length=64, verify=True, show_progress=False)
@@ -319,7 +320,7 @@ def test_to_megatron_numeric_arguments_are_refused_by_name(tmp_path, capsys, arg
 def test_to_megatron_refuses_layouts_and_iterations_it_cannot_write(tmp_path):
     """Called as a library too: no ZeroDivisionError, no iter_-000005 that --from-megatron would refuse."""
     make_hf_model(tmp_path / "hf")  # 4 heads, 2 KV heads, 2 layers
-    from ascend_llm_recipes.models.convert import from_hf
+    from ascend_llm_recipes.models.conversion.hf import from_hf
     from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), show_progress=False)
     for kwargs, message in ((dict(tp=0), "--tp 0: must be a positive integer"),
                             (dict(pp=-1), "--pp -1: must be a positive integer"),
@@ -410,7 +411,9 @@ def test_converted_fixture_trains_and_exports(tmp_path, megatron_dir, tiny_datas
 
 def test_adam_moments_of_legacy_files_are_carried_over(tmp_path, megatron_dir):
     """Each rank's moments, found by index in optimizer.state_dict(), are the live optimizer's for that parameter."""
-    from ascend_llm_recipes.models.megatron import MOMENT_FILES, open_megatron
+    from ascend_llm_recipes.models.conversion.ours import MOMENT_FILES
+    from ascend_llm_recipes.models.conversion.megatron_files import open_megatron
+    from ascend_llm_recipes.models.conversion.tables import MEGATRON_TENSORS
 
     manifest = from_megatron(str(megatron_dir / "tp2pp2" / "legacy"), str(tmp_path / "ours"), show_progress=False)
     assert manifest["optimizer"]["carried"] and manifest["optimizer"]["global_step"] == 2  # steps taken, not 40
@@ -420,7 +423,8 @@ def test_adam_moments_of_legacy_files_are_carried_over(tmp_path, megatron_dir):
             truth = torch.load(megatron_dir / "tp2pp2" / f"moments_{t:02d}_{p:03d}.pt")
             for index, key in enumerate(MOMENT_FILES.values()):
                 view = ckpt.moments(key)
-                for kind in ("qkv", "fc1", "proj", "fc2", "input_norm"):
+                for ours in ("q_proj", "gate_proj", "o_proj", "down_proj", "input_layernorm"):
+                    kind = next(k for k, tensor in MEGATRON_TENSORS.items() if ours in tensor.rows[0].ours)
                     stage, name = view.find(kind, 2 * p)
                     assert torch.equal(torch.from_numpy(view.shard(kind, 2 * p, t)), truth[name][index]), name
     moments = load_file(str(tmp_path / "ours" / "optimizer" / "adam_m.safetensors"))
@@ -493,3 +497,40 @@ def test_continued_lr_schedule_equals_megatrons(tmp_path, megatron_dir, style, i
             assert float(schedule(ms.Tensor(step, ms.int32)).asnumpy()) == pytest.approx(expected, rel=1e-5,
                                                                                          abs=1e-9), step
         megatron.step(increment=batch)
+
+
+def test_each_format_table_has_a_row_for_every_tensor_and_a_tensor_without_one_is_named():
+    """A tensor added to models/shapes.py must get a row in each format's table: the tables are the whole mapping."""
+    from ascend_llm_recipes.models.conversion.tables import HF_TABLE, MEGATRON_TABLE, META_TABLE, row_for
+    from ascend_llm_recipes.models.shapes import TENSORS
+
+    ours = {pattern for pattern, _, _ in TENSORS}
+    assert set(HF_TABLE) == ours and set(MEGATRON_TABLE) == ours
+    assert set(META_TABLE) == {pattern for pattern, _, flag in TENSORS if flag != "qkv_bias"}  # Meta's Llama: no bias
+    row, numbers = row_for(MEGATRON_TABLE, "model.layers.3.self_attn.k_proj.bias", "ckpt")
+    assert (row.theirs[0], row.part, numbers) == ("decoder.layers.{n}.self_attention.linear_qkv.bias", "k", {"n": 3})
+    with pytest.raises(ConversionError, match=r"(?s)ckpt: model\.layers\.0\.self_attn\.q_norm\.weight: no row .*"
+                                              r"HINT.*needs a row in each format's table"):
+        row_for(MEGATRON_TABLE, "model.layers.0.self_attn.q_norm.weight", "ckpt")
+
+
+@pytest.mark.parametrize("ours", ["model.layers.{n}.self_attn.q_proj.weight", "model.layers.{n}.self_attn.q_proj.bias",
+                                  "model.layers.{n}.mlp.gate_proj.weight", "model.layers.{n}.self_attn.o_proj.weight"])
+def test_rank_shares_of_a_fused_tensor_join_back_and_unfuse_into_its_rows(ours):
+    """Writing (rank_share) and reading (join_ranks, the FUSE split) are one table read both ways, at TP 1, 2, 4."""
+    from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TABLE, MEGATRON_TENSORS, join_ranks,
+                                                             megatron_name, rank_share)
+
+    groups, head_dim, heads, hidden = 4, 8, 8, 64  # 2 query heads per KV group
+    rows = {"q": heads * head_dim, "k": groups * head_dim, "v": groups * head_dim, "gate": 96, "up": 96, None: hidden}
+    tensor = MEGATRON_TENSORS[megatron_name(ours)]
+    rng = np.random.default_rng(0)
+    bias = MEGATRON_TABLE[ours].ours.endswith("bias")
+    parts = [rng.standard_normal((rows[row.part],) if bias else (rows[row.part], hidden)) for row in tensor.rows]
+    whole = FUSE[tensor.fuse][0](parts, groups, head_dim) if tensor.fuse else parts[0]
+    for tp in (1, 2, 4):
+        shares = [rank_share(tensor, parts, t, tp, groups, head_dim) for t in range(tp)]
+        assert np.array_equal(join_ranks(tensor, shares, groups, head_dim), whole), tp
+    if tensor.fuse:
+        unfused = FUSE[tensor.fuse][1](whole, groups, head_dim)
+        assert all(np.array_equal(unfused[row.part], part) for row, part in zip(tensor.rows, parts))

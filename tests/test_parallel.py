@@ -11,7 +11,7 @@ ROW = ("o_proj", "down_proj")
 
 
 def semi_auto_model(config: LlamaConfig, layout=None) -> LlamaForCausalLM:
-    """The model as semi-auto parallel builds it (the loss splits the vocabulary; models/llama.py
+    """The model as semi-auto parallel builds it (the loss splits the vocabulary; models/loss.py
     loss_splits_vocabulary), the context set back to stand-alone for CPU."""
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
     try:

@@ -47,7 +47,7 @@ def test_known_operators_fall_in_their_classes(profiled):
     assert families[("Expand/_SiLUGrad/Sigmoid", "backward")] == profile.ACTIVATION
     ms = result["frameworks"]["mindspore"]
     assert 0 < ms["inherited_per_step_s"] < ms["op_per_step_s"]
-    # The stand-alone loss is the fused kernel (models/llama.py WholeVocabularyCrossEntropy), forward and backward.
+    # The stand-alone loss is the fused kernel (models/loss.py WholeVocabularyCrossEntropy), forward and backward.
     assert any(cls == profile.LOSS and "fused_loss-WholeVocabularyCrossEntropy" in name and phase == "backward"
                for (name, phase), cls in families.items())
     assert any(cls == profile.ATTENTION and name.startswith("Expand/_SoftmaxBackward/") and phase == "backward"

@@ -135,7 +135,7 @@ def check_load_checkpoint(recipe: Recipe) -> None:
     The architecture the checkpoint recorded (a conversion's model_config.yaml, a run's recipe.yaml)
     must equal the recipe's, key by key, and every parameter must be in the checkpoint.
     """
-    from ascend_llm_recipes.models.convert import architecture_differences
+    from ascend_llm_recipes.models.conversion.ours import architecture_differences
     from ascend_llm_recipes.training.tools.export import read_model_section, recorded_model_section
     from ascend_llm_recipes.training.worker.train import check_checkpoint_parameters
 

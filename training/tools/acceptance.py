@@ -261,7 +261,7 @@ def hf_export_result(hf_dir: str, code=0, tokens: int = 32) -> dict:
     conversion read (conversion.json names it; for a TP/PP run, the shards merged with the strategy files)."""
     import mindspore as ms
     import numpy as np
-    from ascend_llm_recipes.models.convert import KL_TOLERANCE, compare_logits, reference_logits
+    from ascend_llm_recipes.models.conversion.verify import KL_TOLERANCE, compare_logits, reference_logits
     from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
     from ascend_llm_recipes.training.tools.export import read_model_section
     from ascend_llm_recipes.training.run_files import MERGED_DIR

@@ -1,6 +1,6 @@
 """Exports that start from a training run: a run or converted directory, a recipe, a recipe to write.
 
-models/convert.py and models/megatron.py convert checkpoint files for a given ModelConfig and know
+models/conversion/ (hf.py, megatron.py, torch_state.py) converts checkpoint files for a given ModelConfig and know
 nothing of runs or recipes; this module resolves what a user names (a run directory's newest
 verified step and its recorded recipe, a recipe given as --model-config, the run dataset's
 tokenizer) into those plain values, and writes recipes that continue a converted run
@@ -18,11 +18,12 @@ from ascend_llm_recipes.common.errors import ConversionError, PretrainError
 from ascend_llm_recipes.common.files import file_sha256
 from ascend_llm_recipes.common.schema import to_plain
 from ascend_llm_recipes.models.config import ModelConfig
-from ascend_llm_recipes.models.convert import (CHECKPOINT_FILE, MODEL_SECTION_FILE,
-                                               model_section, read_model_yaml, write_hf)
-from ascend_llm_recipes.models.megatron import OPTIMIZER_DIR, _source_manifest, from_megatron
-from ascend_llm_recipes.models.megatron import to_megatron as _to_megatron
-from ascend_llm_recipes.models.torch_state import from_torch as _from_torch
+from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, MODEL_SECTION_FILE, OPTIMIZER_DIR,
+                                                       model_section, read_model_yaml)
+from ascend_llm_recipes.models.conversion.hf import write_hf
+from ascend_llm_recipes.models.conversion.megatron import from_megatron, source_manifest
+from ascend_llm_recipes.models.conversion.megatron import to_megatron as _to_megatron
+from ascend_llm_recipes.models.conversion.torch_state import from_torch as _from_torch
 from ascend_llm_recipes.training.run_files import CHECKPOINTS
 from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE as RUN_RECIPE
@@ -218,7 +219,7 @@ def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir
 
     converted_dir = os.path.abspath(converted_dir)
     cfg, _ = read_model_section(os.path.join(converted_dir, MODEL_SECTION_FILE))
-    source = _source_manifest(converted_dir).get("source", {})
+    source = source_manifest(converted_dir).get("source", {})
     args = source.get("megatron_args") or {}
     model_config = {k: v for k, v in to_plain(cfg).items() if k not in ("compute_dtype", "param_dtype")}
     data = {"base": os.path.relpath(ASCEND_BASE, os.path.dirname(os.path.abspath(path))),
@@ -229,7 +230,7 @@ def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir
     notes = [f"weights: {converted_dir} ({source.get('format', 'converted')})"]
     if args:
         notes += _continue_megatron_run(data, args, source.get("iteration", 0), devices, cfg, converted_dir,
-                                        _source_manifest(converted_dir).get("optimizer") or {})
+                                        source_manifest(converted_dir).get("optimizer") or {})
     else:
         data["runner_config"] = {"batch_size": 1}
         data["parallel_config"] = {"data_parallel": devices or 1}
@@ -317,7 +318,8 @@ def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int,
 
 def run_cli(parser, args) -> int:
     """scripts/convert_checkpoint.py for --from-megatron, --from-torch, --to-megatron and --write-recipe."""
-    from ascend_llm_recipes.models.convert import from_hf, summary
+    from ascend_llm_recipes.models.conversion.hf import from_hf
+    from ascend_llm_recipes.models.conversion.write import summary
 
     if args.key_map and not args.from_torch:
         parser.error("--key-map applies to --from-torch")

@@ -112,7 +112,7 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
     then train from their random initialisation (e.g. lm_head of a tied-embedding checkpoint
     loaded into an untied model); weights it does not use are dropped without a word.
     """
-    from ascend_llm_recipes.models.checkpoint_io import tensor_layouts
+    from ascend_llm_recipes.models.conversion.formats import tensor_layouts
     from ascend_llm_recipes.models.shapes import parameter_shapes
     from ascend_llm_recipes.common.errors import ConversionError
     from ascend_llm_recipes.training.checkpoint import RankShapes, held_note, rank_shapes

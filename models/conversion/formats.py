@@ -15,10 +15,12 @@ the whole `.ckpt` at once. The formats are simple enough to read by offset with 
 import json
 import os
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 
 from ascend_llm_recipes.common.errors import ConversionError
+
 
 # safetensors dtype codes this converter reads as weights; all are widened to float32 exactly.
 SAFETENSORS_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
@@ -325,3 +327,15 @@ def tensor_layouts(path: str) -> dict:
     codes = {name: CKPT_DTYPES.get(info[0]) if path.endswith(".ckpt") else info[0]
              for name, info in reader.tensors.items()}
     return {name: (tuple(info[1]), SAFETENSORS_SIZES.get(codes[name])) for name, info in reader.tensors.items()}
+
+
+@dataclass
+class HFWeights:
+    """Where each tensor of a HuggingFace directory lives: name -> (reader, dtype code, shape)."""
+
+    format: str
+    files: list
+    tensors: dict
+
+    def read(self, name: str) -> np.ndarray:
+        return self.tensors[name][0].read(name)

@@ -4,11 +4,11 @@
                                              recipe says which model), names a --key-map renames, or
                                              Meta's original layout: consolidated.NN.pth + params.json
 
-Output is what models/convert.py's --from-hf writes, through megatron.py's write_conversion: the
+Output is what hf.py's from_hf writes, through write.py's write_ours and write_conversion: the
 tensors are presented under HuggingFace names and everything downstream is shared.
 
 Meta's layout (the original Llama releases, facebookresearch/llama model.py; torchtitan saves the
-same names) is recognised by its tensor names and converted by one table, META_LAYOUT: each HF
+same names) is recognised by its tensor names and converted by one table, tables.META_TABLE: each HF
 tensor's Meta name, the transform from Meta's values to HF's, and the dimension Meta's
 model-parallel shards split (fairscale ColumnParallelLinear rows, RowParallelLinear columns,
 ParallelEmbedding the hidden dimension in Llama 1/2, VocabParallelEmbedding the rows in Llama 3;
@@ -29,12 +29,16 @@ import numpy as np
 import yaml
 
 from ascend_llm_recipes.common.errors import ConversionError
-from ascend_llm_recipes.models.checkpoint_io import SafetensorsWriter, TorchBinFile
 from ascend_llm_recipes.models.config import ModelConfig
-from ascend_llm_recipes.models.convert import (DEFAULT_MAX_SEQ_LENGTH, HF_WEIGHTS_FILE, NO_TOKEN, TIED_HEAD,
-                                               HFWeights, check_tensors, hf_config_from_model, model_config_from_hf,
-                                               reference_logits, tensor_plan, verify_against)
-from ascend_llm_recipes.models.megatron import write_conversion
+from ascend_llm_recipes.models.conversion.formats import HFWeights, SafetensorsWriter, TorchBinFile
+from ascend_llm_recipes.models.conversion.hf import (DEFAULT_MAX_SEQ_LENGTH, NO_TOKEN, hf_config_from_model,
+                                                     model_config_from_hf)
+from ascend_llm_recipes.models.conversion.ours import HF_WEIGHTS_FILE
+from ascend_llm_recipes.models.conversion.tables import (META_TABLE, TIED_HEAD, TRANSFORMS, check_tensors, tensor_plan,
+                                                         template_of)
+from ascend_llm_recipes.models.conversion.verify import reference_logits, verify_against
+from ascend_llm_recipes.models.conversion.write import write_ours
+
 
 STATE_DICT_KEYS = ("model", "model_state_dict", "state_dict", "module")
 
@@ -49,8 +53,6 @@ class TorchStateFile(TorchBinFile):
                 return state[key]
         return state
 
-
-# --- Key maps -----------------------------------------------------------------------------------
 
 KEY_MAP_FORMAT = "`their name pattern: HF name pattern` ({n} = a layer number, {name} = any text; null = ignore)"
 
@@ -118,37 +120,7 @@ def apply_key_map(names, rules: list, where: str) -> tuple:
     return mapped, ignored
 
 
-# --- Meta's layout ------------------------------------------------------------------------------
-
-def interleaved_to_half(x: np.ndarray, head_dim: int) -> np.ndarray:
-    """q/k rows of each head from Meta's rotary order (pairs 2i, 2i+1) to HF's (i, i + head_dim/2).
-
-    transformers' convert_llama_weights_to_hf.py `permute`: (heads, head_dim/2, 2, in) -> (heads, 2, head_dim/2, in).
-    """
-    rows, cols = x.shape
-    return np.ascontiguousarray(x.reshape(rows // head_dim, head_dim // 2, 2, cols).transpose(0, 2, 1, 3)
-                                .reshape(rows, cols))
-
-
-META_TRANSFORMS = {"identity": lambda x, head_dim: x, "interleaved_to_half": interleaved_to_half}
-VOCAB_OR_HIDDEN = (1, 0)  # tok_embeddings: Llama 1/2 shard the hidden dimension, Llama 3 the vocabulary
-
-# HF name: (Meta's name, transform Meta -> HF, the dimension model-parallel shards split; None = replicated)
-META_LAYOUT = {
-    "model.embed_tokens.weight": ("tok_embeddings.weight", "identity", VOCAB_OR_HIDDEN),
-    "model.layers.{n}.input_layernorm.weight": ("layers.{n}.attention_norm.weight", "identity", None),
-    "model.layers.{n}.self_attn.q_proj.weight": ("layers.{n}.attention.wq.weight", "interleaved_to_half", (0,)),
-    "model.layers.{n}.self_attn.k_proj.weight": ("layers.{n}.attention.wk.weight", "interleaved_to_half", (0,)),
-    "model.layers.{n}.self_attn.v_proj.weight": ("layers.{n}.attention.wv.weight", "identity", (0,)),
-    "model.layers.{n}.self_attn.o_proj.weight": ("layers.{n}.attention.wo.weight", "identity", (1,)),
-    "model.layers.{n}.post_attention_layernorm.weight": ("layers.{n}.ffn_norm.weight", "identity", None),
-    "model.layers.{n}.mlp.gate_proj.weight": ("layers.{n}.feed_forward.w1.weight", "identity", (0,)),
-    "model.layers.{n}.mlp.down_proj.weight": ("layers.{n}.feed_forward.w2.weight", "identity", (1,)),
-    "model.layers.{n}.mlp.up_proj.weight": ("layers.{n}.feed_forward.w3.weight", "identity", (0,)),
-    "model.norm.weight": ("norm.weight", "identity", None),
-    "lm_head.weight": ("output.weight", "identity", (0,)),
-}
-META_RULES = [(_pattern_regex(meta), hf, meta) for hf, (meta, _, _) in META_LAYOUT.items()] + \
+META_RULES = [(_pattern_regex(row.theirs[0]), row.ours, row.theirs[0]) for row in META_TABLE.values()] + \
     [(re.compile(r"rope\.freqs\Z"), None, "rope.freqs")]  # Llama 1's rotary table, recomputed from rope_theta
 META_SHARD = re.compile(r"consolidated\.(\d+)\.pth")
 
@@ -178,28 +150,28 @@ def shard_files(path: str) -> list:
 
 
 class MetaWeights(HFWeights):
-    """Meta's model-parallel shards seen as HuggingFace-named, merged and permuted tensors (META_LAYOUT)."""
+    """Meta's model-parallel shards seen as HuggingFace-named, merged and permuted tensors (tables.META_TABLE)."""
 
     def __init__(self, shards: list, cfg: ModelConfig, mapped: dict):
         self.shards, self.cfg = shards, cfg
-        self.sources = {}  # HF name -> (Meta name, transform, split dimension or None)
+        self.sources = {}  # HF name -> (Meta name, transform, split dimension or None, shape)
         expected = {p.hf: p.hf_shape for p in tensor_plan(cfg)}
         tensors = {}
         for hf, meta in mapped.items():
-            pattern = re.sub(r"\.layers\.\d+\.", ".layers.{n}.", hf)
-            if pattern not in META_LAYOUT:  # not one of Meta's names: check_tensors reports it as unknown
+            pattern = template_of(hf)[0]
+            if pattern not in META_TABLE:  # not one of Meta's names: check_tensors reports it as unknown
                 tensors[hf] = (self, shards[0].tensors[meta][0], shards[0].tensors[meta][1])
                 continue
-            _, transform, dims = META_LAYOUT[pattern]
-            dim, shape = self._merged_shape(meta, dims, expected.get(hf))
-            self.sources[hf] = (meta, transform, dim)
+            row = META_TABLE[pattern]
+            dim, shape = self._merged_shape(meta, row.split, expected.get(hf))
+            self.sources[hf] = (meta, row.transform, dim, shape)
             tensors[hf] = (self, shards[0].tensors[meta][0], shape)
         super().__init__("meta", [os.path.basename(s.path) for s in shards], tensors)
 
     def _merged_shape(self, meta: str, dims, expected) -> tuple:
         """(split dimension, merged shape): the candidate dimension that gives the expected shape, else the first."""
         shapes = [s.tensors[meta][1] for s in self.shards]
-        if dims is None:  # replicated: read() checks that the shards agree
+        if not dims:  # replicated: read() checks that the shards agree
             return None, shapes[0]
         merged = []
         for dim in dims:
@@ -209,7 +181,7 @@ class MetaWeights(HFWeights):
         return next((m for m in merged if m[1] == tuple(expected or ())), merged[0])
 
     def read(self, name: str) -> np.ndarray:
-        meta, transform, dim = self.sources[name]
+        meta, transform, dim, shape = self.sources[name]
         parts = [s.read(meta) for s in self.shards]
         if dim is None:
             if any(not np.array_equal(parts[0], p) for p in parts[1:]):
@@ -218,7 +190,7 @@ class MetaWeights(HFWeights):
         else:
             merged = np.concatenate(parts, axis=dim)
         del parts
-        return META_TRANSFORMS[transform](merged, self.cfg.head_dim)
+        return TRANSFORMS[transform][0](merged, shape, self.cfg)
 
 
 META_PARAMS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
@@ -338,8 +310,6 @@ def hf_reference_logits(weights: HFWeights, hf_config: dict, names: list, tokens
         return reference_logits(hf_dir, tokens)
 
 
-# --- torch.save'd files -> ours -----------------------------------------------------------------
-
 def read_json_config(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
@@ -411,8 +381,8 @@ def from_torch(path: str, out_dir: str, model_config: str, cfg: ModelConfig = No
         check = (lambda work_dir: verify_against(
             lambda tokens: hf_reference_logits(weights, hf_config, kept, tokens, work_dir), work_dir, where))
     header = f"Converted from {path}" + (f" (Meta's layout, {len(shards)} model-parallel shard(s))" if meta else "")
-    return write_conversion(weights, cfg, out_dir, "from-torch", source, header, verify=check, ignored=ignored,
-                            show_progress=show_progress)
+    return write_ours(weights, cfg, out_dir, "from-torch", source, header, verify=check, ignored=ignored,
+                      show_progress=show_progress)
 
 
 class _Renamed:

@@ -1,0 +1,386 @@
+"""Megatron-LM checkpoints -> ours, and ours -> Megatron-LM (legacy format).
+
+    from_megatron(CKPT_DIR, OUT_DIR)  a Megatron save directory (latest_checkpointed_iteration.txt)
+                                      or one iter_NNNNNNN directory, legacy or torch_dist
+    to_megatron(CKPT, cfg, OUT_DIR, tp, pp)  legacy mp_rank_TT[_PPP]/model_optim_rng.pt files
+
+training/tools/export.py resolves what a user names (a run directory, a recipe as --model-config) into
+these functions' arguments and writes the recipe continuing a converted run (--write-recipe).
+
+Output is what hf.py's from_hf writes (weights.safetensors, model_config.yaml,
+conversion.json), through its write_ours: the Megatron tensors are presented under HuggingFace names
+(MegatronWeights) and everything downstream is shared. to_megatron publishes through the same
+write_conversion (hidden sibling directory, atomic rename, OSError reported by name).
+
+Megatron's layouts (megatron-core transformer/attention.py and mlp.py, local or TransformerEngine
+spec): `linear_qkv` rows are grouped per KV group, [q_1 .. q_{heads/groups}, k, v] x head_dim for
+each group, and each tensor-parallel rank holds whole groups, so concatenating the ranks keeps that
+layout; `linear_fc1` is [gate; up] per rank in legacy files and [gate of all ranks; up of all ranks]
+in torch_dist; `linear_proj` and `linear_fc2` are split on their input dimension; the vocabulary
+tables are split on rows and padded to make_vocab_size_divisible_by x TP. Rotary embeddings use
+the same half-split layout as ours (rotary_interleaved False), so nothing is permuted.
+
+Legacy files are pickles of argparse namespaces (Megatron loads them with weights_only=False, and so
+must this reader): convert only checkpoints you trust.
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+from ascend_llm_recipes.common.errors import ConversionError
+from ascend_llm_recipes.models.arithmetic import round_up
+from ascend_llm_recipes.models.config import ModelConfig
+from ascend_llm_recipes.models.conversion.formats import CkptFile, HFWeights, SafetensorsFile
+from ascend_llm_recipes.models.conversion.megatron_files import (LATEST_FILE, LegacyCheckpoint, RANK_FILE, kv_groups,
+                                                                 open_megatron)
+from ascend_llm_recipes.models.conversion.ours import FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES, OPTIMIZER_DIR
+from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TABLE, MEGATRON_TENSORS, TRANSFORMS,
+                                                         layer_names, megatron_name, present_tensors, rank_share,
+                                                         row_for, tensor_plan)
+from ascend_llm_recipes.models.conversion.verify import verify_against
+from ascend_llm_recipes.models.conversion.write import progress_bar, write_conversion, write_ours
+from ascend_llm_recipes.models.shapes import dimensions, tensor_dimensions
+
+
+# Megatron-LM argument -> (the only supported value, why); checked before any tensor is read.
+UNSUPPORTED_ARGS = (
+    ("normalization", "RMSNorm", "the model uses RMSNorm, not LayerNorm"),
+    ("swiglu", True, "the MLP is gated (SwiGLU); a non-gated MLP has no gate_proj"),
+    ("position_embedding_type", "rope", "positions are rotary"),
+    ("rotary_percent", 1.0, "rotary embeddings cover the whole head (rotary_percent < 1 rotates part of it)"),
+    ("rotary_interleaved", False, "rotary pairs are half-split, not interleaved"),
+    ("add_bias_linear", False, "the only biases the model has are q/k/v (add_qkv_bias)"),
+    ("num_experts", None, "the MLP is dense (no mixture of experts)"),
+    ("qk_layernorm", False, "the model has no query/key norms"),
+    ("apply_layernorm_1p", False, "norm weights are used as stored (no 1 + weight)"),
+    ("virtual_pipeline_model_parallel_size", None, "the reader expects one model chunk per pipeline stage"),
+)
+REQUIRED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size")
+
+
+def model_config_from_args(args: dict, where: str, vocab_size: int = None) -> ModelConfig:
+    """Megatron-LM arguments -> our model_config, refusing by name what the model cannot express."""
+    problems = [f"{key}: missing" for key in REQUIRED_ARGS if args.get(key) is None]
+    for key, supported, why in UNSUPPORTED_ARGS:
+        value = args.get(key, supported)
+        if key == "num_experts" and not value:
+            continue
+        if value != supported:
+            problems.append(f"{key}: {value!r} is not supported ({supported!r} only): {why}")
+    if problems:
+        raise ConversionError(f"{where}: {len(problems)} unsupported or missing argument(s):\n" +
+                              "\n".join(f"  - {p}" for p in problems),
+                              hint="only Llama-style Megatron models convert: RMSNorm, rotary positions, SwiGLU, "
+                                   "optional q/k/v bias")
+    hidden, heads = args["hidden_size"], args["num_attention_heads"]
+    groups = kv_groups(args)[0]
+    tp = args["tensor_model_parallel_size"]
+    if args.get("kv_channels") not in (None, hidden // heads) or hidden % heads:
+        problems.append(f"kv_channels: {args.get('kv_channels')} with hidden_size {hidden} and {heads} heads is not "
+                        "supported: the model uses head_dim = hidden_size / num_attention_heads")
+    if groups < tp:
+        problems.append(f"num_query_groups: {groups} KV groups are fewer than tensor_model_parallel_size {tp} "
+                        "(replicated KV heads are not supported)")
+    padded = args.get("padded_vocab_size")
+    vocab = vocab_size or args.get("vocab_size")
+    if vocab is None:
+        problems.append(f"vocab_size: not recorded in the arguments (padded_vocab_size {padded} includes padding "
+                        "rows): pass --vocab-size with the tokenizer's vocabulary size")
+    elif padded is not None and vocab > padded:
+        problems.append(f"vocab_size: {vocab} exceeds the checkpoint's padded_vocab_size {padded}")
+    if args.get("max_position_embeddings") and args["seq_length"] > args["max_position_embeddings"]:
+        problems.append(f"seq_length: {args['seq_length']} exceeds max_position_embeddings "
+                        f"{args['max_position_embeddings']}")
+    if problems:
+        raise ConversionError(f"{where}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
+    return ModelConfig(vocab_size=vocab, hidden_size=hidden, num_layers=args["num_layers"], num_heads=heads,
+                       num_kv_heads=groups, intermediate_size=args.get("ffn_hidden_size") or 4 * hidden,
+                       seq_length=args["seq_length"], rms_norm_eps=float(args.get("norm_epsilon", 1e-5)),
+                       rope_theta=float(args.get("rotary_base", 10000)),
+                       initializer_range=float(args.get("init_method_std", 0.02)),
+                       tie_word_embeddings=not args.get("untie_embeddings_and_output_weights", False),
+                       qkv_bias=bool(args.get("add_qkv_bias", False)))
+
+
+def json_args(args: dict) -> dict:
+    """The arguments that JSON can hold (for conversion.json and the way back to Megatron)."""
+    return {k: v for k, v in args.items() if v is None or isinstance(v, (bool, int, float, str))}
+
+
+class MegatronWeights(HFWeights):
+    """A Megatron checkpoint seen as HuggingFace-named tensors (by tables.MEGATRON_TABLE), so write.py consumes it.
+
+    qkv_layout="grouped" is Megatron's; "separate" (all q rows, then k, then v) is the common mistake,
+    kept so that tests can show the parity check rejects it.
+    """
+
+    def __init__(self, ckpt, cfg: ModelConfig, qkv_layout: str = "grouped", fc1_merge: str = "per_rank"):
+        self.ckpt, self.cfg, self.qkv_layout, self.fc1_merge = ckpt, cfg, qkv_layout, fc1_merge
+        self._cache = (None, None)  # the last merged tensor: q, k and v come from one qkv
+        plan = tensor_plan(cfg)
+        super().__init__(ckpt.format, ckpt.files, {p.hf: (self, "F32", p.hf_shape) for p in plan})
+        self.sources = {p.hf: (*row_for(MEGATRON_TABLE, p.hf, ckpt.path), p.hf_shape) for p in plan}
+
+    def read(self, name: str) -> np.ndarray:
+        row, numbers, shape = self.sources[name]
+        key = (row.theirs, numbers.get("n"))
+        if self._cache[0] != key:
+            self._cache = (None, None)  # drop the previous one first: one merged tensor alive at a time
+            self._cache = (key, self.ckpt.merged(row.theirs[0], numbers.get("n"), self.fc1_merge))
+        tensor = self._cache[1]
+        if row.fuse is not None:
+            tensor = FUSE[row.fuse][1](tensor, self.cfg.kv_heads, self.cfg.head_dim, self.qkv_layout)[row.part]
+        return TRANSFORMS[row.transform][0](tensor, shape, self.cfg)
+
+
+def from_megatron(ckpt_dir: str, out_dir: str, iteration: int = None, vocab_size: int = None,
+                  verify: bool = False, show_progress: bool = True, qkv_layout: str = "grouped",
+                  fc1_merge: str = "per_rank") -> dict:
+    """Convert a Megatron-LM checkpoint (legacy or torch_dist, any TP/PP) into OUT_DIR. Returns the manifest.
+
+    With verify, our logits are compared with a pure-torch forward of the Megatron tensors as each
+    tensor-parallel rank holds them, before OUT_DIR is published.
+    """
+    ckpt = open_megatron(ckpt_dir, iteration)
+    cfg = model_config_from_args(ckpt.args, f"{ckpt.path} (args)", vocab_size)
+    unknown = ckpt.unknown_tensors(cfg)
+    if unknown:
+        raise ConversionError(f"{ckpt.path}: {len(unknown)} tensor(s) this converter does not know:\n" +
+                              "\n".join(f"  - {u}" for u in unknown[:20]),
+                              hint="only Llama-style models convert; _extra_state entries are ignored")
+    weights = MegatronWeights(ckpt, cfg, qkv_layout, fc1_merge)
+    source = {"path": ckpt.path, "format": ckpt.format, "iteration": ckpt.iteration,
+              "tensor_model_parallel_size": ckpt.tp, "pipeline_model_parallel_size": ckpt.pp,
+              "megatron_args": json_args(ckpt.args),
+              "files": [{"file": f, "bytes": os.path.getsize(os.path.join(ckpt.path, f))} for f in ckpt.files]}
+    check = (lambda work_dir: verify_against_megatron(ckpt, cfg, work_dir)) if verify else None
+    moments, optimizer = carried_moments(ckpt, cfg, qkv_layout, fc1_merge)
+    return write_ours(weights, cfg, out_dir, "from-megatron", source,
+                      f"Converted from {ckpt.path} (Megatron {ckpt.format}, iteration {ckpt.iteration}, "
+                      f"TP {ckpt.tp} x PP {ckpt.pp})", verify=check, show_progress=show_progress,
+                      moments=moments, optimizer=optimizer)
+
+
+def carried_moments(ckpt, cfg: ModelConfig, qkv_layout: str = "grouped", fc1_merge: str = "per_rank") -> tuple:
+    """({our moment prefix: HF-named moments}, manifest "optimizer" entry) for the Adam state a checkpoint holds.
+
+    Only legacy files of a non-distributed optimizer hold it per parameter; otherwise the entry says
+    why the optimizer restarts.
+    """
+    restarts = "training restarts the optimizer (AdamW moments start at zero)"
+    if not isinstance(ckpt, LegacyCheckpoint):
+        return {}, {"carried": False, "note": f"{restarts}: optimizer state is read from legacy files only"}
+    try:
+        step = ckpt.optimizer_step()
+    except ConversionError as err:
+        return {}, {"carried": False, "note": f"{restarts}: {err.message}"}
+    moments = {prefix: MegatronWeights(ckpt.moments(key), cfg, qkv_layout, fc1_merge)
+               for prefix, key in MOMENT_FILES.items()}
+    return moments, {"carried": True, "directory": OPTIMIZER_DIR, "global_step": step,
+                     "note": f"Adam moments and step {step} carried over into {OPTIMIZER_DIR}/ (recipe key "
+                             "load_optimizer_state)"}
+
+
+# The Megatron tensors the reference forward reads, found through the table by our names.
+EMBED, OUTPUT = megatron_name("model.embed_tokens.weight"), megatron_name("lm_head.weight")
+INPUT_NORM = megatron_name("model.layers.{n}.input_layernorm.weight")
+QKV, QKV_BIAS = (megatron_name(f"model.layers.{{n}}.self_attn.q_proj.{w}") for w in ("weight", "bias"))
+PROJ = megatron_name("model.layers.{n}.self_attn.o_proj.weight")
+MLP_NORM = megatron_name("model.layers.{n}.post_attention_layernorm.weight")
+FC1 = megatron_name("model.layers.{n}.mlp.gate_proj.weight")
+FC2 = megatron_name("model.layers.{n}.mlp.down_proj.weight")
+FINAL_NORM = megatron_name("model.norm.weight")
+
+
+def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.ndarray:
+    """Logits (batch, seq, vocab) of a pure-torch Megatron forward, tensor-parallel ranks simulated.
+
+    Each rank computes with the shards it holds in Megatron's own layouts (grouped qkv, [gate; up]
+    fc1) and the partial outputs of linear_proj and linear_fc2 are summed, as their all-reduce does;
+    so the merge into our separate tensors is checked, not assumed.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    def t(array):
+        return torch.from_numpy(array).double()
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * weight
+
+    head_dim, groups, tp = cfg.hidden_size // cfg.num_heads, cfg.kv_heads, ckpt.tp
+    per_group = cfg.num_heads // groups
+    batch, seq = tokens.shape
+    ids = torch.from_numpy(tokens).long()
+    x = torch.cat([t(ckpt.shard(EMBED, None, r)) for r in range(tp)])[ids]  # (B, S, H)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+    def rotate(v):  # (B, heads, S, head_dim), half-split pairs
+        half = v.shape[-1] // 2
+        return v * cos + torch.cat([-v[..., half:], v[..., :half]], -1) * sin
+
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)
+    for layer in range(cfg.num_layers):
+        h = rms(x, t(ckpt.merged(INPUT_NORM, layer)))
+        attn = 0
+        for r in range(tp):
+            qkv = h @ t(ckpt.shard(QKV, layer, r)).T
+            if cfg.qkv_bias:
+                qkv = qkv + t(ckpt.shard(QKV_BIAS, layer, r))
+            # (B, S, local groups x (per_group + 2) x head_dim) -> (B, S, local groups, per_group + 2, head_dim)
+            qkv = qkv.view(batch, seq, groups // tp, per_group + 2, head_dim)
+            q = qkv[:, :, :, :per_group].reshape(batch, seq, -1, head_dim).transpose(1, 2)
+            k = qkv[:, :, :, per_group].transpose(1, 2).repeat_interleave(per_group, 1)
+            v = qkv[:, :, :, per_group + 1].transpose(1, 2).repeat_interleave(per_group, 1)
+            scores = rotate(q) @ rotate(k).transpose(-1, -2) / math.sqrt(head_dim)
+            context = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v  # (B, local heads, S, head_dim)
+            attn = attn + context.transpose(1, 2).reshape(batch, seq, -1) @ t(ckpt.shard(PROJ, layer, r)).T
+        x = x + attn
+        h = rms(x, t(ckpt.merged(MLP_NORM, layer)))
+        mlp = 0
+        for r in range(tp):
+            gate, up = (h @ t(ckpt.shard(FC1, layer, r)).T).chunk(2, -1)
+            mlp = mlp + (F.silu(gate) * up) @ t(ckpt.shard(FC2, layer, r)).T
+        x = x + mlp
+    x = rms(x, t(ckpt.merged(FINAL_NORM)))
+    head = EMBED if cfg.tie_word_embeddings else OUTPUT
+    weight = torch.cat([t(ckpt.shard(head, None, r)) for r in range(tp)])
+    return (x @ weight.T)[..., :cfg.vocab_size].numpy()
+
+
+def verify_against_megatron(ckpt, cfg: ModelConfig, converted_dir: str) -> dict:
+    """Our logits against megatron_reference_logits on random tokens (convert.verify_against's rule)."""
+    return verify_against(lambda tokens: megatron_reference_logits(ckpt, cfg, tokens), converted_dir, ckpt.path,
+                          name="a pure-torch Megatron forward", label="the Megatron reference forward",
+                          hint="nothing was written; the tensor layouts (qkv groups, fc1 halves) do not match this "
+                               "checkpoint: report its args", max_tokens=64)
+
+
+def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp: int = 1, iteration: int = None,
+                source: str = None, section_path: str = None, show_progress: bool = True) -> dict:
+    """Write Megatron-LM legacy files (mp_rank_TT[_PPP]/model_optim_rng.pt) for TP x PP, one rank file at a time.
+
+    `source`: the converted directory whose conversion.json may hold the original Megatron arguments;
+    `section_path`: where cfg was read, for the manifest. training/tools/export.py's to_megatron finds both.
+    """
+    import torch
+
+    start = time.perf_counter()
+    numbers = [f"--{name} {value}: must be a positive integer" for name, value in (("tp", tp), ("pp", pp))
+               if type(value) is not int or value < 1]
+    if iteration is not None and (type(iteration) is not int or iteration < 0):
+        numbers.append(f"--iteration {iteration}: must be 0 or more (Megatron names iter_NNNNNNN directories by it)")
+    if numbers:
+        raise ConversionError(f"{ckpt_path}: " + "; ".join(numbers))
+    ckpt = CkptFile(ckpt_path) if ckpt_path.endswith(".ckpt") else SafetensorsFile(ckpt_path)
+    plan = {p.hf: p for p in tensor_plan(cfg)}
+    problems = [f"{p.ours}: missing" for p in plan.values() if p.ours not in ckpt.tensors]
+    groups = cfg.kv_heads
+    for what, value in (("num_heads", cfg.num_heads), ("num_kv_heads", groups),
+                        ("intermediate_size", cfg.intermediate_size)):
+        if value % tp:
+            problems.append(f"--tp {tp} does not divide {what} ({value})")
+    if cfg.num_layers % pp:
+        problems.append(f"--pp {pp} does not divide num_layers ({cfg.num_layers})")
+    if problems:
+        raise ConversionError(f"{ckpt_path}: cannot write TP {tp} x PP {pp}:\n" +
+                              "\n".join(f"  - {p}" for p in problems))
+    args = _megatron_args_for(cfg, tp, pp, source or os.path.dirname(ckpt_path), iteration)
+    iteration = args["iteration"]
+    padded = args["padded_vocab_size"]
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise ConversionError(f"output {out_dir} exists and is not empty", hint="choose another --output")
+    iter_name = f"iter_{iteration:07d}" if iteration else "release"
+
+    kinds = present_tensors(MEGATRON_TENSORS, cfg)
+    dims = {**dimensions(cfg), "vocab": padded}  # Megatron's shapes: vocabulary rows padded
+    their_shapes = {pattern: tuple(dims[d] for d in names) for pattern, _, names in tensor_dimensions(cfg)}
+
+    def rank_state(p: int, t: int) -> dict:
+        """Rank (t, p)'s tensors, generated from MEGATRON_TABLE.
+
+        In the order Megatron's model holds them: the embedding (first stage), each layer, the final norm and
+        output layer (last stage).
+        """
+        first = cfg.num_layers // pp * p
+        layers = [(n, n - first) for n in range(first, first + cfg.num_layers // pp)]
+        state = {}
+        for group in ("first", None, "last"):
+            if group == "first" and p != 0 or group == "last" and p != pp - 1:
+                continue
+            for n, local in layers if group is None else [(None, None)]:
+                for kind in (k for k in kinds if MEGATRON_TENSORS[k].stage == group):
+                    parts = [their_tensor(row, n) for row in MEGATRON_TENSORS[kind].rows]
+                    state[layer_names(kind, local)[0]] = rank_share(MEGATRON_TENSORS[kind], parts, t, tp, cfg.kv_heads,
+                                                                    cfg.head_dim)
+        return state
+
+    def their_tensor(row, n):
+        """Our tensor of `row` at layer n, in Megatron's layout (vocabulary rows padded)."""
+        item = plan[row.ours.format(n=n)]
+        hf = TRANSFORMS[item.transform][1](ckpt.read(item.ours), item.hf_shape)
+        return TRANSFORMS[row.transform][1](hf, their_shapes[row.ours], cfg)
+
+    def write_files(work_dir: str) -> dict:
+        with progress_bar(tp * pp, "write rank files", show_progress) as bar:
+            for p in range(pp):
+                for t in range(tp):
+                    state = rank_state(p, t)
+                    name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+                    os.makedirs(os.path.join(work_dir, iter_name, name))
+                    torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0,
+                                "iteration": iteration,
+                                "model": {k: torch.from_numpy(np.array(v)) for k, v in state.items()}},
+                               os.path.join(work_dir, iter_name, name, RANK_FILE))
+                    del state
+                    bar.update()
+        with open(os.path.join(work_dir, LATEST_FILE), "w", encoding="utf-8") as f:
+            f.write(str(iteration) if iteration else "release")
+        return {"format_version": FORMAT_VERSION, "direction": "to-megatron",
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "source": {"path": ckpt_path, "model_section": section_path}, "checkpoint": iter_name,
+                "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                "model": json_args(args), "tensors": [], "ignored": []}
+
+    return write_conversion(out_dir, write_files, start=start)
+
+
+def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteration: int = None) -> dict:
+    """Megatron-LM arguments for cfg at TP x PP, starting from the original run's when it came from Megatron."""
+    original = source_manifest(source).get("source", {})
+    args = dict(original.get("megatron_args") or {})
+    divisible = args.get("make_vocab_size_divisible_by", 128)
+    groups = cfg.kv_heads
+    args.update(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads,
+                group_query_attention=groups != cfg.num_heads, num_query_groups=groups,
+                kv_channels=cfg.hidden_size // cfg.num_heads, ffn_hidden_size=cfg.intermediate_size,
+                seq_length=cfg.seq_length, max_position_embeddings=max(cfg.seq_length,
+                                                                       args.get("max_position_embeddings") or 0),
+                position_embedding_type="rope", rotary_base=cfg.rope_theta, rotary_percent=1.0,
+                rotary_interleaved=False, normalization="RMSNorm", norm_epsilon=cfg.rms_norm_eps, swiglu=True,
+                add_bias_linear=False, add_qkv_bias=cfg.qkv_bias,
+                untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
+                vocab_size=cfg.vocab_size, make_vocab_size_divisible_by=divisible,
+                padded_vocab_size=round_up(cfg.vocab_size, divisible * tp),
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                iteration=iteration if iteration is not None else original.get("iteration", 0),
+                init_method_std=cfg.initializer_range)
+    return args
+
+
+def source_manifest(source: str) -> dict:
+    """The conversion.json of directory `source`, or {} when it has none (a run directory, a bare file)."""
+    path = os.path.join(source, MANIFEST_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,339 @@
+"""The conversion tables: one per format, every row of one type, from which both directions are generated.
+
+A Row says how a format holds one of our tensors (named as models/shapes.py names it, which is HuggingFace's
+name): the format's name for it, a named transform, the dimension its tensor/model-parallel ranks split and,
+where the format fuses several of our tensors into one (Megatron's grouped qkv, its [gate; up] fc1), the fusing
+rule and this tensor's part. Reading a format applies its rows forwards (merge ranks, unfuse, transform),
+writing applies them backwards (transform back, split ranks, fuse); hf.py, megatron.py, megatron_files.py and
+torch_state.py hold no tensor name or layout of their own. A second model family (q/k norms, per-expert
+weights with {e} in their names) is its tensors in models/shapes.py plus rows here.
+
+    HF_TABLE        HuggingFace safetensors/bin (our names; our vocabulary tables gain padding rows)
+    MEGATRON_TABLE  Megatron-core GPT, local and TransformerEngine specs (read and written)
+    META_TABLE      Meta's consolidated.NN.pth shards (read)
+"""
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from ascend_llm_recipes.common.errors import ConversionError
+from ascend_llm_recipes.models.config import ModelConfig
+from ascend_llm_recipes.models.shapes import TENSORS, dimensions, tensor_dimensions, tensor_flags
+
+
+@dataclass(frozen=True)
+class Row:
+    """How a format holds one of our tensors. Templates: {n} a layer number, {e} an expert number."""
+
+    ours: str                   # our (= HuggingFace) name template
+    theirs: tuple               # the format's name templates: the first is written, every one is read
+    transform: str = "identity"  # TRANSFORMS: theirs -> ours, and back
+    split: tuple = ()           # the dimension(s) parallel ranks split, () = replicated (Meta: candidates)
+    fuse: str = None            # the FUSE rule by which this and sibling rows make one tensor of theirs
+    part: str = None            # this row's part of that fused tensor (q/k/v, gate/up)
+    stage: str = None           # a tensor outside the layers: the pipeline stage holding it ("first", "last")
+
+
+def table(*rows: Row) -> dict:
+    """{our name template: row}."""
+    return {row.ours: row for row in rows}
+
+
+# Per-tensor transforms, each f(x, shape, cfg) with `shape` the shape it must produce.
+
+def identity(x: np.ndarray, shape: tuple, cfg=None) -> np.ndarray:
+    return x
+
+
+def pad_vocab_rows(x: np.ndarray, shape: tuple, cfg=None) -> np.ndarray:
+    """(vocab, hidden) -> (padded_vocab, hidden), zero rows appended (never predicted, never looked up)."""
+    if x.shape == shape:  # the usual case (32000, 128256, 151936 rows): no second copy of the largest tensor
+        return x
+    padded = np.zeros(shape, np.float32)
+    padded[:x.shape[0]] = x
+    return padded
+
+
+def strip_vocab_rows(x: np.ndarray, shape: tuple, cfg=None) -> np.ndarray:
+    """(padded_vocab, hidden) -> (vocab, hidden)."""
+    return np.ascontiguousarray(x[:shape[0]])
+
+
+def interleaved_to_half(x: np.ndarray, shape: tuple, cfg) -> np.ndarray:
+    """q/k rows of each head from Meta's rotary order (pairs 2i, 2i+1) to HF's (i, i + head_dim/2).
+
+    transformers' convert_llama_weights_to_hf.py `permute`: (heads, head_dim/2, 2, in) -> (heads, 2, head_dim/2, in).
+    """
+    rows, cols = x.shape
+    return np.ascontiguousarray(x.reshape(rows // cfg.head_dim, cfg.head_dim // 2, 2, cols).transpose(0, 2, 1, 3)
+                                .reshape(rows, cols))
+
+
+def half_to_interleaved(x: np.ndarray, shape: tuple, cfg) -> np.ndarray:
+    """The inverse of interleaved_to_half."""
+    rows, cols = x.shape
+    return np.ascontiguousarray(x.reshape(rows // cfg.head_dim, 2, cfg.head_dim // 2, cols).transpose(0, 2, 1, 3)
+                                .reshape(rows, cols))
+
+
+TRANSFORMS = {  # name: (theirs -> ours, ours -> theirs)
+    "identity": (identity, identity),
+    "pad_vocab_rows": (pad_vocab_rows, strip_vocab_rows),
+    "strip_vocab_rows": (strip_vocab_rows, pad_vocab_rows),
+    "interleaved_to_half": (interleaved_to_half, half_to_interleaved),
+}
+
+
+# Fusing rules: how the parts of one tensor of theirs (its rows, in table order) make it and back.
+# `groups` are the KV groups the tensor holds (all of them, or one tensor-parallel rank's).
+
+def fuse_qkv(parts: list, groups: int, head_dim: int) -> np.ndarray:
+    """Our q, k, v rows of `groups` KV groups -> Megatron's grouped rows [q_1 .. q_{heads/groups}, k, v] per group."""
+    q, k, v = parts
+    rest = q.shape[1:]
+    # (rows, ...) -> (groups, heads per group or 1, head_dim, ...), then [q..., k, v] per group
+    grouped = np.concatenate([q.reshape(groups, -1, head_dim, *rest), k.reshape(groups, 1, head_dim, *rest),
+                              v.reshape(groups, 1, head_dim, *rest)], axis=1)
+    return grouped.reshape(-1, *rest)
+
+
+def split_qkv(fused: np.ndarray, groups: int, head_dim: int, layout: str = "grouped") -> dict:
+    """Megatron's fused qkv of `groups` KV groups (weight or bias, rows first) -> {q, k, v} in our row order.
+
+    layout="separate" (all q rows, then k, then v) is the common mistake, kept so tests show --verify refuses it.
+    """
+    per_group = fused.shape[0] // (groups * head_dim) - 2  # query heads per KV group
+    rest = fused.shape[1:]
+    if layout == "separate":
+        q, k, v = np.split(fused, [groups * per_group * head_dim, groups * (per_group + 1) * head_dim])
+        return {"q": q, "k": k, "v": v}
+    # (groups x (per_group + 2) x head_dim, ...) -> (groups, per_group + 2, head_dim, ...)
+    grouped = fused.reshape(groups, per_group + 2, head_dim, *rest)
+    return {"q": np.ascontiguousarray(grouped[:, :per_group].reshape(-1, *rest)),
+            "k": np.ascontiguousarray(grouped[:, per_group].reshape(-1, *rest)),
+            "v": np.ascontiguousarray(grouped[:, per_group + 1].reshape(-1, *rest))}
+
+
+def split_halves(fused: np.ndarray, groups: int, head_dim: int, layout: str = "grouped") -> dict:
+    """Megatron's fc1 [gate; up] -> {gate, up}."""
+    gate, up = np.split(fused, 2, axis=0)
+    return {"gate": np.ascontiguousarray(gate), "up": np.ascontiguousarray(up)}
+
+
+FUSE = {  # name: (parts -> fused, fused -> {part: tensor})
+    "qkv": (fuse_qkv, split_qkv),
+    "gate_up": (lambda parts, groups, head_dim: np.concatenate(parts), split_halves),
+}
+
+
+# HuggingFace: our names are HF's (models/llama.py names its parameters after the HF checkpoint), Linear weights
+# are (out, in) on both sides and rotary uses the same half-split layout, so every tensor maps to itself; the
+# vocabulary tables gain padding rows (never predicted) on our side. A tensor added to models/shapes.py is a row.
+HF_TABLE = table(*(Row(name, (name,), "pad_vocab_rows" if "vocab" in dims else "identity")
+                   for name, dims, _ in TENSORS))
+
+# Megatron-core (gpt_layer_specs.py, local and TransformerEngine specs). Layer names are per pipeline stage
+# ({n} local) in legacy rank files and stacked (no number) in torch_dist. Norms TransformerEngine fuses into the
+# next linear are read under their second name. Vocabulary rows are padded to make_vocab_size_divisible_by x TP.
+QKV, FC1 = "decoder.layers.{n}.self_attention.linear_qkv.weight", "decoder.layers.{n}.mlp.linear_fc1.weight"
+QKV_BIAS = "decoder.layers.{n}.self_attention.linear_qkv.bias"
+MEGATRON_TABLE = table(
+    Row("model.embed_tokens.weight", ("embedding.word_embeddings.weight",), "strip_vocab_rows", (0,), stage="first"),
+    Row("model.layers.{n}.input_layernorm.weight", ("decoder.layers.{n}.input_layernorm.weight",
+                                                    "decoder.layers.{n}.self_attention.linear_qkv.layer_norm_weight")),
+    Row("model.layers.{n}.self_attn.q_proj.weight", (QKV,), split=(0,), fuse="qkv", part="q"),
+    Row("model.layers.{n}.self_attn.q_proj.bias", (QKV_BIAS,), split=(0,), fuse="qkv", part="q"),
+    Row("model.layers.{n}.self_attn.k_proj.weight", (QKV,), split=(0,), fuse="qkv", part="k"),
+    Row("model.layers.{n}.self_attn.k_proj.bias", (QKV_BIAS,), split=(0,), fuse="qkv", part="k"),
+    Row("model.layers.{n}.self_attn.v_proj.weight", (QKV,), split=(0,), fuse="qkv", part="v"),
+    Row("model.layers.{n}.self_attn.v_proj.bias", (QKV_BIAS,), split=(0,), fuse="qkv", part="v"),
+    Row("model.layers.{n}.self_attn.o_proj.weight", ("decoder.layers.{n}.self_attention.linear_proj.weight",),
+        split=(1,)),
+    Row("model.layers.{n}.post_attention_layernorm.weight", ("decoder.layers.{n}.pre_mlp_layernorm.weight",
+                                                             "decoder.layers.{n}.mlp.linear_fc1.layer_norm_weight")),
+    Row("model.layers.{n}.mlp.gate_proj.weight", (FC1,), split=(0,), fuse="gate_up", part="gate"),
+    Row("model.layers.{n}.mlp.up_proj.weight", (FC1,), split=(0,), fuse="gate_up", part="up"),
+    Row("model.layers.{n}.mlp.down_proj.weight", ("decoder.layers.{n}.mlp.linear_fc2.weight",), split=(1,)),
+    Row("model.norm.weight", ("decoder.final_layernorm.weight",), stage="last"),
+    Row("lm_head.weight", ("output_layer.weight",), "strip_vocab_rows", (0,), stage="last"),
+)
+
+# Meta's llama/model.py (consolidated.NN.pth): q/k rows in interleaved rotary order; model-parallel shards split
+# tok_embeddings on the hidden dimension (Llama 1/2) or the vocabulary (Llama 3), so both are candidates.
+META_TABLE = table(
+    Row("model.embed_tokens.weight", ("tok_embeddings.weight",), split=(1, 0)),
+    Row("model.layers.{n}.input_layernorm.weight", ("layers.{n}.attention_norm.weight",)),
+    Row("model.layers.{n}.self_attn.q_proj.weight", ("layers.{n}.attention.wq.weight",), "interleaved_to_half", (0,)),
+    Row("model.layers.{n}.self_attn.k_proj.weight", ("layers.{n}.attention.wk.weight",), "interleaved_to_half", (0,)),
+    Row("model.layers.{n}.self_attn.v_proj.weight", ("layers.{n}.attention.wv.weight",), split=(0,)),
+    Row("model.layers.{n}.self_attn.o_proj.weight", ("layers.{n}.attention.wo.weight",), split=(1,)),
+    Row("model.layers.{n}.post_attention_layernorm.weight", ("layers.{n}.ffn_norm.weight",)),
+    Row("model.layers.{n}.mlp.gate_proj.weight", ("layers.{n}.feed_forward.w1.weight",), split=(0,)),
+    Row("model.layers.{n}.mlp.down_proj.weight", ("layers.{n}.feed_forward.w2.weight",), split=(1,)),
+    Row("model.layers.{n}.mlp.up_proj.weight", ("layers.{n}.feed_forward.w3.weight",), split=(0,)),
+    Row("model.norm.weight", ("norm.weight",)),
+    Row("lm_head.weight", ("output.weight",), split=(0,)),
+)
+
+
+INDEXED = re.compile(r"\.(layers|experts)\.(\d+)\.")
+PLACEHOLDERS = {"layers": "n", "experts": "e"}
+
+
+def template_of(name: str) -> tuple:
+    """(name template, {placeholder: number}) of a concrete name: model.layers.3.x -> (model.layers.{n}.x, {n: 3})."""
+    numbers = {}
+
+    def placeholder(match):
+        numbers[PLACEHOLDERS[match.group(1)]] = int(match.group(2))
+        return f".{match.group(1)}.{{{PLACEHOLDERS[match.group(1)]}}}."
+
+    return INDEXED.sub(placeholder, name), numbers
+
+
+def row_for(rows: dict, name: str, where: str) -> tuple:
+    """(row, {placeholder: number}) of the concrete our-side `name` in a format's table."""
+    template, numbers = template_of(name)
+    if template not in rows:
+        raise ConversionError(f"{where}: {name}: no row of this format's table (models/conversion/tables.py) "
+                              "holds it", hint="a tensor of a new model family needs a row in each format's table")
+    return rows[template], numbers
+
+
+# Source tensors that hold no weights, consumed by being named here: (pattern, kind for the summary).
+IGNORED_HF = (
+    (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", "rotary frequencies (recomputed from rope_theta)"),
+    (r"model\.rotary_emb\.inv_freq", "rotary frequencies (recomputed from rope_theta)"),
+)
+IGNORED_OURS = (
+    (r"adam_[mv]\..+", "AdamW moments"),
+    (r"global_step|epoch_num|step_num|loss_scale|scale_sense|global_batch_size", "training counters"),
+    (r"current_iterator_step|last_overflow_iterator_step", "training counters"),
+)
+TIED_HEAD = "lm_head.weight"  # in a tied HF checkpoint, a copy of the embedding when present at all
+TIED_COPY_KIND = "copy of the tied embedding"
+
+
+def ignored_kinds(names: list) -> dict:
+    """{kind: count} of ignored tensor names, for a one-line summary instead of the list."""
+    counts: dict = {}
+    for name in names:
+        kind = next((k for pattern, k in IGNORED_HF + IGNORED_OURS if re.fullmatch(pattern, name)),
+                    TIED_COPY_KIND if name == TIED_HEAD else "other")
+        counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    hf: str
+    ours: str
+    hf_shape: tuple
+    our_shape: tuple
+    transform: str
+
+
+def tensor_plan(cfg: ModelConfig, tensor_parallel: int = 1) -> list:
+    """Every tensor of the model for `cfg` (models/shapes.py order): both names, shapes, HF_TABLE's transform."""
+    dims = dimensions(cfg, tensor_parallel)
+    plan = []
+    for pattern, name, names in tensor_dimensions(cfg):
+        hf_shape = tuple(dims[d] for d in names)
+        our_shape = tuple(dims["padded_vocab" if d == "vocab" else d] for d in names)
+        plan.append(TensorPlan(name, name, hf_shape, our_shape, HF_TABLE[pattern].transform))
+    return plan
+
+
+def check_tensors(found: dict, expected: dict, ignored: tuple, where: str, extra_ok=()) -> list:
+    """Compare tensor name -> shape maps; returns the ignored names, raises listing every problem."""
+    problems, skipped = [], []
+    for name, shape in found.items():
+        if name in expected:
+            if tuple(shape) != tuple(expected[name]):
+                problems.append(f"{name}: expected shape {tuple(expected[name])} from the config, found "
+                                f"{tuple(shape)}")
+        elif name in extra_ok or any(re.fullmatch(pattern, name) for pattern, _ in ignored):
+            skipped.append(name)
+        else:
+            problems.append(f"{name}: unknown tensor (not in the key map for this config)")
+    problems += [f"{name}: missing" for name in expected if name not in found]
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise ConversionError(f"{where}: {len(problems)} tensor problem(s):\n" + "\n".join(f"  - {p}" for p in shown),
+                              hint="the weights do not match the config (num_hidden_layers, sizes, "
+                                   "tie_word_embeddings, bias?)")
+    return skipped
+
+
+@dataclass(frozen=True)
+class FusedTensor:
+    """One tensor of a format as its rows make it (generated from the table): the rows are its parts, in order."""
+
+    names: tuple
+    rows: tuple
+
+    @property
+    def split(self) -> int:
+        """The dimension tensor-parallel ranks split (None: replicated)."""
+        return self.rows[0].split[0] if self.rows[0].split else None
+
+    @property
+    def fuse(self) -> str:
+        return self.rows[0].fuse
+
+    @property
+    def stage(self) -> str:
+        return self.rows[0].stage
+
+
+def fused_tensors(rows: dict) -> dict:
+    """{their first name template: FusedTensor} in table order: the format's tensors, each with its parts."""
+    grouped: dict = {}
+    for row in rows.values():
+        grouped.setdefault(row.theirs, []).append(row)
+    return {names[0]: FusedTensor(names, tuple(parts)) for names, parts in grouped.items()}
+
+
+MEGATRON_TENSORS = fused_tensors(MEGATRON_TABLE)
+
+
+def rank_share(tensor: FusedTensor, parts: list, t: int, tp: int, groups: int, head_dim: int) -> np.ndarray:
+    """What tensor-parallel rank t of tp holds of `tensor`, from its whole parts (its rows' tensors, in order).
+
+    Each part is split on the table's dimension and the rank's slices fused: so a rank holds whole KV groups
+    and its own [gate; up] halves, as Megatron's ranks do. `groups`: the KV groups of the whole tensor.
+    """
+    pieces = [part if tensor.split is None else np.split(part, tp, tensor.split)[t] for part in parts]
+    return pieces[0] if tensor.fuse is None else FUSE[tensor.fuse][0](pieces, groups // tp, head_dim)
+
+
+def join_ranks(tensor: FusedTensor, shards: list, groups: int, head_dim: int) -> np.ndarray:
+    """The whole tensor (fused over all parts) from what each tensor-parallel rank holds: rank_share's inverse."""
+    if tensor.fuse is None:
+        return np.concatenate(shards, axis=tensor.split)
+    fuse, split = FUSE[tensor.fuse]
+    local = [split(shard, groups // len(shards), head_dim) for shard in shards]
+    return fuse([np.concatenate([parts[row.part] for parts in local], axis=tensor.split) for row in tensor.rows],
+                groups, head_dim)
+
+
+def megatron_name(ours: str) -> str:
+    """The Megatron tensor (a key of MEGATRON_TENSORS) holding our tensor `ours` (a name template)."""
+    return MEGATRON_TABLE[ours].theirs[0]
+
+
+def present_tensors(tensors: dict, cfg, keep_output: bool = False) -> list:
+    """The keys of `tensors` (fused_tensors) whose parts cfg's model has; keep_output: the output layer even if tied."""
+    flags = {**tensor_flags(cfg), **({"untied": True} if keep_output else {})}
+    have = {pattern for pattern, _, flag in TENSORS if flags[flag]}
+    return [key for key, tensor in tensors.items() if any(row.ours in have for row in tensor.rows)]
+
+
+def layer_names(kind: str, local: int = None) -> tuple:
+    """A Megatron tensor's candidate names: of layer `local` of a stage, or stacked (torch_dist) with local=None."""
+    names = MEGATRON_TENSORS[kind].names
+    if local is None:
+        return tuple(name.replace(".{n}.", ".") for name in names)
+    return tuple(name.format(n=local) for name in names)
