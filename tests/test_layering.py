@@ -56,7 +56,7 @@ def test_models_data_and_common_do_not_import_upwards():
 
 
 @pytest.mark.parametrize("folder, statement", [
-    ("models", "from ascend_llm_recipes.training.recipe.schema import load_recipe"),
+    ("models", "from ascend_llm_recipes.training.recipe.loading import load_recipe"),
     ("data", "def f():\n    from ..training import errors\n"),
     ("common", "import ascend_llm_recipes.models.arithmetic"),
 ])
