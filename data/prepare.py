@@ -65,13 +65,13 @@ def prepare_dataset(output_dir: str, seq_length: int, vocab_size: int = 2048, so
     """Clean, deduplicate, tokenise and pack documents into `output_dir`; returns the manifest.
 
     inputs: paths, globs or directories (default: the `source` corpus). `options` are the
-    fields of data.pipeline.PrepareOptions (input format, filters, near-dedup, packing,
+    fields of data.text.pipeline.PrepareOptions (input format, filters, near-dedup, packing,
     validation split, workers, --strict). An interrupted run, repeated with the same
     arguments, continues from its last completed shard.
 
     executor/tasks: with more than one task or another executor than "local", the run is cut into
     `tasks` ranges run by datatrove (data/cluster/scale.py); `workers` is then the number of tasks at once and
-    `cluster` holds data.executors.ClusterOptions' scheduler fields (partition, time, cpus_per_task, address,
+    `cluster` holds data.cluster.executors.ClusterOptions' scheduler fields (partition, time, cpus_per_task, address,
     dry_run). Needs the `scale` extra.
     """
     opts = PrepareOptions(**options)

@@ -35,6 +35,10 @@ def main(argv=None) -> int:
             from ascend_llm_recipes.training.recipe.loading import load_recipe
             recipe = load_recipe(args.recipe, tuple(args.overrides), planning=True)
             shapes = rank_shapes(recipe)
+            if shapes is None:
+                print(f"note: {args.recipe} slices tensors by its strategy files (tensor or pipeline parallel): tensor "
+                      "names and shapes are not checked here (MindSpore checks them at load); files, hashes and "
+                      "manifests are")
         directories = steps_to_verify(args.path)
     except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)

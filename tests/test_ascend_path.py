@@ -123,7 +123,7 @@ ms.set_context(mode=0, device_target="CPU")
 init()
 if os.environ.get("MS_ROLE") == "MS_SCHED":
     sys.exit(0)
-# The context training.train builds for an Ascend recipe before its collective self-test.
+# The context training.worker.train builds for an Ascend recipe before its collective self-test.
 ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", full_batch=True)
 from ascend_llm_recipes.training.worker.collectives import all_reduce_sum
 got = all_reduce_sum([1.0, 2.0]).tolist()
@@ -476,3 +476,18 @@ def test_stage_ranks_agree_on_the_last_stages_loss_and_nan_in_real_processes(tmp
     # 5.0 summed over 2 micro-batches -> 2.5 on both; step 2's NaN is non-finite on both.
     assert got == {0: [[2.5, None, False, False], [None, None, True, False]],
                    1: [[2.5, 2.5, False, False], [None, None, True, False]]}, worker_logs
+
+
+def test_acceptance_kit_prints_help_and_refuses_a_machine_without_an_npu(tmp_path):
+    import subprocess
+    from ascend_llm_recipes.training.tools.acceptance import ascend_missing
+
+    script = os.path.join(REPO_ROOT, "scripts", "ascend_acceptance.sh")
+    helped = subprocess.run(["bash", script, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "usage: scripts/ascend_acceptance.sh" in helped.stdout, helped.stderr
+    assert os.listdir(tmp_path) == []  # no directory named --help, nothing run
+    if ascend_missing():
+        out = tmp_path / "out"
+        refused = subprocess.run(["bash", script, str(out)], capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and "needs an Ascend node" in refused.stderr, refused.stderr
+        assert "DRY_RUN=1" in refused.stderr and not out.exists()

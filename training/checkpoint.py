@@ -232,10 +232,10 @@ def rank_shapes(recipe):
     """What every rank's checkpoint must hold (RankShapes), or None where MindSpore alone knows a rank's part.
 
     Under data parallel each rank saves the whole model. In semi-auto parallel without TP and PP (e.g.
-    llama2_7b_8dev's DP 8) every rank holds the same parts: whole tensors, or with optimizer parallel the
-    slices MindSpore keeps (RankShapes). Under TP or PP a rank holds its strategy's slices and its stage's
-    layers only, which the strategy file decides; files, hashes and the manifest are still verified and
-    MindSpore checks the slices against the strategy at load. Auto parallel (mode 2) searches strategies
+    MindFormers' 7B layout DP 8 x TP 1, the kit's dp8_opt) every rank holds the same parts: whole tensors, or
+    with optimizer parallel the slices MindSpore keeps (RankShapes). Under TP or PP a rank holds its strategy's
+    slices and its stage's layers only, which the strategy file decides; files, hashes and the manifest are still
+    verified and MindSpore checks the slices against the strategy at load. Auto parallel (mode 2) searches strategies
     itself: None too.
     """
     from ascend_llm_recipes.models.shapes import parameter_shapes

@@ -1,6 +1,6 @@
 """Exact and near-duplicate detection across all inputs.
 
-Exact: a 64-bit hash of each cleaned document (`data.clean.doc_digest`); the first copy
+Exact: a 64-bit hash of each cleaned document (`data.text.clean.doc_digest`); the first copy
 is kept. Near: MinHash over character 5-grams of the lower-cased, whitespace-collapsed
 text, with locality-sensitive hashing in 14 bands of 8 rows. Two documents collide in a
 band with probability ~J^8 (J = Jaccard similarity of their 5-gram sets), so a pair is a

@@ -51,7 +51,7 @@ class PrepareOptions:
     text_field: str = "text"          # [--text-field] .jsonl key and .parquet column holding the text
     lines: bool = False               # [--lines] .txt files hold one document per line
     normalization: str = "NFC"        # [--normalize] NFC | NFKC | none
-    min_chars: int = 32               # [--min-chars] a CJK character counts 3 (data.clean.text_length)
+    min_chars: int = 32               # [--min-chars] a CJK character counts 3 (data.text.clean.text_length)
     max_chars: int = 0                # [--max-chars] 0 = no limit
     invalid_utf8: str = "drop"        # [--invalid-utf8] drop | replace
     near_dedup: bool = False          # [--near-dedup] MinHash near-duplicate removal

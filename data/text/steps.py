@@ -44,8 +44,8 @@ KEEP, DUPLICATE, NEAR_DUPLICATE = 0, 1, 2   # a dedup verdict per kept document
 class Batch:
     """One chunk on its way through the steps."""
 
-    chunk: object               # data.corpus.Chunk
-    result: object              # data.workers.ChunkResult
+    chunk: object               # data.text.corpus.Chunk
+    result: object              # data.text.workers.ChunkResult
     count: int                  # raw documents taken (max_documents may cut the last chunk)
     keep: np.ndarray = None     # over the chunk's KEPT documents: what dedup left
     written: int = 0            # shards this chunk completed

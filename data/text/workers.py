@@ -24,7 +24,7 @@ from ascend_llm_recipes.data.text.dedup import BANDS, band_keys, shingle_hashes,
 from ascend_llm_recipes.data.tokenizer import (ENCODE_PIECE_CHARS, HF, continuation_processor, encode_long,
                                                tokenizer_kind)
 
-# Statuses beyond data.clean's: problems with the input itself rather than its text.
+# Statuses beyond data.text.clean's: problems with the input itself rather than its text.
 MALFORMED_JSON, MISSING_FIELD = 4, 5
 STATUS_NAMES = {INVALID_UTF8: "invalid_utf8", TOO_SHORT: "too_short", TOO_LONG: "too_long",
                 MALFORMED_JSON: "malformed_json", MISSING_FIELD: "missing_field"}
@@ -54,7 +54,7 @@ class ChunkResult:
     lengths: np.ndarray = None  # int64 per KEPT document: tokens including the EOD
     tokens: np.ndarray = None   # int32: the KEPT documents' tokens, each followed by EOD
     bands: np.ndarray = None    # uint64 (KEPT, BANDS) when near_dedup
-    shingles: np.ndarray = None  # uint32: each KEPT document's 5-gram set (data.dedup.shingle_set), concatenated
+    shingles: np.ndarray = None  # uint32: each KEPT document's 5-gram set (data.text.dedup.shingle_set), concatenated
     shingle_counts: np.ndarray = None  # int64 per KEPT document
     texts: list = field(default_factory=list)   # sample pass: (kept index, digest, text) below sample_below
 

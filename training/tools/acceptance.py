@@ -10,6 +10,7 @@ micro-batches MindFormers' wrappers sum (training/worker/train_step.py summed_mi
 pipeline parallelism, takes them from the last stage. A loss of 0 or a non-finite one fails a comparison.
 """
 
+import argparse
 import glob
 import json
 import math
@@ -406,12 +407,22 @@ def run_until_step(argv: list, run_dir: str, step: int) -> int:
 
 
 def main(argv=None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    dry_run = "--dry-run" in args
-    args = [a for a in args if a != "--dry-run"]
-    out = os.path.abspath(args[0] if args else os.path.join(REPO_ROOT, "runs", "ascend_acceptance"))
+    parser = argparse.ArgumentParser(
+        prog="scripts/ascend_acceptance.sh",
+        description="Run every Ascend claim on an 8-device node and write OUT/acceptance.json and acceptance.md "
+                    "(PASS or FAIL per check). DRY_RUN=1 (or --dry-run) prints every command and runs nothing.")
+    parser.add_argument("out", nargs="?", default=os.path.join(REPO_ROOT, "runs", "ascend_acceptance"),
+                        help="output directory (default: runs/ascend_acceptance)")
+    parser.add_argument("--dry-run", action="store_true", help="print every command, run nothing")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    out = os.path.abspath(args.out)
     steps = plan_commands(out)
-    if dry_run:
+    if not args.dry_run and ascend_missing():
+        # every command would start real device work: refuse before the first, not after an hour of failures
+        print(f"acceptance: {ascend_missing()}; run it on an 8-device Ascend node, or DRY_RUN=1 to list the "
+              "commands", file=sys.stderr)
+        return 2
+    if args.dry_run:
         for check, step, command in steps:
             print(f"[{check}] {step}: {' '.join(command)}")
         for check, what in derived_checks():

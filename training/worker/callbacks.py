@@ -145,7 +145,7 @@ class StepRecorder(Callback):
         graph_mode = ms.get_context("mode") == ms.GRAPH_MODE
         if self.want_graph and not graph_mode:
             raise LaunchError("training fell back to PyNative mode although context.mode is 0",
-                              hint="build the MindFormers context before the Trainer (training.train does)")
+                              hint="build the MindFormers context before the Trainer (training.worker.train does)")
         record = self.record(self.initial_step + len(self.records) + 1, params.net_outputs, step_time, gap,
                              graph_mode)
         self.records.append(record)
