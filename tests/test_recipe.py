@@ -750,7 +750,7 @@ def test_the_910a_refuses_what_it_lacks_and_float16_needs_loss_scaling():
 
 
 def test_910a_recipe_is_float16_with_dynamic_loss_scaling_and_fits_with_headroom():
-    from ascend_llm_recipes.training.tools.planner import DEVICES, GB
+    from ascend_llm_recipes.training.tools.devices import DEVICES, GB
     from ascend_llm_recipes.training.recipe.device import FIRST_GENERATION_910
     from ascend_llm_recipes.training.recipe.schema import DynamicLossScaleConfig
 

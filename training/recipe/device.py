@@ -177,7 +177,7 @@ class HardwareConfig:
     def device_problems(self, recipe: "Recipe") -> list:
         """What the named device cannot run: an unknown name, and the first-generation 910's missing kernels."""
         # import-light; the planner does not import recipes
-        from ascend_llm_recipes.training.tools.planner import DEVICES
+        from ascend_llm_recipes.training.tools.devices import DEVICES
 
         known = {name.lower(): name for name in DEVICES}
         if self.device.lower() not in known:

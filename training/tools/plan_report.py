@@ -8,7 +8,8 @@ the rules the shipped Ascend recipes are held to.
 
 from typing import Optional
 
-from ascend_llm_recipes.training.tools.planner import GB, SOURCES, Plan, plan
+from ascend_llm_recipes.training.tools.devices import GB
+from ascend_llm_recipes.training.tools.planner import SOURCES, Plan, plan
 
 # Published Llama 2 7B pretraining speeds, seq 4096 on 8 x 910B, tokens/s per device: MindFormers' README
 # (Llama 2 7B pretrain table) and MindSpeed-LLM's (Llama 2 7B, 69% MFU); the issue's figures.
