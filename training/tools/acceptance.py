@@ -417,10 +417,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     out = os.path.abspath(args.out)
     steps = plan_commands(out)
-    if not args.dry_run and ascend_missing():
+    missing = "" if args.dry_run else ascend_missing()
+    if missing:
         # every command would start real device work: refuse before the first, not after an hour of failures
-        print(f"acceptance: {ascend_missing()}; run it on an 8-device Ascend node, or DRY_RUN=1 to list the "
-              "commands", file=sys.stderr)
+        print(f"acceptance: {missing}; run it on an 8-device Ascend node, or DRY_RUN=1 to list the commands",
+              file=sys.stderr)
         return 2
     if args.dry_run:
         for check, step, command in steps:
