@@ -32,33 +32,44 @@ LLAMA2_LAYOUT_SP_MODEL = os.path.join(importlib.util.find_spec("mistral_common")
 DRILL_FIXTURES = {"data_parallel_runs", "megatron_dir", "slurm_run"}
 
 
-# With pytest-xdist (`-n 2 --dist loadgroup`, the README's command) each worker process builds its own session
-# fixtures and clusters: the tests that share one of these run in one worker, so each is built once and two
-# workers never start two Slurm clusters or two pairs of namespaces on the same addresses and ports.
-SHARED_FIXTURES = {"data_parallel_runs": "data_parallel_runs", "megatron_dir": "megatron",
-                   "slurm_cluster": "slurm", "ray_cluster": "ray", "netns_nodes": "netns"}
+# With pytest-xdist (`-n 2 --dist loadgroup`, the README's command) each worker process builds its own session and
+# module fixtures: a test module and every module sharing one of these session fixtures with it form one group,
+# which xdist runs in one worker, so each fixture and cluster is built once.
+SHARED_FIXTURES = ("data_parallel_runs", "megatron_dir", "slurm_cluster", "ray_cluster")
 
 
+@pytest.hookimpl(tryfirst=True)  # xdist's own hook reads the groups: ours must run before it
 def pytest_collection_modifyitems(items):
-    uses = {}
     for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
-        if DRILL_FIXTURES & fixtures:
+        if DRILL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.drill)
-        uses[item] = {SHARED_FIXTURES[f] for f in fixtures & SHARED_FIXTURES.keys()}
-    # a test needing two of them joins their groups (else two workers could hold one resource each and both want
-    # the other's): the groups are the connected sets of resources
-    group = {name: {name} for name in SHARED_FIXTURES.values()}
-    for needed in uses.values():
-        joined = set().union(*(group[name] for name in needed)) if needed else set()
-        for name in joined:
-            group[name] = joined
-    for item, needed in uses.items():
-        # the rest by module, so that a module's fixtures are built once too
-        name = "+".join(sorted(group[next(iter(needed))])) if needed else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(name))
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the long shared groups first, not left as the tail of the run
-        items.sort(key=lambda item: not uses[item])
+    # the groups: connected sets of modules and shared fixtures (union-find over their names)
+    parent = {}
+
+    def root(name):
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    for item in items:
+        for fixture in set(getattr(item, "fixturenames", ())) & set(SHARED_FIXTURES):
+            parent[root(fixture)] = root(item.module.__name__)
+    groups = {}
+    for item in items:
+        groups.setdefault(root(item.module.__name__), []).append(item)
+    # the longest groups first (xdist hands them out in this order): drills weigh most, then the count of tests
+    order = sorted(groups.values(), key=lambda group: (-sum(bool(i.get_closest_marker("drill")) for i in group),
+                                                       -len(group)))
+    items[:] = [item for group in order for item in group]
+    for group in order:
+        name = "+".join(sorted({item.module.__name__ for item in group}))
+        for item in group:
+            item.add_marker(pytest.mark.xdist_group(name))
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # keep the order above (xdist would sort groups by test count)
+        config.option.loadscopereorder = False
 
 
 def load_script(name: str):

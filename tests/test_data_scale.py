@@ -316,17 +316,13 @@ def test_a_dangling_link_among_the_inputs_is_announced_and_counted_as_unreadable
     assert manifests[0]["documents"] == manifests[1]["documents"]
 
 
-def test_ray_run_writes_the_same_dataset_as_local_tasks(corpus, tmp_path, request):
-    ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e .[scale]")
-    try:  # tests/clusters.py's Ray head when this checkout has it; otherwise a Ray started here
-        address = request.getfixturevalue("ray_cluster").address
-    except pytest.FixtureLookupError:
-        address = None
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def test_ray_run_writes_the_same_dataset_as_local_tasks(corpus, tmp_path, ray_cluster):
+    import ray
+
     root, inputs, _, four = corpus
     try:
         manifest = prepare_dataset(str(tmp_path / "ray"), 64, inputs=inputs, show_progress=False, tasks=4,
-                                   executor="ray", cluster={"address": address or ""}, **OPTIONS)
+                                   executor="ray", cluster={"address": ray_cluster.address}, **OPTIONS)
     finally:
         ray.shutdown()
     assert manifest["documents"] == four["documents"] and manifest["shards"] == four["shards"]
@@ -352,12 +348,8 @@ def test_slurm_dry_run_prints_one_sbatch_script_per_stage_with_dependencies(corp
         assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # a valid script
 
 
-def test_slurm_run_on_a_real_cluster(corpus, tmp_path, request):
-    try:  # tests/clusters.py's one-node Slurm cluster when this checkout has it
-        cluster = request.getfixturevalue("slurm_cluster")
-    except pytest.FixtureLookupError:
-        pytest.skip("no slurm_cluster fixture in this checkout (tests/clusters.py): the sbatch scripts are tested "
-                    "by the dry run")
+def test_slurm_run_on_a_real_cluster(corpus, tmp_path, slurm_cluster):
+    cluster = slurm_cluster
     root, inputs, one, _ = corpus
     out = tmp_path / "slurm"
     submit = subprocess.run([sys.executable, SCRIPT, "--input", *inputs, "--output", str(out), "--tasks", "2",
