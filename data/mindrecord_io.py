@@ -6,6 +6,9 @@ renamed into place. Inside it, each shard is written by its own FileWriter into 
 temporary directory and moved next to the others only once committed, so a shard file
 that is present is complete. (MindRecord files record their own names, so a shard is
 never renamed: it is written under its final name and only its directory changes.)
+
+MindSpore is imported where a shard is opened or written, not with this module: the launcher reads
+manifests and hashes only, and starts ~4 CPU-seconds sooner without it.
 """
 
 import errno
@@ -16,7 +19,6 @@ import shutil
 import time
 
 import numpy as np
-from mindspore.mindrecord import FileReader, FileWriter
 
 from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.common.files import file_sha256, write_json_atomic
@@ -46,6 +48,8 @@ def write_shard(directory: str, name: str, rows: np.ndarray, pad_id: int) -> dic
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
     path = os.path.join(scratch, name)
+    from mindspore.mindrecord import FileWriter
+
     try:
         writer = FileWriter(path, shard_num=1, overwrite=True)
         writer.set_page_size(PAGE_SIZE)  # the 32 MB default leaves small shards mostly empty
@@ -294,6 +298,8 @@ def _write_cache(path: str, cache: dict) -> None:
 
 def open_problem(path: str):
     """Why MindRecord cannot open a shard and its .db index (e.g. a corrupt index), or None when it can."""
+    from mindspore.mindrecord import FileReader
+
     try:
         reader = FileReader(path)
         reader.close()
@@ -311,6 +317,8 @@ def shard_files(dataset_dir: str, manifest: dict) -> list:
 
 def read_samples(dataset_dir: str, manifest: dict):
     """Yield the stored samples in order, shard by shard (for inspection and tests)."""
+    from mindspore.mindrecord import FileReader
+
     for shard in manifest["shards"]:
         reader = FileReader(os.path.join(dataset_dir, shard["file"]))
         try:
