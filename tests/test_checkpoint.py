@@ -155,15 +155,20 @@ def test_kill9_then_corrupt_newest_and_crash_during_save(baseline, tiny_dataset,
 
 @pytest.mark.drill
 def test_sigterm_saves_then_resume_continues_exactly(baseline, tiny_dataset, tmp_path):
-    """Also held-out evaluation every 6 steps: each launch ends (at 7+ and at 20) with its final evaluation."""
+    """Also held-out evaluation every 6 steps: each launch ends (at 7+ and at 20) with its final evaluation.
+
+    The regular saves of both launches are at step 20 only, so that the step the signal lands at (7 or later:
+    under load the worker may be at a step 10 of a save every 5) can never be a regular save step.
+    """
     run_dir = str(tmp_path / "run")
     held_out = ("--set", "do_eval=True", "--set", "eval_step_interval=6",
-                "--set", f"eval_dataset={{data_loader: {{dataset_dir: {tiny_dataset}}}, max_batches: 2}}")
+                "--set", f"eval_dataset={{data_loader: {{dataset_dir: {tiny_dataset}}}, max_batches: 2}}",
+                "--set", "callbacks.1.save_checkpoint_steps=20")
     code, output = start_and_signal(run_dir, tiny_dataset, 7, signal.SIGTERM, *held_out)
     assert code == 4, output
     saved = [int(e.split("_")[1]) for e in os.listdir(os.path.join(run_dir, "checkpoints"))]
     preempted_at = max(saved)
-    assert preempted_at not in (5, 10, 15, 20) and preempted_at >= 7  # saved because of the signal
+    assert saved == [preempted_at] and 7 <= preempted_at < 20  # the one save: because of the signal
     code, output = rerun(run_dir, tiny_dataset, *held_out)
     assert code == 0 and f"from step {preempted_at}" in output, output
     same_trajectory(run_dir, baseline)
