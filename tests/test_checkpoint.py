@@ -50,6 +50,18 @@ def rerun(run_dir, dataset, *extra):
     return result.returncode, result.stdout + result.stderr
 
 
+def refusal(run_dir, dataset, *extra):
+    """What a launch with these `--set` settings is refused with (the CLI prints it and exits 2), launched in this
+    process: a refusal comes before any job process, so a launcher process of its own would only add its start-up."""
+    from ascend_llm_recipes.common.errors import LaunchError
+    from ascend_llm_recipes.training.launcher.cli import launch
+
+    settings = [a for a in command(run_dir, dataset, *extra)[3:] if a != "--set"]
+    with pytest.raises(LaunchError) as refused:
+        launch(TINY_RECIPE, settings, show_progress=False)
+    return str(refused.value)
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, tiny_dataset):
     run_dir = str(tmp_path_factory.mktemp("ckpt") / "uninterrupted")
@@ -114,13 +126,11 @@ def test_accumulation_buffers_are_not_saved():
 
 def test_resume_with_another_data_order_is_refused(baseline, tiny_dataset):
     before = metrics(baseline)
-    code, output = rerun(baseline, tiny_dataset, "--set", "seed=7")
-    assert code == 2
+    output = refusal(baseline, tiny_dataset, "--set", "seed=7")
     assert "resume from step 20: the training data order changed: after sample 80" in output
     assert "(changed: seed)" in output and "a resume must not replay or skip data" in output
     # Half the global batch divides the position (80 samples = 40 steps of 2), but would renumber the steps.
-    code, output = rerun(baseline, tiny_dataset, "--set", "runner_config.batch_size=2")
-    assert code == 2
+    output = refusal(baseline, tiny_dataset, "--set", "runner_config.batch_size=2")
     assert ("resume from step 20: the checkpoint was trained at global batch 4 (80 samples consumed), this recipe's "
             "global batch is 2 (changed: runner_config.batch_size); changing the global batch on resume is not "
             "supported") in output
@@ -155,15 +165,20 @@ def test_kill9_then_corrupt_newest_and_crash_during_save(baseline, tiny_dataset,
 
 @pytest.mark.drill
 def test_sigterm_saves_then_resume_continues_exactly(baseline, tiny_dataset, tmp_path):
-    """Also held-out evaluation every 6 steps: each launch ends (at 7+ and at 20) with its final evaluation."""
+    """Also held-out evaluation every 6 steps: each launch ends (at 7+ and at 20) with its final evaluation.
+
+    The regular saves of both launches are at step 20 only, so that the step the signal lands at (7 or later:
+    under load the worker may be at a step 10 of a save every 5) can never be a regular save step.
+    """
     run_dir = str(tmp_path / "run")
     held_out = ("--set", "do_eval=True", "--set", "eval_step_interval=6",
-                "--set", f"eval_dataset={{data_loader: {{dataset_dir: {tiny_dataset}}}, max_batches: 2}}")
+                "--set", f"eval_dataset={{data_loader: {{dataset_dir: {tiny_dataset}}}, max_batches: 2}}",
+                "--set", "callbacks.1.save_checkpoint_steps=20")
     code, output = start_and_signal(run_dir, tiny_dataset, 7, signal.SIGTERM, *held_out)
     assert code == 4, output
     saved = [int(e.split("_")[1]) for e in os.listdir(os.path.join(run_dir, "checkpoints"))]
     preempted_at = max(saved)
-    assert preempted_at not in (5, 10, 15, 20) and preempted_at >= 7  # saved because of the signal
+    assert saved == [preempted_at] and 7 <= preempted_at < 20  # the one save: because of the signal
     code, output = rerun(run_dir, tiny_dataset, *held_out)
     assert code == 0 and f"from step {preempted_at}" in output, output
     same_trajectory(run_dir, baseline)
@@ -273,8 +288,7 @@ def test_deleted_state_json_falls_back_to_the_previous_step(baseline, tiny_datas
 
 
 def test_recipe_change_that_alters_shapes_is_refused(baseline, tiny_dataset):
-    code, output = rerun(baseline, tiny_dataset, "--set", "model.model_config.hidden_size=128")
-    assert code == 2
+    output = refusal(baseline, tiny_dataset, "--set", "model.model_config.hidden_size=128")
     assert "holds a run of another model (changed: model.model_config.hidden_size)" in output
 
 
@@ -500,8 +514,7 @@ def test_loss_spike_rolls_back_and_skips_the_offending_samples(tiny_dataset, bas
     rollback_on_the_dashboard(run_dir, rollbacks[0], last_good, baseline, str(tmp_path / "plots"))
     # Without the rollback record a rerun would read the skipped samples again: refused.
     os.remove(os.path.join(run_dir, "data_skips.json"))
-    code, output = rerun(run_dir, dataset, *settings)
-    assert code == 2 and "was trained without the samples at training-order positions" in output, output
+    assert "was trained without the samples at training-order positions" in refusal(run_dir, dataset, *settings)
 
 
 def rank_slices(net, rank: int, shard: int, held) -> list:

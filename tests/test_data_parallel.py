@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -29,6 +30,33 @@ def final_weights(run_dir, rank):
 @pytest.fixture(scope="module")
 def runs(data_parallel_runs):
     return data_parallel_runs
+
+
+def common_settings(run_dir, dataset):
+    """The resume drills' settings: the DP runs' data order, a save at step 4, the LR schedule of DP_STEPS steps."""
+    return [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={dataset}",
+            "train_dataset.data_loader.shuffle=False", "callbacks.1.save_checkpoint_steps=4",
+            f"lr_schedule.total_steps={STEPS}"]
+
+
+@pytest.fixture(scope="module")
+def saved_at_step_4(tiny_dataset, tmp_path_factory):
+    """copy(recipe, run_dir): run_dir becomes a copy of a run of `recipe` stopped after its step-4 save.
+
+    Each recipe's first half is trained once for the module: the DP2 one is the start of both the
+    interrupted-DP2 drill and the DP2 -> DP1 resume. The copy is what each drill resumes, a run directory moved
+    as a user may move one (output_dir is not a setting a resume compares).
+    """
+    made = {}
+
+    def copy(recipe, run_dir):
+        if recipe not in made:
+            made[recipe] = str(tmp_path_factory.mktemp("saved_at_4") / "run")
+            assert launch(recipe, [*common_settings(made[recipe], tiny_dataset), "runner_config.stop_step=4"],
+                          show_progress=False) == 0
+        shutil.copytree(made[recipe], run_dir)
+
+    return copy
 
 
 def records(path):
@@ -86,8 +114,8 @@ def test_collective_self_test_ran_on_every_rank(runs):
 
 @pytest.mark.parametrize("saved_at, resumed_at", [(DP2_RECIPE, TINY_RECIPE), (TINY_RECIPE, DP2_RECIPE)],
                          ids=["dp2_then_dp1", "dp1_then_dp2"])
-def test_resume_at_another_data_parallel_degree_continues_the_dp1_trajectory(runs, tiny_dataset, tmp_path, capsys,
-                                                                             saved_at, resumed_at):
+def test_resume_at_another_data_parallel_degree_continues_the_dp1_trajectory(runs, saved_at_step_4, tiny_dataset,
+                                                                             tmp_path, capsys, saved_at, resumed_at):
     """Save at one data-parallel degree, resume at the other (same global batch): the DP1 trajectory continues.
 
     A step saved by fewer ranks than the new world size is complete (every rank it was saved by wrote its
@@ -95,13 +123,11 @@ def test_resume_at_another_data_parallel_degree_continues_the_dp1_trajectory(run
     """
     one, _ = runs
     run_dir = str(tmp_path / "run")
-    common = [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-              "train_dataset.data_loader.shuffle=False", "callbacks.1.save_checkpoint_steps=4",
-              f"lr_schedule.total_steps={STEPS}"]
-    assert launch(saved_at, [*common, "runner_config.stop_step=4"], show_progress=False) == 0
+    saved_at_step_4(saved_at, run_dir)
     capsys.readouterr()
     # Another layout and stop_step: accepted as a recorded amendment (the global batch stays 4).
-    assert launch(resumed_at, [*common, f"runner_config.stop_step={STEPS}"], show_progress=False, amend=True) == 0
+    assert launch(resumed_at, [*common_settings(run_dir, tiny_dataset), f"runner_config.stop_step={STEPS}"],
+                  show_progress=False, amend=True) == 0
     out = capsys.readouterr().out
     assert f"resuming {run_dir} from step 4" in out and "skipping invalid checkpoint" not in out, out
     assert not os.path.exists(os.path.join(run_dir, "checkpoints", "invalid"))
@@ -120,15 +146,14 @@ def test_resume_at_another_data_parallel_degree_continues_the_dp1_trajectory(run
         assert [r["loss"] for r in other] == [r["loss"] for r in run[4:]]
 
 
-def test_dp2_run_interrupted_after_a_save_resumes_bitwise_on_both_ranks(runs, tiny_dataset, tmp_path):
-    """The same command run again continues a DP2 run; both ranks' per-step losses equal the uninterrupted run's."""
+def test_dp2_run_interrupted_after_a_save_resumes_bitwise_on_both_ranks(runs, saved_at_step_4, tiny_dataset, tmp_path):
+    """The same command run again continues a DP2 run stopped after its step-4 save (a copy of the module's); both
+    ranks' per-step losses equal the uninterrupted run's."""
     _, two = runs
     run_dir = str(tmp_path / "dp2_interrupted")
-    common = [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-              "train_dataset.data_loader.shuffle=False", "callbacks.1.save_checkpoint_steps=4",
-              f"lr_schedule.total_steps={STEPS}"]
-    assert launch(DP2_RECIPE, [*common, "runner_config.stop_step=4"], show_progress=False) == 0
-    assert launch(DP2_RECIPE, [*common, f"runner_config.stop_step={STEPS}"], show_progress=False, amend=True) == 0
+    saved_at_step_4(DP2_RECIPE, run_dir)
+    assert launch(DP2_RECIPE, [*common_settings(run_dir, tiny_dataset), f"runner_config.stop_step={STEPS}"],
+                  show_progress=False, amend=True) == 0
     for name in ("metrics.jsonl", "metrics_rank_1.jsonl"):
         assert losses(os.path.join(run_dir, name)) == losses(os.path.join(two, name))
 
