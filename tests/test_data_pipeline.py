@@ -260,7 +260,9 @@ def test_ctrl_c_says_one_line_exits_130_and_a_rerun_continues(tmp_path, tokenize
     path, reference, reference_dir = restart_corpus
     out = tmp_path / "ds"
     command = build_command(path, out, tokenizer, workers=2)
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # SIGINT as a terminal leaves it, even when pytest runs with it ignored (a `cmd &` of a script inherits SIG_IGN).
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     kept = stop_when_saved(proc, out, lambda p: os.killpg(p.pid, signal.SIGINT), mid_file=False)
     stderr = proc.stderr.read()
     assert proc.returncode == 130, stderr
