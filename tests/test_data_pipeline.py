@@ -188,8 +188,8 @@ def test_worker_processes_write_the_same_shards_as_one_process(tmp_path, docs, t
     assert one["shards"] == two["shards"] and shard_bytes(str(tmp_path / "one")) == shard_bytes(str(tmp_path / "two"))
 
 
-# ~5 shards per 1 MB chunk: a snapshot (one per shard) still falls inside every chunk, at a fifth of the shard writes
-# (each MindRecord shard costs a FileWriter commit and two sha256 whatever its size).
+# ~9 shards per 1 MB chunk (17 in all, 64 with 256): a snapshot (one per shard) still falls inside every chunk, at a
+# quarter of the shard writes (each MindRecord shard costs a FileWriter commit and two sha256 whatever its size).
 SHARD = 1024
 
 
