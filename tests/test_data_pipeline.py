@@ -188,6 +188,11 @@ def test_worker_processes_write_the_same_shards_as_one_process(tmp_path, docs, t
     assert one["shards"] == two["shards"] and shard_bytes(str(tmp_path / "one")) == shard_bytes(str(tmp_path / "two"))
 
 
+# ~9 shards per 1 MB chunk (17 in all, 64 with 256): a snapshot (one per shard) still falls inside every chunk, at a
+# quarter of the shard writes (each MindRecord shard costs a FileWriter commit and two sha256 whatever its size).
+SHARD = 1024
+
+
 @pytest.fixture(scope="module")
 def restart_corpus(tmp_path_factory, tokenizer):
     """(~3 MB JSONL of stdlib sources with malformed lines, its dataset built in one go) for the restart tests."""
@@ -196,13 +201,13 @@ def restart_corpus(tmp_path_factory, tokenizer):
     path = write_jsonl(root / "corpus.jsonl", texts)  # ~3 MB: a few 1 MB chunks
     lines = path.read_text().splitlines(keepends=True)
     path.write_text("".join(line + ('{"text": broken\n' if i % 10 == 5 else "") for i, line in enumerate(lines)))
-    reference = prepare(root / "reference", tokenizer, [path], samples_per_shard=256)
+    reference = prepare(root / "reference", tokenizer, [path], samples_per_shard=SHARD)
     return path, reference, str(root / "reference")
 
 
 def build_command(path, out, tokenizer, workers=0):
     return [sys.executable, SCRIPT, "--input", str(path), "--output", str(out), "--seq-length", "64",
-            "--tokenizer", tokenizer, "--samples-per-shard", "256", "--workers", str(workers), "--no-progress"]
+            "--tokenizer", tokenizer, "--samples-per-shard", str(SHARD), "--workers", str(workers), "--no-progress"]
 
 
 def stop_when_saved(proc, out, stop, mid_file=True):
@@ -225,7 +230,7 @@ def stop_when_saved(proc, out, stop, mid_file=True):
     return kept
 
 
-def test_killed_run_resumes_with_its_shards_and_ends_byte_identical(tmp_path, tokenizer, restart_corpus):
+def test_killed_run_resumes_with_its_shards_and_ends_byte_identical(tmp_path, tokenizer, restart_corpus, capsys):
     path, reference, reference_dir = restart_corpus
     out = tmp_path / "ds"
     command = build_command(path, out, tokenizer)
@@ -234,14 +239,14 @@ def test_killed_run_resumes_with_its_shards_and_ends_byte_identical(tmp_path, to
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be interrupted"
     assert not out.exists() and os.path.isdir(partial_dir(str(out)))
     before = {s["file"]: os.stat(os.path.join(partial_dir(str(out)), s["file"])).st_ino for s in kept}
-    changed = subprocess.run(command[:-3] + ["--max-chars", "100000", "--no-progress"], capture_output=True,
-                             text=True)
-    assert changed.returncode == 2 and "holds an interrupted run with other arguments" in changed.stderr
-    assert "max_chars 0 -> 100000" in changed.stderr
-    resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
+    # The command line's main() in this process (its exit code and stderr): one interpreter start-up less.
+    code, _, stderr = run_script(capsys, *command[2:-3], "--max-chars", "100000", "--no-progress")
+    assert code == 2 and "holds an interrupted run with other arguments" in stderr
+    assert "max_chars 0 -> 100000" in stderr
+    code, _, resumed = run_script(capsys, *command[2:])  # the same command, in this process
+    assert code == 0, resumed
     assert re.search(rf"resuming {re.escape(partial_dir(str(out)))} at shard {len(kept)} \(input .*corpus\.jsonl, "
-                     r"line [1-9]\d+\)", resumed.stderr), resumed.stderr
+                     r"line [1-9]\d+\)", resumed), resumed
     assert {name: os.stat(out / name).st_ino for name in before} == before  # completed shards were kept
     manifest = read_manifest(str(out))
     assert manifest["shards"] == reference["shards"] and manifest["documents"] == reference["documents"]
@@ -250,25 +255,28 @@ def test_killed_run_resumes_with_its_shards_and_ends_byte_identical(tmp_path, to
     assert not os.path.exists(partial_dir(str(out))) and not os.path.exists(out / "state")
 
 
-def test_ctrl_c_says_one_line_exits_130_and_a_rerun_continues(tmp_path, tokenizer, restart_corpus):
+def test_ctrl_c_says_one_line_exits_130_and_a_rerun_continues(tmp_path, tokenizer, restart_corpus, capsys):
     """SIGINT to the whole process group, as a terminal sends it (worker processes included)."""
     path, reference, reference_dir = restart_corpus
     out = tmp_path / "ds"
     command = build_command(path, out, tokenizer, workers=2)
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # SIGINT as a terminal leaves it, even when pytest runs with it ignored (a `cmd &` of a script inherits SIG_IGN).
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     kept = stop_when_saved(proc, out, lambda p: os.killpg(p.pid, signal.SIGINT), mid_file=False)
     stderr = proc.stderr.read()
     assert proc.returncode == 130, stderr
     assert stderr.strip().splitlines() == ["interrupted; rerun the same command to continue"]
     assert kept and not out.exists() and not os.path.exists(os.path.join(partial_dir(str(out)), "manifest.json"))
-    resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming {partial_dir(str(out))} at shard" in resumed.stderr
+    code, _, resumed = run_script(capsys, *command[2:])  # the same command, in this process
+    assert code == 0, resumed
+    assert f"resuming {partial_dir(str(out))} at shard" in resumed
     assert read_manifest(str(out))["shards"] == reference["shards"]
     assert shard_bytes(str(out)) == shard_bytes(reference_dir)
 
 
-def test_full_disk_names_the_output_and_space_needed_and_a_rerun_continues(tmp_path, tokenizer, restart_corpus):
+def test_full_disk_names_the_output_and_space_needed_and_a_rerun_continues(tmp_path, tokenizer, restart_corpus,
+                                                                           capsys):
     """A real full disk: a tmpfs 10 MB (MindRecord keeps that free) larger than 3/4 of the dataset, so the run
     fails in its last chunk with a snapshot saved; then the disk is grown and the command rerun."""
     path, reference, reference_dir = restart_corpus
@@ -296,9 +304,9 @@ def test_full_disk_names_the_output_and_space_needed_and_a_rerun_continues(tmp_p
         assert not any(n.endswith("manifest.json") for n in written)  # nothing looks complete
         assert os.path.isfile(os.path.join(partial_dir(str(out)), "state", "snapshot.json"))
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
-        resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        assert resumed.returncode == 0, resumed.stderr
-        assert f"resuming {partial_dir(str(out))} at shard" in resumed.stderr
+        code, _, resumed = run_script(capsys, *command[2:])  # the same command, in this process
+        assert code == 0, resumed
+        assert f"resuming {partial_dir(str(out))} at shard" in resumed
         assert shard_bytes(str(out)) == shard_bytes(reference_dir)
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
