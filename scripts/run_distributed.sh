@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Validate a recipe, prepare its dataset if needed, and train through msrun.
+# Validate a recipe, prepare its dataset if needed, and train through msrun (a one-process CPU run:
+# the worker alone, started without msrun).
 #   bash scripts/run_distributed.sh recipes/demo_cpu.yaml [--set key.path=value ...]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/python_env.sh"

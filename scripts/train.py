@@ -1,4 +1,5 @@
-"""Training worker entry point; msrun starts one per rank (see training/worker/train.py)."""
+"""Training worker entry point; msrun starts one per rank, the launcher a one-process CPU run's (see
+training/worker/train.py)."""
 
 import sys
 

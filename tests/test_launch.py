@@ -91,7 +91,7 @@ def test_launcher_says_a_non_editable_install_is_a_copy_not_a_checkout(package_c
     assert f"imports ascend_llm_recipes from {package_copy}/ascend_llm_recipes, a copy of the package installed " \
            "without its checkout (`pip install .` without -e): that copy's code runs" in result.stderr, result.stderr
     assert "checkout's code runs" not in result.stderr
-    assert f"error: the msrun worker {package_copy}/ascend_llm_recipes/scripts/train.py is missing" in result.stderr
+    assert f"error: the training worker {package_copy}/ascend_llm_recipes/scripts/train.py is missing" in result.stderr
 
 
 def test_missing_recipe_file():
@@ -139,7 +139,7 @@ def test_dataset_copied_without_index_files(tiny_dataset, tmp_path):
 def start_launcher(run_dir, dataset, recipe=TINY_RECIPE, *sets):
     """A launch that trains for minutes (50 epochs, no stop_step): it ends only when a test stops it.
 
-    Its stdout (msrun's and the workers' output too) and stderr go to files RUN_DIR.stdout and
+    Its stdout (the workers' output too) and stderr go to files RUN_DIR.stdout and
     RUN_DIR.stderr, which a test can read while it runs: a full pipe would block it.
     """
     out, err = open(f"{run_dir}.stdout", "w+"), open(f"{run_dir}.stderr", "w+")
@@ -272,25 +272,25 @@ def test_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, capsys):
 @pytest.mark.drill
 def test_killed_launcher_stops_its_workers_and_the_same_command_right_away_continues(tiny_dataset, tmp_path):
     """kill -9 of the launcher: its workers save at the end of their step and exit; the same command run at once
-    waits for the old job's processes (bounded, saying so) instead of refusing, then resumes from that save."""
+    waits for the old job's processes (bounded, saying so) instead of refusing, then resumes from that save.
+    The tiny recipe's one CPU worker is started by the launcher itself, without msrun."""
     run_dir = tmp_path / "run"
     launcher = start_launcher(run_dir, tiny_dataset)
     wait_for_steps(launcher, run_dir)
-    assert len(processes_of(run_dir)) >= 3  # msrun, its scheduler, the worker
     steps_seen = len((run_dir / "metrics.jsonl").read_text().splitlines())
-    msrun = [pid for pid, command in processes_of(run_dir) if "mindspore.parallel.cluster.run" in command]
-    launcher.kill()
-    finish(launcher)
-    # Hold the old job's msrun (it only waits for its children) so that it is still there when the same command
-    # comes back, however fast the rest of the old job stops and however slowly the new launcher starts.
-    os.kill(msrun[0], signal.SIGSTOP)
+    worker = rank_pid(run_dir, 0)
+    # Hold the old job's worker (stopped, it cannot see its launcher go) so that it is still there when the same
+    # command comes back, however fast it would save and stop and however slowly the new launcher starts.
+    os.kill(worker, signal.SIGSTOP)
     try:
+        launcher.kill()
+        finish(launcher)
         again = start_launcher(run_dir, tiny_dataset)
         wait_for_output(again, run_dir, rf"\[launch\] the launcher that held {run_dir} \(PID {launcher.pid}\) is gone; "
                         r"waiting up to 45 s for its job's \d+ process\(es\) \([\d, ]+\) to save at the end of their "
                         r"step and exit", stream="stderr")
     finally:
-        os.kill(msrun[0], signal.SIGCONT)
+        os.kill(worker, signal.SIGCONT)
     resumed = int(wait_for_output(again, run_dir, rf"\[launch\] resuming {run_dir} from step (\d+)").group(1))
     assert resumed >= steps_seen  # the step the orphaned worker saved at the end of, after the kill
     wait_for_steps(again, run_dir, steps=resumed + 1)  # metrics.jsonl was cut back to the resumed step
@@ -394,6 +394,18 @@ def test_slurm_and_explicit_cluster_resolution():
     from ascend_llm_recipes.training.launcher.cli import main
     with pytest.raises(SystemExit):
         main([TINY_RECIPE, "--rendezvous-timeout", "0"])
+
+
+def test_a_one_process_cpu_run_starts_its_worker_without_msrun_and_data_parallel_through_it(data_parallel_runs):
+    """One CPU worker: the launcher starts scripts/train.py itself, without msrun and its scheduler (two more
+    processes importing MindSpore, ~8 CPU-s a launch); two workers still run under msrun."""
+    one, two = data_parallel_runs  # the tiny recipe as one process and as two (tiny_dp2_cpu.yaml)
+    assert sorted(os.listdir(os.path.join(one, "logs"))) == ["worker_0.log"]
+    with open(os.path.join(one, "logs", "worker_0.log"), encoding="utf-8", errors="replace") as f:
+        log = f.read()
+    assert "[step 1] loss" in log and "BuildCluster" not in log  # trained, and joined no cluster (no MS_ROLE)
+    assert sorted(os.listdir(os.path.join(two, "logs"))) == ["msrun.log", "scheduler.log", "worker_0.log",
+                                                             "worker_1.log"]
 
 
 def test_msrun_and_its_workers_run_the_launchers_python(tmp_path):

@@ -3,7 +3,8 @@
 RUN_DIR/status/rank_N.json      the rank's state: "running" (from the start), then "done" or "failed".
                                 {"rank", "state", "time", "pid", ...}: "error" when failed; "preempted" and
                                 "rollback" (the loss-spike record, or None) when done. The PID in every state:
-                                the launcher matches it with msrun's report of how the process ended.
+                                the launcher matches it with how the process ended (msrun's report, or
+                                the exit status of a worker it started itself).
 RUN_DIR/heartbeat/rank_N.json   the rank's phase (start, setup, compile, step N, data, save, eval, done):
                                 {"rank", "phase", "step", "time", "pid"}; the launcher names a rank whose
                                 heartbeat stopped for monitoring.hang_timeout seconds.
@@ -25,7 +26,7 @@ def write_status(run_dir: str, rank: int, state: str, **extra) -> None:
     """RUN_DIR/status/rank_N.json: `state` (running, done or failed) and its details (`extra`)."""
     path = status_path(run_dir, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    # The PID in every state: the launcher matches it with msrun's report of how the process ended.
+    # The PID in every state: the launcher matches it with how the process ended (msrun's report, or its own wait).
     write_json_atomic(path, {"rank": rank, "state": state, "time": time.time(), "pid": os.getpid(), **extra},
                       fsync=False)
 

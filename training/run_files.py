@@ -16,7 +16,8 @@ RUN_DIR/
   checkpoints/invalid/     step directories set aside by a resume, each with a REASON.txt
   resume_links/step_N/rank_R/  on a resume at a higher data-parallel degree: a new rank's link to rank 0's
                            file, under the name MindFormers looks for (remade by every launch)
-  logs/                    msrun.log and each worker's log
+  logs/                    each worker's log, and msrun.log and scheduler.log (none in a one-process CPU run,
+                           started without msrun)
   tensorboard/, profile/rank_N/
   strategy/                each rank's parallel-strategy file (semi-auto runs; training/tools/relayout.py)
   checkpoints/step_N/strategy/, layout.json   the strategy files a relayout resume re-slices from, kept

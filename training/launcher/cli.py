@@ -1,10 +1,11 @@
 """`scripts/run_distributed.sh RECIPE [--set key=value ...] [--plan | --check] [cluster options]`.
 
-Everything that can be checked is checked here, in one process, before msrun starts any
-worker: the recipe, the environment (preflight), the dataset (prepared on first use when
-the recipe says how), and the run directory. Workers then start from the resolved recipe
-saved in the run directory; when one fails, the exit code is non-zero and the failing
-rank's last log lines are shown. `DRY_RUN=1` prints the msrun command instead of running it.
+Everything that can be checked is checked here, in one process, before any worker starts:
+the recipe, the environment (preflight), the dataset (prepared on first use when the recipe
+says how), and the run directory. Workers then start from the resolved recipe saved in the
+run directory, through msrun (a one-process CPU run: the worker alone, started by the
+launcher); when one fails, the exit code is non-zero and the failing rank's last log lines
+are shown. `DRY_RUN=1` prints the command instead of running it.
 
 One node or many: `--nodes N --node-rank R --master-addr HOST --master-port P`, or the
 same read from Slurm's variables (training/launcher/cluster.py). This module parses the command
@@ -20,10 +21,11 @@ import signal
 import sys
 
 from ascend_llm_recipes.common.errors import LaunchError, PretrainError
-from ascend_llm_recipes.training.launcher.cluster import (DEFAULT_MULTINODE_PORT, WORKER_SCRIPT, Cluster, binds_cores,
-                                                          msrun_command, msrun_log_name, resolve_cluster, worker_env)
+from ascend_llm_recipes.training.launcher.cluster import (DEFAULT_MULTINODE_PORT, WORKER_SCRIPT, Cluster, job_command,
+                                                          msrun_log_name, resolve_cluster, starts_worker_directly,
+                                                          worker_env)
 from ascend_llm_recipes.training.launcher.datasets import check_load_checkpoint, ensure_dataset
-from ascend_llm_recipes.training.launcher.failure_report import failed_ranks, report_failure
+from ascend_llm_recipes.training.launcher.failure_report import describe_exit, failed_ranks, report_failure
 from ascend_llm_recipes.training.launcher.job import RunDirLock, describe_holder
 from ascend_llm_recipes.training.launcher.rendezvous import (DEFAULT_RENDEZVOUS_TIMEOUT, NodeGroup,
                                                              check_node_address, open_rendezvous, report_lost)
@@ -97,7 +99,7 @@ def plan_report(recipe: Recipe, device: str = None) -> str:
 def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: int = None, node_rank: int = None,
            master_addr: str = None, master_port: int = None, dry_run: bool = False, amend: bool = False,
            rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT) -> int:
-    """Validate, check, prepare, then run msrun on this node; returns the exit code.
+    """Validate, check, prepare, then run msrun (or a one-process CPU run's worker); returns the exit code.
 
     `amend`: continue a run whose recipe changed, recording the change (continue_run).
     On several nodes, node 0 prepares the (shared) run directory and the others join it first
@@ -106,17 +108,19 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
     from ascend_llm_recipes.training.launcher.preflight import has_errors, hccl_env
 
     if not os.path.isfile(WORKER_SCRIPT):  # a non-editable install carries the package, not scripts/ or recipes/
-        raise LaunchError(f"the msrun worker {WORKER_SCRIPT} is missing: ascend_llm_recipes is installed without its "
-                          "repository (pip install . copies the package only)",
+        raise LaunchError(f"the training worker {WORKER_SCRIPT} is missing: ascend_llm_recipes is installed without "
+                          "its repository (pip install . copies the package only)",
                           hint="install it editable from a checkout: pip install -e /path/to/checkout")
     recipe = load_recipe(recipe_path, tuple(overrides))
     cluster = resolve_cluster(recipe, nodes, node_rank, master_addr, master_port)
     if cluster.nodes > 1 and not dry_run:
         check_node_address(cluster.nodes, cluster.node_rank, cluster.master_addr, cluster.master_port)
-    findings = preflight(recipe, master_port=cluster.master_port if cluster.node_rank == 0 else None)
+    # msrun's scheduler listens on the master port; a worker started without msrun (starts_worker_directly) uses none.
+    uses_port = cluster.node_rank == 0 and not starts_worker_directly(recipe, cluster)
+    findings = preflight(recipe, master_port=cluster.master_port if uses_port else None)
     hccl = hccl_env(recipe)
     if dry_run:
-        command = msrun_command(cluster, os.path.abspath(recipe.output_dir), binds_cores(recipe))
+        command = job_command(recipe, cluster, os.path.abspath(recipe.output_dir))
         print("[dry-run] " + " ".join(f"{k}={v}" for k, v in sorted(hccl.items())) + " " + " ".join(command))
         return 2 if has_errors(findings) else 0
     if has_errors(findings):
@@ -188,7 +192,8 @@ def lock_run_dir(recipe: Recipe, cluster: Cluster) -> RunDirLock:
 
 def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, hccl: dict,
             amend: bool = False, group: NodeGroup = None) -> int:
-    """Prepare the (locked) run directory, run msrun until the job ends, report; returns the exit code.
+    """Prepare the (locked) run directory, run msrun (or the only worker) until the job ends, report; returns the
+    exit code.
 
     On several nodes node 0 prepares the run directory, then starts every node (`group`).
     """
@@ -215,20 +220,21 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
         run_dir = recipe.output_dir
     print(f"[launch] resolved recipe (saved as {os.path.join(run_dir, RESOLVED_RECIPE)}):\n{recipe.to_yaml()}",
           flush=True)
-    command = msrun_command(cluster, run_dir, binds_cores(recipe))
-    env = worker_env(run_dir, cluster.local_workers, hccl)
+    direct = starts_worker_directly(recipe, cluster)
+    command = job_command(recipe, cluster, run_dir)
+    env = worker_env(run_dir, cluster.local_workers, hccl, direct)
     if group is not None:
         group.heartbeats = lambda ranks: {rank: read_heartbeat(run_dir, rank) for rank in ranks}
     print(f"[launch] node {cluster.node_rank} of {cluster.nodes}: ranks {cluster.ranks.start}-"
           f"{cluster.ranks.stop - 1} of {cluster.world_size}; "
           + " ".join(f"{k}={v}" for k, v in sorted(hccl.items())), flush=True)
-    print(f"[launch] {' '.join(command)}", flush=True)
+    print(f"[launch] {'one CPU worker, started without msrun: ' if direct else ''}{' '.join(command)}", flush=True)
     if cluster.local_workers > 1:
         print(f"[launch] showing rank {cluster.ranks.start}'s output; every rank's is in "
               f"{os.path.join(run_dir, LOGS, 'worker_N.log')}", flush=True)
     while True:
         outcome = run_watched(command, env, run_dir, cluster.ranks, recipe.monitoring.hang_timeout,
-                              msrun_log=msrun_log_name(cluster), nodes=group)
+                              msrun_log=msrun_log_name(cluster), nodes=group, direct=direct)
         complete = job_complete(run_dir, cluster.ranks)
         lost = outcome.node_lost or (group.problem() if group is not None and not complete else "")
         if lost:
@@ -246,7 +252,8 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
             print(report_failure(run_dir, cluster, outcome, group), file=sys.stderr, flush=True)
             return HANG_EXIT_CODE
         if complete and outcome.returncode != 0:
-            print(f"[launch] note: msrun exited with code {outcome.returncode} after every rank had finished and "
+            ended = ("was " if outcome.returncode < 0 else "") + describe_exit(outcome.returncode)
+            print(f"[launch] note: {'the worker' if direct else 'msrun'} {ended} after every rank had finished and "
                   "saved (a process ended badly during teardown); the run is complete", flush=True)
         elif outcome.returncode != 0 or failed_ranks(run_dir, cluster.ranks):
             print(report_failure(run_dir, cluster, outcome, group), file=sys.stderr, flush=True)
@@ -286,7 +293,8 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/run_distributed.sh",
-                                     description="Validate a recipe, prepare its data, and train through msrun.")
+                                     description="Validate a recipe, prepare its data, and train (through msrun, "
+                                                 "or a one-process CPU run's worker alone).")
     parser.add_argument("recipe", help="recipe YAML, e.g. recipes/demo_cpu.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                         help="override a recipe key (repeatable), e.g. --set runner_config.stop_step=50")
@@ -311,9 +319,9 @@ def main(argv=None) -> int:
     if not args.rendezvous_timeout > 0:
         parser.error(f"--rendezvous-timeout {args.rendezvous_timeout:g}: must be more than 0 seconds")
     if args.dry_run and not args.check:
-        parser.error("--dry-run goes with --check (a compile-only check); to print the msrun command without "
+        parser.error("--dry-run goes with --check (a compile-only check); to print the training command without "
                      "running it, set DRY_RUN=1")
-    # Until msrun runs (run_watched handles them then), SIGTERM and SIGHUP stop the launcher as Ctrl-C does.
+    # Until the job runs (run_watched handles them then), SIGTERM and SIGHUP stop the launcher as Ctrl-C does.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
     try:

@@ -1,9 +1,10 @@
-"""The cluster this launcher is part of, and how msrun is started on its node.
+"""The cluster this launcher is part of, and how its workers are started on its node.
 
 `resolve_cluster` finds the node count, this node's rank and the master address: from the
 command line, then Slurm's variables, then one node. Ranks are contiguous per node (node R runs
 ranks R x local .. R x local + local - 1), so tensor-parallel groups stay on a node's links.
-`msrun_command` and `worker_env` are the command and environment this node's msrun runs with.
+`job_command` and `worker_env` are the command and environment this node's job runs with: msrun
+(`msrun_command`), or for a one-process CPU run the worker itself (`starts_worker_directly`).
 """
 
 import os
@@ -13,6 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from ascend_llm_recipes.common.errors import LaunchError
+from ascend_llm_recipes.training.launcher.job import DIRECT_WORKER_ENV
 from ascend_llm_recipes.training.recipe.schema import Recipe
 from ascend_llm_recipes.training.run_files import LOGS, MSRUN_LOG
 
@@ -21,6 +23,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__f
 WORKER_SCRIPT = os.path.join(REPO_ROOT, "scripts", "train.py")
 MAX_MASTER_PORT = 65534  # the rendezvous listens on master_port + 1
 DEFAULT_MULTINODE_PORT = 8118  # every node must name the same port; a random one cannot be shared
+# What msrun sets for its cluster (mindspore/parallel/cluster/process_entity/_api.py:58-64, 79, 104-107):
+# a worker started without msrun must not see them.
+MSRUN_CLUSTER_ENV = ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_WORKER_NUM", "MS_NODE_ID", "MS_TOPO_TIMEOUT")
 
 
 @dataclass
@@ -100,6 +105,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def starts_worker_directly(recipe: Recipe, cluster: Cluster) -> bool:
+    """One worker on one node, on CPU: the launcher starts scripts/train.py itself, without msrun.
+
+    msrun would add two processes that import MindSpore to such a run, msrun and the scheduler
+    scripts/train.py becomes under MS_ROLE=MS_SCHED: ~8 of a tiny launch's ~33 CPU-seconds, for no
+    collective (a single worker builds no communication group). Ascend jobs, even of one device, and
+    every job of several workers or nodes keep msrun, which the Ascend path is proven with.
+    """
+    return cluster.world_size == 1 and cluster.nodes == 1 and recipe.context.device_target == "CPU"
+
+
+def job_command(recipe: Recipe, cluster: Cluster, run_dir: str) -> list:
+    """What the launcher starts on this node: msrun, or the worker itself (starts_worker_directly)."""
+    if starts_worker_directly(recipe, cluster):
+        return [sys.executable, WORKER_SCRIPT, "--run-dir", run_dir]
+    return msrun_command(cluster, run_dir, binds_cores(recipe))
+
+
 def msrun_log_name(cluster: Cluster) -> str:
     """logs/msrun.log, one per node when several nodes share the run directory."""
     return MSRUN_LOG if cluster.nodes == 1 else f"msrun.node_{cluster.node_rank}.log"
@@ -131,8 +154,15 @@ def binds_cores(recipe: Recipe) -> bool:
     return recipe.context.device_target == "Ascend"
 
 
-def worker_env(run_dir: str, local_workers: int, hccl: dict = None) -> dict:
-    """Environment for msrun and its workers: identical HCCL settings on every rank, set before init."""
+def worker_env(run_dir: str, local_workers: int, hccl: dict = None, direct: bool = False) -> dict:
+    """Environment for msrun and its workers: identical HCCL settings on every rank, set before init.
+
+    `direct`: for the worker the launcher starts itself (starts_worker_directly), which also gets what
+    msrun would give it and the worker or MindFormers reads: RANK_ID, RANK_SIZE and DEVICE_ID
+    (mindspore/parallel/cluster/process_entity/_api.py:254, 299, 307). Not MS_ROLE, nor the scheduler's
+    address: with MS_ROLE set the worker would join a cluster (training/worker/train.py, MindSpore's
+    init()) whose scheduler does not exist. DIRECT_WORKER_ENV marks it as the job's worker (job.py).
+    """
     env = dict(os.environ, LOCAL_DEFAULT_PATH=run_dir)
     # msrun starts the workers as `python`: this Python, the one that imported this package.
     env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable), os.environ.get("PATH")) if p)
@@ -140,4 +170,8 @@ def worker_env(run_dir: str, local_workers: int, hccl: dict = None) -> dict:
     # msrun sets OMP_NUM_THREADS=1 unless it is already set, which halves CPU kernel speed
     # on a 2-core machine; share the cores between the local workers instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local_workers)))
+    if direct:
+        for name in MSRUN_CLUSTER_ENV:  # e.g. a launcher started from inside another msrun job
+            env.pop(name, None)
+        env.update(RANK_ID="0", RANK_SIZE="1", DEVICE_ID="0", **{DIRECT_WORKER_ENV: "1"})
     return env

@@ -1,9 +1,10 @@
 """The failure report: which rank failed first, how (signal or exit code, error) and in which phase.
 
 The launcher's supervision (training/launcher/supervision.py) records the poll round at which it
-first saw each rank fail; msrun's log gives the exit code of each worker it saw die; each rank's
-status and heartbeat (training/rank_status.py) give its state, error and last phase. The first
-failure is named from these, then each failed rank's last log lines follow.
+first saw each rank fail; msrun's log gives the exit code of each worker it saw die (a worker the
+launcher started itself, without msrun, gives its own); each rank's status and heartbeat
+(training/rank_status.py) give its state, error and last phase. The first failure is named from
+these, then each failed rank's last log lines follow.
 """
 
 import os
@@ -54,6 +55,13 @@ def msrun_exit_codes(run_dir: str, msrun_log: str = MSRUN_LOG) -> dict:
     return codes
 
 
+def exit_codes(run_dir: str, outcome: JobOutcome) -> dict:
+    """{pid: exit code} of the workers that exited with an error: from msrun's log, or the worker started without it."""
+    if outcome.worker_pid:
+        return {outcome.worker_pid: outcome.returncode} if outcome.returncode else {}
+    return msrun_exit_codes(run_dir, outcome.msrun_log)
+
+
 def describe_exit(code) -> str:
     if code is None:
         return "died (exit code unknown)"
@@ -67,7 +75,7 @@ def describe_exit(code) -> str:
 
 
 def first_failure(run_dir: str, failed: list, outcome: JobOutcome, codes: dict):
-    """The rank that failed first: seen first by the launcher, then the one msrun saw, then the earliest status."""
+    """The rank that failed first: seen first by the launcher, then one with an exit code, then the earliest status."""
     def order(item):
         rank = item[0]
         status = read_status(run_dir, rank) or {}
@@ -78,10 +86,10 @@ def first_failure(run_dir: str, failed: list, outcome: JobOutcome, codes: dict):
 
 def failure_report(run_dir: str, ranks, outcome: JobOutcome) -> str:
     """Which rank failed first, how (signal or exit code, error) and in which phase; then each failed rank's log."""
-    codes = msrun_exit_codes(run_dir, outcome.msrun_log)
+    codes = exit_codes(run_dir, outcome)
     failed = failed_ranks(run_dir, ranks)
     first = first_failure(run_dir, failed, outcome, codes)
-    parts = [f"[launch] training failed (msrun exit code {outcome.returncode})"]
+    parts = [f"[launch] training failed ({'worker' if outcome.worker_pid else 'msrun'} exit code {outcome.returncode})"]
     if first is None:
         parts.append("no rank reported a failure; see the logs in " + os.path.join(run_dir, LOGS))
     elif not outcome.hung:  # a stalled rank was named already, and killed by the launcher

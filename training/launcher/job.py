@@ -1,8 +1,9 @@
 """One launch's job: its processes, the lock on its run directory, and the workers' watch on their launcher.
 
 msrun starts its scheduler and every worker in sessions of their own, so neither a process group
-nor a parent-death signal reaches them from the launcher. The launcher therefore exports
-LAUNCHER_ENV = "<pid>:<start time>" to msrun, which hands its environment down: the launcher finds
+nor a parent-death signal reaches them from the launcher (a worker the launcher starts itself, in a
+one-process CPU run, runs in a session of its own too). The launcher therefore exports
+LAUNCHER_ENV = "<pid>:<start time>" to msrun or that worker, which hand it down: the launcher finds
 every process of its job by that value in /proc/PID/environ, and each worker runs a watchdog thread
 (the scheduler a watchdog process: it blocks in init() holding the GIL) that stops their process when
 that launcher is gone (e.g. killed with -9).
@@ -23,6 +24,10 @@ from ascend_llm_recipes.common.errors import LaunchError
 from ascend_llm_recipes.training.run_files import LOCK_FILE
 
 LAUNCHER_ENV = "ASCEND_RECIPES_LAUNCHER"
+# Set on the worker the launcher starts itself, without msrun (cluster.starts_worker_directly): its role, where
+# msrun's workers have MS_ROLE=MS_WORKER (which would make this one wait in init() for a scheduler).
+DIRECT_WORKER_ENV = "ASCEND_RECIPES_DIRECT_WORKER"
+DIRECT_WORKER = "direct worker"
 # A worker whose launcher is gone saves at the end of its current step; past this it exits anyway
 # (a step blocked on a rank that already left never ends).
 ORPHAN_GRACE_SECONDS = 30
@@ -55,13 +60,15 @@ def is_running(ident: str) -> bool:
 @dataclass
 class JobProcess:
     pid: int
-    role: str      # msrun's MS_ROLE: MS_SCHED, MS_WORKER (also msrun's log tails), or "" for msrun itself
+    role: str      # msrun's MS_ROLE (MS_SCHED, MS_WORKER also for its log tails, "" for msrun), or DIRECT_WORKER
     command: str
 
     @property
     def is_worker(self) -> bool:
+        """A training worker: by its role, with the worker script in its command (msrun's log tails have
+        MS_WORKER too, and a program a worker runs inherits the role; msrun's own command names the script)."""
         from ascend_llm_recipes.training.launcher.preflight import WORKER_MARK
-        return self.role == "MS_WORKER" and WORKER_MARK in self.command
+        return self.role in ("MS_WORKER", DIRECT_WORKER) and WORKER_MARK in self.command
 
 
 def job_processes(launcher: str) -> list:
@@ -83,6 +90,8 @@ def job_processes(launcher: str) -> list:
         if start_time(int(entry)) is None:
             continue
         role = next((e[len(b"MS_ROLE="):].decode() for e in env if e.startswith(b"MS_ROLE=")), "")
+        if f"{DIRECT_WORKER_ENV}=1".encode() in env:
+            role = DIRECT_WORKER
         found.append(JobProcess(int(entry), role, command))
     return sorted(found, key=lambda p: p.pid)
 

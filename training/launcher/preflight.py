@@ -267,7 +267,8 @@ def port_in_use(port: int) -> Optional[str]:
 
 def check_master_port(port: Optional[int]) -> list:
     if port is None:
-        return [Finding("ok", "master_port", "no fixed master port: the launcher picks a free one", {})]
+        return [Finding("ok", "master_port", "no fixed master port: the launcher picks a free one for msrun (a "
+                        "one-process CPU run, started without msrun, needs none)", {})]
     busy = port_in_use(port)
     if busy:
         return [Finding("error", "master_port",

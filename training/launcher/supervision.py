@@ -1,4 +1,4 @@
-"""Supervision: run this node's msrun and watch its job until every process of it is gone.
+"""Supervision: run this node's msrun (or, in a one-process CPU run, the worker) and watch the job until it is gone.
 
 `run_watched` stops the job when a rank fails or dies, when a rank's heartbeat stops for
 monitoring.hang_timeout seconds, when another node is lost, and on SIGINT/SIGTERM/SIGHUP (each
@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 from ascend_llm_recipes.training.launcher.job import LAUNCHER_ENV, job_processes, process_id, send, start_time
 from ascend_llm_recipes.training.launcher.rendezvous import NodeGroup
 from ascend_llm_recipes.training.rank_status import read_heartbeat, read_status
-from ascend_llm_recipes.training.run_files import LOGS, MSRUN_LOG
+from ascend_llm_recipes.training.run_files import LOGS, MSRUN_LOG, worker_log
 
 STOP_GRACE_SECONDS = 120  # after Ctrl-C/SIGTERM: time for the ranks to finish their step and save
 FAILURE_GRACE_SECONDS = 10  # after a rank failed: time for msrun to stop the rest before the launcher kills them
-SETTLE_SECONDS = 10       # every worker has exited: time for msrun and its scheduler to follow
+# Every worker has exited: time for msrun and its scheduler to follow (a worker started without msrun is the
+# process watched: its exit ends the watch at once).
+SETTLE_SECONDS = 10
 ENDING_SETTLE_SECONDS = 3  # the same once the job is being stopped (msrun polls its workers every second)
 
 
@@ -40,18 +42,19 @@ def stalled_ranks(run_dir: str, ranks, timeout: float, started: float, now: floa
 
 @dataclass
 class JobOutcome:
-    """How a run of msrun ended, as the launcher saw it."""
-    returncode: int                # msrun's
+    """How a run of msrun, or of a worker started without it, ended, as the launcher saw it."""
+    returncode: int                # msrun's, or the worker's when there is no msrun (worker_pid)
     stopped_by: str = ""           # the signal (SIGINT, SIGTERM, SIGHUP) the launcher was stopped with
     killed: str = ""               # why the launcher killed the job's processes, if it did
     hung: bool = False
     seen_failing: dict = field(default_factory=dict)  # rank -> poll round the launcher first saw it fail or die
     node_lost: str = ""            # another node lost during the run (training/launcher/rendezvous.py), why and where
-    msrun_log: str = MSRUN_LOG     # this node's msrun output, in RUN_DIR/logs
+    msrun_log: str = MSRUN_LOG     # this node's msrun output, in RUN_DIR/logs ("" without msrun)
+    worker_pid: int = 0            # the worker the launcher started itself (a one-process CPU run), without msrun
 
 
 def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: float, poll: float = 1.0,
-                msrun_log: str = MSRUN_LOG, nodes: NodeGroup = None) -> JobOutcome:
+                msrun_log: str = MSRUN_LOG, nodes: NodeGroup = None, direct: bool = False) -> JobOutcome:
     """Run msrun and watch its job until every process of it is gone.
 
     Stops the job when a rank fails or dies (whatever msrun does meanwhile: its scheduler can
@@ -60,12 +63,14 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
     a collective), and on SIGINT/SIGTERM/SIGHUP: every worker then saves at the end of its current
     step and exits; a second signal, or STOP_GRACE_SECONDS, kills the job at once. msrun's own
     output goes to logs/`msrun_log` (it must not depend on the launcher being alive) and is echoed here.
+    `direct`: `command` is the only rank's worker itself (cluster.starts_worker_directly), not msrun; its
+    output goes to its logs/worker_N.log, echoed here, and the outcome's returncode is its own.
     """
     launcher = process_id()
     env = dict(env, **{LAUNCHER_ENV: launcher})
-    log_path = os.path.join(run_dir, LOGS, msrun_log)
+    log_path = worker_log(run_dir, ranks[0]) if direct else os.path.join(run_dir, LOGS, msrun_log)
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    outcome, signals = JobOutcome(returncode=0, msrun_log=msrun_log), []
+    outcome, signals = JobOutcome(returncode=0, msrun_log="" if direct else msrun_log), []
     handlers = {sig: signal.signal(sig, lambda signum, _: signals.append(signal.Signals(signum).name))
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     started, rounds, proc, echo = time.time(), 0, None, None
@@ -74,6 +79,8 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(command, env=env, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
+        if direct:
+            outcome.worker_pid = proc.pid
         echo = OutputEcho(log_path)
         while True:
             if proc.poll() is not None:
@@ -131,7 +138,8 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
 
 
 class OutputEcho:
-    """Copies msrun's log to stdout from a thread, so a slow or full stdout never holds up the watch."""
+    """Copies msrun's log (or the direct worker's) to stdout from a thread, so a slow or full stdout never holds
+    up the watch."""
 
     def __init__(self, path: str):
         self.path = path
@@ -155,7 +163,7 @@ class OutputEcho:
 
 
 def echo_new_output(path: str, offset: int) -> int:
-    """Copy what msrun wrote to `path` since `offset` to stdout; returns the new offset."""
+    """Copy what msrun (or the direct worker) wrote to `path` since `offset` to stdout; returns the new offset."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
@@ -173,7 +181,8 @@ def echo_new_output(path: str, offset: int) -> int:
 
 
 def kill_job(proc: subprocess.Popen, launcher: str) -> None:
-    """SIGKILL msrun's process group and every process of the job (workers run in sessions of their own)."""
+    """SIGKILL the process group of msrun (or of the direct worker) and every process of the job (msrun's workers
+    run in sessions of their own)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -1,1 +1,2 @@
-"""The worker: runs on each rank under msrun (one process per device) and trains through MindFormers' Trainer."""
+"""The worker: runs on each rank (one process per device, under msrun; a one-process CPU run's alone, started by
+the launcher) and trains through MindFormers' Trainer."""

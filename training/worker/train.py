@@ -1,6 +1,7 @@
 """One training worker: the resolved recipe -> MindFormers' Trainer, in graph mode.
 
-Started by the launcher (through msrun) as `python scripts/train.py --run-dir RUN_DIR`.
+Started by the launcher as `python scripts/train.py --run-dir RUN_DIR`: through msrun, or for a one-process
+CPU run directly (training/launcher/cluster.py starts_worker_directly), without MS_ROLE.
 Each rank records its state in RUN_DIR/status/rank_N.json (training/rank_status.py) so the launcher
 can name the rank that failed; rank 0 writes per-step metrics and the final summary.
 """
@@ -257,7 +258,8 @@ def run(run_dir: str, started: float = None) -> dict:
     # Without an explicit context MindFormers starts in PyNative mode whatever the recipe says.
     build_context(config)
     if not recipe.use_parallel and "MS_ROLE" in os.environ:
-        # A single worker under msrun still joins the cluster so the scheduler can finish.
+        # A single worker under msrun (Ascend) still joins the cluster so the scheduler can finish; one started
+        # without msrun has no MS_ROLE and no scheduler.
         from mindspore.communication import init
         init()
     if recipe.world_size > 1 and not simulated:
