@@ -425,10 +425,10 @@ def print_demo(ours: dict, peer: dict) -> None:
           f"{peer['data_wait']:.1%}; run after ours, not interleaved); "
           f"ratio {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}")
     if st:
-        print(f"   start-up, launch -> first step done {st['launch_to_first_step_end']:.1f} s: launcher+msrun "
-              f"{st['launch_to_worker']:.1f} s, imports {st['imports']:.1f} s, setup {st['setup']:.1f} s, "
-              f"of which data {st.get('data', 0.0):.1f} s, build (model, optimizer) {st['build']:.1f} s, "
-              f"first step (graph compile) {st['first_step']:.1f} s")
+        print(f"   start-up, launch -> first step done {st['launch_to_first_step_end']:.1f} s: launcher until "
+              f"the worker starts {st['launch_to_worker']:.1f} s, imports {st['imports']:.1f} s, setup "
+              f"{st['setup']:.1f} s, of which data {st.get('data', 0.0):.1f} s, build (model, optimizer) "
+              f"{st['build']:.1f} s, first step (graph compile) {st['first_step']:.1f} s")
 
 
 def main(argv=None) -> int:
