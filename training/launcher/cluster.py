@@ -108,10 +108,11 @@ def free_port() -> int:
 def starts_worker_directly(recipe: Recipe, cluster: Cluster) -> bool:
     """One worker on one node, on CPU: the launcher starts scripts/train.py itself, without msrun.
 
-    msrun would add two processes that import MindSpore to such a run, msrun and the scheduler
-    scripts/train.py becomes under MS_ROLE=MS_SCHED: ~8 of a tiny launch's ~33 CPU-seconds, for no
-    collective (a single worker builds no communication group). Ascend jobs, even of one device, and
-    every job of several workers or nodes keep msrun, which the Ascend path is proven with.
+    msrun would add two processes that import MindSpore to such a run, msrun (~4.5 CPU-seconds) and the
+    scheduler scripts/train.py becomes under MS_ROLE=MS_SCHED (~3.5): a tiny launch took ~28 CPU-seconds
+    with them and ~21 without, for no collective (a single worker builds no communication group). Ascend
+    jobs, even of one device, and every job of several workers or nodes keep msrun, which the Ascend path
+    is proven with.
     """
     return cluster.world_size == 1 and cluster.nodes == 1 and recipe.context.device_target == "CPU"
 
