@@ -53,8 +53,11 @@ def process_id(pid: int = None) -> str:
 
 
 def is_running(ident: str) -> bool:
+    """The process `ident` (process_id) names is alive. An ident taken of a process already exiting reads
+    '<pid>:None', and so does every process that is gone: never running."""
     pid, started = ident.split(":")
-    return str(start_time(int(pid))) == started
+    now = start_time(int(pid))
+    return now is not None and str(now) == started
 
 
 @dataclass
