@@ -132,17 +132,16 @@ def sbatch_scripts(names: tuple, executors: list) -> str:
     return "\n".join(out)
 
 
-# Set by mindspore in this (driver) process only: a Ray worker started by a user's `ray start` lacks it, and its
-# mindspore import then dies in protobuf ("Descriptors cannot be created directly").
+# Set in this (driver) process by common/ (as MindSpore's import sets it): a Ray worker started by a user's
+# `ray start` lacks it and loads protobuf (Ray's own) before this package, so its mindspore import would die in
+# protobuf ("Descriptors cannot be created directly").
 WORKER_ENV = ("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION",)
 CONNECT_SECONDS = 10.0
 
 
 def ray_runtime_env() -> dict:
     """The runtime_env that gives Ray tasks the variables this process needs for its imports."""
-    env = {name: os.environ[name] for name in WORKER_ENV if name in os.environ}
-    env.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
-    return {"env_vars": env}
+    return {"env_vars": {name: os.environ[name] for name in WORKER_ENV if name in os.environ}}
 
 
 def check_ray_address(address: str, seconds: float = CONNECT_SECONDS) -> None:
