@@ -105,6 +105,18 @@ def test_dp2_console_shows_each_step_once_on_a_whole_line(runs):
     assert [int(re.fullmatch(pattern, line).group(1)) for line in lines] == list(range(1, STEPS + 1)), lines
 
 
+def test_a_one_process_cpu_run_starts_its_worker_without_msrun_and_data_parallel_through_it(runs):
+    """One CPU worker: the launcher starts scripts/train.py itself, without msrun and its scheduler (two more
+    processes importing MindSpore, ~8 CPU-s a launch); two workers still run under msrun."""
+    one, two = runs  # the tiny recipe as one process and as two (tiny_dp2_cpu.yaml)
+    assert sorted(os.listdir(os.path.join(one, "logs"))) == ["worker_0.log"]
+    with open(os.path.join(one, "logs", "worker_0.log"), encoding="utf-8", errors="replace") as f:
+        log = f.read()
+    assert "[step 1] loss" in log and "BuildCluster" not in log  # trained, and joined no cluster (no MS_ROLE)
+    assert sorted(os.listdir(os.path.join(two, "logs"))) == ["msrun.log", "scheduler.log", "worker_0.log",
+                                                             "worker_1.log"]
+
+
 def test_collective_self_test_ran_on_every_rank(runs):
     _, two = runs
     for rank in (0, 1):

@@ -396,18 +396,6 @@ def test_slurm_and_explicit_cluster_resolution():
         main([TINY_RECIPE, "--rendezvous-timeout", "0"])
 
 
-def test_a_one_process_cpu_run_starts_its_worker_without_msrun_and_data_parallel_through_it(data_parallel_runs):
-    """One CPU worker: the launcher starts scripts/train.py itself, without msrun and its scheduler (two more
-    processes importing MindSpore, ~8 CPU-s a launch); two workers still run under msrun."""
-    one, two = data_parallel_runs  # the tiny recipe as one process and as two (tiny_dp2_cpu.yaml)
-    assert sorted(os.listdir(os.path.join(one, "logs"))) == ["worker_0.log"]
-    with open(os.path.join(one, "logs", "worker_0.log"), encoding="utf-8", errors="replace") as f:
-        log = f.read()
-    assert "[step 1] loss" in log and "BuildCluster" not in log  # trained, and joined no cluster (no MS_ROLE)
-    assert sorted(os.listdir(os.path.join(two, "logs"))) == ["msrun.log", "scheduler.log", "worker_0.log",
-                                                             "worker_1.log"]
-
-
 def test_msrun_and_its_workers_run_the_launchers_python(tmp_path):
     """Not the `msrun` on PATH: a pyenv shim puts pyenv's own python first, and msrun starts workers as `python`."""
     from ascend_llm_recipes.training.launcher.cluster import Cluster, msrun_command, worker_env
