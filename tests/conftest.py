@@ -35,7 +35,7 @@ DRILL_FIXTURES = {"data_parallel_runs", "megatron_dir", "slurm_run"}
 # With pytest-xdist (`-n 2 --dist loadgroup`, the README's command) each worker process builds its own session and
 # module fixtures: a test module and every module sharing one of these session fixtures with it form one group,
 # which xdist runs in one worker, so each fixture and cluster is built once.
-SHARED_FIXTURES = ("data_parallel_runs", "megatron_dir", "slurm_cluster", "ray_cluster")
+SHARED_FIXTURES = ("data_parallel_runs", "megatron_dir", "slurm_cluster", "ray_cluster", "tiny_run")
 
 
 @pytest.hookimpl(tryfirst=True)  # xdist's own hook reads the groups: ours must run before it
@@ -112,6 +112,40 @@ def tiny_dataset(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("data") / "tiny")
     prepare_tiny_dataset(out)
     return out
+
+
+# The shared tiny run's saves (tiny_run): every 5 steps, the newest 3 kept (steps 10, 15 and 20 at the end).
+TINY_RUN_SAVES = ("callbacks.1.save_checkpoint_steps=5", "callbacks.1.keep_checkpoint_max=3")
+
+
+def tiny_run_extras(dataset: str) -> tuple:
+    """The shared tiny run's other settings beyond the recipe and TINY_RUN_SAVES: held-out evaluation every 6 steps
+    on 4 batches (20 is not a multiple: the run ends with an extra final evaluation), the profiler over steps 3-4,
+    and the dataset as data_preparation's folder (the recipe's is relative: resolved in the working directory of
+    each launch). A launch on that run directory passes them too, or it would be a launch with other settings."""
+    return (f"data_preparation.output_dir={dataset}", "do_eval=True", "eval_step_interval=6",
+            f"eval_dataset={{data_loader: {{dataset_dir: {dataset}}}, max_batches: 4}}",
+            "profile={start_step: 3, stop_step: 4}")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, tiny_dataset):
+    """One real 20-step run of the tiny recipe (TINY_RUN_SAVES, tiny_run_extras), launched from an empty working
+    directory: (run dir, that directory). Read by the training tests and, as the uninterrupted baseline, by the
+    checkpoint tests; a test that changes the run directory copies it first (shutil.copytree)."""
+    from ascend_llm_recipes.training.launcher.cli import launch
+
+    cwd = tmp_path_factory.mktemp("cwd")
+    run_dir = str(tmp_path_factory.mktemp("runs") / "baseline")
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        code = launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                    *TINY_RUN_SAVES, *tiny_run_extras(tiny_dataset)], show_progress=False)
+    finally:
+        os.chdir(old)
+    assert code == 0
+    return run_dir, str(cwd)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
     python tests/make_golden_losses.py [OUT_JSON]     (default: tests/data/golden_tiny_losses.json)
 
-The run is the tiny_run fixture's (tests/test_train.py): recipes/tiny_cpu.yaml as shipped, on the
+The run is the tiny_run fixture's (tests/conftest.py): recipes/tiny_cpu.yaml as shipped, on the
 dataset tests/conftest.py prepares from the shipped corpus tests/data/tiny_corpus (60 standard-library
 modules of CPython 3.11.7, the same text on every machine), so the fixture's 20 losses are compared
 with these. Regenerate only for an intended numerical change, and say which in the commit.

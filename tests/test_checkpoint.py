@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from conftest import REPO_ROOT, TINY_RECIPE, load_script
+from conftest import REPO_ROOT, TINY_RECIPE, TINY_RUN_SAVES, load_script, tiny_run_extras
 from ascend_llm_recipes.training.checkpoint import (MANIFEST, newest_valid_step, read_json, step_dir, verify_step,
                                                     write_rank)
 from ascend_llm_recipes.training.run_files import LOCK_FILE
 
 LAUNCHER = os.path.join(REPO_ROOT, "scripts", "run_distributed.sh")
-SAVE = ["--set", "callbacks.1.save_checkpoint_steps=5", "--set", "callbacks.1.keep_checkpoint_max=3"]
+SAVE = [a for setting in TINY_RUN_SAVES for a in ("--set", setting)]
 
 
 def command(run_dir, dataset, *extra):
@@ -45,6 +45,12 @@ def start_and_signal(run_dir, dataset, after_steps, sig, *extra):
     return proc.returncode, output
 
 
+def as_baseline(dataset):
+    """The --set arguments of the baseline's settings beyond SAVE (conftest.tiny_run_extras): a launch on the
+    baseline, or on a copy of it, passes them to change nothing else."""
+    return [a for setting in tiny_run_extras(dataset) for a in ("--set", setting)]
+
+
 def rerun(run_dir, dataset, *extra):
     result = subprocess.run(command(run_dir, dataset, *extra), capture_output=True, text=True, timeout=300)
     return result.returncode, result.stdout + result.stderr
@@ -62,12 +68,10 @@ def refusal(run_dir, dataset, *extra):
     return str(refused.value)
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory, tiny_dataset):
-    run_dir = str(tmp_path_factory.mktemp("ckpt") / "uninterrupted")
-    code, output = rerun(run_dir, tiny_dataset)
-    assert code == 0, output
-    return run_dir
+@pytest.fixture
+def baseline(tiny_run):
+    """The uninterrupted run: the shared tiny run (conftest.py), 20 steps saved every 5 (SAVE), the newest 3 kept."""
+    return tiny_run[0]
 
 
 def same_trajectory(run_dir, baseline_dir):
@@ -126,11 +130,11 @@ def test_accumulation_buffers_are_not_saved():
 
 def test_resume_with_another_data_order_is_refused(baseline, tiny_dataset):
     before = metrics(baseline)
-    output = refusal(baseline, tiny_dataset, "--set", "seed=7")
+    output = refusal(baseline, tiny_dataset, *as_baseline(tiny_dataset), "--set", "seed=7")
     assert "resume from step 20: the training data order changed: after sample 80" in output
     assert "(changed: seed)" in output and "a resume must not replay or skip data" in output
     # Half the global batch divides the position (80 samples = 40 steps of 2), but would renumber the steps.
-    output = refusal(baseline, tiny_dataset, "--set", "runner_config.batch_size=2")
+    output = refusal(baseline, tiny_dataset, *as_baseline(tiny_dataset), "--set", "runner_config.batch_size=2")
     assert ("resume from step 20: the checkpoint was trained at global batch 4 (80 samples consumed), this recipe's "
             "global batch is 2 (changed: runner_config.batch_size); changing the global batch on resume is not "
             "supported") in output
@@ -204,7 +208,7 @@ def test_rerun_of_a_complete_run_does_nothing(baseline, tiny_dataset, capsys):
     from ascend_llm_recipes.training.launcher.cli import launch
 
     before = files_and_bytes(baseline)
-    code, output = rerun(baseline, tiny_dataset)
+    code, output = rerun(baseline, tiny_dataset, *as_baseline(tiny_dataset))
     assert code == 0 and "already complete (step 20" in output
     assert files_and_bytes(baseline) == before  # not even recipe.yaml or the status files rewritten
     # Other settings on a finished run: refused, naming each key, and still nothing rewritten.
@@ -212,12 +216,12 @@ def test_rerun_of_a_complete_run_does_nothing(baseline, tiny_dataset, capsys):
                                           r"lr_schedule.learning_rate \(0.005 -> 0.001\), "
                                           r"optimizer.weight_decay \(0.0 -> 0.1\)\n(?s:.)*pass --amend"):
         launch(TINY_RECIPE, [f"output_dir={baseline}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-                             *[a for a in SAVE if a != "--set"], "lr_schedule.learning_rate=0.001",
+                             *TINY_RUN_SAVES, *tiny_run_extras(tiny_dataset), "lr_schedule.learning_rate=0.001",
                              "optimizer.weight_decay=0.1"], show_progress=False)
     assert files_and_bytes(baseline) == before
     # With --amend there is still no step for the change to apply to: said, nothing recorded or rewritten.
     assert launch(TINY_RECIPE, [f"output_dir={baseline}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-                                *[a for a in SAVE if a != "--set"], "lr_schedule.learning_rate=0.001"],
+                                *TINY_RUN_SAVES, *tiny_run_extras(tiny_dataset), "lr_schedule.learning_rate=0.001"],
                   show_progress=False, amend=True) == 0
     assert "--amend applies nothing and records nothing (lr_schedule.learning_rate)" in capsys.readouterr().out
     assert files_and_bytes(baseline) == before
@@ -244,18 +248,21 @@ def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_da
     state = os.path.join(step_dir(run_dir, 15), "state.json")
     with open(state, "r+b") as f:
         f.truncate(50)
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a+", encoding="utf-8") as f:
+        f.seek(0)
+        torn = len(f.readlines()) + 1  # its line number (after the training and the held-out records)
         f.write('{"step": 21, "loss": 3.1')  # a line torn by a crash
     assert verify([run_dir]) == 1  # what a resume would find, reported
     with pytest.raises(LaunchError, match=r"this launch changes runner_config.stop_step \(20 -> 12\)\n"):
         prepare_run_dir(load_recipe(TINY_RECIPE, (f"output_dir={run_dir}", "runner_config.stop_step=12",
                                                   f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-                                                  *[a for a in SAVE if a != "--set"])), TINY_RECIPE)
-    code, output = rerun(run_dir, tiny_dataset, "--set", "runner_config.stop_step=12", "--amend")
+                                                  *TINY_RUN_SAVES, *tiny_run_extras(tiny_dataset))), TINY_RECIPE)
+    code, output = rerun(run_dir, tiny_dataset, *as_baseline(tiny_dataset), "--set", "runner_config.stop_step=12",
+                         "--amend")
     assert code == 0, output
     assert f"{state}: unreadable (JSONDecodeError: truncated or corrupt)" in output
     assert "sha256 differs from manifest.json (corrupt)" in output and "from step 10" in output
-    assert "metrics.jsonl:21: not a JSON record (torn by a crash?), dropped" in output
+    assert f"metrics.jsonl:{torn}: not a JSON record (torn by a crash?), dropped" in output
     assert "this run's recipe was amended" in output and "from step 10: runner_config.stop_step 20 -> 12" in output
     # The corrupt steps were moved aside with their reasons; retention kept the valid 10 and the new 12.
     root = os.path.join(run_dir, "checkpoints")
@@ -279,7 +286,7 @@ def test_deleted_state_json_falls_back_to_the_previous_step(baseline, tiny_datas
     shutil.copytree(baseline, run_dir)
     os.remove(os.path.join(step_dir(run_dir, 20), "state.json"))
     recipe = load_recipe(TINY_RECIPE, (f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-                                       *[a for a in SAVE if a != "--set"]))
+                                       *TINY_RUN_SAVES, *tiny_run_extras(tiny_dataset)))
     prepare_run_dir(recipe, TINY_RECIPE)
     assert recipe.load_checkpoint == step_dir(run_dir, 15)
     with open(os.path.join(run_dir, "checkpoints", "invalid", "step_00000020", "REASON.txt"), encoding="utf-8") as f:
@@ -288,7 +295,7 @@ def test_deleted_state_json_falls_back_to_the_previous_step(baseline, tiny_datas
 
 
 def test_recipe_change_that_alters_shapes_is_refused(baseline, tiny_dataset):
-    output = refusal(baseline, tiny_dataset, "--set", "model.model_config.hidden_size=128")
+    output = refusal(baseline, tiny_dataset, *as_baseline(tiny_dataset), "--set", "model.model_config.hidden_size=128")
     assert "holds a run of another model (changed: model.model_config.hidden_size)" in output
 
 
@@ -380,11 +387,13 @@ def test_plot_run_drops_a_torn_line_and_refuses_bad_input(baseline, tmp_path, ca
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
     shutil.copyfile(os.path.join(baseline, "metrics.jsonl"), os.path.join(run_dir, "metrics.jsonl"))
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a+", encoding="utf-8") as f:
+        f.seek(0)
+        torn = len(f.readlines()) + 1  # its line number (after the training and the held-out records)
         f.write('{"step": 21, "lo')
     assert plot([run_dir]) == 0
     captured = capsys.readouterr()
-    assert "metrics.jsonl:21: not a JSON record (torn by a crash?), dropped" in captured.err
+    assert f"metrics.jsonl:{torn}: not a JSON record (torn by a crash?), dropped" in captured.err
     assert "recipe.yaml: missing; loss spikes and the gradient clip are not marked" in captured.err
     assert captured.out.strip() == os.path.join(run_dir, "plots", "dashboard.png")
     assert plot([str(tmp_path / "missing")]) == 2
@@ -444,7 +453,7 @@ def rollback_on_the_dashboard(run_dir, rollback, last_good, baseline, output):
     assert "1 rollback(s)" in fig.legends[0].get_texts()[0].get_text()
 
     assert load_script("plot_run").main([baseline, run_dir, "--output", output]) == 0
-    assert os.listdir(output) == ["compare_uninterrupted_run.png"]
+    assert os.listdir(output) == ["compare_baseline_run.png"]  # named after the run directories
     fig = dashboard([read_run(baseline, "uninterrupted"), read_run(run_dir)])
     loss = next(ax for ax in fig.axes if ax.get_label() == "loss")
     labels = {line.get_label() for line in loss.get_lines()}

@@ -36,24 +36,6 @@ def run_tiny(tmp_path_factory, tiny_dataset, name, *extra):
     return run_dir
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, tiny_dataset):
-    """One real 20-step run of the tiny recipe (cwd set to an empty directory).
-
-    Held-out evaluation every 6 steps: 20 is not a multiple, so the run ends with an extra final evaluation.
-    """
-    cwd = tmp_path_factory.mktemp("cwd")
-    old = os.getcwd()
-    os.chdir(cwd)
-    try:
-        run_dir = run_tiny(tmp_path_factory, tiny_dataset, "baseline", "do_eval=True", "eval_step_interval=6",
-                           f"eval_dataset={{data_loader: {{dataset_dir: {tiny_dataset}}}, max_batches: 4}}",
-                           "profile={start_step: 3, stop_step: 4}")
-    finally:
-        os.chdir(old)
-    return run_dir, str(cwd)
-
-
 def test_tiny_recipe_trains_and_loss_decreases(tiny_run):
     run_dir, _ = tiny_run
     records = read_metrics(run_dir)
