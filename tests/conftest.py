@@ -20,6 +20,7 @@ TINY_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_cpu.yaml")
 TINY_CORPUS = os.path.join(REPO_ROOT, "tests", "data", "tiny_corpus")
 DP2_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml")
 DP_STEPS = 8  # data_parallel_runs
+DP_SAVE_STEPS = 4  # data_parallel_runs save at steps 4 and 8 (the recipes keep 2): the resume drills start from step 4
 DEMO_RECIPE = os.path.join(REPO_ROOT, "recipes", "demo_cpu.yaml")
 # Mistral-7B's tokenizer.model.v1, shipped in the Apache-2.0 package mistral-common (test extra; only this data
 # file is read): 32,000 pieces, unk 0, bos 1, eos 2 and no pad id, the layout of Llama 2's tokenizer.
@@ -114,6 +115,13 @@ def tiny_dataset(tmp_path_factory):
     return out
 
 
+def data_parallel_settings(run_dir: str, dataset: str) -> list:
+    """data_parallel_runs' settings (either recipe): its data order, DP_STEPS steps, a save every DP_SAVE_STEPS."""
+    return [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={dataset}",
+            "train_dataset.data_loader.shuffle=False", f"runner_config.stop_step={DP_STEPS}",
+            f"callbacks.1.save_checkpoint_steps={DP_SAVE_STEPS}"]
+
+
 # The shared tiny run's saves (tiny_run): every 5 steps, the newest 3 kept (steps 10, 15 and 20 at the end).
 TINY_RUN_SAVES = ("callbacks.1.save_checkpoint_steps=5", "callbacks.1.keep_checkpoint_max=3")
 
@@ -152,16 +160,15 @@ def tiny_run(tmp_path_factory, tiny_dataset):
 def data_parallel_runs(tmp_path_factory, tiny_dataset):
     """The tiny recipe trained DP_STEPS steps as one process and as two (tiny_dp2_cpu.yaml): (dp1 dir, dp2 dir).
 
-    Shared by the data-parallel and the multi-node tests (both compare layouts against it).
+    Shared by the data-parallel and the multi-node tests (both compare layouts against it). Each run also saved at
+    step DP_SAVE_STEPS, which the resume drills start from (test_data_parallel.py interrupted_copy).
     """
     from ascend_llm_recipes.training.launcher.cli import launch
 
-    common = [f"train_dataset.data_loader.dataset_dir={tiny_dataset}", "train_dataset.data_loader.shuffle=False",
-              f"runner_config.stop_step={DP_STEPS}", f"callbacks.1.save_checkpoint_steps={DP_STEPS}"]
     one = str(tmp_path_factory.mktemp("dp") / "dp1")
     two = str(tmp_path_factory.mktemp("dp") / "dp2")
-    assert launch(TINY_RECIPE, [f"output_dir={one}", *common], show_progress=False) == 0
-    assert launch(DP2_RECIPE, [f"output_dir={two}", *common], show_progress=False) == 0
+    assert launch(TINY_RECIPE, data_parallel_settings(one, tiny_dataset), show_progress=False) == 0
+    assert launch(DP2_RECIPE, data_parallel_settings(two, tiny_dataset), show_progress=False) == 0
     return one, two
 
 

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import DP2_RECIPE, DP_STEPS as STEPS, TINY_RECIPE
+from conftest import DP2_RECIPE, DP_SAVE_STEPS, DP_STEPS as STEPS, TINY_RECIPE, data_parallel_settings
 from ascend_llm_recipes.training.launcher.cli import launch
 
 
@@ -32,31 +32,28 @@ def runs(data_parallel_runs):
     return data_parallel_runs
 
 
-def common_settings(run_dir, dataset):
-    """The resume drills' settings: the DP runs' data order, a save at step 4, the LR schedule of DP_STEPS steps."""
-    return [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={dataset}",
-            "train_dataset.data_loader.shuffle=False", "callbacks.1.save_checkpoint_steps=4",
-            f"lr_schedule.total_steps={STEPS}"]
+def interrupted_copy(run_dir, copy):
+    """COPY: a copy of a data_parallel_runs run as its job leaves it when killed right after its step-4 save.
 
-
-@pytest.fixture(scope="module")
-def saved_at_step_4(tiny_dataset, tmp_path_factory):
-    """copy(recipe, run_dir): run_dir becomes a copy of a run of `recipe` stopped after its step-4 save.
-
-    Each recipe's first half is trained once for the module: the DP2 one is the start of both the
-    interrupted-DP2 drill and the DP2 -> DP1 resume. The copy is what each drill resumes, a run directory moved
-    as a user may move one (output_dir is not a setting a resume compares).
+    The run saved at steps 4 and 8 (DP_SAVE_STEPS): what its steps after the step-4 save wrote is taken away (the
+    newer checkpoint, every rank's per-step records after step 4, the end-of-run summary, the ranks' final status
+    and heartbeat, which every resume removes anyway). What a resume reads is then the run's own: its recipe.yaml
+    (whose sha256 the step-4 state.json records), its step-4 checkpoint, its data position and metrics up to
+    step 4. The copy is a run directory moved as a user may move one (output_dir is not a setting a resume
+    compares).
     """
-    made = {}
-
-    def copy(recipe, run_dir):
-        if recipe not in made:
-            made[recipe] = str(tmp_path_factory.mktemp("saved_at_4") / "run")
-            assert launch(recipe, [*common_settings(made[recipe], tiny_dataset), "runner_config.stop_step=4"],
-                          show_progress=False) == 0
-        shutil.copytree(made[recipe], run_dir)
-
-    return copy
+    shutil.copytree(run_dir, copy)
+    checkpoints = os.path.join(copy, "checkpoints")
+    assert sorted(os.listdir(checkpoints)) == [f"step_{DP_SAVE_STEPS:08d}", f"step_{STEPS:08d}"]
+    shutil.rmtree(os.path.join(checkpoints, f"step_{STEPS:08d}"))
+    for name in os.listdir(copy):
+        if name.startswith("metrics") and name.endswith(".jsonl"):
+            kept = [r for r in records(os.path.join(copy, name)) if r["step"] <= DP_SAVE_STEPS]
+            with open(os.path.join(copy, name), "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.remove(os.path.join(copy, "summary.json"))
+    for stale in ("status", "heartbeat"):
+        shutil.rmtree(os.path.join(copy, stale))
 
 
 def records(path):
@@ -126,20 +123,19 @@ def test_collective_self_test_ran_on_every_rank(runs):
 
 @pytest.mark.parametrize("saved_at, resumed_at", [(DP2_RECIPE, TINY_RECIPE), (TINY_RECIPE, DP2_RECIPE)],
                          ids=["dp2_then_dp1", "dp1_then_dp2"])
-def test_resume_at_another_data_parallel_degree_continues_the_dp1_trajectory(runs, saved_at_step_4, tiny_dataset,
-                                                                             tmp_path, capsys, saved_at, resumed_at):
+def test_resume_at_another_data_parallel_degree_continues_the_dp1_trajectory(runs, tiny_dataset, tmp_path, capsys,
+                                                                             saved_at, resumed_at):
     """Save at one data-parallel degree, resume at the other (same global batch): the DP1 trajectory continues.
 
     A step saved by fewer ranks than the new world size is complete (every rank it was saved by wrote its
     manifest): the new ranks resume from rank 0's file, none of it is set aside, nothing retrains from step 0.
     """
-    one, _ = runs
+    one, two = runs
     run_dir = str(tmp_path / "run")
-    saved_at_step_4(saved_at, run_dir)
+    interrupted_copy(two if saved_at == DP2_RECIPE else one, run_dir)
     capsys.readouterr()
-    # Another layout and stop_step: accepted as a recorded amendment (the global batch stays 4).
-    assert launch(resumed_at, [*common_settings(run_dir, tiny_dataset), f"runner_config.stop_step={STEPS}"],
-                  show_progress=False, amend=True) == 0
+    # Another layout: accepted as a recorded amendment (the global batch stays 4).
+    assert launch(resumed_at, data_parallel_settings(run_dir, tiny_dataset), show_progress=False, amend=True) == 0
     out = capsys.readouterr().out
     assert f"resuming {run_dir} from step 4" in out and "skipping invalid checkpoint" not in out, out
     assert not os.path.exists(os.path.join(run_dir, "checkpoints", "invalid"))
@@ -158,14 +154,13 @@ def test_resume_at_another_data_parallel_degree_continues_the_dp1_trajectory(run
         assert [r["loss"] for r in other] == [r["loss"] for r in run[4:]]
 
 
-def test_dp2_run_interrupted_after_a_save_resumes_bitwise_on_both_ranks(runs, saved_at_step_4, tiny_dataset, tmp_path):
-    """The same command run again continues a DP2 run stopped after its step-4 save (a copy of the module's); both
-    ranks' per-step losses equal the uninterrupted run's."""
+def test_dp2_run_interrupted_after_a_save_resumes_bitwise_on_both_ranks(runs, tiny_dataset, tmp_path):
+    """The same command run again continues a DP2 run killed after its step-4 save (a copy of the shared run cut
+    back to that save); both ranks' per-step losses equal the uninterrupted run's."""
     _, two = runs
     run_dir = str(tmp_path / "dp2_interrupted")
-    saved_at_step_4(DP2_RECIPE, run_dir)
-    assert launch(DP2_RECIPE, [*common_settings(run_dir, tiny_dataset), f"runner_config.stop_step={STEPS}"],
-                  show_progress=False, amend=True) == 0
+    interrupted_copy(two, run_dir)
+    assert launch(DP2_RECIPE, data_parallel_settings(run_dir, tiny_dataset), show_progress=False) == 0
     for name in ("metrics.jsonl", "metrics_rank_1.jsonl"):
         assert losses(os.path.join(run_dir, name)) == losses(os.path.join(two, name))
 
