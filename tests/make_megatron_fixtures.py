@@ -1,11 +1,13 @@
 """Write a real Megatron checkpoint (legacy and torch_dist) with megatron-core, plus its own logits.
 
-    torchrun --nproc-per-node 4 tests/make_megatron_fixtures.py OUT_DIR [LAYOUT ...]
+    python tests/make_megatron_fixtures.py OUT_DIR [LAYOUT ...] [--processes N]
 
-LAYOUT is tp1 (tied embeddings), tp2 (q/k/v bias) or tp2pp2 (default: all three, in one launch so that megatron-core
-is imported once; ranks beyond TP x PP are data-parallel replicas), or tp2_large (hidden 512, 8 layers,
-vocabulary 32000; 2 processes) to measure the converter. Run by
-tests/test_megatron.py, always under a timeout (a failed torch_dist writer hangs its parent).
+LAYOUT is tp1 (tied embeddings), tp2 (q/k/v bias) or tp2pp2 (default: all three, in one launch; ranks beyond
+TP x PP are data-parallel replicas), or tp2_large (hidden 512, 8 layers, vocabulary 32000; `--processes 2`) to
+measure the converter. The N ranks (default 4) are forked from one process after it has imported torch and
+megatron-core, which each rank would otherwise import again (8-12 CPU-s apiece on 2 cores); under
+`torchrun --nproc-per-node N` the script runs as one of torchrun's ranks instead. Run by tests/test_megatron.py,
+always under a timeout (a failed torch_dist writer hangs its parent).
 Builds megatron-core's GPTModel with the local layer spec on CPU under gloo from a Megatron-LM
 style `args` namespace, fills every parameter with seeded noise (norms around 1), takes TRAIN_STEPS real
 training steps with megatron-core's own optimizer (get_megatron_optimizer, Adam, use_distributed_optimizer
@@ -24,7 +26,11 @@ megatron-core 0.16.1 on CPU needs a few workarounds, marked "CPU:" below.
 """
 
 import argparse
+import multiprocessing
+import multiprocessing.connection
 import os
+import queue
+import socket
 import zlib
 
 import numpy as np
@@ -74,6 +80,11 @@ def cpu_workarounds() -> None:
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, optimizer as mcore_optimizer
     mcore_optimizer.torch = clip_grads.torch = utils.torch = _CpuTensors()
+    # Not for the CPU, for time: the torch_dist writer hands its results back through a Manager queue it starts
+    # with the 'spawn' method, a new process re-importing this script (torch, numpy: ~4 CPU-s) on every rank.
+    # dist_checkpointing.save runs the writer synchronously in this process: a plain queue carries the same results.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    filesystem_async._results_queue = queue.Queue()
 
 
 class _CpuTensors:
@@ -269,20 +280,63 @@ def make_layout(out_dir: str, tp: int, pp: int, tied: bool, qkv_bias: bool, larg
     parallel_state.destroy_model_parallel()
 
 
-def main() -> None:
+def run_rank(out_dir: str, layouts: list) -> None:
+    """One rank of the world (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment): every layout in turn."""
+    cpu_workarounds()
+    dist.init_process_group("gloo")
+    for name in layouts:
+        make_layout(os.path.join(out_dir, name), *{**LAYOUTS, **LARGE}[name], large=name in LARGE)
+    dist.destroy_process_group()
+
+
+def _forked_rank(rank: int, world: int, port: int, out_dir: str, layouts: list) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    run_rank(out_dir, layouts)
+
+
+def fork_ranks(world: int, out_dir: str, layouts: list) -> int:
+    """Run `world` ranks forked from this process; the first that fails stops the others. Returns an exit code."""
+    # imported once here, before the fork, instead of once in every rank
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=_forked_rank, args=(rank, world, port, out_dir, layouts)) for rank in range(world)]
+    for process in ranks:
+        process.start()
+    running = {process.sentinel: process for process in ranks}
+    while running:
+        for sentinel in multiprocessing.connection.wait(list(running)):
+            process = running.pop(sentinel)
+            process.join()
+            if process.exitcode:  # the others would wait for it in a collective forever
+                for other in running.values():
+                    other.kill()
+                return 1
+    return 0
+
+
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
     parser.add_argument("layouts", nargs="*", help=f"of {', '.join(LAYOUTS)} (default: all)")
+    parser.add_argument("--processes", type=int, default=4, help="ranks to fork (ignored under torchrun)")
     options = parser.parse_args()
     unknown = set(options.layouts) - set(LAYOUTS) - set(LARGE)
     if unknown:
         parser.error(f"unknown layout(s) {sorted(unknown)}")
-    cpu_workarounds()
-    dist.init_process_group("gloo")
-    for name in options.layouts or LAYOUTS:
-        make_layout(os.path.join(options.out_dir, name), *{**LAYOUTS, **LARGE}[name], large=name in LARGE)
-    dist.destroy_process_group()
+    layouts = options.layouts or list(LAYOUTS)
+    if "RANK" in os.environ:  # started by torchrun
+        run_rank(options.out_dir, layouts)
+        return 0
+    return fork_ranks(options.processes, options.out_dir, layouts)
 
 
-if __name__ == "__main__":  # CPU: the torch_dist writer re-imports __main__ in its worker processes
-    main()
+if __name__ == "__main__":
+    raise SystemExit(main())

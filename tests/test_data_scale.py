@@ -360,8 +360,11 @@ def test_slurm_run_on_a_real_cluster(corpus, tmp_path, slurm_cluster):
     cluster = slurm_cluster
     root, inputs, one, _ = corpus
     out = tmp_path / "slurm"
+    # Shards of 1024 samples (the last flag wins): 2 per task instead of ~20, each a MindRecord writer and a hash of
+    # its 17 MB file, ~10 s of the pack stage; documents and tokens do not depend on where shards end.
     submit = subprocess.run([sys.executable, SCRIPT, "--input", *inputs, "--output", str(out), "--tasks", "2",
-                             "--executor", "slurm", "--partition", cluster.partition, "--time", "00:10:00", *FLAGS],
+                             "--executor", "slurm", "--partition", cluster.partition, "--time", "00:10:00", *FLAGS,
+                             "--samples-per-shard", "1024"],
                             capture_output=True, text=True, timeout=120, env=cluster.env, cwd=tmp_path)
     assert submit.returncode == 0, submit.stderr[-3000:]
     deadline = time.time() + 240

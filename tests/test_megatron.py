@@ -1,6 +1,6 @@
 """Megatron-LM and torch.save imports, proven on checkpoints written by real megatron-core.
 
-The fixtures (tests/make_megatron_fixtures.py, one torchrun launch per session) are megatron-core's
+The fixtures (tests/make_megatron_fixtures.py, one launch of 4 ranks per session) are megatron-core's
 own GPTModel at TP1 (tied embeddings), TP2 (q/k/v bias) and TP2xPP2 with grouped-query attention, saved in the
 legacy and torch_dist formats, with megatron-core's forward logits on fixed tokens.
 """
@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -20,7 +21,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, TINY_RECIPE, load_script
-from ascend_llm_recipes.models.conversion.ours import HF_WEIGHTS_FILE, MODEL_SECTION_FILE
+from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, HF_WEIGHTS_FILE, MODEL_SECTION_FILE
 from ascend_llm_recipes.models.conversion.megatron import from_megatron
 from test_convert import assert_nothing_written, make_hf_model
 from ascend_llm_recipes.common.errors import ConversionError
@@ -28,6 +29,7 @@ from ascend_llm_recipes.training.tools.export import from_torch, to_megatron, wr
 from ascend_llm_recipes.training.launcher.cli import launch
 from ascend_llm_recipes.training.tools.planner import plan
 from ascend_llm_recipes.training.recipe.loading import load_recipe
+from ascend_llm_recipes.training.checkpoint import step_dir
 
 GENERATOR = os.path.join(REPO_ROOT, "tests", "make_megatron_fixtures.py")
 LAYOUTS = ("tp1", "tp2", "tp2pp2")
@@ -37,16 +39,20 @@ PARITY = 1e-4  # max |delta logits| against megatron-core's own forward
 
 @pytest.fixture(scope="session")
 def megatron_dir(tmp_path_factory):
-    """All six fixtures, written once per session by megatron-core under torchrun (4 local processes)."""
+    """All six fixtures, written once per session by megatron-core in 4 ranks (forked after one import)."""
     out = tmp_path_factory.mktemp("megatron")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-               GENERATOR, str(out)]
+    command = [sys.executable, GENERATOR, str(out), "--processes", "4"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # its own process group: a timeout kills the ranks too, not only the process that forked them
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:  # a failed torch_dist writer hangs its parent instead of exiting
-        result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"megatron fixture generation timed out after 240 s:\n{(err.stderr or b'')[-3000:]}")
-    assert result.returncode == 0, result.stderr[-5000:]
+        _, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"megatron fixture generation timed out after 240 s:\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stderr[-5000:]
     return out
 
 
@@ -386,22 +392,42 @@ def test_write_recipe_continues_the_run_and_plans(tmp_path, megatron_dir):
     assert not (tmp_path / "recipes" / "three.yaml").exists()
 
 
-def test_converted_fixture_trains_and_exports(tmp_path, megatron_dir, tiny_dataset, capsys):
-    """Done-when, for TP2xPP2 torch_dist: convert (CLI), train 2 steps with the tiny recipe, export --to-hf."""
+@pytest.fixture(scope="module")
+def continued_run(tmp_path_factory, megatron_dir, tiny_dataset):
+    """The TP2xPP2 legacy fixture converted with its Adam moments, then 2 steps of the tiny recipe from it (a
+    checkpoint each step): one launch read by the training tests below. (converted dir, run dir)."""
+    root = tmp_path_factory.mktemp("continued")
+    ours, run_dir = root / "ours", root / "run"
+    from_megatron(str(megatron_dir / "tp2pp2" / "legacy"), str(ours), show_progress=False)
+    model_config = yaml.safe_load((ours / MODEL_SECTION_FILE).read_text())["model"]["model_config"]
+    overrides = [f"model.model_config.{key}={json.dumps(value)}" for key, value in model_config.items()]
+    code = launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                                f"load_checkpoint={ours}", "load_ckpt_format=safetensors",
+                                f"load_optimizer_state={ours}", "runner_config.stop_step=2",
+                                "lr_schedule.warmup_steps=0",
+                                "callbacks.1.save_checkpoint_steps=1", "optimizer.betas=[0.9, 0.95]",
+                                *overrides], show_progress=False)
+    assert code == 0
+    return ours, run_dir
+
+
+def test_converted_fixture_trains_and_exports(tmp_path, megatron_dir, continued_run, capsys):
+    """Done-when, for TP2xPP2 torch_dist: convert (CLI), train 2 steps with the tiny recipe, export --to-hf.
+
+    The run trained is continued_run's: it starts from the legacy files of the same checkpoint, whose conversion is
+    this one's, byte for byte (its Adam moments aside).
+    """
     convert_checkpoint = load_script("convert_checkpoint")
-    ours, run_dir = tmp_path / "ours", tmp_path / "run"
+    ours, (trained_from, run_dir) = tmp_path / "ours", continued_run
     assert convert_checkpoint.main(["--from-megatron", str(megatron_dir / "tp2pp2" / "torch_dist"),
                                     "--output", str(ours), "--quiet"]) == 0
     assert "Megatron iteration 40" in capsys.readouterr().out
     assert convert_checkpoint.main(["--from-megatron", str(tmp_path / "nowhere"), "--output", str(tmp_path / "x")]) == 2
     assert "nowhere: not a directory" in capsys.readouterr().err
+    assert (ours / CHECKPOINT_FILE).read_bytes() == (trained_from / CHECKPOINT_FILE).read_bytes()
+    assert yaml.safe_load((ours / MODEL_SECTION_FILE).read_text()) == \
+        yaml.safe_load((trained_from / MODEL_SECTION_FILE).read_text())
 
-    model_config = yaml.safe_load((ours / MODEL_SECTION_FILE).read_text())["model"]["model_config"]
-    overrides = [f"model.model_config.{key}={json.dumps(value)}" for key, value in model_config.items()]
-    code = launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-                                f"load_checkpoint={ours}", "load_ckpt_format=safetensors",
-                                "runner_config.stop_step=2", *overrides], show_progress=False)
-    assert code == 0
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(line)]
     assert len(losses) == 2 and all(np.isfinite(losses))
@@ -436,22 +462,13 @@ def test_adam_moments_of_legacy_files_are_carried_over(tmp_path, megatron_dir):
     assert not (tmp_path / "dist" / "optimizer").exists()
 
 
-def test_training_continues_with_the_carried_moments(tmp_path, megatron_dir, tiny_dataset):
+def test_training_continues_with_the_carried_moments(continued_run):
     """The first step starts from Megatron's moments and step: m1 = b1 m0 + (1 - b1) g, v1 = b2 v0 + (1 - b2) g^2."""
     import mindspore as ms
 
-    ours, run_dir = tmp_path / "ours", tmp_path / "run"
-    from_megatron(str(megatron_dir / "tp1" / "legacy"), str(ours), show_progress=False)
-    model_config = yaml.safe_load((ours / MODEL_SECTION_FILE).read_text())["model"]["model_config"]
-    overrides = [f"model.model_config.{key}={json.dumps(value)}" for key, value in model_config.items()]
-    code = launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-                                f"load_checkpoint={ours}", "load_ckpt_format=safetensors",
-                                f"load_optimizer_state={ours}", "runner_config.stop_step=1",
-                                "lr_schedule.warmup_steps=0",
-                                "callbacks.1.save_checkpoint_steps=1", "optimizer.betas=[0.9, 0.95]",
-                                *overrides], show_progress=False)
-    assert code == 0
-    saved = ms.load_checkpoint(next(iter(sorted((run_dir / "checkpoints").glob("step_*/rank_0/*.ckpt")))).as_posix())
+    ours, run_dir = continued_run
+    rank0 = os.path.join(step_dir(str(run_dir), 1), "rank_0")
+    saved = ms.load_checkpoint(next(os.path.join(rank0, f) for f in sorted(os.listdir(rank0)) if f.endswith(".ckpt")))
     assert int(saved["global_step"].asnumpy()[0]) == 3  # Megatron's 2 steps, then this one
     m0 = load_file(str(ours / "optimizer" / "adam_m.safetensors"))
     v0 = load_file(str(ours / "optimizer" / "adam_v.safetensors"))

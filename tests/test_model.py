@@ -19,6 +19,12 @@ def tiny(**overrides):
     return LlamaForCausalLM(LlamaConfig(**fields))
 
 
+@pytest.fixture(scope="module")
+def net():
+    """tiny() with its defaults, for the tests that only run it: each graph it compiles (per input shape) is reused."""
+    return tiny()
+
+
 def reference_loss(logits, labels):
     logits = logits.reshape(-1, logits.shape[-1]).astype(np.float64)
     labels = labels.reshape(-1)
@@ -29,8 +35,7 @@ def reference_loss(logits, labels):
     return (nll * mask).sum() / mask.sum()
 
 
-def test_loss_is_masked_next_token_cross_entropy():
-    net = tiny()
+def test_loss_is_masked_next_token_cross_entropy(net):
     rng = np.random.default_rng(0)
     ids = rng.integers(4, 128, size=(2, 33)).astype(np.int32)
     ids[1, 20:] = PAD  # corpus-tail padding: these labels must not count
@@ -40,8 +45,7 @@ def test_loss_is_masked_next_token_cross_entropy():
     assert loss == pytest.approx(np.log(128), abs=0.1)  # untrained: close to uniform
 
 
-def test_attention_is_causal():
-    net = tiny()
+def test_attention_is_causal(net):
     ids = np.random.default_rng(1).integers(4, 128, size=(1, 32)).astype(np.int32)
     changed = ids.copy()
     changed[0, 20:] = 5
@@ -51,17 +55,17 @@ def test_attention_is_causal():
     assert not np.allclose(a[0, 20:], b[0, 20:])
 
 
-def test_parameter_names_follow_the_huggingface_checkpoint():
-    names = [p.name for p in tiny().get_parameters()]
+def test_parameter_names_follow_the_huggingface_checkpoint(net):
+    names = [p.name for p in net.get_parameters()]
     assert names[:3] == ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
                          "model.layers.0.self_attn.q_proj.weight"]
     assert names[-2:] == ["model.norm.weight", "lm_head.weight"]
     assert "model.layers.1.mlp.gate_proj.weight" in names
 
 
-def test_float16_compute_tracks_float32():
+def test_float16_compute_tracks_float32(net):
     ids = ms.Tensor(np.random.default_rng(2).integers(4, 128, size=(2, 33)).astype(np.int32))
-    loss32 = float(tiny()(ids).asnumpy())
+    loss32 = float(net(ids).asnumpy())  # the loss graph of this shape: compiled once for the module
     loss16 = float(tiny(compute_dtype="float16")(ids).asnumpy())
     assert loss16 == pytest.approx(loss32, abs=2e-2)
 
