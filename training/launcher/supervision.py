@@ -122,7 +122,10 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
                     outcome.killed = why
                 kill_job(proc, launcher)
                 break
-            time.sleep(poll)
+            try:  # a poll's wait, ended at once when the job's process exits (a run's end is reported without delay)
+                proc.wait(timeout=poll)
+            except subprocess.TimeoutExpired:
+                pass
         outcome.returncode = proc.wait()
         kill_job(proc, launcher)  # nothing of the job outlives its launch
     except BaseException:
