@@ -136,6 +136,13 @@ def tiny_run_extras(dataset: str) -> tuple:
             "profile={start_step: 3, stop_step: 4}")
 
 
+def tiny_run_settings(run_dir: str, dataset: str) -> list:
+    """The shared tiny run's settings (the --set values) for a launch or recipe on RUN_DIR: its own, so that only
+    the keys a test adds change."""
+    return [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={dataset}", *TINY_RUN_SAVES,
+            *tiny_run_extras(dataset)]
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, tiny_dataset):
     """One real 20-step run of the tiny recipe (TINY_RUN_SAVES, tiny_run_extras), launched from an empty working
@@ -148,8 +155,7 @@ def tiny_run(tmp_path_factory, tiny_dataset):
     old = os.getcwd()
     os.chdir(cwd)
     try:
-        code = launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-                                    *TINY_RUN_SAVES, *tiny_run_extras(tiny_dataset)], show_progress=False)
+        code = launch(TINY_RECIPE, tiny_run_settings(run_dir, tiny_dataset), show_progress=False)
     finally:
         os.chdir(old)
     assert code == 0

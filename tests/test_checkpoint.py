@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import REPO_ROOT, TINY_RECIPE, TINY_RUN_SAVES, load_script, tiny_run_extras
+from conftest import REPO_ROOT, TINY_RECIPE, TINY_RUN_SAVES, load_script, tiny_run_extras, tiny_run_settings
 from ascend_llm_recipes.training.checkpoint import (MANIFEST, newest_valid_step, read_json, step_dir, verify_step,
                                                     write_rank)
 from ascend_llm_recipes.training.run_files import LOCK_FILE
@@ -49,6 +49,16 @@ def as_baseline(dataset):
     """The --set arguments of the baseline's settings beyond SAVE (conftest.tiny_run_extras): a launch on the
     baseline, or on a copy of it, passes them to change nothing else."""
     return [a for setting in tiny_run_extras(dataset) for a in ("--set", setting)]
+
+
+def append_torn_line(path, text):
+    """Append `text`, a line torn by a crash (no newline), to the metrics file PATH; returns its line number
+    (after the training and the held-out records)."""
+    with open(path, "a+", encoding="utf-8") as f:
+        f.seek(0)
+        line = len(f.readlines()) + 1
+        f.write(text)
+    return line
 
 
 def rerun(run_dir, dataset, *extra):
@@ -215,13 +225,11 @@ def test_rerun_of_a_complete_run_does_nothing(baseline, tiny_dataset, capsys):
     with pytest.raises(LaunchError, match=r"holds a run trained with other settings; this launch changes "
                                           r"lr_schedule.learning_rate \(0.005 -> 0.001\), "
                                           r"optimizer.weight_decay \(0.0 -> 0.1\)\n(?s:.)*pass --amend"):
-        launch(TINY_RECIPE, [f"output_dir={baseline}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-                             *TINY_RUN_SAVES, *tiny_run_extras(tiny_dataset), "lr_schedule.learning_rate=0.001",
+        launch(TINY_RECIPE, [*tiny_run_settings(baseline, tiny_dataset), "lr_schedule.learning_rate=0.001",
                              "optimizer.weight_decay=0.1"], show_progress=False)
     assert files_and_bytes(baseline) == before
     # With --amend there is still no step for the change to apply to: said, nothing recorded or rewritten.
-    assert launch(TINY_RECIPE, [f"output_dir={baseline}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-                                *TINY_RUN_SAVES, *tiny_run_extras(tiny_dataset), "lr_schedule.learning_rate=0.001"],
+    assert launch(TINY_RECIPE, [*tiny_run_settings(baseline, tiny_dataset), "lr_schedule.learning_rate=0.001"],
                   show_progress=False, amend=True) == 0
     assert "--amend applies nothing and records nothing (lr_schedule.learning_rate)" in capsys.readouterr().out
     assert files_and_bytes(baseline) == before
@@ -248,15 +256,11 @@ def test_corrupt_newest_steps_are_set_aside_and_new_saves_kept(baseline, tiny_da
     state = os.path.join(step_dir(run_dir, 15), "state.json")
     with open(state, "r+b") as f:
         f.truncate(50)
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a+", encoding="utf-8") as f:
-        f.seek(0)
-        torn = len(f.readlines()) + 1  # its line number (after the training and the held-out records)
-        f.write('{"step": 21, "loss": 3.1')  # a line torn by a crash
+    torn = append_torn_line(os.path.join(run_dir, "metrics.jsonl"), '{"step": 21, "loss": 3.1')
     assert verify([run_dir]) == 1  # what a resume would find, reported
     with pytest.raises(LaunchError, match=r"this launch changes runner_config.stop_step \(20 -> 12\)\n"):
-        prepare_run_dir(load_recipe(TINY_RECIPE, (f"output_dir={run_dir}", "runner_config.stop_step=12",
-                                                  f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-                                                  *TINY_RUN_SAVES, *tiny_run_extras(tiny_dataset))), TINY_RECIPE)
+        prepare_run_dir(load_recipe(TINY_RECIPE, (*tiny_run_settings(run_dir, tiny_dataset),
+                                                  "runner_config.stop_step=12")), TINY_RECIPE)
     code, output = rerun(run_dir, tiny_dataset, *as_baseline(tiny_dataset), "--set", "runner_config.stop_step=12",
                          "--amend")
     assert code == 0, output
@@ -285,8 +289,7 @@ def test_deleted_state_json_falls_back_to_the_previous_step(baseline, tiny_datas
     run_dir = str(tmp_path / "run")
     shutil.copytree(baseline, run_dir)
     os.remove(os.path.join(step_dir(run_dir, 20), "state.json"))
-    recipe = load_recipe(TINY_RECIPE, (f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
-                                       *TINY_RUN_SAVES, *tiny_run_extras(tiny_dataset)))
+    recipe = load_recipe(TINY_RECIPE, tuple(tiny_run_settings(run_dir, tiny_dataset)))
     prepare_run_dir(recipe, TINY_RECIPE)
     assert recipe.load_checkpoint == step_dir(run_dir, 15)
     with open(os.path.join(run_dir, "checkpoints", "invalid", "step_00000020", "REASON.txt"), encoding="utf-8") as f:
@@ -387,10 +390,7 @@ def test_plot_run_drops_a_torn_line_and_refuses_bad_input(baseline, tmp_path, ca
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
     shutil.copyfile(os.path.join(baseline, "metrics.jsonl"), os.path.join(run_dir, "metrics.jsonl"))
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a+", encoding="utf-8") as f:
-        f.seek(0)
-        torn = len(f.readlines()) + 1  # its line number (after the training and the held-out records)
-        f.write('{"step": 21, "lo')
+    torn = append_torn_line(os.path.join(run_dir, "metrics.jsonl"), '{"step": 21, "lo')
     assert plot([run_dir]) == 0
     captured = capsys.readouterr()
     assert f"metrics.jsonl:{torn}: not a JSON record (torn by a crash?), dropped" in captured.err
