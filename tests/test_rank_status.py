@@ -23,9 +23,18 @@ def test_the_launcher_reads_what_the_worker_writes(tmp_path):
     assert read_heartbeat(run_dir, 0)["phase"] == "step 3" and read_heartbeat(run_dir, 3) is None
 
     later = time.time() + 60
-    assert [(rank, phase) for rank, phase, _ in stalled_ranks(run_dir, range(4), 30, started, later)] == \
+    assert [(rank, phase) for rank, phase, *_ in stalled_ranks(run_dir, range(4), 30, started, later)] == \
         [(0, "step 3"), (1, "eval"), (3, "not started")]  # rank 2 is done
     assert stalled_ranks(run_dir, range(4), 30, started, time.time()) == []
+    # monitoring.startup_timeout, when set, is the limit of a rank still starting (until its first step ends).
+    Heartbeat(run_dir, 2).beat("compile")
+
+    def limits(now):
+        return [(rank, phase, limit) for rank, phase, _, limit in
+                stalled_ranks(run_dir, range(4), 30, started, now, startup_timeout=120)]
+    assert limits(later) == [(0, "step 3", 30), (1, "eval", 30)]
+    assert limits(started + 180) == [(0, "step 3", 30), (1, "eval", 30), (2, "compile", 120), (3, "not started", 120)]
+    Heartbeat(run_dir, 2).beat("done", 3)
     # Rank 0 says running and its process (this one) is alive; rank 1 said failed.
     assert [rank_failing(run_dir, rank, started) for rank in range(4)] == [False, True, False, False]
     assert not rank_failing(run_dir, 1, time.time() + 1)  # a status older than the launch is a previous run's

@@ -275,6 +275,10 @@ class NodeGroup:
                     link.phases[str(rank)] = beat
         return next((p for p in (link.problem() for _, link in sorted(self.links.items())) if p), "")
 
+    def finished(self) -> bool:
+        """Every other node said its part ended well: its msrun and workers have exited."""
+        return all(link.ended is not None and link.ended["ok"] for link in self.links.values())
+
     def end(self, code: int, ok: bool) -> None:
         """Tell the other nodes how this launch ended (`ok` False stops their part), then close."""
         reason = exit_reason(self.cluster.node_rank, code) + (f": {self.failure}" if self.failure else "")
