@@ -79,9 +79,9 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
     every worker then saves at the end of its current step and exits; a second signal, or STOP_GRACE_SECONDS,
     kills the job at once. msrun's own output goes to logs/`msrun_log` (it must not depend on the launcher
     being alive) and is echoed here.
-    Once every rank is done and each worker has exited 0 (and every other node ended well), the job is ended
-    without waiting for msrun's scheduler to notice (msrun_done_with_workers: up to 5 s more); the outcome's
-    returncode is then 0, msrun's own result for such a job.
+    Once every rank is done and each worker has exited 0 (and, on node 0, every other node ended well), the
+    job is ended without waiting for msrun's scheduler to notice (msrun_done_with_workers: up to 5 s more) and
+    msrun to exit; the outcome's returncode is then 0, msrun's own result for such a job.
     `direct`: `command` is the only rank's worker itself (cluster.starts_worker_directly), not msrun; its
     output goes to its logs/worker_N.log, echoed here, and the outcome's returncode is its own.
     """
@@ -130,11 +130,12 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
                       f"(monitoring.{key} {limit} s); stopping the job", file=sys.stderr, flush=True)
             workers_gone = (workers_gone or now) if worker_pids and not workers else None
             outcome.node_lost = nodes.problem() if nodes is not None else ""
-            # Every worker has exited 0 and every rank is done (and every other node ended well): msrun would only
-            # wait for its scheduler, which has nothing left to do. NOTED_SECONDS: for msrun to log a failure of a
-            # worker it reaped just now.
+            # Every worker has exited 0 and every rank is done (and on node 0 every other node ended well): msrun
+            # would only wait for its scheduler (node 0), which has nothing left to do, and then exit.
+            # NOTED_SECONDS: for msrun to log a failure of a worker it reaped just now.
             ended_well = (workers_gone and every_rank_done(run_dir, ranks, started)
-                          and workers_ended_well(log_path, worker_pids) and (nodes is None or nodes.finished()))
+                          and workers_ended_well(log_path, worker_pids)
+                          and (nodes is None or nodes.scheduler_unneeded()))
             # The job is ending and msrun has seen how each worker ended: it only waits for its scheduler.
             ending_noted = deadline is not None and workers_gone and msrun_done_with_workers(log_path, worker_pids)
             noted = (noted or now) if ended_well or ending_noted else None
