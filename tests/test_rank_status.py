@@ -61,3 +61,36 @@ def test_only_rank_status_opens_the_ranks_files():
         users += [f"{os.path.relpath(path, REPO_ROOT)}:{line}: {name}" for line, name in names
                   if name in ("status_path", "heartbeat_path")]
     assert users == [], "\n".join(users)
+
+
+def test_a_finished_job_is_ended_without_its_scheduler_only_when_every_worker_exited_0(tmp_path):
+    """The launcher reads how msrun's workers exited: a zombie's status before msrun reaps it, msrun's log after."""
+    import subprocess
+    from ascend_llm_recipes.training.launcher.supervision import (exit_statuses, msrun_done_with_workers,
+                                                                  workers_ended_well)
+
+    log = tmp_path / "msrun.log"
+    log.write_text("Distributed job is spawned. Waiting all processes to exit...\n")
+    running = subprocess.Popen(["sleep", "30"])
+    good, bad = subprocess.Popen(["sh", "-c", "exit 0"]), subprocess.Popen(["sh", "-c", "exit 3"])
+    try:
+        deadline = time.time() + 10
+        while len(exit_statuses([good.pid, bad.pid])) < 2:  # zombies until reaped below
+            assert time.time() < deadline
+            time.sleep(0.01)
+        assert exit_statuses([good.pid, bad.pid]) == {good.pid: 0, bad.pid: 3 << 8}
+        assert exit_statuses([good.pid, running.pid]) == {}  # one still runs
+        assert workers_ended_well(log, [good.pid]) and not workers_ended_well(log, [good.pid, bad.pid])
+        assert not workers_ended_well(log, [good.pid, running.pid])
+        assert not msrun_done_with_workers(log, [good.pid, bad.pid])  # not reaped, nothing logged yet
+    finally:
+        running.kill()
+        for p in (running, good, bad):
+            p.wait()
+    # Reaped: msrun logged the failure as it reaped it (mindspore/parallel/cluster/process_entity/_api.py:364).
+    assert exit_statuses([good.pid, bad.pid]) == {good.pid: None, bad.pid: None}
+    assert msrun_done_with_workers(log, [good.pid, bad.pid]) and workers_ended_well(log, [good.pid, bad.pid])
+    with open(log, "a") as f:
+        f.write(f"[ERROR] ME(1:2,MainProcess):2026-12-02-07:42:33.851.000 [mindspore/parallel/cluster/process_entity/"
+                f"_api.py:364] Worker process {bad.pid} exit with exception. Error code: 3.\n")
+    assert not workers_ended_well(log, [good.pid, bad.pid])
