@@ -461,7 +461,10 @@ def test_plan_still_works_for_ascend_features_asked_on_cpu():
 @pytest.mark.drill
 def test_stalled_worker_is_named_by_rank_and_phase(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    proc = start_launcher(run_dir, tiny_dataset, TINY_RECIPE, "--set", "monitoring.hang_timeout=30")
+    # hang_timeout is the limit of a running step (~40 ms here; seconds on a loaded machine); the start-up (imports,
+    # graph compile: ~30 s on a loaded 2-core machine) has the generous startup_timeout.
+    proc = start_launcher(run_dir, tiny_dataset, TINY_RECIPE, "--set", "monitoring.hang_timeout=10",
+                          "--set", "monitoring.startup_timeout=600")
     wait_for_steps(proc, run_dir)
     pid = rank_pid(run_dir, 0)
     os.kill(pid, signal.SIGSTOP)  # a hang: alive, silent
@@ -473,7 +476,7 @@ def test_stalled_worker_is_named_by_rank_and_phase(tiny_dataset, tmp_path):
         except ProcessLookupError:
             pass
     assert proc.returncode == 3
-    assert re.search(r"rank 0 stalled in phase '(data|step \d+|save)' for \d+ s \(monitoring\.hang_timeout 30 s\)",
+    assert re.search(r"rank 0 stalled in phase '(data|step \d+|save)' for \d+ s \(monitoring\.hang_timeout 10 s\)",
                      stderr), stderr
     assert re.search(r"rank 0: killed or crashed \(last phase '(data|step \d+|save)'", stderr), stderr
     assert processes_of(run_dir) == []

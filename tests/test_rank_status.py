@@ -23,9 +23,18 @@ def test_the_launcher_reads_what_the_worker_writes(tmp_path):
     assert read_heartbeat(run_dir, 0)["phase"] == "step 3" and read_heartbeat(run_dir, 3) is None
 
     later = time.time() + 60
-    assert [(rank, phase) for rank, phase, _ in stalled_ranks(run_dir, range(4), 30, started, later)] == \
+    assert [(rank, phase) for rank, phase, *_ in stalled_ranks(run_dir, range(4), 30, started, later)] == \
         [(0, "step 3"), (1, "eval"), (3, "not started")]  # rank 2 is done
     assert stalled_ranks(run_dir, range(4), 30, started, time.time()) == []
+    # monitoring.startup_timeout, when set, is the limit of a rank still starting (until its first step ends).
+    Heartbeat(run_dir, 2).beat("compile")
+
+    def limits(now):
+        return [(rank, phase, limit) for rank, phase, _, limit in
+                stalled_ranks(run_dir, range(4), 30, started, now, startup_timeout=120)]
+    assert limits(later) == [(0, "step 3", 30), (1, "eval", 30)]
+    assert limits(started + 180) == [(0, "step 3", 30), (1, "eval", 30), (2, "compile", 120), (3, "not started", 120)]
+    Heartbeat(run_dir, 2).beat("done", 3)
     # Rank 0 says running and its process (this one) is alive; rank 1 said failed.
     assert [rank_failing(run_dir, rank, started) for rank in range(4)] == [False, True, False, False]
     assert not rank_failing(run_dir, 1, time.time() + 1)  # a status older than the launch is a previous run's
@@ -52,3 +61,36 @@ def test_only_rank_status_opens_the_ranks_files():
         users += [f"{os.path.relpath(path, REPO_ROOT)}:{line}: {name}" for line, name in names
                   if name in ("status_path", "heartbeat_path")]
     assert users == [], "\n".join(users)
+
+
+def test_a_finished_job_is_ended_without_its_scheduler_only_when_every_worker_exited_0(tmp_path):
+    """The launcher reads how msrun's workers exited: a zombie's status before msrun reaps it, msrun's log after."""
+    import subprocess
+    from ascend_llm_recipes.training.launcher.supervision import (exit_statuses, msrun_done_with_workers,
+                                                                  workers_ended_well)
+
+    log = tmp_path / "msrun.log"
+    log.write_text("Distributed job is spawned. Waiting all processes to exit...\n")
+    running = subprocess.Popen(["sleep", "30"])
+    good, bad = subprocess.Popen(["sh", "-c", "exit 0"]), subprocess.Popen(["sh", "-c", "exit 3"])
+    try:
+        deadline = time.time() + 10
+        while len(exit_statuses([good.pid, bad.pid])) < 2:  # zombies until reaped below
+            assert time.time() < deadline
+            time.sleep(0.01)
+        assert exit_statuses([good.pid, bad.pid]) == {good.pid: 0, bad.pid: 3 << 8}
+        assert exit_statuses([good.pid, running.pid]) == {}  # one still runs
+        assert workers_ended_well(log, [good.pid]) and not workers_ended_well(log, [good.pid, bad.pid])
+        assert not workers_ended_well(log, [good.pid, running.pid])
+        assert not msrun_done_with_workers(log, [good.pid, bad.pid])  # not reaped, nothing logged yet
+    finally:
+        running.kill()
+        for p in (running, good, bad):
+            p.wait()
+    # Reaped: msrun logged the failure as it reaped it (mindspore/parallel/cluster/process_entity/_api.py:364).
+    assert exit_statuses([good.pid, bad.pid]) == {good.pid: None, bad.pid: None}
+    assert msrun_done_with_workers(log, [good.pid, bad.pid]) and workers_ended_well(log, [good.pid, bad.pid])
+    with open(log, "a") as f:
+        f.write(f"[ERROR] ME(1:2,MainProcess):2026-12-02-07:42:33.851.000 [mindspore/parallel/cluster/process_entity/"
+                f"_api.py:364] Worker process {bad.pid} exit with exception. Error code: 3.\n")
+    assert not workers_ended_well(log, [good.pid, bad.pid])

@@ -234,7 +234,8 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
               f"{os.path.join(run_dir, LOGS, 'worker_N.log')}", flush=True)
     while True:
         outcome = run_watched(command, env, run_dir, cluster.ranks, recipe.monitoring.hang_timeout,
-                              msrun_log=msrun_log_name(cluster), nodes=group, direct=direct)
+                              msrun_log=msrun_log_name(cluster), nodes=group, direct=direct,
+                              startup_timeout=recipe.monitoring.startup_timeout)
         complete = job_complete(run_dir, cluster.ranks)
         lost = outcome.node_lost or (group.problem() if group is not None and not complete else "")
         if lost:

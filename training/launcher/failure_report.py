@@ -8,15 +8,14 @@ these, then each failed rank's last log lines follow.
 """
 
 import os
-import re
 import signal
 import time
 
 from ascend_llm_recipes.training.launcher.cluster import Cluster
 from ascend_llm_recipes.training.launcher.rendezvous import NodeGroup
-from ascend_llm_recipes.training.launcher.supervision import JobOutcome
+from ascend_llm_recipes.training.launcher.supervision import JobOutcome, msrun_exit_codes
 from ascend_llm_recipes.training.rank_status import read_heartbeat, read_status
-from ascend_llm_recipes.training.run_files import LOGS, MSRUN_LOG, worker_log
+from ascend_llm_recipes.training.run_files import LOGS, worker_log
 
 LOG_TAIL_LINES = 25
 
@@ -43,23 +42,11 @@ def tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
         return f"(no log at {path})\n"
 
 
-def msrun_exit_codes(run_dir: str, msrun_log: str = MSRUN_LOG) -> dict:
-    """{pid: exit code} of the workers msrun saw exit with an error (negative: killed by that signal)."""
-    codes = {}
-    try:
-        with open(os.path.join(run_dir, LOGS, msrun_log), encoding="utf-8", errors="replace") as f:
-            for match in re.finditer(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)", f.read()):
-                codes.setdefault(int(match.group(1)), int(match.group(2)))
-    except OSError:
-        pass
-    return codes
-
-
 def exit_codes(run_dir: str, outcome: JobOutcome) -> dict:
     """{pid: exit code} of the workers that exited with an error: from msrun's log, or the worker started without it."""
     if outcome.worker_pid:
         return {outcome.worker_pid: outcome.returncode} if outcome.returncode else {}
-    return msrun_exit_codes(run_dir, outcome.msrun_log)
+    return msrun_exit_codes(os.path.join(run_dir, LOGS, outcome.msrun_log))
 
 
 def describe_exit(code) -> str:

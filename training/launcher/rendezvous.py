@@ -35,6 +35,9 @@ RENDEZVOUS_PORT_OFFSET = 1
 DEFAULT_RENDEZVOUS_TIMEOUT = 600  # --rendezvous-timeout: how long a node waits for the others to come
 NODE_BEAT_SECONDS = 2
 NODE_TIMEOUT_SECONDS = 30          # a node silent this long (its connection still open) is lost
+# A node started before node 0 listens retries its connection this often (a refused connection costs nothing;
+# a longer pause only delays the start of every node).
+CONNECT_RETRY_SECONDS = 0.2
 RENDEZVOUS_FILE = "rendezvous.json"  # RUN_DIR: written by node 0; the other nodes read it back (shared filesystem)
 PACKAGES = ("common", "models", "data", "training")
 
@@ -275,6 +278,13 @@ class NodeGroup:
                     link.phases[str(rank)] = beat
         return next((p for p in (link.problem() for _, link in sorted(self.links.items())) if p), "")
 
+    def scheduler_unneeded(self) -> bool:
+        """No other node needs msrun's scheduler any more (it runs on node 0): every other node said its part
+        ended well, so its workers have exited (and unregistered). Always true on the other nodes."""
+        if self.cluster.node_rank != 0:
+            return True
+        return all(link.ended is not None and link.ended["ok"] for link in self.links.values())
+
     def end(self, code: int, ok: bool) -> None:
         """Tell the other nodes how this launch ended (`ok` False stops their part), then close."""
         reason = exit_reason(self.cluster.node_rank, code) + (f": {self.failure}" if self.failure else "")
@@ -430,7 +440,7 @@ class NodeK(NodeGroup):
                     print(f"[launch] node {cluster.node_rank} of {cluster.nodes}: waiting up to {timeout:.0f} s "
                           f"(--rendezvous-timeout) for node 0 at {self.address}", flush=True)
                     said = True
-                time.sleep(1)
+                time.sleep(CONNECT_RETRY_SECONDS)
         link = Link(sock, f"node 0 ({cluster.master_addr})")
         link.ranks = list(range(cluster.local_workers))
         link.send({"type": "hello", "node_rank": cluster.node_rank, "nodes": cluster.nodes,

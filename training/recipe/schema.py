@@ -456,9 +456,12 @@ class MonitoringConfig:
 
     tensorboard: bool = True
     hang_timeout: int = 900  # seconds without a heartbeat before the launcher names the stalled rank and stops
+    # The same for a rank still starting (imports, setup, graph compile: until its first step ends), which can take
+    # far longer than a step; unset: hang_timeout.
+    startup_timeout: Optional[int] = None
 
     def check(self, recipe: "Recipe") -> list:
-        return at_least("monitoring", self, 1, "hang_timeout")
+        return at_least("monitoring", self, 1, "hang_timeout", "startup_timeout")
 
 
 def _default_callbacks():
