@@ -336,6 +336,10 @@ class RayCluster:
                 "--dashboard-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
                 # It forwards workers' prints to drivers; tests read results, and it costs a process (~4 s, 80 MB).
                 "--include-log-monitor", "false",
+                # Nor the autoscaler's monitor (ray/scripts/scripts.py --no-monitor, "the ray autoscaler monitor for
+                # this cluster will not be started"): a one-node cluster of fixed size never scales, and `ray start`
+                # starts it in series before the raylet (~2-3 s of the start-up, ~1 CPU-s).
+                "--no-monitor",
                 # Ray's default object store takes 30% of RAM; tests move kilobytes.
                 "--object-store-memory", str(100 * 2**20)]
         with open(self.log, "wb") as log:

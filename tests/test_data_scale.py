@@ -233,11 +233,24 @@ def test_a_task_killed_by_a_signal_stops_the_run_naming_it_and_a_rerun_continues
     assert shard_bytes(str(out)) == shard_bytes(str(root / "four"))
 
 
+@pytest.fixture(scope="module")
+def ray_driver(ray_cluster):
+    """ray_cluster's address for the module's Ray runs, which leave this process connected (prepare_dataset connects
+    it on the first run, connect_ray, and later runs use that connection) until the module's end. A Ray worker belongs
+    to its driver's job: one connection for all the runs keeps the workers that imported the package, datatrove and
+    MindSpore (~7 CPU-s each) for the next run, where a disconnect after each test had every test start its own."""
+    import ray
+
+    try:
+        yield ray_cluster.address
+    finally:
+        ray.shutdown()
+
+
 @pytest.mark.drill
-def test_a_dead_ray_worker_names_its_task_and_a_rerun_continues(corpus, tmp_path, ray_cluster):
+def test_a_dead_ray_worker_names_its_task_and_a_rerun_continues(corpus, tmp_path, ray_driver):
     import threading
 
-    import ray
     root, inputs, _, four = corpus
     out = str(tmp_path / "ray")
     killed = []
@@ -248,17 +261,14 @@ def test_a_dead_ray_worker_names_its_task_and_a_rerun_continues(corpus, tmp_path
     watcher = threading.Thread(target=lambda: killed.append(kill_a_pack_task(ray_workers, time.time() + 240)),
                                daemon=True)
     kwargs = dict(inputs=inputs, tokenizer=str(root / "four" / "tokenizer.model"), show_progress=False, tasks=4,
-                  executor="ray", cluster={"address": ray_cluster.address}, **OPTIONS)
+                  executor="ray", cluster={"address": ray_driver}, **OPTIONS)
     watcher.start()
-    try:
-        with pytest.raises(DataError, match=r"(?s)stage pack: task \d died with its Ray worker \(WorkerCrashedError"
-                                            r".*rerun the same command to continue") as err:
-            prepare_dataset(out, 64, **kwargs)
-        watcher.join(5)
-        assert f"task {killed[0][1]} died" in str(err.value)
-        manifest = prepare_dataset(out, 64, **kwargs)
-    finally:
-        ray.shutdown()
+    with pytest.raises(DataError, match=r"(?s)stage pack: task \d died with its Ray worker \(WorkerCrashedError"
+                                        r".*rerun the same command to continue") as err:
+        prepare_dataset(out, 64, **kwargs)
+    watcher.join(5)
+    assert f"task {killed[0][1]} died" in str(err.value)
+    manifest = prepare_dataset(out, 64, **kwargs)
     assert manifest["shards"] == four["shards"] and shard_bytes(out) == shard_bytes(str(root / "four"))
 
 
@@ -324,15 +334,10 @@ def test_a_dangling_link_among_the_inputs_is_announced_and_counted_as_unreadable
     assert manifests[0]["documents"] == manifests[1]["documents"]
 
 
-def test_ray_run_writes_the_same_dataset_as_local_tasks(corpus, tmp_path, ray_cluster):
-    import ray
-
+def test_ray_run_writes_the_same_dataset_as_local_tasks(corpus, tmp_path, ray_driver):
     root, inputs, _, four = corpus
-    try:
-        manifest = prepare_dataset(str(tmp_path / "ray"), 64, inputs=inputs, show_progress=False, tasks=4,
-                                   executor="ray", cluster={"address": ray_cluster.address}, **OPTIONS)
-    finally:
-        ray.shutdown()
+    manifest = prepare_dataset(str(tmp_path / "ray"), 64, inputs=inputs, show_progress=False, tasks=4,
+                               executor="ray", cluster={"address": ray_driver}, **OPTIONS)
     assert manifest["documents"] == four["documents"] and manifest["shards"] == four["shards"]
     assert shard_bytes(str(tmp_path / "ray")) == shard_bytes(str(root / "four"))
 
@@ -369,7 +374,7 @@ def test_slurm_run_on_a_real_cluster(corpus, tmp_path, slurm_cluster):
     assert submit.returncode == 0, submit.stderr[-3000:]
     deadline = time.time() + 240
     while not (out / "manifest.json").exists() and time.time() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert (out / "manifest.json").exists(), "the Slurm stages did not finish: " + \
         "".join(open(os.path.join(d, f)).read()[-2000:] for d, _, fs in os.walk(str(out) + ".logs") for f in fs
                 if f.endswith(".out"))
@@ -405,8 +410,9 @@ def run_cli(args, capsys):
 
 
 def test_a_wrong_ray_address_is_refused_at_once_and_leaves_nothing(corpus, tmp_path, capsys):
-    pytest.importorskip("ray", reason="ray is not installed: pip install -e .[scale]")
+    ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e .[scale]")
     from clusters import free_port
+    ray.shutdown()  # prepare_dataset runs on a Ray this process is already connected to (ray_driver), whatever address
     _, inputs, _, _ = corpus
     out = str(tmp_path / "out")
     for address, message in (("garbage", "--address 'garbage' is not HOST:PORT"),

@@ -101,11 +101,24 @@ def stage_executor(pipeline: list, tasks: int, cluster: ClusterOptions, logging_
                                      start_method="spawn")
     if cluster.executor == "ray":
         return ray_executor_class()(pipeline, tasks=tasks, workers=cluster.workers, logging_dir=logging_dir)
-    from datatrove.executor.slurm import SlurmPipelineExecutor
-    return SlurmPipelineExecutor(
+    return slurm_executor_class()(
         pipeline, tasks=tasks, time=cluster.time, partition=cluster.partition, cpus_per_task=cluster.cpus_per_task,
         workers=cluster.workers, job_name=job_name, logging_dir=logging_dir, depends=previous, qos="",
         env_command=_env_command(), slurm_logs_folder=os.path.join(logging_dir, "slurm_logs"))
+
+
+def slurm_executor_class():
+    """datatrove's Slurm executor without its stats-merging jobs: SlurmPipelineExecutor.launch_job submits, after each
+    stage's array, one more job (launch_merge_stats: `merge_stats` into stats.json) that nothing here reads (the local
+    and Ray runs write no stats.json either). Each took a CPU slot and a Python start beside the next stage's tasks,
+    and --dry-run, which prints the stages' scripts, never showed them: a run now submits exactly those scripts."""
+    from datatrove.executor.slurm import SlurmPipelineExecutor
+
+    class StagePipelineExecutor(SlurmPipelineExecutor):
+        def launch_merge_stats(self):
+            pass
+
+    return StagePipelineExecutor
 
 
 def _env_command() -> str:

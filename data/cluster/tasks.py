@@ -108,7 +108,13 @@ def _worker(conn, parent: int) -> None:
         except (EOFError, OSError):
             return
         if job is None:
-            return
+            # Everything this worker wrote is closed and reported (datatrove closes the task log in its finally):
+            # leave without the interpreter's teardown, which after MindSpore's import (MindRecord, in the pack
+            # stage) takes 1.5-2+ s (its exit handlers and native destructors). TaskPool.close waits for that, so
+            # each run ended ~2 s after its last task (per worker: up to 2 s each, then SIGTERM).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         executor, rank = job
         _redirect_output(os.path.join(executor.logging_dir.path, "logs", f"task_{rank:05d}.out"))
         try:
