@@ -8,17 +8,14 @@ reader): convert only checkpoints you trust.
 
 import argparse
 import copy
-import ctypes
-import functools
 import io
-import mmap
 import os
 import re
-import sys
 
 import numpy as np
 
 from ascend_llm_recipes.common.errors import ConversionError
+from ascend_llm_recipes.models.conversion.formats import read_mapped, torch_to_float32
 from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TENSORS, join_ranks, layer_names,
                                                          present_tensors, rank_share)
 
@@ -92,39 +89,6 @@ def _torch_load(path: str, **kwargs):
                               hint="the file may be truncated or written by another program") from None
 
 
-def _to_numpy(tensor) -> np.ndarray:
-    import torch
-
-    return tensor.detach().to(torch.float32).contiguous().numpy().copy()
-
-
-LINUX_MADV_PAGEOUT = 21  # include/uapi/asm-generic/mman-common.h; Python's mmap names it only if built with it
-
-
-@functools.lru_cache(maxsize=None)
-def _madvise():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise
-
-
-def _release_pages(tensor) -> None:
-    """Hand the file pages a memory-mapped tensor was read from back to the kernel (MADV_PAGEOUT, Linux 5.4+).
-
-    LegacyCheckpoint keeps its rank files mapped for a whole conversion: without this, every page read would
-    stay in the process's resident memory until the end (the whole checkpoint, optimizer state included).
-    torch.load(mmap=True) maps the file private and nothing writes to it, so the pages are clean: they are
-    dropped, and a later read of the same tensor faults them in again. Elsewhere (no MADV_PAGEOUT, an older
-    kernel refusing it) the pages simply stay mapped until close().
-    """
-    advice = getattr(mmap, "MADV_PAGEOUT", LINUX_MADV_PAGEOUT if sys.platform == "linux" else None)
-    storage = tensor.untyped_storage()
-    if advice is None or storage.nbytes() == 0:
-        return
-    start = storage.data_ptr() & ~(mmap.PAGESIZE - 1)
-    _madvise()(start, storage.data_ptr() + storage.nbytes() - start, advice)
-
-
 class MegatronCheckpoint:
     """What both formats share: `with` closes the checkpoint, releasing the files it holds open."""
 
@@ -144,7 +108,7 @@ class LegacyCheckpoint(MegatronCheckpoint):
     Each rank file is loaded (torch.load, memory-mapped) once and kept until close(): a conversion reads
     every tensor several times (the index, the weights, the --verify forward, the optimizer's step and
     both Adam moments), and unpickling a rank file costs the same whatever tensor is wanted. Each shard
-    read is copied out and its pages released (_release_pages), so memory holds the tensors being merged,
+    read is copied out and its pages released (formats.read_mapped), so memory holds the tensors being merged,
     not the files.
     """
 
@@ -235,9 +199,7 @@ class LegacyCheckpoint(MegatronCheckpoint):
             raise ConversionError(f"{path}: {' or '.join(self.names(kind, layer)[1])}: missing")
         state = self._state(path)
         tensors = self._model(state, path) if self.source == "model" else optimizer_moments(state, path, self.source)
-        array = _to_numpy(tensors[name])
-        _release_pages(tensors[name])
-        return array
+        return read_mapped(tensors[name])
 
     def moments(self, key: str) -> "LegacyCheckpoint":
         """This checkpoint with `key` (exp_avg or exp_avg_sq) in place of each weight: merged as the weights are.
@@ -356,7 +318,7 @@ class TorchDistCheckpoint(MegatronCheckpoint):
                 data = os.pread(fd, info.length, info.offset)
             finally:
                 os.close(fd)
-            piece = _to_numpy(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+            piece = torch_to_float32(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
             if stacked:
                 piece, offsets, sizes = piece[rows][0], offsets[1:], sizes[1:]
             out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = piece
