@@ -6,7 +6,6 @@ legacy and torch_dist formats, with megatron-core's forward logits on fixed toke
 """
 
 import collections
-import contextlib
 import dataclasses
 import json
 import os
@@ -25,7 +24,7 @@ from safetensors.torch import load_file
 from conftest import REPO_ROOT, TINY_RECIPE, load_script
 from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, HF_WEIGHTS_FILE, MODEL_SECTION_FILE
 from ascend_llm_recipes.models.conversion.megatron import from_megatron
-from ascend_llm_recipes.models.conversion.megatron_files import RANK_FILE
+from ascend_llm_recipes.models.conversion import megatron_files
 from test_convert import assert_nothing_written, make_hf_model
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.training.tools.export import from_torch, to_megatron, write_recipe, to_hf
@@ -86,38 +85,22 @@ def test_converted_and_exported_logits_equal_megatron_cores(tmp_path, megatron_d
     assert delta < PARITY
 
 
-_RANK_FILE_OPENS = []  # [list of paths] while rank_file_opens() records
-_AUDIT_HOOK = []  # the hook once added (an audit hook cannot be removed)
-
-
-def _record_rank_file_open(event, args):
-    if event == "open" and _RANK_FILE_OPENS and str(args[0]).endswith(RANK_FILE):
-        _RANK_FILE_OPENS[-1].append(str(args[0]))
-
-
-@contextlib.contextmanager
-def rank_file_opens():
-    """The legacy rank files this process opens inside the block, once per open (torch.load opens its path with
-    Python's open(), which raises the "open" audit event)."""
-    if not _AUDIT_HOOK:
-        sys.addaudithook(_record_rank_file_open)
-        _AUDIT_HOOK.append(_record_rank_file_open)
-    _RANK_FILE_OPENS.append([])
-    try:
-        yield _RANK_FILE_OPENS[-1]
-    finally:
-        _RANK_FILE_OPENS.pop()
-
-
-def test_verify_accepts_the_right_layouts_and_rejects_wrong_ones(tmp_path, megatron_dir):
+def test_verify_accepts_the_right_layouts_and_rejects_wrong_ones(tmp_path, megatron_dir, monkeypatch):
     """A wrong qkv layout or fc1 merge converts without complaint; only the logits check catches it.
 
     The conversion with --verify and the Adam moments reads every tensor of the 4 rank files ~6 times: each
     file is loaded once.
     """
     legacy = str(megatron_dir / "tp2pp2" / "legacy")
-    with rank_file_opens() as opened:
-        manifest = from_megatron(legacy, str(tmp_path / "ok"), verify=True, show_progress=False)
+    opened, load = [], megatron_files._torch_load
+
+    def counted_load(path, **kwargs):  # the reader's one loading function, called through: each rank file it loads
+        opened.append(str(path))
+        return load(path, **kwargs)
+
+    monkeypatch.setattr(megatron_files, "_torch_load", counted_load)
+    manifest = from_megatron(legacy, str(tmp_path / "ok"), verify=True, show_progress=False)
+    monkeypatch.undo()
     assert manifest["verify"]["max_abs_delta"] < PARITY and manifest["optimizer"]["carried"]
     assert len(opened) == len(set(opened)) == 4, collections.Counter(opened)  # {rank file: times loaded}
 
