@@ -5,6 +5,7 @@ own GPTModel at TP1 (tied embeddings), TP2 (q/k/v bias) and TP2xPP2 with grouped
 legacy and torch_dist formats, with megatron-core's forward logits on fixed tokens.
 """
 
+import collections
 import dataclasses
 import json
 import os
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 from conftest import REPO_ROOT, TINY_RECIPE, load_script
 from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, HF_WEIGHTS_FILE, MODEL_SECTION_FILE
 from ascend_llm_recipes.models.conversion.megatron import from_megatron
+from ascend_llm_recipes.models.conversion import megatron_files
 from test_convert import assert_nothing_written, make_hf_model
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.training.tools.export import from_torch, to_megatron, write_recipe, to_hf
@@ -83,11 +85,24 @@ def test_converted_and_exported_logits_equal_megatron_cores(tmp_path, megatron_d
     assert delta < PARITY
 
 
-def test_verify_accepts_the_right_layouts_and_rejects_wrong_ones(tmp_path, megatron_dir):
-    """A wrong qkv layout or fc1 merge converts without complaint; only the logits check catches it."""
+def test_verify_accepts_the_right_layouts_and_rejects_wrong_ones(tmp_path, megatron_dir, monkeypatch):
+    """A wrong qkv layout or fc1 merge converts without complaint; only the logits check catches it.
+
+    The conversion with --verify and the Adam moments reads every tensor of the 4 rank files ~6 times: each
+    file is loaded once.
+    """
     legacy = str(megatron_dir / "tp2pp2" / "legacy")
+    opened, load = [], megatron_files._torch_load
+
+    def counted_load(path, **kwargs):  # the reader's one loading function, called through: each rank file it loads
+        opened.append(str(path))
+        return load(path, **kwargs)
+
+    monkeypatch.setattr(megatron_files, "_torch_load", counted_load)
     manifest = from_megatron(legacy, str(tmp_path / "ok"), verify=True, show_progress=False)
-    assert manifest["verify"]["max_abs_delta"] < PARITY
+    monkeypatch.undo()
+    assert manifest["verify"]["max_abs_delta"] < PARITY and manifest["optimizer"]["carried"]
+    assert len(opened) == len(set(opened)) == 4, collections.Counter(opened)  # {rank file: times loaded}
 
     for wrong in (dict(qkv_layout="separate"), dict(fc1_merge="concat")):
         out = tmp_path / f"wrong_{next(iter(wrong.values()))}"
@@ -443,16 +458,16 @@ def test_adam_moments_of_legacy_files_are_carried_over(tmp_path, megatron_dir):
 
     manifest = from_megatron(str(megatron_dir / "tp2pp2" / "legacy"), str(tmp_path / "ours"), show_progress=False)
     assert manifest["optimizer"]["carried"] and manifest["optimizer"]["global_step"] == 2  # steps taken, not 40
-    ckpt = open_megatron(str(megatron_dir / "tp2pp2" / "legacy"))
-    for t in range(2):
-        for p in range(2):
-            truth = torch.load(megatron_dir / "tp2pp2" / f"moments_{t:02d}_{p:03d}.pt")
-            for index, key in enumerate(MOMENT_FILES.values()):
-                view = ckpt.moments(key)
-                for ours in ("q_proj", "gate_proj", "o_proj", "down_proj", "input_layernorm"):
-                    kind = next(k for k, tensor in MEGATRON_TENSORS.items() if ours in tensor.rows[0].ours)
-                    stage, name = view.find(kind, 2 * p)
-                    assert torch.equal(torch.from_numpy(view.shard(kind, 2 * p, t)), truth[name][index]), name
+    with open_megatron(str(megatron_dir / "tp2pp2" / "legacy")) as ckpt:
+        for t in range(2):
+            for p in range(2):
+                truth = torch.load(megatron_dir / "tp2pp2" / f"moments_{t:02d}_{p:03d}.pt")
+                for index, key in enumerate(MOMENT_FILES.values()):
+                    view = ckpt.moments(key)
+                    for ours in ("q_proj", "gate_proj", "o_proj", "down_proj", "input_layernorm"):
+                        kind = next(k for k, tensor in MEGATRON_TENSORS.items() if ours in tensor.rows[0].ours)
+                        stage, name = view.find(kind, 2 * p)
+                        assert torch.equal(torch.from_numpy(view.shard(kind, 2 * p, t)), truth[name][index]), name
     moments = load_file(str(tmp_path / "ours" / "optimizer" / "adam_m.safetensors"))
     weights = load_file(str(tmp_path / "ours" / "weights.safetensors"))
     assert sorted(moments) == sorted(weights) and all(moments[n].shape == weights[n].shape for n in weights)

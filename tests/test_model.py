@@ -49,10 +49,10 @@ def test_attention_is_causal(net):
     ids = np.random.default_rng(1).integers(4, 128, size=(1, 32)).astype(np.int32)
     changed = ids.copy()
     changed[0, 20:] = 5
-    a = net.logits(ms.Tensor(ids)).asnumpy()
-    b = net.logits(ms.Tensor(changed)).asnumpy()
-    np.testing.assert_allclose(a[0, :20], b[0, :20], rtol=1e-5, atol=1e-6)
-    assert not np.allclose(a[0, 20:], b[0, 20:])
+    # one batch of both rows: the (2, 32) logits graph, compiled once for the module
+    a, b = net.logits(ms.Tensor(np.concatenate([ids, changed]))).asnumpy()
+    np.testing.assert_allclose(a[:20], b[:20], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(a[20:], b[20:])
 
 
 def test_parameter_names_follow_the_huggingface_checkpoint(net):
@@ -70,20 +70,20 @@ def test_float16_compute_tracks_float32(net):
     assert loss16 == pytest.approx(loss32, abs=2e-2)
 
 
-def test_document_attention_isolates_packed_documents():
+def test_document_attention_isolates_packed_documents(net):
     eod = 2
     doc_a = [10, 11, 12, 13, 14, eod]
     doc_b = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
-    packed = np.array([doc_a + doc_b + [30] * 16], dtype=np.int32)        # 32 tokens
-    alone = np.array([doc_b + [30] * 22], dtype=np.int32)
-    net = tiny(document_attention=True, eos_token_id=eod)
-    packed_logits = net.logits(ms.Tensor(packed)).asnumpy()
-    alone_logits = net.logits(ms.Tensor(alone)).asnumpy()
+    packed = doc_a + doc_b + [30] * 16        # 32 tokens
+    alone = doc_b + [30] * 22
+    rows = ms.Tensor(np.array([packed, alone], dtype=np.int32))  # one batch, so one graph per net
+    # one layer: a position or a token of document A reaching document B changes its logits in any layer
+    packed_logits, alone_logits = tiny(document_attention=True, eos_token_id=eod, num_layers=1).logits(rows).asnumpy()
     # Document B sees neither document A nor its positions: same logits as when it starts the row.
-    np.testing.assert_allclose(packed_logits[0, 6:16], alone_logits[0, :10], rtol=1e-5, atol=1e-5)
-    plain = tiny(document_attention=False, eos_token_id=eod)
-    assert not np.allclose(plain.logits(ms.Tensor(packed)).asnumpy()[0, 6:16],
-                           plain.logits(ms.Tensor(alone)).asnumpy()[0, :10], atol=1e-4)
+    np.testing.assert_allclose(packed_logits[6:16], alone_logits[:10], rtol=1e-5, atol=1e-5)
+    assert (net.config.document_attention, net.config.eos_token_id) == (False, eod)  # plain attention
+    packed_logits, alone_logits = net.logits(rows).asnumpy()  # the module's (2, 32) logits graph
+    assert not np.allclose(packed_logits[6:16], alone_logits[:10], atol=1e-4)
 
 
 @pytest.mark.parametrize("fields", [dict(), dict(vocab_size=100), dict(vocab_size=100, tie_word_embeddings=True)])
@@ -93,11 +93,12 @@ def test_fused_loss_equals_the_vocabulary_parallel_operators_and_torch(fields):
     ignore_index on the same logits; padding labels count nowhere, a batch of padding only has loss 0.
 
     A vocabulary of 100 is padded to tables of 112 rows: the logits have 100 columns (no probability on a
-    padded row) and neither loss gives a padded row a gradient.
+    padded row) and neither loss gives a padded row a gradient. One decoder layer: the losses take the head's
+    logits, whatever computed the hidden states (and each of the three graphs compiles in half the time).
     """
     import torch
 
-    net = tiny(**fields)
+    net = tiny(num_layers=1, **fields)
     assert net.whole_vocabulary_loss  # built stand-alone
     head = net.model.embed_tokens.weight if net.tie_word_embeddings else net.lm_head.weight
     padded = net.vocab_size != 128
@@ -136,7 +137,7 @@ def test_fused_loss_equals_the_vocabulary_parallel_operators_and_torch(fields):
 
 @pytest.mark.parametrize("fields", [dict(tie_word_embeddings=True), dict(qkv_bias=True), dict(num_kv_heads=1)])
 def test_family_options_build_and_train(fields):
-    net = tiny(**fields)
+    net = tiny(num_layers=1, **fields)  # each option lives in every layer (or the head): one is enough
     ids = ms.Tensor(np.random.default_rng(4).integers(4, 128, size=(2, 33)).astype(np.int32))
     loss = float(net(ids).asnumpy())
     assert loss == pytest.approx(np.log(128), abs=0.15)

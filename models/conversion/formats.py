@@ -12,9 +12,13 @@ peaks at ~460 MB RSS), and its numpy backend has no bfloat16; `mindspore.load_ch
 the whole `.ckpt` at once. The formats are simple enough to read by offset with `os.pread`.
 """
 
+import ctypes
+import functools
 import json
+import mmap
 import os
 import struct
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,16 +113,51 @@ class SafetensorsFile:
         return to_float32(np.frombuffer(data, SAFETENSORS_DTYPES[code]).reshape(shape), code)
 
 
+def torch_to_float32(tensor) -> np.ndarray:
+    """A torch tensor as a float32 array of its own (widened exactly from float16 / bfloat16)."""
+    import torch
+
+    return tensor.detach().to(torch.float32).contiguous().numpy().copy()
+
+
+LINUX_MADV_PAGEOUT = 21  # include/uapi/asm-generic/mman-common.h; Python's mmap names it only if built with it
+
+
+@functools.lru_cache(maxsize=None)
+def _madvise():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+def read_mapped(tensor) -> np.ndarray:
+    """torch_to_float32 of a tensor of a torch.load(mmap=True) file, then its file pages handed back to the kernel.
+
+    A mapped file keeps every page read through it resident for as long as it stays loaded (the readers keep
+    each file loaded for a whole conversion, so that it is unpickled once), so once the tensor is copied the
+    pages it was read from are paged out (madvise MADV_PAGEOUT, Linux 5.4+). The mapping is private and
+    never written: the pages are clean, dropped rather than swapped, and a later read faults them in again.
+    Elsewhere (no MADV_PAGEOUT, an older kernel refusing it) they stay mapped until the file is released.
+    """
+    array = torch_to_float32(tensor)
+    advice = getattr(mmap, "MADV_PAGEOUT", LINUX_MADV_PAGEOUT if sys.platform == "linux" else None)
+    storage = tensor.untyped_storage()
+    if advice is not None and storage.nbytes():
+        start = storage.data_ptr() & ~(mmap.PAGESIZE - 1)
+        _madvise()(start, storage.data_ptr() + storage.nbytes() - start, advice)
+    return array
+
+
 class TorchBinFile:
     """One pytorch_model.bin (torch's zip format), memory-mapped; torch is imported only here.
 
-    A mapped file keeps every page read through it resident, so each tensor is read through
-    a fresh mapping that is dropped right after: re-reading the small pickled index is cheap.
+    Loaded (unpickled) once and kept for the reader's life; each tensor read is a copy whose file pages
+    are released (read_mapped), so memory holds the tensor, not the file.
     """
 
     def __init__(self, path: str):
         self.path = path
-        state = self._load()
+        self._state = state = self._load()
         self.tensors = {}  # name -> (dtype code, shape)
         codes = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16"}
         for name, tensor in state.items():
@@ -141,10 +180,7 @@ class TorchBinFile:
         return state
 
     def read(self, name: str) -> np.ndarray:
-        import torch
-
-        tensor = self._load()[name]
-        return tensor.to(torch.float32).contiguous().numpy().copy()
+        return read_mapped(self._state[name])
 
 
 def read_varint(f) -> int:

@@ -147,24 +147,24 @@ def from_megatron(ckpt_dir: str, out_dir: str, iteration: int = None, vocab_size
     With verify, our logits are compared with a pure-torch forward of the Megatron tensors as each
     tensor-parallel rank holds them, before OUT_DIR is published.
     """
-    ckpt = open_megatron(ckpt_dir, iteration)
-    cfg = model_config_from_args(ckpt.args, f"{ckpt.path} (args)", vocab_size)
-    unknown = ckpt.unknown_tensors(cfg)
-    if unknown:
-        raise ConversionError(f"{ckpt.path}: {len(unknown)} tensor(s) this converter does not know:\n" +
-                              "\n".join(f"  - {u}" for u in unknown[:20]),
-                              hint="only Llama-style models convert; _extra_state entries are ignored")
-    weights = MegatronWeights(ckpt, cfg, qkv_layout, fc1_merge)
-    source = {"path": ckpt.path, "format": ckpt.format, "iteration": ckpt.iteration,
-              "tensor_model_parallel_size": ckpt.tp, "pipeline_model_parallel_size": ckpt.pp,
-              "megatron_args": json_args(ckpt.args),
-              "files": [{"file": f, "bytes": os.path.getsize(os.path.join(ckpt.path, f))} for f in ckpt.files]}
-    check = (lambda work_dir: verify_against_megatron(ckpt, cfg, work_dir)) if verify else None
-    moments, optimizer = carried_moments(ckpt, cfg, qkv_layout, fc1_merge)
-    return write_ours(weights, cfg, out_dir, "from-megatron", source,
-                      f"Converted from {ckpt.path} (Megatron {ckpt.format}, iteration {ckpt.iteration}, "
-                      f"TP {ckpt.tp} x PP {ckpt.pp})", verify=check, show_progress=show_progress,
-                      moments=moments, optimizer=optimizer)
+    with open_megatron(ckpt_dir, iteration) as ckpt:  # each rank file loaded once, released on return
+        cfg = model_config_from_args(ckpt.args, f"{ckpt.path} (args)", vocab_size)
+        unknown = ckpt.unknown_tensors(cfg)
+        if unknown:
+            raise ConversionError(f"{ckpt.path}: {len(unknown)} tensor(s) this converter does not know:\n" +
+                                  "\n".join(f"  - {u}" for u in unknown[:20]),
+                                  hint="only Llama-style models convert; _extra_state entries are ignored")
+        weights = MegatronWeights(ckpt, cfg, qkv_layout, fc1_merge)
+        source = {"path": ckpt.path, "format": ckpt.format, "iteration": ckpt.iteration,
+                  "tensor_model_parallel_size": ckpt.tp, "pipeline_model_parallel_size": ckpt.pp,
+                  "megatron_args": json_args(ckpt.args),
+                  "files": [{"file": f, "bytes": os.path.getsize(os.path.join(ckpt.path, f))} for f in ckpt.files]}
+        check = (lambda work_dir: verify_against_megatron(ckpt, cfg, work_dir)) if verify else None
+        moments, optimizer = carried_moments(ckpt, cfg, qkv_layout, fc1_merge)
+        return write_ours(weights, cfg, out_dir, "from-megatron", source,
+                          f"Converted from {ckpt.path} (Megatron {ckpt.format}, iteration {ckpt.iteration}, "
+                          f"TP {ckpt.tp} x PP {ckpt.pp})", verify=check, show_progress=show_progress,
+                          moments=moments, optimizer=optimizer)
 
 
 def carried_moments(ckpt, cfg: ModelConfig, qkv_layout: str = "grouped", fc1_merge: str = "per_rank") -> tuple:

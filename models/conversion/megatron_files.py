@@ -15,6 +15,7 @@ import re
 import numpy as np
 
 from ascend_llm_recipes.common.errors import ConversionError
+from ascend_llm_recipes.models.conversion.formats import read_mapped, torch_to_float32
 from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TENSORS, join_ranks, layer_names,
                                                          present_tensors, rank_share)
 
@@ -65,7 +66,10 @@ def kv_groups(args: dict) -> tuple:
 
 
 def open_megatron(ckpt_dir: str, iteration: int = None):
-    """The checkpoint of `ckpt_dir` as a LegacyCheckpoint or a TorchDistCheckpoint (indexes only, no tensors)."""
+    """The checkpoint of `ckpt_dir` as a LegacyCheckpoint or a TorchDistCheckpoint (indexes only, no tensors).
+
+    Use it as a context manager (`with open_megatron(...) as ckpt:`): closing releases the files it holds open.
+    """
     path, iteration = iteration_dir(ckpt_dir, iteration)
     if os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(os.path.join(path, ".metadata")):
         return TorchDistCheckpoint(path, iteration)
@@ -85,22 +89,37 @@ def _torch_load(path: str, **kwargs):
                               hint="the file may be truncated or written by another program") from None
 
 
-def _to_numpy(tensor) -> np.ndarray:
-    import torch
+class MegatronCheckpoint:
+    """What both formats share: `with` closes the checkpoint, releasing the files it holds open."""
 
-    return tensor.detach().to(torch.float32).contiguous().numpy().copy()
+    def close(self) -> None:
+        """Release what reading holds (nothing, unless a format keeps files open)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-class LegacyCheckpoint:
-    """mp_rank_TT[_PPP]/model_optim_rng.pt files; tensors read one shard at a time, files re-mapped per read."""
+class LegacyCheckpoint(MegatronCheckpoint):
+    """mp_rank_TT[_PPP]/model_optim_rng.pt files; tensors read one shard at a time.
+
+    Each rank file is loaded (torch.load, memory-mapped) once and kept until close(): a conversion reads
+    every tensor several times (the index, the weights, the --verify forward, the optimizer's step and
+    both Adam moments), and unpickling a rank file costs the same whatever tensor is wanted. Each shard
+    read is copied out and its pages released (formats.read_mapped), so memory holds the tensors being merged,
+    not the files.
+    """
 
     format = "megatron-legacy"
     source = "model"  # or "exp_avg" / "exp_avg_sq": shard() reads that Adam moment of each parameter instead
 
     def __init__(self, path: str, iteration: int):
         self.path, self.iteration = path, iteration
+        self._states = {}  # rank file path -> its torch.load result, until close() (shared with moments() views)
         first = self._file(0, 0)
-        state = _torch_load(first, mmap=True)
+        state = self._state(first)
         self.args = _args_of(state, first)
         self.tp, self.pp = self.args["tensor_model_parallel_size"], self.args["pipeline_model_parallel_size"]
         self.files = [os.path.relpath(self._file(t, p), path) for p in range(self.pp) for t in range(self.tp)]
@@ -113,12 +132,20 @@ class LegacyCheckpoint:
         self.index = {}         # (tp, pp) -> {name: shape}
         for p in range(self.pp):
             for t in range(self.tp):
-                self.index[t, p] = self._index(t, p, state if (t, p) == (0, 0) else None)
+                self.index[t, p] = self._index(t, p)
             local = sorted({int(m.group(1)) for name in self.index[0, p]
                             for m in [re.match(r"decoder\.layers\.(\d+)\.", name)] if m})
             offset = sum(len(s) for s in self.stage_layers)
             self.stage_layers.append([offset + n for n in local])
-        del state
+
+    def _state(self, path: str):
+        """A rank file's torch.load result (memory-mapped), loaded on first use and kept until close()."""
+        if path not in self._states:
+            self._states[path] = _torch_load(path, mmap=True)
+        return self._states[path]
+
+    def close(self) -> None:
+        self._states.clear()
 
     def _file(self, t: int, p: int) -> str:
         name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if os.path.isdir(os.path.join(self.path, f"mp_rank_{t:02d}_000"))
@@ -132,9 +159,9 @@ class LegacyCheckpoint:
             raise ConversionError(f"{path}: no 'model' entry{extra}")
         return state["model"]
 
-    def _index(self, t: int, p: int, state) -> dict:
+    def _index(self, t: int, p: int) -> dict:
         path = self._file(t, p)
-        state = state if state is not None else _torch_load(path, mmap=True)
+        state = self._state(path)
         found = {}
         for name, value in self._model(state, path).items():
             if name.endswith(EXTRA_STATE):
@@ -165,17 +192,20 @@ class LegacyCheckpoint:
         return stage, name
 
     def shard(self, kind: str, layer: int, tp_rank: int) -> np.ndarray:
-        """One rank's tensor as stored in its file (re-mapped per read, so memory holds this tensor only)."""
+        """One rank's tensor as stored in its file (a copy; the file pages it was read from are released)."""
         stage, name = self.find(kind, layer)
         path = self._file(tp_rank, stage)
         if name is None or name not in self.index[tp_rank, stage]:
             raise ConversionError(f"{path}: {' or '.join(self.names(kind, layer)[1])}: missing")
-        state = _torch_load(path, mmap=True)
+        state = self._state(path)
         tensors = self._model(state, path) if self.source == "model" else optimizer_moments(state, path, self.source)
-        return _to_numpy(tensors[name])
+        return read_mapped(tensors[name])
 
     def moments(self, key: str) -> "LegacyCheckpoint":
-        """This checkpoint with `key` (exp_avg or exp_avg_sq) in place of each weight: merged as the weights are."""
+        """This checkpoint with `key` (exp_avg or exp_avg_sq) in place of each weight: merged as the weights are.
+
+        The view shares the checkpoint's loaded files (and close()).
+        """
         view = copy.copy(self)
         view.source = key
         return view
@@ -186,7 +216,7 @@ class LegacyCheckpoint:
         for p in range(self.pp):
             for t in range(self.tp):
                 path = self._file(t, p)
-                state = _torch_load(path, mmap=True)
+                state = self._state(path)
                 optimizer_moments(state, path, "exp_avg")
                 steps |= {int(entry["step"]) for entry in state["optimizer"]["state"].values()}
         if len(steps) != 1:
@@ -227,7 +257,7 @@ class LegacyCheckpoint:
                 for name in names if name not in known]
 
 
-class TorchDistCheckpoint:
+class TorchDistCheckpoint(MegatronCheckpoint):
     """A torch_dist directory: global tensors (layers stacked on axis 0), read chunk by chunk without a process group.
 
     Each saved chunk is a small torch.save stream inside a .distcp file (torch.distributed.checkpoint's
@@ -288,7 +318,7 @@ class TorchDistCheckpoint:
                 data = os.pread(fd, info.length, info.offset)
             finally:
                 os.close(fd)
-            piece = _to_numpy(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+            piece = torch_to_float32(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
             if stacked:
                 piece, offsets, sizes = piece[rows][0], offsets[1:], sizes[1:]
             out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = piece
