@@ -126,9 +126,10 @@ def test_a_killed_node_is_named_and_both_nodes_resume_from_the_newest_checkpoint
     args = [DP2_RECIPE, *settings(run_dir, tiny_dataset)]
     launches = [Launch(node, [*args, *cluster_args(netns_nodes, rank, 8120)], f"{run_dir}.node{rank}")
                 for rank, node in enumerate(netns_nodes)]
-    manifest = run_dir / "checkpoints" / "step_00000004" / "rank_1" / "manifest.json"
+    # both ranks' step-4 saves complete: each rank writes its own, and the kill must not land between them
+    manifests = [run_dir / "checkpoints" / "step_00000004" / f"rank_{rank}" / "manifest.json" for rank in (0, 1)]
     deadline = time.time() + 200
-    while not manifest.exists():
+    while not all(manifest.exists() for manifest in manifests):
         assert time.time() < deadline and all(la.proc.poll() is None for la in launches), "no step-4 checkpoint"
         time.sleep(0.02)
     node1 = launches[1].proc.pid
