@@ -28,8 +28,12 @@ def metrics(run_dir):
         return [json.loads(line) for line in f if "val_loss" not in line]
 
 
-def start_and_signal(run_dir, dataset, after_steps, sig, *extra):
-    """Launch like a user, wait until `after_steps` steps are recorded, send `sig` to the worker."""
+def start_and_signal(run_dir, dataset, after_steps, sig, *extra, freeze=False):
+    """Launch like a user, wait until `after_steps` steps are recorded, send `sig` to the worker.
+
+    freeze: SIGSTOP it first and return once stopped, so the test reads what it has saved before `sig` lands (a
+    fast machine trains several steps between the poll and the signal).
+    """
     proc = subprocess.Popen(command(run_dir, dataset, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -39,8 +43,18 @@ def start_and_signal(run_dir, dataset, after_steps, sig, *extra):
                                         open(path, encoding="utf-8").read().splitlines()) >= after_steps:
             break
         assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.1)
-    os.kill(read_json(os.path.join(run_dir, "status", "rank_0.json"))["pid"], sig)
+        time.sleep(0.02 if freeze else 0.1)
+    worker = read_json(os.path.join(run_dir, "status", "rank_0.json"))["pid"]
+    if freeze:
+        os.kill(worker, signal.SIGSTOP)
+        while open(f"/proc/{worker}/stat", encoding="utf-8").read().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.001)  # stopped: nothing more is saved
+        saved = sorted(int(name.split("_")[1]) for name in os.listdir(os.path.join(run_dir, "checkpoints"))
+                       if os.path.isfile(os.path.join(run_dir, "checkpoints", name, "rank_0", MANIFEST)))
+        os.kill(worker, sig)
+        output, _ = proc.communicate(timeout=180)
+        return proc.returncode, output, saved
+    os.kill(worker, sig)
     output, _ = proc.communicate(timeout=180)
     return proc.returncode, output
 
@@ -155,25 +169,27 @@ def test_resume_with_another_data_order_is_refused(baseline, tiny_dataset):
 def test_kill9_then_corrupt_newest_and_crash_during_save(baseline, tiny_dataset, tmp_path):
     """kill -9 mid-run; the newest complete step is corrupt and a newer save was cut short: resume falls back."""
     run_dir = str(tmp_path / "run")
-    code, _ = start_and_signal(run_dir, tiny_dataset, 17, signal.SIGKILL)
+    # Frozen at step 11 or later (saves every 5: 5 and 10 complete, maybe 15), then killed.
+    code, _, saved = start_and_signal(run_dir, tiny_dataset, 11, signal.SIGKILL, freeze=True)
     assert code != 0
-    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == [
-        "step_00000005", "step_00000010", "step_00000015"]
-    newest = os.path.join(step_dir(run_dir, 15), "rank_0")
-    path = os.path.join(newest, read_json(os.path.join(newest, MANIFEST))["file"])
+    assert saved in ([5, 10], [5, 10, 15]), saved  # stopped before its last save (step 20)
+    newest, previous = saved[-1], saved[-2]
+    newest_dir = os.path.join(step_dir(run_dir, newest), "rank_0")
+    path = os.path.join(newest_dir, read_json(os.path.join(newest_dir, MANIFEST))["file"])
     with open(path, "r+b") as f:  # same size, different bytes
         f.seek(os.path.getsize(path) // 2)
         f.write(b"\xde\xad\xbe\xef")
-    # What a crash in the middle of saving step 20 leaves: a partial file, no manifest.
-    partial = os.path.join(step_dir(run_dir, 20), "rank_0")
-    os.makedirs(partial)
+    # What a crash in the middle of saving the next step leaves: a partial file, no manifest (the kill may have
+    # left one already).
+    partial = os.path.join(step_dir(run_dir, newest + 5), "rank_0")
+    os.makedirs(partial, exist_ok=True)
     with open(path, "rb") as f, open(os.path.join(partial, ".partial-x.ckpt"), "wb") as g:
         g.write(f.read()[:1000])
     code, output = rerun(run_dir, tiny_dataset)
     assert code == 0, output
-    assert "skipping" in output and "step_00000020" in output and "incomplete save" in output
+    assert "skipping" in output and f"step_{newest + 5:08d}" in output and "incomplete save" in output
     assert "sha256 differs from manifest.json (corrupt)" in output
-    assert "resuming" in output and "from step 10" in output
+    assert "resuming" in output and f"from step {previous} " in output
     same_trajectory(run_dir, baseline)
 
 
