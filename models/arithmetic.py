@@ -144,5 +144,5 @@ def step_gemms(cfg, batch_size: int, seq_length: int = None) -> list:
         gemms += _linear_gemms(",".join(names), tokens, out_features, in_features, cfg.num_layers * len(names))
     head = shapes["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
     gemms += _linear_gemms("lm_head (tied)" if cfg.tie_word_embeddings else "lm_head", tokens, *head, 1)
-    return gemms + _attention_gemms((batch_size, cfg.num_heads), seq_length, cfg.hidden_size // cfg.num_heads,
+    return gemms + _attention_gemms((batch_size, cfg.num_heads), seq_length, cfg.head_size,
                                     cfg.num_layers)

@@ -5,7 +5,7 @@ model. models/llama.py's LlamaConfig takes these fields and these defaults.
 """
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import List, Literal, Optional
 
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.models.arithmetic import ALIGN, round_up
@@ -28,6 +28,25 @@ class ModelConfig:
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
     qkv_bias: bool = False                 # bias on q/k/v projections (Qwen2-style checkpoints)
+    head_dim: Optional[int] = None         # per-head width when not hidden_size / num_heads (Qwen3)
+    qk_norm: bool = False                  # RMSNorm of each head's q and k before rotary (Qwen3)
+    # Mixture of Experts (models/moe.py): num_experts 0 is a dense model. Each MoE layer's MLP is a softmax top-k
+    # router over num_experts SwiGLU experts of width moe_intermediate_size (+ an always-on shared expert of width
+    # shared_expert_intermediate_size, optionally scaled by its own sigmoid gate: Qwen2-MoE); layers listed in
+    # dense_layers keep the dense MLP of width intermediate_size (Qwen's mlp_only_layers / decoder_sparse_step,
+    # DeepSeek's first_k_dense_replace). Routing is dropless: every token reaches its top-k experts.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: Optional[int] = None
+    norm_topk_prob: bool = True            # renormalise the top-k weights to sum to 1 (Mixtral, Qwen3-MoE)
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False       # sigmoid(x w) scales the shared expert (Qwen2-MoE)
+    dense_layers: List[int] = field(default_factory=list)
+    # Training terms of each MoE layer, summed over layers into the loss (models/moe.py): the load-balancing loss
+    # E * sum_e f_e P_e (Switch Transformer; Megatron-core's and MindFormers' per-layer normalisation) and the router
+    # z-loss mean(logsumexp(router logits)^2) (ST-MoE).
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
     vocab_pad_multiple: int = ALIGN        # tables padded to a multiple of this x model_parallel
     document_attention: bool = False       # packed documents: reset positions, block attention at EOD
     bos_token_id: int = 1
@@ -52,8 +71,22 @@ class ModelConfig:
         return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def head_size(self) -> int:
+        """Width of one attention head: head_dim when given, else hidden_size / num_heads."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` has the MoE MLP (else the dense one)."""
+        return self.moe and index not in self.dense_layers
+
+    @property
+    def expert_size(self) -> int:
+        """Width of one routed expert's SwiGLU: moe_intermediate_size, else intermediate_size."""
+        return self.moe_intermediate_size if self.moe_intermediate_size is not None else self.intermediate_size
 
     def kernel_problems(self, recipe) -> list:
         """Ascend-kernel keys that cannot apply, each named."""
@@ -103,15 +136,23 @@ class ModelConfig:
             if getattr(self, name) % ALIGN:
                 problems.append(f"{p}.{name}: {getattr(self, name)} is not a multiple of {ALIGN} (the Cube "
                                 f"unit's tile); use {round_up(getattr(self, name), ALIGN)}")
-        if not self.hidden_size % self.num_heads and (self.hidden_size // self.num_heads) % ALIGN:
-            problems.append(f"{p}.hidden_size, {p}.num_heads: head size {self.hidden_size // self.num_heads} is not "
-                            f"a multiple of {ALIGN}; attention matmuls would be padded on Ascend")
-        if self.hidden_size % self.num_heads:
-            problems.append(f"{p}.hidden_size, {p}.num_heads: hidden_size {self.hidden_size} is not "
-                            f"divisible by num_heads {self.num_heads}")
-        elif (self.hidden_size // self.num_heads) % 2:
-            problems.append(f"{p}.hidden_size, {p}.num_heads: head size {self.hidden_size // self.num_heads} "
-                            "must be even for rotary embeddings")
+        if self.head_dim is not None:
+            if self.head_dim < 1 or self.head_dim % 2:
+                problems.append(f"{p}.head_dim: {self.head_dim} must be a positive even number (rotary embeddings "
+                                "rotate pairs)")
+            elif self.head_dim % ALIGN:
+                problems.append(f"{p}.head_dim: {self.head_dim} is not a multiple of {ALIGN}; attention matmuls "
+                                "would be padded on Ascend")
+        else:
+            if not self.hidden_size % self.num_heads and (self.hidden_size // self.num_heads) % ALIGN:
+                problems.append(f"{p}.hidden_size, {p}.num_heads: head size {self.hidden_size // self.num_heads} is "
+                                f"not a multiple of {ALIGN}; attention matmuls would be padded on Ascend")
+            if self.hidden_size % self.num_heads:
+                problems.append(f"{p}.hidden_size, {p}.num_heads: hidden_size {self.hidden_size} is not "
+                                f"divisible by num_heads {self.num_heads} (or give {p}.head_dim)")
+            elif (self.hidden_size // self.num_heads) % 2:
+                problems.append(f"{p}.hidden_size, {p}.num_heads: head size {self.hidden_size // self.num_heads} "
+                                "must be even for rotary embeddings")
         if self.kv_heads < 1 or self.num_heads % self.kv_heads:
             problems.append(f"{p}.num_kv_heads: {self.kv_heads} must divide num_heads {self.num_heads}")
         if self.compute_dtype == "bfloat16" and recipe.runs_on_cpu:
@@ -123,7 +164,44 @@ class ModelConfig:
         if self.param_dtype != "float32" and self.param_dtype != self.compute_dtype:
             problems.append(f"{p}.param_dtype: {self.param_dtype} weights are cast to compute_dtype "
                             f"{self.compute_dtype} at every use; store them in the compute dtype or in float32")
-        return problems + self.kernel_problems(recipe)
+        return problems + self.moe_problems(recipe) + self.kernel_problems(recipe)
+
+    def moe_problems(self, recipe) -> list:
+        """Problems of the Mixture-of-Experts keys, each named."""
+        p = "model.model_config"
+        problems = [f"{p}.{name}: must be >= {low}, got {getattr(self, name)}"
+                    for name, low in (("num_experts", 0), ("num_experts_per_tok", 1), ("router_aux_loss_coef", 0),
+                                      ("router_z_loss_coef", 0), ("shared_expert_intermediate_size", 0))
+                    if not getattr(self, name) >= low]
+        if self.moe_intermediate_size is not None and self.moe_intermediate_size < 1:
+            problems.append(f"{p}.moe_intermediate_size: must be >= 1, got {self.moe_intermediate_size}")
+        outside = sorted({n for n in self.dense_layers if not 0 <= n < self.num_layers})
+        if outside or len(set(self.dense_layers)) != len(self.dense_layers):
+            problems.append(f"{p}.dense_layers: {self.dense_layers} must list distinct layer indices within "
+                            f"0..{self.num_layers - 1}")
+        if problems:
+            return problems
+        if not self.moe:
+            return [f"{p}.{name}: is set, but {p}.num_experts is 0 (a dense model)" for name in
+                    ("moe_intermediate_size", "shared_expert_intermediate_size", "dense_layers", "shared_expert_gate")
+                    if getattr(self, name)]
+        if self.num_experts_per_tok > self.num_experts:
+            problems.append(f"{p}.num_experts_per_tok: {self.num_experts_per_tok} exceeds num_experts "
+                            f"{self.num_experts}")
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(self, name) and getattr(self, name) % ALIGN:
+                problems.append(f"{p}.{name}: {getattr(self, name)} is not a multiple of {ALIGN} (the Cube unit's "
+                                f"tile); use {round_up(getattr(self, name), ALIGN)}")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            problems.append(f"{p}.shared_expert_gate: gates a shared expert, but "
+                            f"{p}.shared_expert_intermediate_size is 0")
+        if len(self.dense_layers) == self.num_layers:
+            problems.append(f"{p}.dense_layers: lists every layer, so no layer has experts; set num_experts: 0")
+        if not recipe.runs_on_cpu:
+            problems.append(f"{p}.num_experts: Mixture-of-Experts layers run on CPU only so far (the dropless "
+                            "reference math): expert parallel on Ascend (MindFormers 1.9's grouped matmul and "
+                            "AllToAll dispatch) is not built yet; set num_experts: 0 or train on CPU")
+        return problems
 
 
 @dataclass

@@ -36,10 +36,11 @@ from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.models.arithmetic import padded_vocab_size
 from ascend_llm_recipes.models.config import ModelConfig
+from ascend_llm_recipes.models.layers import DTYPES, MLP, Embedding, Linear, RMSNorm
+from ascend_llm_recipes.models.moe import MoE
 from ascend_llm_recipes.models.loss import CrossEntropy, WholeVocabularyCrossEntropy, loss_splits_vocabulary
 from ascend_llm_recipes.models.presets import PRESETS
 
-DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 MASK_VALUE = -1e9
 FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "type")
 DEFAULT_SIZES = {name: PRESETS["llama2-7b"][name] for name in ("vocab_size", "hidden_size", "num_layers",
@@ -64,12 +65,14 @@ class LlamaConfig(PretrainedConfig):
         self.num_kv_heads = cfg.kv_heads  # vocab_size: real tokens; LlamaForCausalLM pads the tables
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
     def kv_heads(self) -> int:
         return self.num_kv_heads  # already resolved from ModelConfig.kv_heads
+
+    # Derived sizes, as models/config.py defines them.
+    head_size = ModelConfig.head_size
+    moe = ModelConfig.moe
+    is_moe_layer = ModelConfig.is_moe_layer
+    expert_size = ModelConfig.expert_size
 
 
 def lazy_inline_applies(device_target: str, parallel_mode: str) -> bool:
@@ -90,71 +93,6 @@ def lazy_inline_where_supported(init):
             return lazy_inline(init)(self, *args, **kwargs)
         return init(self, *args, **kwargs)
     return wrapped
-
-
-class Linear(nn.Cell):
-    """y = x W^T (+ b), with W stored (out, in) like torch.nn.Linear, in param_dtype (model_config.param_dtype)."""
-
-    def __init__(self, in_features: int, out_features: int, std: float, bias: bool = False,
-                 compute_dtype=ms.float32, param_dtype=ms.float32):
-        super().__init__()
-        # A 16-bit initializer draws the same float32 numbers and rounds them (lazily, so optimizer parallel
-        # materialises only each rank's slice).
-        self.weight = Parameter(initializer(Normal(sigma=std), (out_features, in_features), param_dtype),
-                                name="weight")
-        self.bias = Parameter(initializer("zeros", (out_features,), param_dtype), name="bias") if bias else None
-        self.matmul = ops.MatMul(transpose_b=True)
-        self.bias_add = ops.Add()
-        self.out_features = out_features
-        self.compute_dtype = compute_dtype
-
-    def construct(self, x):
-        # (..., in) -> (N, in): a 2-D MatMul with transposed weight is the fast kernel on CPU and Ascend.
-        x2d = x.reshape(-1, x.shape[-1]).astype(self.compute_dtype)
-        y = self.matmul(x2d, self.weight.astype(self.compute_dtype))
-        if self.bias is not None:
-            y = self.bias_add(y, self.bias.astype(self.compute_dtype))
-        return y.reshape(x.shape[:-1] + (self.out_features,))
-
-
-class Embedding(nn.Cell):
-    """Token id -> vector lookup; the table is named `weight` like torch.nn.Embedding."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, std: float, compute_dtype=ms.float32,
-                 param_dtype=ms.float32):
-        super().__init__()
-        self.weight = Parameter(initializer(Normal(sigma=std), (vocab_size, hidden_size), param_dtype),
-                                name="weight")
-        self.gather = ops.Gather()
-        self.compute_dtype = compute_dtype
-
-    def construct(self, ids):
-        return self.gather(self.weight, ids, 0).astype(self.compute_dtype)
-
-
-class RMSNorm(nn.Cell):
-    """Root-mean-square normalisation (Zhang & Sennrich 2019), always computed in float32."""
-
-    def __init__(self, hidden_size: int, eps: float, fused: bool = False):
-        super().__init__()
-        self.weight = Parameter(initializer("ones", (hidden_size,), ms.float32), name="weight")
-        self.eps = eps
-        self.fused = fused
-        if fused:  # Ascend's RmsNorm kernel, as MindFormers' LlamaRMSNorm (llama_layer.py:186-194, 214-217)
-            self.norm = ops.RmsNorm(eps)
-        self.square = ops.Square()
-        self.mean = ops.ReduceMean(keep_dims=True)
-        self.add = ops.Add()
-        self.rsqrt = ops.Rsqrt()
-        self.mul = ops.Mul()
-        self.mul_weight = ops.Mul()
-
-    def construct(self, x):
-        x32 = x.astype(ms.float32)
-        if self.fused:
-            return self.norm(x32, self.weight)[0].astype(x.dtype)
-        variance = self.mean(self.square(x32), -1)
-        return self.mul_weight(self.mul(x32, self.rsqrt(self.add(variance, self.eps))), self.weight).astype(x.dtype)
 
 
 def rotary_tables(seq_length: int, head_dim: int, theta: float):
@@ -225,7 +163,7 @@ class FlashAttention(nn.Cell):
         sparse_mode = 8 if self.eod else 2 if config.use_attn_mask_compression else 0
         self.layout = "TND" if self.eod else "BNSD"
         self.flash_attention = FlashAttentionScore(
-            head_num=config.num_heads, keep_prob=1.0, scale_value=1.0 / float(np.sqrt(config.head_dim)),
+            head_num=config.num_heads, keep_prob=1.0, scale_value=1.0 / float(np.sqrt(config.head_size)),
             pre_tokens=2147483647, next_tokens=0, inner_precise=0, input_layout=self.layout, sparse_mode=sparse_mode)
         self.merge_heads = ops.Transpose()
         self.to_tokens_q = ops.Transpose()
@@ -254,7 +192,7 @@ class Attention(nn.Cell):
         stored = DTYPES[config.param_dtype]
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
+        self.head_dim = config.head_size
         kv_size = self.num_kv_heads * self.head_dim
         self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, std, bias, dtype, stored)
         self.k_proj = Linear(config.hidden_size, kv_size, std, bias, dtype, stored)
@@ -266,6 +204,9 @@ class Attention(nn.Cell):
         self.tile_kv = ops.Tile()
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, std, compute_dtype=dtype,
                              param_dtype=stored)
+        # Qwen3: each head's q and k RMS-normalised over head_dim before the rotation (q_norm, k_norm)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.fused_rms_norm) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.fused_rms_norm) if config.qk_norm else None
 
     def repeat_kv(self, x):
         """Share each KV head with num_heads // num_kv_heads query heads."""
@@ -279,48 +220,42 @@ class Attention(nn.Cell):
 
     def construct(self, x, cos, sin, mask, seq_ends=None):
         b, s, _ = x.shape
-        # (B, S, H) -> (B, heads, S, head_dim)
-        q = self.split_heads(self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim), (0, 2, 1, 3))
-        k = self.split_heads(self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim), (0, 2, 1, 3))
+        # (B, S, H) -> (B, S, heads, head_dim) [-> per-head norm] -> (B, heads, S, head_dim)
+        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.split_heads(q, (0, 2, 1, 3)), self.split_heads(k, (0, 2, 1, 3))
         v = self.split_heads(self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim), (0, 2, 1, 3))
         q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         out = self.core(q, self.repeat_kv(k), self.repeat_kv(v), mask, seq_ends)  # (B, S, H)
         return self.o_proj(out)
 
 
-class MLP(nn.Cell):
-    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, config: LlamaConfig):
-        super().__init__()
-        std, dtype, stored = config.initializer_range, DTYPES[config.compute_dtype], DTYPES[config.param_dtype]
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, std, compute_dtype=dtype,
-                                param_dtype=stored)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, std, compute_dtype=dtype,
-                              param_dtype=stored)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, std, compute_dtype=dtype,
-                                param_dtype=stored)
-        self.silu = SiLU()
-        self.mul = ops.Mul()
-
-    def construct(self, x):
-        return self.down_proj(self.mul(self.silu(self.gate_proj(x)), self.up_proj(x)))
-
-
 class DecoderLayer(nn.Cell):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); the MLP is models/moe.py's MoE in a MoE layer.
 
-    def __init__(self, config: LlamaConfig):
+    In a model with MoE layers every layer returns (x, its router loss), 0 for a dense one.
+    """
+
+    def __init__(self, config: LlamaConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
-        self.mlp = MLP(config)
+        self.is_moe, self.returns_router_loss = config.is_moe_layer(index), config.moe
+        self.mlp = MoE(config) if self.is_moe else MLP(config)
         self.add = ops.Add()
 
     def construct(self, x, cos, sin, mask, seq_ends=None):
         x = self.add(x, self.self_attn(self.input_layernorm(x), cos, sin, mask, seq_ends))
-        return self.add(x, self.mlp(self.post_attention_layernorm(x)))
+        if self.is_moe:
+            out, router_loss = self.mlp(self.post_attention_layernorm(x))
+            return self.add(x, out), router_loss
+        x = self.add(x, self.mlp(self.post_attention_layernorm(x)))
+        if self.returns_router_loss:
+            return x, ops.zeros((), ms.float32)
+        return x
 
 
 class DocumentMask(nn.Cell):
@@ -366,10 +301,11 @@ class LlamaModel(nn.Cell):
         super().__init__()
         self.embed_tokens = Embedding(padded_vocab, config.hidden_size, config.initializer_range,
                                       DTYPES[config.compute_dtype], DTYPES[config.param_dtype])
-        self.layers = nn.CellList([DecoderLayer(config) for _ in range(config.num_layers)])
+        self.layers = nn.CellList([DecoderLayer(config, index) for index in range(config.num_layers)])
+        self.moe = config.moe
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
         self.seq_length = config.seq_length
-        cos, sin = rotary_tables(config.seq_length, config.head_dim, config.rope_theta)
+        cos, sin = rotary_tables(config.seq_length, config.head_size, config.rope_theta)
         self.cos_table, self.sin_table = cos, sin
         # (1, 1, S, head_dim): broadcast to every sequence and head
         self.cos, self.sin = cos.reshape(1, 1, *cos.shape), sin.reshape(1, 1, *sin.shape)
@@ -397,11 +333,18 @@ class LlamaModel(nn.Cell):
         return cos, sin, mask, None
 
     def construct(self, tokens):
+        """(B, S) -> (B, S, hidden) final hidden states; with MoE layers (those, the layers' summed router loss)."""
         cos, sin, mask, seq_ends = self.positions_and_mask(tokens)
         x = self.embed_tokens(tokens)
+        if not self.moe:
+            for layer in self.layers:
+                x = layer(x, cos, sin, mask, seq_ends)
+            return self.norm(x)
+        router_loss = ops.zeros((), ms.float32)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, seq_ends)
-        return self.norm(x)
+            x, layer_loss = layer(x, cos, sin, mask, seq_ends)
+            router_loss = router_loss + layer_loss
+        return self.norm(x), router_loss
 
 
 class FlashMask(nn.Cell):
@@ -473,6 +416,7 @@ class LlamaForCausalLM(PreTrainedModel):
         padded_vocab = padded_vocab_size(config.vocab_size, config.vocab_pad_multiple,
                                          layout.tensor_parallel if layout is not None else 1)
         self.model = LlamaModel(config, padded_vocab)
+        self.moe = config.moe
         self.tie_word_embeddings = config.tie_word_embeddings
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, padded_vocab, config.initializer_range,
@@ -499,9 +443,15 @@ class LlamaForCausalLM(PreTrainedModel):
             from ascend_llm_recipes.models.parallel import apply_layout
             apply_layout(self, layout)
 
+    def hidden_states(self, tokens):
+        """(B, S) -> ((B, S, hidden) final hidden states, the MoE layers' summed router loss or 0)."""
+        if self.moe:
+            return self.model(tokens)
+        return self.model(tokens), 0.0
+
     def padded_logits(self, tokens):
         """(B, S) token ids -> (B * S, padded vocabulary) logits in the compute dtype."""
-        return self.head(self.model(tokens))
+        return self.head(self.hidden_states(tokens)[0])
 
     def head(self, h):
         """(B, S, hidden) final hidden states -> (B * S, padded vocabulary) logits in the compute dtype."""
@@ -525,11 +475,15 @@ class LlamaForCausalLM(PreTrainedModel):
         # labels are masked, and it only follows a row's last real token, which causal attention never lets see it.
         tokens = self.inputs(self.no_negative_ids(input_ids, 0), (0, 0), (b, s1 - 1), (1, 1))
         labels = self.labels(input_ids, (0, 1), (b, s1), (1, 1)).reshape(-1)
+        h, router_loss = self.hidden_states(tokens)
         if not self.whole_vocabulary_loss:
-            return self.loss(self.padded_logits(tokens), labels, self.vocab_padding, self.pad_token_id)
-        h = self.model(tokens)
-        # Padding positions get zero hidden states, so their logits are the constant row the fused loss
-        # takes back out (see WholeVocabularyCrossEntropy); nothing of them reaches the weights' gradients.
-        keep = self.fused_loss.keep(labels)                                      # (B * S,) 1.0 or 0.0
-        h = self.keep_mul(h, keep.reshape(b, s1 - 1, 1).astype(h.dtype))
-        return self.fused_loss(self.head(h), labels, keep, self.vocab_padding)
+            loss = self.loss(self.head(h), labels, self.vocab_padding, self.pad_token_id)
+        else:
+            # Padding positions get zero hidden states, so their logits are the constant row the fused loss
+            # takes back out (see WholeVocabularyCrossEntropy); nothing of them reaches the weights' gradients.
+            keep = self.fused_loss.keep(labels)                                      # (B * S,) 1.0 or 0.0
+            h = self.keep_mul(h, keep.reshape(b, s1 - 1, 1).astype(h.dtype))
+            loss = self.fused_loss(self.head(h), labels, keep, self.vocab_padding)
+        if self.moe:
+            return loss + router_loss  # models/moe.py: load-balancing and z-loss, weighted by their coefficients
+        return loss

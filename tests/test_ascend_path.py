@@ -271,7 +271,7 @@ def test_every_recipe_the_kit_launches_loads(tmp_path):
         assert recipe.world_size in (8, 32, 64)
     fused = [a for a in launched if "model.model_config.use_flash_attention=True" in a]
     assert fused and load_recipe(fused[0][2], [fused[0][i + 1] for i, a in enumerate(fused[0]) if a == "--set"],
-                                 planning=True).model.model_config.head_dim == 64
+                                 planning=True).model.model_config.head_size == 64
 
 
 def test_a_dry_run_compile_reads_no_dataset():

@@ -538,12 +538,16 @@ def test_each_format_table_has_a_row_for_every_tensor_and_a_tensor_without_one_i
 
     ours = {pattern for pattern, _, _ in TENSORS}
     assert set(HF_TABLE) == ours and set(MEGATRON_TABLE) == ours
-    assert set(META_TABLE) == {pattern for pattern, _, flag in TENSORS if flag != "qkv_bias"}  # Meta's Llama: no bias
+    # Meta's Llama: no bias, no per-head norms, no experts
+    assert set(META_TABLE) == {pattern for pattern, _, flag in TENSORS if flag in (None, "untied", "dense_mlp")}
     row, numbers = row_for(MEGATRON_TABLE, "model.layers.3.self_attn.k_proj.bias", "ckpt")
     assert (row.theirs[0], row.part, numbers) == ("decoder.layers.{n}.self_attention.linear_qkv.bias", "k", {"n": 3})
+    row, numbers = row_for(MEGATRON_TABLE, "model.layers.1.mlp.experts.5.up_proj.weight", "ckpt")
+    assert (row.theirs[0], row.part, numbers) == (
+        "decoder.layers.{n}.mlp.experts.local_experts.{e}.linear_fc1.weight", "up", {"n": 1, "e": 5})
     with pytest.raises(ConversionError, match=r"(?s)ckpt: model\.layers\.0\.self_attn\.q_norm\.weight: no row .*"
                                               r"HINT.*needs a row in each format's table"):
-        row_for(MEGATRON_TABLE, "model.layers.0.self_attn.q_norm.weight", "ckpt")
+        row_for(META_TABLE, "model.layers.0.self_attn.q_norm.weight", "ckpt")
 
 
 @pytest.mark.parametrize("ours", ["model.layers.{n}.self_attn.q_proj.weight", "model.layers.{n}.self_attn.q_proj.bias",

@@ -67,14 +67,14 @@ def interleaved_to_half(x: np.ndarray, shape: tuple, cfg) -> np.ndarray:
     transformers' convert_llama_weights_to_hf.py `permute`: (heads, head_dim/2, 2, in) -> (heads, 2, head_dim/2, in).
     """
     rows, cols = x.shape
-    return np.ascontiguousarray(x.reshape(rows // cfg.head_dim, cfg.head_dim // 2, 2, cols).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(x.reshape(rows // cfg.head_size, cfg.head_size // 2, 2, cols).transpose(0, 2, 1, 3)
                                 .reshape(rows, cols))
 
 
 def half_to_interleaved(x: np.ndarray, shape: tuple, cfg) -> np.ndarray:
     """The inverse of interleaved_to_half."""
     rows, cols = x.shape
-    return np.ascontiguousarray(x.reshape(rows // cfg.head_dim, 2, cfg.head_dim // 2, cols).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(x.reshape(rows // cfg.head_size, 2, cfg.head_size // 2, cols).transpose(0, 2, 1, 3)
                                 .reshape(rows, cols))
 
 
@@ -139,6 +139,8 @@ HF_TABLE = table(*(Row(name, (name,), "pad_vocab_rows" if "vocab" in dims else "
 # next linear are read under their second name. Vocabulary rows are padded to make_vocab_size_divisible_by x TP.
 QKV, FC1 = "decoder.layers.{n}.self_attention.linear_qkv.weight", "decoder.layers.{n}.mlp.linear_fc1.weight"
 QKV_BIAS = "decoder.layers.{n}.self_attention.linear_qkv.bias"
+EXPERT_FC1 = "decoder.layers.{n}.mlp.experts.local_experts.{e}.linear_fc1.weight"
+SHARED_FC1 = "decoder.layers.{n}.mlp.shared_experts.linear_fc1.weight"
 MEGATRON_TABLE = table(
     Row("model.embed_tokens.weight", ("embedding.word_embeddings.weight",), "strip_vocab_rows", (0,), stage="first"),
     Row("model.layers.{n}.input_layernorm.weight", ("decoder.layers.{n}.input_layernorm.weight",
@@ -156,6 +158,21 @@ MEGATRON_TABLE = table(
     Row("model.layers.{n}.mlp.gate_proj.weight", (FC1,), split=(0,), fuse="gate_up", part="gate"),
     Row("model.layers.{n}.mlp.up_proj.weight", (FC1,), split=(0,), fuse="gate_up", part="up"),
     Row("model.layers.{n}.mlp.down_proj.weight", ("decoder.layers.{n}.mlp.linear_fc2.weight",), split=(1,)),
+    # Qwen3's per-head norms and the MoE layer (megatron/core/transformer/moe: router, SequentialMLP's local experts,
+    # SharedExpertMLP). Named here; the Megatron reader and writer refuse MoE models so far (megatron.py).
+    Row("model.layers.{n}.self_attn.q_norm.weight", ("decoder.layers.{n}.self_attention.q_layernorm.weight",)),
+    Row("model.layers.{n}.self_attn.k_norm.weight", ("decoder.layers.{n}.self_attention.k_layernorm.weight",)),
+    Row("model.layers.{n}.mlp.gate.weight", ("decoder.layers.{n}.mlp.router.weight",)),
+    Row("model.layers.{n}.mlp.experts.{e}.gate_proj.weight", (EXPERT_FC1,), split=(0,), fuse="gate_up", part="gate"),
+    Row("model.layers.{n}.mlp.experts.{e}.up_proj.weight", (EXPERT_FC1,), split=(0,), fuse="gate_up", part="up"),
+    Row("model.layers.{n}.mlp.experts.{e}.down_proj.weight",
+        ("decoder.layers.{n}.mlp.experts.local_experts.{e}.linear_fc2.weight",), split=(1,)),
+    Row("model.layers.{n}.mlp.shared_expert.gate_proj.weight", (SHARED_FC1,), split=(0,), fuse="gate_up",
+        part="gate"),
+    Row("model.layers.{n}.mlp.shared_expert.up_proj.weight", (SHARED_FC1,), split=(0,), fuse="gate_up", part="up"),
+    Row("model.layers.{n}.mlp.shared_expert.down_proj.weight",
+        ("decoder.layers.{n}.mlp.shared_experts.linear_fc2.weight",), split=(1,)),
+    Row("model.layers.{n}.mlp.shared_expert_gate.weight", ("decoder.layers.{n}.mlp.shared_experts.gate_weight",)),
     Row("model.norm.weight", ("decoder.final_layernorm.weight",), stage="last"),
     Row("lm_head.weight", ("output_layer.weight",), "strip_vocab_rows", (0,), stage="last"),
 )

@@ -250,7 +250,7 @@ def meta_reference_logits(weights: MetaWeights, tokens: np.ndarray) -> np.ndarra
     import torch.nn.functional as F
 
     cfg, shards = weights.cfg, weights.shards
-    head_dim = cfg.head_dim
+    head_dim = cfg.head_size
     batch, seq = tokens.shape
 
     def t(shard, name):

@@ -1,0 +1,95 @@
+"""The decoder's parts every model family shares: Linear, Embedding, RMSNorm and the SwiGLU MLP.
+
+Parameters are stored as torch.nn stores them (Linear weight (out, in), Embedding weight (vocab, hidden)),
+so checkpoints convert by name (models/conversion/tables.py). Every operator is a Primitive attribute, so that
+models/parallel.py can give each one a shard strategy, as MindFormers does.
+"""
+
+import mindspore as ms
+from mindspore import Parameter, nn, ops
+from mindspore.common.initializer import Normal, initializer
+from mindspore.ops.auto_generate.gen_ops_prim import SiLU
+
+DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
+
+
+class Linear(nn.Cell):
+    """y = x W^T (+ b), with W stored (out, in) like torch.nn.Linear, in param_dtype (model_config.param_dtype)."""
+
+    def __init__(self, in_features: int, out_features: int, std: float, bias: bool = False,
+                 compute_dtype=ms.float32, param_dtype=ms.float32):
+        super().__init__()
+        # A 16-bit initializer draws the same float32 numbers and rounds them (lazily, so optimizer parallel
+        # materialises only each rank's slice).
+        self.weight = Parameter(initializer(Normal(sigma=std), (out_features, in_features), param_dtype),
+                                name="weight")
+        self.bias = Parameter(initializer("zeros", (out_features,), param_dtype), name="bias") if bias else None
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.bias_add = ops.Add()
+        self.out_features = out_features
+        self.compute_dtype = compute_dtype
+
+    def construct(self, x):
+        # (..., in) -> (N, in): a 2-D MatMul with transposed weight is the fast kernel on CPU and Ascend.
+        x2d = x.reshape(-1, x.shape[-1]).astype(self.compute_dtype)
+        y = self.matmul(x2d, self.weight.astype(self.compute_dtype))
+        if self.bias is not None:
+            y = self.bias_add(y, self.bias.astype(self.compute_dtype))
+        return y.reshape(x.shape[:-1] + (self.out_features,))
+
+
+class Embedding(nn.Cell):
+    """Token id -> vector lookup; the table is named `weight` like torch.nn.Embedding."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, std: float, compute_dtype=ms.float32,
+                 param_dtype=ms.float32):
+        super().__init__()
+        self.weight = Parameter(initializer(Normal(sigma=std), (vocab_size, hidden_size), param_dtype),
+                                name="weight")
+        self.gather = ops.Gather()
+        self.compute_dtype = compute_dtype
+
+    def construct(self, ids):
+        return self.gather(self.weight, ids, 0).astype(self.compute_dtype)
+
+
+class RMSNorm(nn.Cell):
+    """Root-mean-square normalisation (Zhang & Sennrich 2019), always computed in float32."""
+
+    def __init__(self, hidden_size: int, eps: float, fused: bool = False):
+        super().__init__()
+        self.weight = Parameter(initializer("ones", (hidden_size,), ms.float32), name="weight")
+        self.eps = eps
+        self.fused = fused
+        if fused:  # Ascend's RmsNorm kernel, as MindFormers' LlamaRMSNorm (llama_layer.py:186-194, 214-217)
+            self.norm = ops.RmsNorm(eps)
+        self.square = ops.Square()
+        self.mean = ops.ReduceMean(keep_dims=True)
+        self.add = ops.Add()
+        self.rsqrt = ops.Rsqrt()
+        self.mul = ops.Mul()
+        self.mul_weight = ops.Mul()
+
+    def construct(self, x):
+        x32 = x.astype(ms.float32)
+        if self.fused:
+            return self.norm(x32, self.weight)[0].astype(x.dtype)
+        variance = self.mean(self.square(x32), -1)
+        return self.mul_weight(self.mul(x32, self.rsqrt(self.add(variance, self.eps))), self.weight).astype(x.dtype)
+
+
+class MLP(nn.Cell):
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)), of width `width` (intermediate_size)."""
+
+    def __init__(self, config, width: int = None):
+        super().__init__()
+        width = config.intermediate_size if width is None else width
+        std, dtype, stored = config.initializer_range, DTYPES[config.compute_dtype], DTYPES[config.param_dtype]
+        self.gate_proj = Linear(config.hidden_size, width, std, compute_dtype=dtype, param_dtype=stored)
+        self.up_proj = Linear(config.hidden_size, width, std, compute_dtype=dtype, param_dtype=stored)
+        self.down_proj = Linear(width, config.hidden_size, std, compute_dtype=dtype, param_dtype=stored)
+        self.silu = SiLU()
+        self.mul = ops.Mul()
+
+    def construct(self, x):
+        return self.down_proj(self.mul(self.silu(self.gate_proj(x)), self.up_proj(x)))

@@ -1,0 +1,131 @@
+"""The Mixture-of-Experts feed-forward block as MindSpore Cells: router, experts, shared expert, load terms.
+
+Reads like the papers it follows: a softmax router picks each token's top-k of E SwiGLU experts (Shazeer et al.
+2017; Mixtral, Jiang et al. 2024; Qwen2-MoE and Qwen3-MoE), whose outputs are summed with the router's
+probabilities as weights, renormalised over the k chosen when `norm_topk_prob` (Mixtral, Qwen3-MoE); an
+optional shared expert sees every token, scaled by its own sigmoid gate in Qwen2-MoE (DeepSeekMoE, Dai et al.
+2024). Two terms keep the router healthy, each summed over the MoE layers into the loss with its coefficient:
+
+    load balancing (Switch Transformer, Fedus et al. 2021)  E * sum_e f_e * P_e, f_e the fraction of the
+        T*k routing slots of this layer's T tokens that went to expert e (sum_e f_e = 1), P_e the mean router
+        probability of e. 1.0 when the load is even. Megatron-core's switch_load_balancing_loss_func and
+        MindFormers' per-layer normalisation; transformers' load_balancing_loss_func counts f_e per token
+        (sum_e = k) over all layers' tokens at once, so for one layer it is k times this.
+    router z-loss (ST-MoE, Zoph et al. 2022)  mean over tokens of logsumexp(router logits)^2.
+
+Routing is dropless. This is the reference math, in graph mode on CPU: every expert computes every token
+and the combine weights (zero outside a token's top k) select, the same numbers as sending each token to its
+k experts, at E/k times their FLOPs. Parameters are named as Hugging Face's Qwen2/Qwen3-MoE checkpoints name
+them (mlp.gate, mlp.experts.{e}.gate_proj, mlp.shared_expert, mlp.shared_expert_gate), so conversion is a table.
+"""
+
+import mindspore as ms
+from mindspore import nn, ops
+
+from ascend_llm_recipes.models.layers import DTYPES, MLP, Linear
+
+
+class Router(nn.Cell):
+    """Router logits (T, E) -> (combine weights (T, E), zero outside each token's top k; probabilities; the
+    top-k selection (T, E) in {0, 1}). Float32 whatever the compute dtype: a 16-bit softmax picks unstably."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.softmax = ops.Softmax(-1)
+        self.topk = ops.TopK(sorted=True)
+        self.one_hot = ops.OneHot(-1)
+        self.chosen_sum = ops.ReduceSum()
+        self.mul = ops.Mul()
+        self.weight_sum = ops.ReduceSum(keep_dims=True)
+        self.div = ops.Div()
+
+    def construct(self, logits):
+        probs = self.softmax(logits)
+        _, chosen = self.topk(ops.stop_gradient(probs), self.top_k)                 # (T, k) expert indices
+        one, zero = ops.scalar_to_tensor(1.0, ms.float32), ops.scalar_to_tensor(0.0, ms.float32)
+        selected = self.chosen_sum(self.one_hot(chosen, self.num_experts, one, zero), 1)  # (T, E) in {0, 1}
+        weights = self.mul(probs, selected)
+        if self.norm_topk_prob:
+            weights = self.div(weights, self.weight_sum(weights, -1))
+        return weights, probs, selected
+
+
+class LoadBalancingLoss(nn.Cell):
+    """E * sum_e f_e * P_e of one layer (see the module docstring) from its probabilities and top-k selection."""
+
+    def __init__(self, num_experts: int, top_k: int):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.mean_over_tokens = ops.ReduceMean()
+        self.mul = ops.Mul()
+        self.sum = ops.ReduceSum()
+
+    def construct(self, probs, selected):
+        fraction = self.mean_over_tokens(selected, 0) / self.top_k               # (E,), sums to 1
+        mean_prob = self.mean_over_tokens(probs, 0)                               # (E,)
+        return self.sum(self.mul(fraction, mean_prob)) * self.num_experts
+
+
+class ZLoss(nn.Cell):
+    """mean over tokens of logsumexp(router logits)^2."""
+
+    def __init__(self):
+        super().__init__()
+        self.max = ops.ReduceMax(keep_dims=True)
+        self.sub = ops.Sub()
+        self.exp = ops.Exp()
+        self.sum = ops.ReduceSum()
+        self.log = ops.Log()
+        self.add = ops.Add()
+        self.square = ops.Square()
+        self.mean = ops.ReduceMean()
+
+    def construct(self, logits):
+        top = ops.stop_gradient(self.max(logits, -1))                               # (T, 1), for stability
+        logsumexp = self.add(self.log(self.sum(self.exp(self.sub(logits, top)), -1)), top.reshape(-1))
+        return self.mean(self.square(logsumexp))
+
+
+class MoE(nn.Cell):
+    """The MoE MLP of one decoder layer: (B, S, hidden) -> ((B, S, hidden), this layer's weighted router loss)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.compute_dtype = DTYPES[config.compute_dtype]
+        # The router's projection, named `gate` as in the HF checkpoints (mlp.gate.weight (E, hidden)), float32.
+        self.gate = Linear(config.hidden_size, config.num_experts, config.initializer_range)
+        self.router = Router(config)
+        self.experts = nn.CellList([MLP(config, config.expert_size) for _ in range(config.num_experts)])
+        self.shared_expert = (MLP(config, config.shared_expert_intermediate_size)
+                              if config.shared_expert_intermediate_size else None)
+        self.shared_expert_gate = (Linear(config.hidden_size, 1, config.initializer_range)
+                                   if config.shared_expert_gate else None)
+        self.sigmoid = ops.Sigmoid()
+        self.shared_mul = ops.Mul()
+        self.combine_mul = ops.Mul()
+        self.add = ops.Add()
+        self.aux_coef, self.z_coef = config.router_aux_loss_coef, config.router_z_loss_coef
+        self.load_balancing = LoadBalancingLoss(config.num_experts, config.num_experts_per_tok)
+        self.z_loss = ZLoss()
+
+    def construct(self, x):
+        b, s, h = x.shape
+        tokens = x.reshape(b * s, h)
+        logits = self.gate(tokens.astype(ms.float32))                                # (T, E)
+        weights, probs, selected = self.router(logits)
+        weights = weights.astype(self.compute_dtype)
+        out = None
+        for e, expert in enumerate(self.experts):
+            # (T, hidden) scaled by each token's weight for expert e (0 unless e is among its top k)
+            contribution = self.combine_mul(expert(tokens), weights[:, e:e + 1])
+            out = contribution if out is None else self.add(out, contribution)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(tokens)
+            if self.shared_expert_gate is not None:
+                shared = self.shared_mul(shared, self.sigmoid(self.shared_expert_gate(tokens)).astype(shared.dtype))
+            out = self.add(out, shared)
+        router_loss = self.load_balancing(probs, selected) * self.aux_coef + self.z_loss(logits) * self.z_coef
+        return out.reshape(b, s, h), router_loss
