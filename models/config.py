@@ -197,7 +197,7 @@ class ModelConfig:
                             f"{p}.shared_expert_intermediate_size is 0")
         if len(self.dense_layers) == self.num_layers:
             problems.append(f"{p}.dense_layers: lists every layer, so no layer has experts; set num_experts: 0")
-        if not recipe.runs_on_cpu:
+        if recipe.context.device_target != "CPU":
             problems.append(f"{p}.num_experts: Mixture-of-Experts layers run on CPU only so far (the dropless "
                             "reference math): expert parallel on Ascend (MindFormers 1.9's grouped matmul and "
                             "AllToAll dispatch) is not built yet; set num_experts: 0 or train on CPU")

@@ -149,6 +149,35 @@ def test_options_that_change_the_model_are_refused(tmp_path):
     assert len(err.value.problems) == 3
 
 
+def test_a_mixture_of_experts_config_is_refused_not_imported_dense(tmp_path):
+    """MindFormers builds the model with the top-level moe_config (trainer/base_trainer.py:1250-1258): expert_num > 1
+    there or in model_config makes an MoE network, which must not import as the dense model."""
+    for place in ("top", "model"):
+        source = mf_config("pretrain_llama2_7b")
+        moe = {"expert_num": 8, "num_experts_chosen": 2}
+        if place == "top":
+            source["moe_config"] = moe
+        else:
+            source["model"]["model_config"]["moe_config"] = moe
+        bad = tmp_path / f"moe_{place}.yaml"
+        bad.write_text(yaml.safe_dump(source))
+        where = "moe_config" if place == "top" else "model.model_config.moe_config"
+        with pytest.raises(RecipeError, match=rf"{where}: expert_num 8: a Mixture-of-Experts model"):
+            from_mindformers(str(bad), str(tmp_path / "out.yaml"))
+
+
+def test_a_recipe_mindformers_llama_cannot_express_is_not_exported(tmp_path):
+    recipe = yaml.safe_load(open(TINY_RECIPE, encoding="utf-8"))
+    recipe["base"] = os.path.join(REPO_ROOT, "recipes", "base", "cpu.yaml")
+    recipe["model"]["model_config"].update(qk_norm=True, num_experts=4, moe_intermediate_size=32)
+    path = tmp_path / "moe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(RecipeError, match=r"model\.model_config\.qk_norm: True has no MindFormers LlamaForCausalLM "
+                                          r"equivalent") as err:
+        to_mindformers(str(path))
+    assert len(err.value.problems) == 3  # qk_norm, num_experts, moe_intermediate_size
+
+
 def test_mindformers_defaults_and_width_rule_match_the_installed_package():
     from mindformers.core.callback import CheckpointMonitor
     from mindformers.core.lr import CosineWithWarmUpLR

@@ -159,6 +159,28 @@ def test_cpu_refuses_what_needs_ascend():
     assert recipe.world_size == 2
 
 
+def test_mixture_of_experts_and_qwen3_keys_are_checked_naming_each():
+    mc = "model.model_config."
+    with pytest.raises(RecipeError) as info:
+        load_recipe(TINY_RECIPE, (mc + "num_experts=4", mc + "num_experts_per_tok=5", mc + "moe_intermediate_size=40",
+                                  mc + "shared_expert_gate=True", mc + "head_dim=18"))
+    text = str(info.value)
+    assert f"{mc}num_experts_per_tok: 5 exceeds num_experts 4" in text
+    assert f"{mc}moe_intermediate_size: 40 is not a multiple of 16 (the Cube unit's tile); use 48" in text
+    assert f"{mc}shared_expert_gate: gates a shared expert, but {mc}shared_expert_intermediate_size is 0" in text
+    assert f"{mc}head_dim: 18 is not a multiple of 16" in text
+    with pytest.raises(RecipeError, match=rf"{mc}dense_layers: \[0, 2\] must list distinct layer indices within 0\.\.1"):
+        load_recipe(TINY_RECIPE, (mc + "num_experts=4", mc + "dense_layers=[0, 2]"))
+    with pytest.raises(RecipeError, match=rf"{mc}dense_layers: is set, but {mc}num_experts is 0 \(a dense model\)"):
+        load_recipe(TINY_RECIPE, (mc + "dense_layers=[0]",))
+    with pytest.raises(RecipeError, match=rf"{mc}num_experts: Mixture-of-Experts layers run on CPU only so far"):
+        load_recipe(TINY_RECIPE, ("context.device_target=Ascend", mc + "num_experts=4"), planning=True)
+    recipe = load_recipe(TINY_RECIPE, (mc + "num_experts=4", mc + "dense_layers=[0]", mc + "qk_norm=True",
+                                       mc + "head_dim=32", mc + "moe_intermediate_size=32"))
+    cfg = recipe.model.model_config
+    assert (cfg.head_size, cfg.is_moe_layer(0), cfg.is_moe_layer(1), cfg.expert_size) == (32, False, True, 32)
+
+
 def test_silent_mindformers_traps_are_refused():
     with pytest.raises(RecipeError, match=r"runner_config\.gradient_accumulation_steps: > 1 is silently reset"):
         load_recipe(TINY_RECIPE, ("runner_config.gradient_accumulation_steps=4",))

@@ -23,6 +23,7 @@ from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.common.files import write_atomic
 from ascend_llm_recipes.common.schema import to_plain
 from ascend_llm_recipes.models.arithmetic import param_count, round_up
+from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.parallel import RECOMPUTE_OPTIONS, LlamaLayout, plan_layout
 from ascend_llm_recipes.training.recipe.loading import (deep_merge, load_recipe, prune_inherited, read_recipe_file,
                                                         read_yaml_file, recipe_from_dict)
@@ -49,6 +50,11 @@ MODEL_KEYS = (
     ("fused_rms_norm", "fused_rms_norm"),
 )
 OURS = {theirs: ours for ours, theirs in MODEL_KEYS}
+# Architecture keys of ours that MindFormers' LlamaForCausalLM cannot express: exported only at their defaults.
+NOT_EXPORTED_MODEL_FIELDS = ("head_dim", "qk_norm", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                             "norm_topk_prob", "shared_expert_intermediate_size", "shared_expert_gate",
+                             "dense_layers", "router_aux_loss_coef", "router_z_loss_coef")
+REQUIRED_MODEL_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "seq_length")
 # MindFormers' LlamaConfig computes norms, softmax and rotary in these dtypes; ours always in float32.
 FLOAT32_COMPUTE_KEYS = ("layernorm_compute_type", "softmax_compute_type", "rotary_dtype")
 
@@ -364,6 +370,10 @@ def to_mindformers(recipe_path: str) -> tuple:
     if cfg.document_attention:
         problems.append("model.model_config.document_attention: True has no LlamaForCausalLM equivalent that "
                         "reads our packed data (MindFormers' EOD mask compression needs its own data columns)")
+    defaults = ModelConfig(**{name: getattr(cfg, name) for name in REQUIRED_MODEL_FIELDS})
+    problems += [f"model.model_config.{name}: {getattr(cfg, name)!r} has no MindFormers LlamaForCausalLM equivalent "
+                 "(Qwen3 and Mixture-of-Experts models are not exported to MindFormers' own classes yet)"
+                 for name in NOT_EXPORTED_MODEL_FIELDS if getattr(cfg, name) != getattr(defaults, name)]
     stage_layers = recipe.parallel_config.stage_layers
     if stage_layers and len(set(stage_layers)) > 1:
         problems.append(f"parallel_config.stage_layers: {stage_layers}: uneven stages; set MindFormers' "

@@ -141,9 +141,13 @@ class Importer:
                                  f"not a Llama-family model; only {MF_CONFIG_TYPE} / {MF_MODEL_TYPE} imports "
                                  "(Llama 2, Llama 3, Qwen2-style with qkv_has_bias)")
             return
-        moe = self.src["model"]["model_config"].get("moe_config")
-        if moe and (moe.get("expert_num") or 1) > 1:
-            self.problems.append(f"{m}moe_config: {moe.get('expert_num')} experts; only dense models import")
+        # MindFormers builds the model with the top-level moe_config (trainer/base_trainer.py:1250-1258) and calls a
+        # network with expert_num > 1 an MoE network (tools/check_rules.py:171); model_config's own is read too.
+        for where, moe in ((m + "moe_config", self.src["model"]["model_config"].get("moe_config")),
+                           ("moe_config", self.src.get("moe_config"))):
+            if isinstance(moe, dict) and (moe.get("expert_num") or 1) > 1:
+                self.problems.append(f"{where}: expert_num {moe.get('expert_num')}: a Mixture-of-Experts model; only "
+                                     "dense models import from MindFormers configs so far")
         self.carry(m + "type", convert=lambda _: LLAMA_CONFIG_TYPE, reason="our Llama config class")
         self.carry("model.arch.type", convert=lambda _: LLAMA_MODEL_TYPE, reason="our Llama model (models/llama.py)")
         d = MF_DEFAULTS["model_config"]
