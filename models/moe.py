@@ -20,9 +20,13 @@ them (mlp.gate, mlp.experts.{e}.gate_proj, mlp.shared_expert, mlp.shared_expert_
 """
 
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import Parameter, nn, ops
+from mindspore.common.initializer import initializer
 
 from ascend_llm_recipes.models.layers import DTYPES, MLP, Linear
+
+# The MoE layer's statistics, Parameters that are not weights (see MoE): never converted, never required when loading.
+STATISTICS = ("expert_load", "router_losses")
 
 
 class Router(nn.Cell):
@@ -110,6 +114,20 @@ class MoE(nn.Cell):
         self.aux_coef, self.z_coef = config.router_aux_loss_coef, config.router_z_loss_coef
         self.load_balancing = LoadBalancingLoss(config.num_experts, config.num_experts_per_tok)
         self.z_loss = ZLoss()
+        # What the training loop reads (and zeroes) after every step (training/worker/router_stats.py), summed over the
+        # step's forward passes: the routing slots each expert got, and [load-balancing loss, z-loss] unweighted.
+        # Not trained; added in place and never recomputed, as MindFormers' router keeps its expert_load
+        # (mindformers/parallel_core/training_graph/transformer/moe/router.py:173-178, 379-386).
+        self.expert_load = Parameter(initializer("zeros", (config.num_experts,), ms.float32), name="expert_load",
+                                     requires_grad=False)
+        self.router_losses = Parameter(initializer("zeros", (2,), ms.float32), name="router_losses",
+                                       requires_grad=False)
+        self.count_slots = ops.ReduceSum()
+        self.stack = ops.Stack()
+        self.add_load = ops.AssignAdd()
+        self.add_load.recompute(False)
+        self.add_losses = ops.AssignAdd()
+        self.add_losses.recompute(False)
 
     def construct(self, x):
         b, s, h = x.shape
@@ -127,5 +145,7 @@ class MoE(nn.Cell):
             if self.shared_expert_gate is not None:
                 shared = self.shared_mul(shared, self.sigmoid(self.shared_expert_gate(tokens)).astype(shared.dtype))
             out = self.add(out, shared)
-        router_loss = self.load_balancing(probs, selected) * self.aux_coef + self.z_loss(logits) * self.z_coef
-        return out.reshape(b, s, h), router_loss
+        balance, z = self.load_balancing(probs, selected), self.z_loss(logits)
+        self.add_load(self.expert_load, ops.stop_gradient(self.count_slots(selected, 0)))          # (E,)
+        self.add_losses(self.router_losses, ops.stop_gradient(self.stack((balance, z))))
+        return out.reshape(b, s, h), balance * self.aux_coef + z * self.z_coef

@@ -228,6 +228,7 @@ IGNORED_OURS = (
     (r"adam_[mv]\..+", "AdamW moments"),
     (r"global_step|epoch_num|step_num|loss_scale|scale_sense|global_batch_size", "training counters"),
     (r"current_iterator_step|last_overflow_iterator_step", "training counters"),
+    (r"model\.layers\.\d+\.mlp\.(expert_load|router_losses)", "MoE routing statistics"),  # models/moe.py STATISTICS
 )
 TIED_HEAD = "lm_head.weight"  # in a tied HF checkpoint, a copy of the embedding when present at all
 TIED_COPY_KIND = "copy of the tied embedding"

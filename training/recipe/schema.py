@@ -432,6 +432,9 @@ class AnomalyConfig:
     #                                               it given by rollback_skip_steps)
     rollback_skip_steps: int = 1              # steps of samples to skip, ending with the spike step
     max_rollbacks: int = 3                    # after this many rollbacks a spike is only logged
+    # Mixture of Experts: warn when a layer's busiest expert takes more than this multiple of the mean load (capped
+    # at 90% of the most one expert can take, num_experts / num_experts_per_tok); 0: off
+    collapse_factor: float = 3.0
 
     def check(self, recipe: "Recipe") -> list:
         problems = []
@@ -445,6 +448,9 @@ class AnomalyConfig:
             if recipe.checkpointing is None or not recipe.checkpointing.save_checkpoint_steps:
                 problems.append("anomaly.on_spike: rollback needs checkpoints to roll back to (a CheckpointMonitor "
                                 "callback with save_checkpoint_steps)")
+        if self.collapse_factor < 0 or 0 < self.collapse_factor <= 1:
+            problems.append(f"anomaly.collapse_factor: {self.collapse_factor} must be 0 (off) or > 1 (a multiple of "
+                            "the mean expert load)")
         if self.rollback_skip_steps < 1 or self.max_rollbacks < 0:
             problems.append("anomaly.rollback_skip_steps must be >= 1 and anomaly.max_rollbacks >= 0")
         return problems

@@ -10,6 +10,9 @@ rule, the gradient clip, tokens per step). Panels, all against the step:
   gradient norm  the clip threshold, spikes, rollbacks, non-finite steps and fp16 overflows marked
   throughput     global tokens/s (each launch's compile step left out), MFU on the right axis
   data wait      the share of each iteration spent between steps (waiting for data, saving)
+and for Mixture-of-Experts runs (training/worker/router_stats.py):
+  load balancing the load-balancing loss (1.0 when the experts share the load evenly)
+  expert load    each MoE layer's busiest expert over the mean load
 
 A dotted vertical line marks each later launch of the run (a resume, or the restart after a rollback).
 """
@@ -27,6 +30,7 @@ from ascend_llm_recipes.training.run_files import METRICS, RESOLVED_RECIPE
 
 DASHBOARD = "dashboard.png"
 PANELS = ("loss", "learning rate", "gradient norm", "throughput", "data wait")
+MOE_PANELS = ("load balancing", "expert load")  # when the runs are Mixture-of-Experts models
 # Event markers of a single run; with several runs they take each run's colour (black-edged) instead.
 SPIKE_COLOR, ROLLBACK_COLOR, NONFINITE_COLOR = "darkorange", "crimson", "black"
 
@@ -270,6 +274,20 @@ def _smoothed_panel(ax, runs: list, colors: list, key: str, span: int, scale: fl
     ax.set_ylim(bottom=0)
 
 
+def _router_panels(axes: dict, runs: list, colors: list, span: int) -> None:
+    """Mixture of Experts (training/worker/router_stats.py): the load-balancing loss and each layer's expert load."""
+    _smoothed_panel(axes["load balancing"], runs, colors, "load_balancing_loss", span)
+    ax = axes["expert load"]
+    styles = ("-", "--", ":", "-.")
+    for run, color in zip(runs, colors):
+        points = [(r["step"], r["expert_load"]) for r in run.train if r.get("expert_load")]
+        for layer in range(len(points[0][1]) if points else 0):
+            ax.plot([s for s, _ in points], [v[layer] for _, v in points], color=color, lw=1,
+                    ls=styles[layer % len(styles)], label=f"{run.label}: MoE layer {layer + 1}")
+    ax.axhline(1.0, color="0.5", lw=0.8)
+    ax.legend(fontsize=7, loc="best")
+
+
 def _mfu_axis(ax, runs: list) -> None:
     """MFU on the right axis when one factor turns every plotted run's tokens/s into its MFU."""
     ratios = [r["mfu"] / r["tokens_per_s"] for run in runs for r in run.train
@@ -292,11 +310,15 @@ def dashboard(runs: list, ema_span: int = None):
 
     span = ema_span or default_span(max((len(run.train) for run in runs), default=0))
     colors = [f"C{i % 10}" for i in range(len(runs))]
-    fig = Figure(figsize=(16, 9.5), dpi=100, layout="constrained")
-    grid = fig.add_gridspec(2, 3, height_ratios=(1.15, 1))
+    moe = any("expert_load" in r for run in runs for r in run.train)
+    fig = Figure(figsize=(16, 13 if moe else 9.5), dpi=100, layout="constrained")
+    grid = fig.add_gridspec(3 if moe else 2, 3, height_ratios=(1.15, 1, 1) if moe else (1.15, 1))
     loss = fig.add_subplot(grid[0, :2])
     axes = dict(zip(PANELS, [loss, fig.add_subplot(grid[0, 2], sharex=loss)]
                     + [fig.add_subplot(grid[1, i], sharex=loss) for i in range(3)]))
+    if moe:
+        axes.update(zip(MOE_PANELS, [fig.add_subplot(grid[2, 0], sharex=loss), fig.add_subplot(grid[2, 1:], sharex=loss)]))
+        _router_panels(axes, runs, colors, span)
     _loss_panel(axes["loss"], runs, colors, span)
     for run, color in zip(runs, colors):
         lr = [(r["step"], r["lr"]) for r in run.train if _number(r.get("lr"))]
@@ -312,7 +334,9 @@ def dashboard(runs: list, ema_span: int = None):
     titles = {"loss": f"loss: raw (faint), EMA over {span} steps (bold), held-out (circles)",
               "learning rate": "learning rate", "gradient norm": "gradient norm",
               "throughput": "throughput (compile steps left out)",
-              "data wait": "data wait (between steps: input pipeline, saves)"}
+              "data wait": "data wait (between steps: input pipeline, saves)",
+              "load balancing": "MoE load-balancing loss (1.0 = even; raw faint, EMA bold)",
+              "expert load": "MoE busiest expert / mean load, per layer (1.0 = even)"}
     for name, ax in axes.items():
         ax.set_label(name)
         ax.set_title(titles[name], fontsize=10, loc="left")

@@ -123,8 +123,17 @@ class StepRecorder(Callback):
         self._last_end = 0.0
         self._file = None
         self._writer = None
+        cfg = recipe.model.model_config
+        self.moe = cfg.moe
+        self.router_coefs = (cfg.router_aux_loss_coef, cfg.router_z_loss_coef)
+        self.collapse_factor = recipe.anomaly.collapse_factor
+        self.router_stats = None  # training/worker/router_stats.py, once the network exists
+        self.router = None        # the step's RouterRecord
 
     def on_train_begin(self, run_context):
+        if self.moe:
+            from ascend_llm_recipes.training.worker.router_stats import RouterStats
+            self.router_stats = RouterStats(run_context.original_args().train_network, self.collapse_factor)
         self._file = open(self.metrics_path, "a", encoding="utf-8")
         if self.tensorboard_dir:
             from tensorboardX import SummaryWriter
@@ -185,18 +194,33 @@ class StepRecorder(Callback):
             record["mfu_flag"] = flag
         if last.rank_loss is not None:
             record["rank_loss"] = last.rank_loss
+        if self.router is not None:
+            record.update(self.router_fields(last.loss))
         return record
+
+    def router_fields(self, loss: float) -> dict:
+        """The MoE routers' numbers (training/worker/router_stats.py), and the loss without their weighted terms."""
+        r, (aux, z) = self.router, self.router_coefs
+        layers = len(r.expert_load)
+        return {"lm_loss": loss - layers * (aux * r.load_balancing_loss + z * r.router_z_loss),
+                "load_balancing_loss": r.load_balancing_loss, "router_z_loss": r.router_z_loss,
+                "expert_load": r.expert_load, "dropped_tokens": r.dropped_tokens}
 
     def agreed(self, local: StepRecord) -> StepRecord:
         """The step as every rank sees it: loss of the ranks computing it, stop and NaN agreed, in one all-reduce."""
+        router = self.router_stats.values() if self.router_stats is not None else []
         if not (self.reduce_loss or self.agree_on_stop):
+            if self.router_stats is not None:
+                self.router = self.router_stats.from_sums(router, 1, self.tokens_per_step, local.step)
             return local
         from ascend_llm_recipes.training.worker.collectives import all_reduce_sum
 
         computes = self.computes_loss and self.reduce_loss
         sums = all_reduce_sum([local.loss if computes else 0.0, 1.0 if computes else 0.0,
-                               1.0 if local.stop else 0.0, 1.0 if local.non_finite else 0.0])
-        return agree(local, sums, self.reduce_loss, self.agree_on_stop, self.computes_loss)
+                               1.0 if local.stop else 0.0, 1.0 if local.non_finite else 0.0, *router])
+        if self.router_stats is not None:  # every rank's routing counts, summed in the same all-reduce
+            self.router = self.router_stats.from_sums(sums[4:], self.devices, self.tokens_per_step, local.step)
+        return agree(local, sums[:4], self.reduce_loss, self.agree_on_stop, self.computes_loss)
 
     def log(self, record: dict) -> None:
         mfu = f"{record['mfu']:.1%}" if record["mfu"] is not None else record.get("mfu_flag", "n/a")
@@ -206,6 +230,8 @@ class StepRecorder(Callback):
                          f"{record['grad_norm'] if record['grad_norm'] is None else round(record['grad_norm'], 4)} "
                          f"step {record['step_time'] * 1e3:.0f} ms gap {record['iteration_gap'] * 1e3:.0f} ms "
                          f"({record['data_wait']:.1%} wait) {record['tokens_per_s']:,.0f} tok/s MFU {mfu}"
+                         + (f" aux {record['load_balancing_loss']:.3f} load max/mean "
+                            f"{max(record['expert_load']):.2f}" if "expert_load" in record else "")
                          + (" [includes graph compile]" if record["compile"] else "") + "\n")
         sys.stdout.flush()
         if self._writer is not None:
@@ -213,6 +239,11 @@ class StepRecorder(Callback):
                         "tokens_per_s", "tokens_per_s_per_device", "mfu", "host_memory", "device_memory"):
                 if record[key] is not None:
                     self._writer.add_scalar(f"train/{key}", record[key], record["step"])
+            for key in ("lm_loss", "load_balancing_loss", "router_z_loss", "dropped_tokens"):
+                if key in record:
+                    self._writer.add_scalar(f"router/{key}", record[key], record["step"])
+            for layer, ratio in enumerate(record.get("expert_load", ())):
+                self._writer.add_scalar(f"router/expert_load_max_over_mean/{layer}", ratio, record["step"])
 
     def spike(self, factor: float, window: int):
         """The moving mean the last loss exceeded by `factor`, or None (off when factor is 0)."""

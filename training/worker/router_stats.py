@@ -1,0 +1,90 @@
+"""What a Mixture-of-Experts model's routers did in a step: read from the model after the step, for the step record.
+
+Each MoE layer (models/moe.py) adds, during the step's forward passes, the routing slots each expert got to its
+`expert_load` and its unweighted [load-balancing loss, z-loss] to `router_losses`; after the step this reads and
+zeroes them (as MindFormers' TopkBiasBalanceCallback does with its routers' expert_load,
+mindformers/core/callback/callback.py:2934-2950). Under data parallel the ranks' counts are summed in StepRecorder's
+one host all-reduce (`values` / `from_sums`), so every rank records and acts on the same numbers.
+
+Per step it records, averaged over the MoE layers unless named per layer:
+    load_balancing_loss  E * sum_e f_e * P_e (1.0 when the load is even; see models/moe.py)
+    router_z_loss        mean logsumexp(router logits)^2
+    expert_load          per layer, the busiest expert's slots over the mean (1.0 = even, E/k = every token)
+    dropped_tokens       the fraction of the step's routing slots no expert took (0 when routing is dropless)
+and warns of a collapse: a layer whose busiest expert takes more than `collapse_factor` x its mean share (once,
+until the layer is back halfway to an even load).
+"""
+
+import sys
+from dataclasses import dataclass
+
+import mindspore as ms
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RouterRecord:
+    load_balancing_loss: float
+    router_z_loss: float
+    expert_load: list         # per MoE layer: max / mean routing slots
+    dropped_tokens: float
+
+
+class RouterStats:
+    """The MoE layers of a network, read and zeroed after each step."""
+
+    def __init__(self, network, collapse_factor: float):
+        from ascend_llm_recipes.models.moe import MoE
+
+        # named as their parameters are (model.layers.N.mlp), not by the train step's wrapper cells
+        self.layers = [(cell.expert_load.name.rsplit(".", 1)[0], cell) for _, cell in network.cells_and_names()
+                       if isinstance(cell, MoE)]
+        self.collapse_factor = collapse_factor
+        self.collapsed: set = set()   # layers warned about, until they recover
+        if self.layers:
+            moe = self.layers[0][1]
+            self.num_experts, self.top_k = moe.num_experts, moe.router.top_k
+
+    def values(self) -> np.ndarray:
+        """This rank's counts since the last call, flattened [loads (L x E), losses (L x 2)]; zeroes them."""
+        loads = [cell.expert_load.asnumpy().copy() for _, cell in self.layers]
+        losses = [cell.router_losses.asnumpy().copy() for _, cell in self.layers]
+        for _, cell in self.layers:
+            cell.expert_load.set_data(ms.Tensor(np.zeros_like(loads[0])))
+            cell.router_losses.set_data(ms.Tensor(np.zeros(2, np.float32)))
+        return np.concatenate([np.concatenate(loads), np.concatenate(losses)]).astype(np.float32)
+
+    def from_sums(self, sums: np.ndarray, ranks: int, tokens: int, step: int) -> RouterRecord:
+        """The record from `values` summed over `ranks` data-parallel ranks, whose step took `tokens` tokens in all
+        (one forward pass per rank and step: data parallel, no micro-batches)."""
+        count = len(self.layers)
+        loads = np.asarray(sums[:count * self.num_experts], np.float64).reshape(count, self.num_experts)
+        losses = np.asarray(sums[count * self.num_experts:], np.float64).reshape(count, 2) / ranks
+        slots = tokens * self.top_k
+        ratios = loads.max(1) / np.maximum(loads.mean(1), 1e-12)
+        self.warn_collapse(step, ratios)
+        return RouterRecord(load_balancing_loss=float(losses[:, 0].mean()), router_z_loss=float(losses[:, 1].mean()),
+                            expert_load=[round(float(r), 4) for r in ratios],
+                            dropped_tokens=float(1.0 - loads.sum(1).mean() / slots))
+
+    def threshold(self) -> float:
+        """The collapse threshold: collapse_factor, capped at 90% of the most one expert can take (E / k)."""
+        return min(self.collapse_factor, 0.9 * self.num_experts / self.top_k)
+
+    def warn_collapse(self, step: int, ratios: np.ndarray) -> None:
+        if not self.collapse_factor:
+            return
+        limit = self.threshold()
+        for index, ratio in enumerate(ratios):
+            name = self.layers[index][0]
+            if ratio > limit and name not in self.collapsed:
+                self.collapsed.add(name)
+                sys.stdout.write(f"[anomaly] step {step}: router collapse in {name}: its busiest expert takes "
+                                 f"{ratio:.2f} x the mean load (limit {limit:.2f}: anomaly.collapse_factor); "
+                                 "raise model_config.router_aux_loss_coef or lower the learning rate\n")
+                sys.stdout.flush()
+            elif ratio <= (1.0 + limit) / 2 and name in self.collapsed:  # recovered: halfway back to even
+                self.collapsed.discard(name)
+                sys.stdout.write(f"[anomaly] step {step}: {name}'s expert load is back under the limit "
+                                 f"({ratio:.2f} x the mean)\n")
+                sys.stdout.flush()
