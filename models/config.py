@@ -47,6 +47,23 @@ class ModelConfig:
     # z-loss mean(logsumexp(router logits)^2) (ST-MoE).
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    # DeepSeek-V3's router (models/moe.py): sigmoid scores, the top k chosen among the topk_group best of n_group
+    # expert groups, by scores plus a non-trained correction bias (expert_bias) that each step moves by
+    # expert_bias_update_rate towards an even load (auxiliary-loss-free balancing); weights x routed_scaling_factor.
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    expert_bias: bool = False
+    expert_bias_update_rate: float = 0.0
+    # Multi-head latent attention (DeepSeek-V2/V3, models/mla.py) when kv_lora_rank is set: keys and values from a
+    # kv_lora_rank-wide latent, queries through a q_lora_rank-wide one (or a full projection when None), heads of
+    # qk_nope_head_dim + qk_rope_head_dim (the rotary part's key shared by all heads) and values of v_head_dim.
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
     vocab_pad_multiple: int = ALIGN        # tables padded to a multiple of this x model_parallel
     document_attention: bool = False       # packed documents: reset positions, block attention at EOD
     bos_token_id: int = 1
@@ -74,6 +91,25 @@ class ModelConfig:
     def head_size(self) -> int:
         """Width of one attention head: head_dim when given, else hidden_size / num_heads."""
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3) instead of q/k/v projections."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of a query/key head: qk_nope_head_dim + qk_rope_head_dim under MLA, else head_size."""
+        return (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0) if self.mla else self.head_size
+
+    @property
+    def value_head_dim(self) -> int:
+        return (self.v_head_dim or 0) if self.mla else self.head_size
+
+    @property
+    def rotary_dim(self) -> int:
+        """Width the rotary embedding rotates: the whole head, or MLA's qk_rope_head_dim."""
+        return self.qk_rope_head_dim if self.mla else self.head_size
 
     @property
     def moe(self) -> bool:
@@ -164,15 +200,49 @@ class ModelConfig:
         if self.param_dtype != "float32" and self.param_dtype != self.compute_dtype:
             problems.append(f"{p}.param_dtype: {self.param_dtype} weights are cast to compute_dtype "
                             f"{self.compute_dtype} at every use; store them in the compute dtype or in float32")
-        return problems + self.moe_problems(recipe) + self.kernel_problems(recipe)
+        return problems + self.moe_problems(recipe) + self.mla_problems(recipe) + self.kernel_problems(recipe)
+
+    def mla_problems(self, recipe) -> list:
+        """Problems of the multi-head latent attention keys, each named."""
+        p = "model.model_config"
+        names = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if not self.mla:
+            return [f"{p}.{name}: is set, but {p}.kv_lora_rank is not (multi-head latent attention is off)"
+                    for name in names if getattr(self, name) is not None]
+        problems = [f"{p}.{name}: must be set (>= 1) with {p}.kv_lora_rank" for name in names[1:]
+                    if getattr(self, name) is None or getattr(self, name) < 1]
+        problems += [f"{p}.{name}: must be >= 1, got {getattr(self, name)}" for name in ("kv_lora_rank", "q_lora_rank")
+                     if getattr(self, name) is not None and getattr(self, name) < 1]
+        if problems:
+            return problems
+        if self.qk_rope_head_dim % 2:
+            problems.append(f"{p}.qk_rope_head_dim: {self.qk_rope_head_dim} must be even (rotary pairs)")
+        problems += [f"{p}.{name}: {getattr(self, name)} is not a multiple of {ALIGN}; attention matmuls would be "
+                     "padded on Ascend" for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                                                     "qk_rope_head_dim", "v_head_dim")
+                     if getattr(self, name) is not None and getattr(self, name) % ALIGN]
+        problems += [f"{p}.{name}: {getattr(self, name)!r} does not apply to multi-head latent attention"
+                     for name, default in (("qk_norm", False), ("qkv_bias", False), ("head_dim", None),
+                                           ("use_flash_attention", False))
+                     if getattr(self, name) != default]
+        if self.num_kv_heads not in (None, self.num_heads):
+            problems.append(f"{p}.num_kv_heads: multi-head latent attention has one key/value head per query head "
+                            "(leave num_kv_heads unset)")
+        if recipe.context.device_target != "CPU":
+            problems.append(f"{p}.kv_lora_rank: multi-head latent attention runs on CPU only so far (the reference "
+                            "math); MindFormers 1.9's MLA kernels and layouts are not mirrored yet")
+        return problems
 
     def moe_problems(self, recipe) -> list:
         """Problems of the Mixture-of-Experts keys, each named."""
         p = "model.model_config"
         problems = [f"{p}.{name}: must be >= {low}, got {getattr(self, name)}"
                     for name, low in (("num_experts", 0), ("num_experts_per_tok", 1), ("router_aux_loss_coef", 0),
-                                      ("router_z_loss_coef", 0), ("shared_expert_intermediate_size", 0))
+                                      ("router_z_loss_coef", 0), ("shared_expert_intermediate_size", 0),
+                                      ("n_group", 1), ("topk_group", 1), ("expert_bias_update_rate", 0))
                     if not getattr(self, name) >= low]
+        if not self.routed_scaling_factor > 0:
+            problems.append(f"{p}.routed_scaling_factor: must be > 0, got {self.routed_scaling_factor}")
         if self.moe_intermediate_size is not None and self.moe_intermediate_size < 1:
             problems.append(f"{p}.moe_intermediate_size: must be >= 1, got {self.moe_intermediate_size}")
         outside = sorted({n for n in self.dense_layers if not 0 <= n < self.num_layers})
@@ -183,8 +253,8 @@ class ModelConfig:
             return problems
         if not self.moe:
             return [f"{p}.{name}: is set, but {p}.num_experts is 0 (a dense model)" for name in
-                    ("moe_intermediate_size", "shared_expert_intermediate_size", "dense_layers", "shared_expert_gate")
-                    if getattr(self, name)]
+                    ("moe_intermediate_size", "shared_expert_intermediate_size", "dense_layers", "shared_expert_gate",
+                     "expert_bias", "expert_bias_update_rate") if getattr(self, name)]
         if self.num_experts_per_tok > self.num_experts:
             problems.append(f"{p}.num_experts_per_tok: {self.num_experts_per_tok} exceeds num_experts "
                             f"{self.num_experts}")
@@ -195,6 +265,17 @@ class ModelConfig:
         if self.shared_expert_gate and not self.shared_expert_intermediate_size:
             problems.append(f"{p}.shared_expert_gate: gates a shared expert, but "
                             f"{p}.shared_expert_intermediate_size is 0")
+        if self.num_experts % self.n_group or self.topk_group > self.n_group:
+            problems.append(f"{p}.n_group, {p}.topk_group: {self.n_group} groups must divide num_experts "
+                            f"({self.num_experts}) and topk_group ({self.topk_group}) lie within 1..n_group")
+        elif self.n_group > 1 and self.topk_group * (self.num_experts // self.n_group) < self.num_experts_per_tok:
+            problems.append(f"{p}.topk_group: {self.topk_group} group(s) of {self.num_experts // self.n_group} "
+                            f"experts hold fewer than num_experts_per_tok ({self.num_experts_per_tok})")
+        if self.expert_bias_update_rate and not self.expert_bias:
+            problems.append(f"{p}.expert_bias_update_rate: {self.expert_bias_update_rate} needs {p}.expert_bias: True")
+        if self.expert_bias and self.router_score != "sigmoid":
+            problems.append(f"{p}.expert_bias: the correction bias applies to sigmoid scores (DeepSeek-V3); set "
+                            f"{p}.router_score: sigmoid")
         if len(self.dense_layers) == self.num_layers:
             problems.append(f"{p}.dense_layers: lists every layer, so no layer has experts; set num_experts: 0")
         if recipe.context.device_target != "CPU":

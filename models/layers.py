@@ -1,12 +1,14 @@
-"""The decoder's parts every model family shares: Linear, Embedding, RMSNorm and the SwiGLU MLP.
+"""The decoder's parts every model family shares: Linear, Embedding, RMSNorm, the SwiGLU MLP, rotary
+embeddings and the attention core.
 
 Parameters are stored as torch.nn stores them (Linear weight (out, in), Embedding weight (vocab, hidden)),
 so checkpoints convert by name (models/conversion/tables.py). Every operator is a Primitive attribute, so that
 models/parallel.py can give each one a shard strategy, as MindFormers does.
 """
 
+import numpy as np
 import mindspore as ms
-from mindspore import Parameter, nn, ops
+from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 from mindspore.ops.auto_generate.gen_ops_prim import SiLU
 
@@ -93,3 +95,55 @@ class MLP(nn.Cell):
 
     def construct(self, x):
         return self.down_proj(self.mul(self.silu(self.gate_proj(x)), self.up_proj(x)))
+
+
+def rotary_tables(seq_length: int, head_dim: int, theta: float):
+    """cos/sin tables of shape (seq_length, head_dim), HuggingFace half-split layout."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    freqs = np.outer(np.arange(seq_length, dtype=np.float64), inv_freq)
+    angles = np.concatenate([freqs, freqs], axis=-1)
+    return Tensor(np.cos(angles), ms.float32), Tensor(np.sin(angles), ms.float32)
+
+
+class RotaryEmbedding(nn.Cell):
+    """Rotate (B, heads, S, head_dim) by position, in float32; cos/sin broadcast to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.slice = ops.StridedSlice()
+        self.neg = ops.Neg()
+        self.concat = ops.Concat(-1)
+        self.mul = ops.Mul()
+        self.add = ops.Add()
+
+    def construct(self, x, cos, sin):
+        x32 = x.astype(ms.float32)
+        b, n, s, d = x.shape
+        first = self.slice(x32, (0, 0, 0, 0), (b, n, s, d // 2), (1, 1, 1, 1))
+        second = self.slice(x32, (0, 0, 0, d // 2), (b, n, s, d), (1, 1, 1, 1))
+        rotated = self.concat((self.neg(second), first))
+        return self.add(self.mul(x32, cos), self.mul(rotated, sin)).astype(x.dtype)
+
+
+class CoreAttention(nn.Cell):
+    """softmax(q k^T / sqrt(d) + mask) v: the part selective recompute recomputes."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.scale = 1.0 / float(np.sqrt(head_dim))
+        self.mul_scale = ops.Mul()
+        self.qk_matmul = ops.BatchMatMul(transpose_b=True)
+        self.mask_add = ops.Add()
+        self.softmax = ops.Softmax(-1)
+        self.pv_matmul = ops.BatchMatMul()
+        self.merge_heads = ops.Transpose()
+
+    def construct(self, q, k, v, mask, seq_ends=None):
+        b, n, s, _ = q.shape
+        d = v.shape[-1]  # the value head (MLA's v_head_dim may differ from the query/key head)
+        # Scaling q (B, heads, S, head_dim) costs S/head_dim times less than scaling the scores.
+        scores = self.mask_add(self.qk_matmul(self.mul_scale(q, self.scale), k).astype(ms.float32), mask)
+        probs = self.softmax(scores)
+        out = self.pv_matmul(probs.astype(v.dtype), v)  # (B, heads, S, head_dim)
+        # (B, heads, S, head_dim) -> (B, S, H)
+        return self.merge_heads(out, (0, 2, 1, 3)).reshape(b, s, n * d)

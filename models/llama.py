@@ -36,7 +36,9 @@ from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.models.arithmetic import padded_vocab_size
 from ascend_llm_recipes.models.config import ModelConfig
-from ascend_llm_recipes.models.layers import DTYPES, MLP, Embedding, Linear, RMSNorm
+from ascend_llm_recipes.models.layers import (DTYPES, MLP, CoreAttention, Embedding, Linear, RMSNorm, RotaryEmbedding,
+                                              rotary_tables)
+from ascend_llm_recipes.models.mla import MultiLatentAttention
 from ascend_llm_recipes.models.moe import MoE
 from ascend_llm_recipes.models.loss import CrossEntropy, WholeVocabularyCrossEntropy, loss_splits_vocabulary
 from ascend_llm_recipes.models.presets import PRESETS
@@ -70,6 +72,10 @@ class LlamaConfig(PretrainedConfig):
 
     # Derived sizes, as models/config.py defines them.
     head_size = ModelConfig.head_size
+    mla = ModelConfig.mla
+    qk_head_dim = ModelConfig.qk_head_dim
+    value_head_dim = ModelConfig.value_head_dim
+    rotary_dim = ModelConfig.rotary_dim
     moe = ModelConfig.moe
     is_moe_layer = ModelConfig.is_moe_layer
     expert_size = ModelConfig.expert_size
@@ -93,57 +99,6 @@ def lazy_inline_where_supported(init):
             return lazy_inline(init)(self, *args, **kwargs)
         return init(self, *args, **kwargs)
     return wrapped
-
-
-def rotary_tables(seq_length: int, head_dim: int, theta: float):
-    """cos/sin tables of shape (seq_length, head_dim), HuggingFace half-split layout."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    freqs = np.outer(np.arange(seq_length, dtype=np.float64), inv_freq)
-    angles = np.concatenate([freqs, freqs], axis=-1)
-    return Tensor(np.cos(angles), ms.float32), Tensor(np.sin(angles), ms.float32)
-
-
-class RotaryEmbedding(nn.Cell):
-    """Rotate (B, heads, S, head_dim) by position, in float32; cos/sin broadcast to it."""
-
-    def __init__(self):
-        super().__init__()
-        self.slice = ops.StridedSlice()
-        self.neg = ops.Neg()
-        self.concat = ops.Concat(-1)
-        self.mul = ops.Mul()
-        self.add = ops.Add()
-
-    def construct(self, x, cos, sin):
-        x32 = x.astype(ms.float32)
-        b, n, s, d = x.shape
-        first = self.slice(x32, (0, 0, 0, 0), (b, n, s, d // 2), (1, 1, 1, 1))
-        second = self.slice(x32, (0, 0, 0, d // 2), (b, n, s, d), (1, 1, 1, 1))
-        rotated = self.concat((self.neg(second), first))
-        return self.add(self.mul(x32, cos), self.mul(rotated, sin)).astype(x.dtype)
-
-
-class CoreAttention(nn.Cell):
-    """softmax(q k^T / sqrt(d) + mask) v: the part selective recompute recomputes."""
-
-    def __init__(self, head_dim: int):
-        super().__init__()
-        self.scale = 1.0 / float(np.sqrt(head_dim))
-        self.mul_scale = ops.Mul()
-        self.qk_matmul = ops.BatchMatMul(transpose_b=True)
-        self.mask_add = ops.Add()
-        self.softmax = ops.Softmax(-1)
-        self.pv_matmul = ops.BatchMatMul()
-        self.merge_heads = ops.Transpose()
-
-    def construct(self, q, k, v, mask, seq_ends=None):
-        b, n, s, d = q.shape
-        # Scaling q (B, heads, S, head_dim) costs S/head_dim times less than scaling the scores.
-        scores = self.mask_add(self.qk_matmul(self.mul_scale(q, self.scale), k).astype(ms.float32), mask)
-        probs = self.softmax(scores)
-        out = self.pv_matmul(probs.astype(v.dtype), v)  # (B, heads, S, head_dim)
-        # (B, heads, S, head_dim) -> (B, S, H)
-        return self.merge_heads(out, (0, 2, 1, 3)).reshape(b, s, n * d)
 
 
 class FlashAttention(nn.Cell):
@@ -241,7 +196,7 @@ class DecoderLayer(nn.Cell):
     def __init__(self, config: LlamaConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
-        self.self_attn = Attention(config)
+        self.self_attn = MultiLatentAttention(config) if config.mla else Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
         self.is_moe, self.returns_router_loss = config.is_moe_layer(index), config.moe
         self.mlp = MoE(config) if self.is_moe else MLP(config)
@@ -305,7 +260,7 @@ class LlamaModel(nn.Cell):
         self.moe = config.moe
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
         self.seq_length = config.seq_length
-        cos, sin = rotary_tables(config.seq_length, config.head_size, config.rope_theta)
+        cos, sin = rotary_tables(config.seq_length, config.rotary_dim, config.rope_theta)
         self.cos_table, self.sin_table = cos, sin
         # (1, 1, S, head_dim): broadcast to every sequence and head
         self.cos, self.sin = cos.reshape(1, 1, *cos.shape), sin.reshape(1, 1, *sin.shape)

@@ -30,29 +30,73 @@ STATISTICS = ("expert_load", "router_losses")
 
 
 class Router(nn.Cell):
-    """Router logits (T, E) -> (combine weights (T, E), zero outside each token's top k; probabilities; the
-    top-k selection (T, E) in {0, 1}). Float32 whatever the compute dtype: a 16-bit softmax picks unstably."""
+    """Router logits (T, E) -> (combine weights (T, E), zero outside each token's top k; the probabilities the
+    load-balancing loss reads; the top-k selection (T, E) in {0, 1}). Float32 whatever the compute dtype.
+
+    softmax (Mixtral, Qwen-MoE): the top k of softmax(logits), weighted by their probabilities, renormalised to
+    sum to 1 when norm_topk_prob. sigmoid (DeepSeek-V3, transformers' DeepseekV3TopkRouter): scores
+    sigmoid(logits); the top k chosen by scores + expert_bias among the experts of the topk_group best of n_group
+    groups (a group scored by its two best), weighted by their scores (renormalised when norm_topk_prob), times
+    routed_scaling_factor; the load-balancing loss reads the scores normalised per token (Megatron-core's
+    compute_routing_scores_for_aux_loss).
+    """
 
     def __init__(self, config):
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
-        self.norm_topk_prob = config.norm_topk_prob
+        self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+        self.sigmoid_scores = config.router_score == "sigmoid"
+        self.groups, self.top_groups = config.n_group, config.topk_group
+        # DeepSeek-V3's score-correction bias: not trained; moved towards an even load after every step
+        # (training/worker/router_stats.py), as MindFormers' router.expert_bias (router.py, TopkBiasBalanceCallback).
+        self.expert_bias = (Parameter(initializer("zeros", (config.num_experts,), ms.float32), name="expert_bias",
+                                      requires_grad=False) if config.expert_bias else None)
+        self.bias_update_rate = config.expert_bias_update_rate
         self.softmax = ops.Softmax(-1)
+        self.sigmoid = ops.Sigmoid()
         self.topk = ops.TopK(sorted=True)
+        self.group_topk = ops.TopK(sorted=True)
         self.one_hot = ops.OneHot(-1)
         self.chosen_sum = ops.ReduceSum()
         self.mul = ops.Mul()
         self.weight_sum = ops.ReduceSum(keep_dims=True)
         self.div = ops.Div()
 
-    def construct(self, logits):
-        probs = self.softmax(logits)
-        _, chosen = self.topk(ops.stop_gradient(probs), self.top_k)                 # (T, k) expert indices
+    def one_hot_sum(self, indices, depth: int):
+        """(T, n) indices -> (T, depth) in {0, 1}."""
         one, zero = ops.scalar_to_tensor(1.0, ms.float32), ops.scalar_to_tensor(0.0, ms.float32)
-        selected = self.chosen_sum(self.one_hot(chosen, self.num_experts, one, zero), 1)  # (T, E) in {0, 1}
-        weights = self.mul(probs, selected)
+        return self.chosen_sum(self.one_hot(indices, depth, one, zero), 1)
+
+    def group_mask(self, choice):
+        """(T, E) -> (T, E): 1 for the experts of each token's topk_group best groups, scored by their best two."""
+        t = choice.shape[0]
+        per_group = self.num_experts // self.groups
+        # (T, E) -> (T, groups, experts per group) -> (T, groups)
+        best_two = self.group_topk(choice.reshape(t, self.groups, per_group), 2)[0]
+        _, groups = self.group_topk(best_two.sum(-1), self.top_groups)                # (T, topk_group)
+        mask = self.one_hot_sum(groups, self.groups)                                   # (T, groups)
+        # (T, groups) -> (T, groups, experts per group) -> (T, E)
+        return ops.tile(mask.reshape(t, self.groups, 1), (1, 1, per_group)).reshape(t, self.num_experts)
+
+    def construct(self, logits):
+        if self.sigmoid_scores:
+            scores = self.sigmoid(logits)
+            probs = self.div(scores, self.weight_sum(scores, -1) + 1e-20)               # for the balancing loss
+        else:
+            scores = probs = self.softmax(logits)
+        choice = ops.stop_gradient(scores)
+        if self.expert_bias is not None:
+            choice = choice + self.expert_bias
+        if self.groups > 1:
+            choice = self.mul(choice, self.group_mask(choice))  # other groups' experts score 0, as transformers'
+        _, chosen = self.topk(choice, self.top_k)                                      # (T, k) expert indices
+        selected = self.one_hot_sum(chosen, self.num_experts)                          # (T, E) in {0, 1}
+        weights = self.mul(scores, selected)
         if self.norm_topk_prob:
-            weights = self.div(weights, self.weight_sum(weights, -1))
+            total = self.weight_sum(weights, -1)
+            weights = self.div(weights, total + 1e-20 if self.sigmoid_scores else total)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         return weights, probs, selected
 
 
@@ -105,8 +149,8 @@ class MoE(nn.Cell):
         self.experts = nn.CellList([MLP(config, config.expert_size) for _ in range(config.num_experts)])
         self.shared_expert = (MLP(config, config.shared_expert_intermediate_size)
                               if config.shared_expert_intermediate_size else None)
-        self.shared_expert_gate = (Linear(config.hidden_size, 1, config.initializer_range)
-                                   if config.shared_expert_gate else None)
+        self.shared_expert_gate = (Linear(config.hidden_size, 1, config.initializer_range, compute_dtype=self.compute_dtype,
+                                          param_dtype=DTYPES[config.param_dtype]) if config.shared_expert_gate else None)
         self.sigmoid = ops.Sigmoid()
         self.shared_mul = ops.Mul()
         self.combine_mul = ops.Mul()

@@ -539,7 +539,8 @@ def test_each_format_table_has_a_row_for_every_tensor_and_a_tensor_without_one_i
     ours = {pattern for pattern, _, _ in TENSORS}
     assert set(HF_TABLE) == ours and set(MEGATRON_TABLE) == ours
     # Meta's Llama: no bias, no per-head norms, no experts
-    assert set(META_TABLE) == {pattern for pattern, _, flag in TENSORS if flag in (None, "untied", "dense_mlp")}
+    assert set(META_TABLE) == {pattern for pattern, _, flag in TENSORS
+                               if flag in (None, "untied", "dense_mlp", "q_proj", "kv_proj")}
     row, numbers = row_for(MEGATRON_TABLE, "model.layers.3.self_attn.k_proj.bias", "ckpt")
     assert (row.theirs[0], row.part, numbers) == ("decoder.layers.{n}.self_attention.linear_qkv.bias", "k", {"n": 3})
     row, numbers = row_for(MEGATRON_TABLE, "model.layers.1.mlp.experts.5.up_proj.weight", "ckpt")

@@ -55,8 +55,9 @@ UNSUPPORTED_ARGS = (
     ("rotary_percent", 1.0, "rotary embeddings cover the whole head (rotary_percent < 1 rotates part of it)"),
     ("rotary_interleaved", False, "rotary pairs are half-split, not interleaved"),
     ("add_bias_linear", False, "the only biases the model has are q/k/v (add_qkv_bias)"),
-    ("num_experts", None, "the MLP is dense (no mixture of experts)"),
-    ("qk_layernorm", False, "the model has no query/key norms"),
+    ("num_experts", None, "Mixture-of-Experts layers are not read from Megatron checkpoints yet"),
+    ("qk_layernorm", False, "query/key norms (Qwen3) are not read from Megatron checkpoints yet"),
+    ("multi_latent_attention", False, "multi-latent attention (DeepSeek) is not read from Megatron checkpoints yet"),
     ("apply_layernorm_1p", False, "norm weights are used as stored (no 1 + weight)"),
     ("virtual_pipeline_model_parallel_size", None, "the reader expects one model chunk per pipeline stage"),
 )
@@ -65,6 +66,7 @@ MEGATRON_NOT_YET = (
     ("num_experts", 0, "Mixture-of-Experts checkpoints are not written for Megatron yet (Hugging Face export works)"),
     ("qk_norm", False, "query/key norms (Megatron's qk_layernorm) are not written yet"),
     ("head_dim", None, "an explicit head_dim (Megatron's kv_channels) is not written yet"),
+    ("kv_lora_rank", None, "multi-latent attention (Megatron's MLA) is not written yet"),
 )
 REQUIRED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size")

@@ -158,11 +158,24 @@ MEGATRON_TABLE = table(
     Row("model.layers.{n}.mlp.gate_proj.weight", (FC1,), split=(0,), fuse="gate_up", part="gate"),
     Row("model.layers.{n}.mlp.up_proj.weight", (FC1,), split=(0,), fuse="gate_up", part="up"),
     Row("model.layers.{n}.mlp.down_proj.weight", ("decoder.layers.{n}.mlp.linear_fc2.weight",), split=(1,)),
-    # Qwen3's per-head norms and the MoE layer (megatron/core/transformer/moe: router, SequentialMLP's local experts,
-    # SharedExpertMLP). Named here; the Megatron reader and writer refuse MoE models so far (megatron.py).
+    # Qwen3's per-head norms, multi-latent attention (megatron/core/transformer/multi_latent_attention.py) and the MoE
+    # layer (megatron/core/transformer/moe: router, SequentialMLP's local experts, SharedExpertMLP). Named here; the
+    # Megatron reader and writer refuse these models so far (megatron.py).
     Row("model.layers.{n}.self_attn.q_norm.weight", ("decoder.layers.{n}.self_attention.q_layernorm.weight",)),
     Row("model.layers.{n}.self_attn.k_norm.weight", ("decoder.layers.{n}.self_attention.k_layernorm.weight",)),
+    Row("model.layers.{n}.self_attn.q_a_proj.weight", ("decoder.layers.{n}.self_attention.linear_q_down_proj.weight",)),
+    Row("model.layers.{n}.self_attn.q_a_layernorm.weight", ("decoder.layers.{n}.self_attention.q_layernorm.weight",
+                                                            "decoder.layers.{n}.self_attention.linear_q_up_proj."
+                                                            "layer_norm_weight")),
+    Row("model.layers.{n}.self_attn.q_b_proj.weight", ("decoder.layers.{n}.self_attention.linear_q_up_proj.weight",)),
+    Row("model.layers.{n}.self_attn.kv_a_proj_with_mqa.weight",
+        ("decoder.layers.{n}.self_attention.linear_kv_down_proj.weight",)),
+    Row("model.layers.{n}.self_attn.kv_a_layernorm.weight", ("decoder.layers.{n}.self_attention.kv_layernorm.weight",
+                                                             "decoder.layers.{n}.self_attention.linear_kv_up_proj."
+                                                             "layer_norm_weight")),
+    Row("model.layers.{n}.self_attn.kv_b_proj.weight", ("decoder.layers.{n}.self_attention.linear_kv_up_proj.weight",)),
     Row("model.layers.{n}.mlp.gate.weight", ("decoder.layers.{n}.mlp.router.weight",)),
+    Row("model.layers.{n}.mlp.router.expert_bias", ("decoder.layers.{n}.mlp.router.expert_bias",)),
     Row("model.layers.{n}.mlp.experts.{e}.gate_proj.weight", (EXPERT_FC1,), split=(0,), fuse="gate_up", part="gate"),
     Row("model.layers.{n}.mlp.experts.{e}.up_proj.weight", (EXPERT_FC1,), split=(0,), fuse="gate_up", part="up"),
     Row("model.layers.{n}.mlp.experts.{e}.down_proj.weight",

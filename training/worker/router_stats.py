@@ -11,7 +11,8 @@ Per step it records, averaged over the MoE layers unless named per layer:
     router_z_loss        mean logsumexp(router logits)^2
     expert_load          per layer, the busiest expert's slots over the mean (1.0 = even, E/k = every token)
     dropped_tokens       the fraction of the step's routing slots no expert took (0 when routing is dropless)
-and warns of a collapse: a layer whose busiest expert takes more than `collapse_factor` x its mean share (once,
+moves DeepSeek-V3's expert_bias towards an even load (when model_config.expert_bias_update_rate > 0), and warns of
+a collapse: a layer whose busiest expert takes more than `collapse_factor` x its mean share (once,
 until the layer is back halfway to an even load).
 """
 
@@ -63,9 +64,23 @@ class RouterStats:
         slots = tokens * self.top_k
         ratios = loads.max(1) / np.maximum(loads.mean(1), 1e-12)
         self.warn_collapse(step, ratios)
+        self.update_expert_bias(loads)
         return RouterRecord(load_balancing_loss=float(losses[:, 0].mean()), router_z_loss=float(losses[:, 1].mean()),
                             expert_load=[round(float(r), 4) for r in ratios],
                             dropped_tokens=float(1.0 - loads.sum(1).mean() / slots))
+
+    def update_expert_bias(self, loads: np.ndarray) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing: each layer's expert_bias += rate x sign(mean load - load).
+
+        From the loads summed over every data-parallel rank, so every rank moves its copy the same way (Megatron-core
+        _update_router_expert_bias and MindFormers' GPTModel.update_topk_bias, gpt_model.py:632-641, do the same).
+        """
+        for (_, cell), load in zip(self.layers, loads):
+            router = cell.router
+            if router.expert_bias is None or not router.bias_update_rate:
+                continue
+            step = (router.bias_update_rate * np.sign(load.mean() - load)).astype(np.float32)
+            router.expert_bias.set_data(ms.Tensor(router.expert_bias.asnumpy() + step))
 
     def threshold(self) -> float:
         """The collapse threshold: collapse_factor, capped at 90% of the most one expert can take (E / k)."""
