@@ -120,6 +120,8 @@ REFUSED = {  # case: (config, what the error names)
                     "'deepseek_v2' is not supported: multi-head latent attention and sigmoid routing"),
     "mixtral_sliding_window": (lambda: transformers.MixtralConfig(**TINY, sliding_window=32),
                                "sliding_window: 32 is not supported (None only): attention is full causal"),
+    "mixtral_no_experts": (lambda: transformers.MixtralConfig(**TINY, num_local_experts=0),
+                           "num_local_experts: 0 is not valid (>= 1)"),
     "mixtral_jitter": (lambda: transformers.MixtralConfig(**TINY, router_jitter_noise=0.1),
                        "router_jitter_noise: 0.1 is not supported (0.0 only)"),
     "qwen3_attention_bias": (lambda: transformers.Qwen3Config(**TINY, attention_bias=True),

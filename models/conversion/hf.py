@@ -1,4 +1,4 @@
-"""HuggingFace Llama-family checkpoints <-> checkpoints of models/llama.py, tensor by tensor.
+"""HuggingFace checkpoints (hf_families.py: Llama, Mistral, Qwen2/3, Qwen2/3-MoE, Mixtral) <-> models/llama.py's.
 
     from_hf(HF_DIR, OUT_DIR)  config.json + safetensors / pytorch_model.bin
                               -> OUT_DIR/weights.safetensors (what the MindFormers Trainer loads

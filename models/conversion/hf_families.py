@@ -159,8 +159,11 @@ def moe_values(family: Family, hf: dict, problems: list) -> dict:
     values = {ours: hf.get(theirs) for ours, theirs in family.moe}
     for ours, theirs in family.moe:
         kind = {"norm_topk_prob": bool, "router_aux_loss_coef": (int, float)}.get(ours, int)
-        if not isinstance(values[ours], kind) or (kind is int and values[ours] < 1 and ours != "num_experts"):
-            problems.append(f"{theirs}: {values[ours]!r} is not a valid value")
+        # Qwen's num_experts 0 is a dense model (sparse_layers); Mixtral always has its MoE block
+        low = 0 if ours == "num_experts" and family.sparse_step else 1
+        if not isinstance(values[ours], kind) or (kind is int and values[ours] < low):
+            wanted = "a number" if kind is not int else f">= {low}"
+            problems.append(f"{theirs}: {values[ours]!r} is not valid ({wanted})")
     if problems:
         return {}
     if values["num_experts_per_tok"] > max(values["num_experts"], 1):
