@@ -1,4 +1,4 @@
-"""HuggingFace Llama-family checkpoints <-> checkpoints of models/llama.py, tensor by tensor.
+"""HuggingFace checkpoints (hf_families.py: Llama, Mistral, Qwen2/3, Qwen2/3-MoE, Mixtral) <-> models/llama.py's.
 
     from_hf(HF_DIR, OUT_DIR)  config.json + safetensors / pytorch_model.bin
                               -> OUT_DIR/weights.safetensors (what the MindFormers Trainer loads
@@ -17,9 +17,10 @@ weights, as data parallel needs), by parameter name. Without use_legacy_format, 
 newer path (mindformers/checkpoint/checkpoint.py) reads the same directory, but takes one holding
 `model.safetensors` for a HuggingFace checkpoint needing a weight template: hence weights.safetensors.
 
-Everything is driven by two tables: CONFIG_MAP (config.json keys <-> model_config fields, with
-the options each family must leave at their supported value) and the model's tensor list
-(models/shapes.py: names, shapes from the config), with tables.HF_TABLE naming each tensor's transform.
+Everything is driven by tables: hf_families.py's FAMILIES and CONFIG_MAP (config.json keys <-> model_config
+fields, with the options each family must leave at their supported value) and the model's tensor list
+(models/shapes.py: names, shapes from the config), with the family's table (tables.HF_TABLE, or MIXTRAL_TABLE)
+naming each tensor and its transform.
 Conversion is strict: every source tensor is converted or named in an ignore list, every shape
 is checked against the config before any data is read, unknown tensors are errors, and so is any
 NaN or inf value. Output goes through write.write_conversion: built in a hidden sibling directory and
@@ -31,146 +32,20 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.common.files import file_sha256
 from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.conversion.formats import (CkptFile, HFWeights, SafetensorsFile, SafetensorsWriter,
                                                           TorchBinFile)
+from ascend_llm_recipes.models.conversion.hf_families import (family_for, family_of, hf_config_from_model,
+                                                              model_config_from_hf)
 from ascend_llm_recipes.models.conversion.ours import FORMAT_VERSION, HF_WEIGHTS_FILE, existing_conversion, fingerprint
 from ascend_llm_recipes.models.conversion.tables import (IGNORED_HF, IGNORED_OURS, TIED_HEAD, TRANSFORMS, check_tensors,
                                                          tensor_plan)
 from ascend_llm_recipes.models.conversion.verify import verify_logits
 from ascend_llm_recipes.models.conversion.write import (non_finite_report, progress_bar, refuse_non_finite,
                                                         tensor_sha256, write_conversion, write_ours)
-
-
-DEFAULT_MAX_SEQ_LENGTH = 4096  # the rotary table and causal mask are seq_length-sized; long contexts opt in
-
-
-@dataclass(frozen=True)
-class Family:
-    """A HuggingFace model_type this converter reads: what it implies and what it must not use."""
-
-    model_type: str
-    architecture: str
-    qkv_bias: bool
-    requirements: tuple  # (config.json key, the only supported value, why)
-    defaults: dict       # transformers' class defaults for keys save_pretrained may leave out
-
-
-COMMON_REQUIREMENTS = (
-    ("hidden_act", "silu", "the MLP is SwiGLU with SiLU"),
-    ("rope_scaling", None, "rotary positions are unscaled (no linear, dynamic, yarn or llama3 scaling)"),
-    ("attention_dropout", 0.0, "the model has no attention dropout"),
-)
-COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "initializer_range": 0.02,
-                   "tie_word_embeddings": False, "pad_token_id": None, "hidden_act": "silu", "rope_scaling": None,
-                   "attention_dropout": 0.0}
-
-FAMILIES = {
-    "llama": Family("llama", "LlamaForCausalLM", qkv_bias=False, requirements=(
-        ("attention_bias", False, "it biases o_proj as well as q/k/v; the model has q/k/v bias only"),
-        ("mlp_bias", False, "the MLP has no biases"),
-    ), defaults={**COMMON_DEFAULTS, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
-                 "attention_bias": False, "mlp_bias": False}),
-    "qwen2": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, requirements=(
-        ("use_sliding_window", False, "attention is full causal attention, never a sliding window"),
-    ), defaults={**COMMON_DEFAULTS, "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
-                 "num_key_value_heads": 32, "use_sliding_window": False}),
-    # Mistral 7B v0.2/v0.3 (sliding_window null) are Llama's decoder under another model_type; v0.1's
-    # window of 4096 equals full attention only up to 4096 tokens, and transformers' default is that window.
-    "mistral": Family("mistral", "MistralForCausalLM", qkv_bias=False, requirements=(
-        ("sliding_window", None, "attention is full causal attention; a sliding window lets each token see only "
-                                 "the last sliding_window tokens"),
-    ), defaults={**COMMON_DEFAULTS, "max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": 2,
-                 "num_key_value_heads": 8, "sliding_window": 4096}),
-}
-
-# model_config field <-> config.json key. seq_length and qkv_bias are derived (see below).
-CONFIG_MAP = (
-    ("vocab_size", "vocab_size"),
-    ("hidden_size", "hidden_size"),
-    ("num_layers", "num_hidden_layers"),
-    ("num_heads", "num_attention_heads"),
-    ("num_kv_heads", "num_key_value_heads"),
-    ("intermediate_size", "intermediate_size"),
-    ("rms_norm_eps", "rms_norm_eps"),
-    ("rope_theta", "rope_theta"),
-    ("initializer_range", "initializer_range"),
-    ("tie_word_embeddings", "tie_word_embeddings"),
-    ("bos_token_id", "bos_token_id"),
-    ("eos_token_id", "eos_token_id"),
-    ("pad_token_id", "pad_token_id"),
-)
-REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-NO_TOKEN = -1  # a token id HF leaves unset (null); no label equals it, so nothing is masked
-
-
-def family_of(hf_config: dict, where: str) -> Family:
-    """Dispatch on config.json's model_type; anything else is refused by name."""
-    model_type = hf_config.get("model_type")
-    if model_type not in FAMILIES:
-        raise ConversionError(f"{where}: model_type {model_type!r} (architectures "
-                              f"{hf_config.get('architectures')}) is not supported; supported: "
-                              f"{', '.join(FAMILIES)}",
-                              hint="only Llama-style decoders convert: RMSNorm, rotary positions, SwiGLU, "
-                                   "optional q/k/v bias")
-    return FAMILIES[model_type]
-
-
-def model_config_from_hf(hf_config: dict, where: str, seq_length: int = None) -> ModelConfig:
-    """config.json -> our model_config, refusing every option the model does not implement."""
-    family = family_of(hf_config, where)
-    hf = {**family.defaults, **hf_config}
-    problems = [f"{key}: missing" for key in REQUIRED_HF_KEYS if key not in hf]
-    problems += [f"{key}: {hf[key]!r} is not a positive integer" for key in
-                 REQUIRED_HF_KEYS + ("num_key_value_heads", "max_position_embeddings")
-                 if key in hf and hf[key] is not None and (type(hf[key]) is not int or hf[key] < 1)]
-    problems += [f"{key}: {hf[key]!r} is not a positive number" for key in ("rms_norm_eps", "rope_theta")
-                 if type(hf[key]) not in (int, float) or not hf[key] > 0]
-    if problems:
-        raise ConversionError(f"{where}: {'; '.join(problems)}")
-    hf.setdefault("num_key_value_heads", hf["num_attention_heads"])
-    for key, supported, why in COMMON_REQUIREMENTS + family.requirements:
-        if hf.get(key) != supported:
-            problems.append(f"{key}: {hf.get(key)!r} is not supported ({supported!r} only): {why}")
-    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hidden % heads or (hf.get("head_dim") or hidden // heads) != hidden // heads:  # Mistral writes null
-        problems.append(f"head_dim: {hf.get('head_dim')!r} with hidden_size {hidden} and {heads} heads is not "
-                        "supported: the model uses head_dim = hidden_size / num_attention_heads")
-    if any(kind != "full_attention" for kind in hf.get("layer_types") or ()):
-        problems.append(f"layer_types: {sorted(set(hf['layer_types']))} is not supported: every layer must be "
-                        "full_attention")
-    max_positions = hf["max_position_embeddings"]
-    if seq_length is not None and seq_length > max_positions:
-        problems.append(f"--seq-length {seq_length} exceeds max_position_embeddings {max_positions}")
-    if problems:
-        raise ConversionError(f"{where}: {len(problems)} unsupported setting(s):\n" +
-                              "\n".join(f"  - {p}" for p in problems))
-    values = {ours: hf[theirs] for ours, theirs in CONFIG_MAP}
-    for name in TOKEN_ID_FIELDS:
-        value = values[name]
-        values[name] = NO_TOKEN if value is None else value[0] if isinstance(value, list) else value
-    values["seq_length"] = seq_length or min(max_positions, DEFAULT_MAX_SEQ_LENGTH)
-    return ModelConfig(**values, qkv_bias=family.qkv_bias)
-
-
-def hf_config_from_model(cfg: ModelConfig) -> dict:
-    """Our model_config -> config.json of the HF family that has exactly its options."""
-    family = FAMILIES["qwen2" if cfg.qkv_bias else "llama"]
-    config = {"architectures": [family.architecture], "model_type": family.model_type}
-    config.update({theirs: getattr(cfg, ours) for ours, theirs in CONFIG_MAP})
-    config["num_key_value_heads"] = cfg.kv_heads
-    for name in TOKEN_ID_FIELDS:
-        config[name] = None if config[name] == NO_TOKEN else config[name]
-    config["max_position_embeddings"] = cfg.seq_length
-    config.update({key: supported for key, supported, _ in COMMON_REQUIREMENTS + family.requirements})
-    config["head_dim"] = cfg.hidden_size // cfg.num_heads
-    config["torch_dtype"] = "float32"
-    return config
 
 
 def transformers_config(cfg: ModelConfig):
@@ -251,12 +126,12 @@ def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = Fa
     hf_config, config_sha = read_hf_config(hf_dir)
     where = os.path.join(hf_dir, "config.json")
     cfg = model_config_from_hf(hf_config, where, seq_length)
+    family = family_of(hf_config, where)
     weights = open_hf_weights(hf_dir)
-    plan = tensor_plan(cfg)
+    plan = tensor_plan(cfg, rows=family.table)
     found = {name: info[2] for name, info in weights.tensors.items()}
     tied_copy = (TIED_HEAD,) if cfg.tie_word_embeddings else ()
     ignored = check_tensors(found, {p.hf: p.hf_shape for p in plan}, IGNORED_HF, hf_dir, extra_ok=tied_copy)
-    family = family_of(hf_config, where)
     source = {"path": hf_dir, "model_type": family.model_type, "architectures": hf_config.get("architectures"),
               "config_sha256": config_sha, "format": weights.format,
               "files": [{"file": name, "bytes": os.path.getsize(os.path.join(hf_dir, name))}
@@ -269,7 +144,7 @@ def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = Fa
     check = (lambda work_dir: verify_logits(hf_dir, work_dir)) if verify else None
     return write_ours(weights, cfg, out_dir, "from-hf", source, f"Converted from {hf_dir} ({family.model_type})",
                       verify=check, ignored=ignored, show_progress=show_progress, more_files=tokenizer_entries,
-                      start=start)
+                      start=start, rows=family.table)
 
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
@@ -300,10 +175,10 @@ def write_hf(ckpt_path: str, cfg: ModelConfig, out_dir: str, tensor_parallel: in
     """
     start = time.perf_counter()
     ckpt = CkptFile(ckpt_path) if ckpt_path.endswith(".ckpt") else SafetensorsFile(ckpt_path)
-    plan = tensor_plan(cfg, tensor_parallel)
+    hf_config = hf_config_from_model(cfg)  # refuses a model no HF family has
+    plan = tensor_plan(cfg, tensor_parallel, rows=family_for(cfg).table)
     found = {name: info[1] for name, info in ckpt.tensors.items()}
     ignored = check_tensors(found, {p.ours: p.our_shape for p in plan}, IGNORED_OURS, ckpt_path)
-    hf_config = hf_config_from_model(cfg)
     existing = existing_conversion(out_dir, hf_config)
 
     def write_files(work_dir: str) -> dict:

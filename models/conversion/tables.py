@@ -9,6 +9,7 @@ torch_state.py hold no tensor name or layout of their own. A second model family
 weights with {e} in their names) is its tensors in models/shapes.py plus rows here.
 
     HF_TABLE        HuggingFace safetensors/bin (our names; our vocabulary tables gain padding rows)
+    MIXTRAL_TABLE   HuggingFace Mixtral (HF_TABLE with its block_sparse_moe.experts.{e}.w1/w3/w2 names)
     MEGATRON_TABLE  Megatron-core GPT, local and TransformerEngine specs (read and written)
     META_TABLE      Meta's consolidated.NN.pth shards (read)
 """
@@ -133,6 +134,22 @@ FUSE = {  # name: (parts -> fused, fused -> {part: tensor})
 # vocabulary tables gain padding rows (never predicted) on our side. A tensor added to models/shapes.py is a row.
 HF_TABLE = table(*(Row(name, (name,), "pad_vocab_rows" if "vocab" in dims else "identity")
                    for name, dims, _ in TENSORS))
+
+
+def renamed(rows: dict, names: dict) -> dict:
+    """`rows` with the format names of some tensors replaced ({our template: their template})."""
+    return {ours: Row(ours, (names[ours],), row.transform) if ours in names else row for ours, row in rows.items()}
+
+
+# Mixtral (transformers' modeling_mixtral.py): the MoE block is `block_sparse_moe`, each expert's SwiGLU is
+# w1 (gate), w3 (up), w2 (down). Everything else is HF_TABLE's.
+MIXTRAL_MOE = "model.layers.{n}.block_sparse_moe"
+MIXTRAL_TABLE = renamed(HF_TABLE, {
+    "model.layers.{n}.mlp.gate.weight": f"{MIXTRAL_MOE}.gate.weight",
+    "model.layers.{n}.mlp.experts.{e}.gate_proj.weight": f"{MIXTRAL_MOE}.experts.{{e}}.w1.weight",
+    "model.layers.{n}.mlp.experts.{e}.up_proj.weight": f"{MIXTRAL_MOE}.experts.{{e}}.w3.weight",
+    "model.layers.{n}.mlp.experts.{e}.down_proj.weight": f"{MIXTRAL_MOE}.experts.{{e}}.w2.weight",
+})
 
 # Megatron-core (gpt_layer_specs.py, local and TransformerEngine specs). Layer names are per pipeline stage
 # ({n} local) in legacy rank files and stacked (no number) in torch_dist. Norms TransformerEngine fuses into the
@@ -266,14 +283,17 @@ class TensorPlan:
     transform: str
 
 
-def tensor_plan(cfg: ModelConfig, tensor_parallel: int = 1) -> list:
-    """Every tensor of the model for `cfg` (models/shapes.py order): both names, shapes, HF_TABLE's transform."""
+def tensor_plan(cfg: ModelConfig, tensor_parallel: int = 1, rows: dict = None) -> list:
+    """Every tensor of the model for `cfg` (models/shapes.py order): our name and the HuggingFace family's
+    (`rows`: its table, HF_TABLE by default; MIXTRAL_TABLE), both shapes and the row's transform."""
+    rows = HF_TABLE if rows is None else rows
     dims = dimensions(cfg, tensor_parallel)
     plan = []
     for pattern, name, names in tensor_dimensions(cfg):
         hf_shape = tuple(dims[d] for d in names)
         our_shape = tuple(dims["padded_vocab" if d == "vocab" else d] for d in names)
-        plan.append(TensorPlan(name, name, hf_shape, our_shape, HF_TABLE[pattern].transform))
+        row = rows[pattern]
+        plan.append(TensorPlan(row.theirs[0].format(**template_of(name)[1]), name, hf_shape, our_shape, row.transform))
     return plan
 
 

@@ -31,8 +31,8 @@ import yaml
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.conversion.formats import HFWeights, SafetensorsWriter, TorchBinFile
-from ascend_llm_recipes.models.conversion.hf import (DEFAULT_MAX_SEQ_LENGTH, NO_TOKEN, hf_config_from_model,
-                                                     model_config_from_hf)
+from ascend_llm_recipes.models.conversion.hf_families import (DEFAULT_MAX_SEQ_LENGTH, NO_TOKEN, hf_config_from_model,
+                                                              model_config_from_hf)
 from ascend_llm_recipes.models.conversion.ours import HF_WEIGHTS_FILE
 from ascend_llm_recipes.models.conversion.tables import (META_TABLE, TIED_HEAD, TRANSFORMS, check_tensors, tensor_plan,
                                                          template_of)

@@ -77,15 +77,16 @@ def tensor_sha256(array: np.ndarray) -> str:
 
 def write_ours(weights: HFWeights, cfg: ModelConfig, out_dir: str, direction: str, source: dict, header: str,
                verify=None, ignored=(), show_progress: bool = True, moments=None, more_files=None, start=None,
-               **extra) -> dict:
+               rows: dict = None, **extra) -> dict:
     """OUT_DIR in our format (weights.safetensors, model_config.yaml, conversion.json) from HF-named `weights`.
 
     from_hf, megatron.from_megatron and torch_state.from_torch all write through here (and so through
     write_conversion). moments ({"adam_m": HF-named moments, "adam_v": ...}) go to optimizer/adam_m.safetensors
     and adam_v.safetensors under the weights' names; more_files(work_dir) writes further files and returns
-    their manifest entries (the tokenizer of from_hf); verify(work_dir) returns the parity result.
+    their manifest entries (the tokenizer of from_hf); verify(work_dir) returns the parity result. `rows`: the
+    HuggingFace family's table naming `weights` (tables.tensor_plan; HF_TABLE by default).
     """
-    plan = tensor_plan(cfg)
+    plan = tensor_plan(cfg, rows=rows)
     model = to_plain(cfg)
     existing = existing_conversion(out_dir, model)
 
