@@ -76,10 +76,11 @@ def test_z_loss_is_megatron_cores():
 
 
 def copy_weights(cell, state: dict, rename: dict = None) -> None:
-    """Every parameter of our cell from the torch state dict (names equal, or mapped by substrings in `rename`)."""
-    names = [p.name for p in cell.get_parameters()]
+    """Every weight of our cell from the torch state dict (names equal, or mapped by substrings in `rename`); the
+    routing statistics (models/moe.py STATISTICS) are not weights."""
+    names = [p.name for p in cell.trainable_params()]
     torch_names = set(state)
-    for param in cell.get_parameters():
+    for param in cell.trainable_params():
         name = param.name
         for ours, theirs in (rename or {}).items():
             name = name.replace(ours, theirs)

@@ -81,6 +81,10 @@ def test_tiny_moe_recipe_learns_and_its_losses_are_the_golden_curve(tmp_path, ti
     assert losses[0] == pytest.approx(6.24 + 0.01, abs=0.1)  # ln(512), plus the load-balancing term's ~0.01
     assert sum(losses[-5:]) / 5 < losses[0] - 1.0
     assert all(r["graph_mode"] for r in records)
+    for r in records:  # the recipe's coefficients weight the router terms the run records (router_stats.py)
+        assert r["loss"] == pytest.approx(r["lm_loss"] + 0.01 * r["load_balancing_loss"] + 0.001 * r["router_z_loss"],
+                                          rel=1e-6)
+        assert 0.99 < r["load_balancing_loss"] < 1.5  # near an even load (1.0); all on 2 experts would be ~2
     assert_golden_curve(losses, GOLDEN["recipes/tiny_moe_cpu.yaml"])
 
 
