@@ -2,7 +2,9 @@
 
 Import-light (no MindSpore): recipes and planners use it on plain configs; step_gemms lists the GEMMs a
 training step runs (the MFU yardstick of scripts/benchmark_training.py measures them). `cfg` is a ModelConfig
-(models/config.py) or a LlamaConfig; the counts are sums over models/shapes.py's tensors.
+(models/config.py) or a LlamaConfig; the counts are sums over models/shapes.py's tensors. A Mixture-of-Experts
+model has two counts: all its parameters, and the active ones a token passes through (top-k of the routed
+experts), from which its training FLOPs follow.
 """
 
 import math
@@ -21,20 +23,30 @@ def padded_vocab_size(vocab_size: int, pad_multiple: int = ALIGN, tensor_paralle
     return round_up(vocab_size, pad_multiple * tensor_parallel)
 
 
-def _layer_shapes(cfg) -> list:
+def _layer_shapes(cfg, layer: int = 0) -> dict:
+    """{name: shape} of decoder layer `layer`'s parameters (layers differ in a model with dense_layers)."""
     from ascend_llm_recipes.models.shapes import parameter_shapes  # shapes.py uses padded_vocab_size above
 
-    return [shape for name, shape in parameter_shapes(cfg, layers=range(1)).items() if ".layers." in name]
+    return {name: shape for name, shape in parameter_shapes(cfg, layers=range(layer, layer + 1)).items()
+            if ".layers." in name}
 
 
-def layer_matmul_params(cfg) -> int:
-    """Weights of one decoder layer's matrix multiplications: q/k/v/o and the SwiGLU MLP."""
-    return sum(math.prod(shape) for shape in _layer_shapes(cfg) if len(shape) == 2)
+def _idle_expert(cfg, name: str) -> bool:
+    """Whether `name` is a routed expert beyond the first num_experts_per_tok of its layer: the experts are of
+    equal size, so counting the first k of each MoE layer counts the k a token reaches."""
+    return ".mlp.experts." in name and int(name.split(".mlp.experts.")[1].split(".")[0]) >= cfg.num_experts_per_tok
 
 
-def layer_params(cfg) -> int:
-    """All parameters of one decoder layer: matmul weights, q/k/v bias if any, two RMSNorms."""
-    return sum(math.prod(shape) for shape in _layer_shapes(cfg))
+def layer_matmul_params(cfg, layer: int = 0, active: bool = False) -> int:
+    """Weights of decoder layer `layer`'s matrix multiplications: q/k/v/o and the SwiGLU MLP, or in an MoE layer
+    the router, every routed expert (active=True: the top-k a token reaches) and the shared expert and its gate."""
+    return sum(math.prod(shape) for name, shape in _layer_shapes(cfg, layer).items()
+               if len(shape) == 2 and not (active and _idle_expert(cfg, name)))
+
+
+def layer_params(cfg, layer: int = 0) -> int:
+    """All parameters of decoder layer `layer`: matmul weights, q/k/v bias if any, the norms."""
+    return sum(math.prod(shape) for shape in _layer_shapes(cfg, layer).values())
 
 
 def param_count(cfg, tensor_parallel: int = 1, padded: bool = True) -> int:
@@ -44,19 +56,32 @@ def param_count(cfg, tensor_parallel: int = 1, padded: bool = True) -> int:
     return sum(math.prod(shape) for shape in parameter_shapes(cfg, tensor_parallel, padded).values())
 
 
+def active_param_count(cfg, tensor_parallel: int = 1, padded: bool = True) -> int:
+    """Parameters one token passes through: param_count less the routed experts beyond each MoE layer's top k
+    (Mixtral 8x7B: 12.9B of 46.7B). A dense model's are all of them."""
+    from ascend_llm_recipes.models.shapes import parameter_shapes
+
+    return sum(math.prod(shape) for name, shape in parameter_shapes(cfg, tensor_parallel, padded).items()
+               if not _idle_expert(cfg, name))
+
+
 def flops_per_token(cfg, seq_length: int = None, padded: bool = False) -> int:
     """Training FLOPs per token (forward + backward = 3 x forward), matmuls plus attention.
 
-    6 x (parameters that take part in a matmul: every layer and the output projection, not
-    the embedding lookup) + 12 x layers x hidden x seq_length for the attention scores and
+    6 x (active parameters that take part in a matmul: every layer's, an MoE layer's router and
+    the top-k experts and shared expert a token reaches, and the output projection, not the
+    embedding lookup) + 12 x layers x hidden x seq_length for the attention scores and
     their weighted sum (PaLM, Chowdhery et al. 2022, appendix B; causal masking not discounted).
-    padded=True counts the output projection's padding rows too: what the GEMMs execute
-    (step_gemms), rather than the model's useful FLOPs that MFU counts.
+    padded=True counts the output projection's padding rows too: what the GEMMs of a dense model
+    execute (step_gemms), rather than the model's useful FLOPs that MFU counts.
     """
     seq_length = seq_length or cfg.seq_length
     vocab = padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple) if padded else cfg.vocab_size
-    matmul_params = cfg.num_layers * layer_matmul_params(cfg) + vocab * cfg.hidden_size
-    return 6 * matmul_params + 12 * cfg.num_layers * cfg.hidden_size * seq_length
+    if cfg.moe:
+        layers = sum(layer_matmul_params(cfg, n, active=True) for n in range(cfg.num_layers))
+    else:
+        layers = cfg.num_layers * layer_matmul_params(cfg)  # every layer is layer 0's
+    return 6 * (layers + vocab * cfg.hidden_size) + 12 * cfg.num_layers * cfg.hidden_size * seq_length
 
 
 @dataclass(frozen=True)
@@ -127,21 +152,28 @@ def step_gemms(cfg, batch_size: int, seq_length: int = None) -> list:
     One device (no tensor parallel). Derived from models/shapes.py's weights: each 2-D weight of a
     layer is a Linear (weights of equal shape share a row), the output projection (lm_head, or the
     embedding table when tied) has the padded vocabulary's rows. Attention runs over all query heads
-    (grouped KV heads are tiled to them first, models/llama.py repeat_kv).
-    Their total FLOPs are flops_per_token(cfg, seq_length, padded=True) x batch_size x seq_length.
+    (grouped KV heads are tiled to them first, models/llama.py repeat_kv). An MoE layer's experts each
+    compute every token (models/moe.py's dropless reference math).
+    Their total FLOPs are flops_per_token(cfg, seq_length, padded=True) x batch_size x seq_length, plus, in a
+    model with MoE layers, 6 x tokens x the weights of the experts beyond each layer's top k.
     """
     from ascend_llm_recipes.models.shapes import parameter_shapes
 
     seq_length = seq_length or cfg.seq_length
     tokens = batch_size * seq_length
     shapes = parameter_shapes(cfg)
-    groups = {}  # (out, in) -> projection names, in the model's order
+    groups, counts = {}, {}  # (out, in) -> projection names, in the model's order; how many such Linears
     for name, shape in shapes.items():
-        if ".layers.0." in name and len(shape) == 2:
-            groups.setdefault(shape, []).append(name.split(".")[-2])
+        if ".layers." in name and len(shape) == 2:
+            label = name.split(".")[-2]
+            label = f"experts.{label}" if ".experts." in name else (
+                f"shared_expert.{label}" if ".shared_expert." in name else label)
+            if label not in groups.setdefault(shape, []):
+                groups[shape].append(label)
+            counts[shape] = counts.get(shape, 0) + 1
     gemms = []
     for (out_features, in_features), names in groups.items():
-        gemms += _linear_gemms(",".join(names), tokens, out_features, in_features, cfg.num_layers * len(names))
+        gemms += _linear_gemms(",".join(names), tokens, out_features, in_features, counts[(out_features, in_features)])
     head = shapes["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
     gemms += _linear_gemms("lm_head (tied)" if cfg.tie_word_embeddings else "lm_head", tokens, *head, 1)
     return gemms + _attention_gemms((batch_size, cfg.num_heads), seq_length, cfg.head_size,

@@ -1,13 +1,16 @@
-"""Train the tiny recipe 20 steps on CPU and write its losses as the golden curve tests/test_train.py asserts.
+"""Train a tiny recipe 20 steps on CPU and write its losses as the golden curve tests/test_train.py asserts.
 
-    python tests/make_golden_losses.py [OUT_JSON]     (default: tests/data/golden_tiny_losses.json)
+    python tests/make_golden_losses.py [--recipe RECIPE] [OUT_JSON]
+        RECIPE: recipes/tiny_cpu.yaml (default) or recipes/tiny_moe_cpu.yaml; OUT_JSON: that recipe's file in GOLDEN
 
-The run is the tiny_run fixture's (tests/conftest.py): recipes/tiny_cpu.yaml as shipped, on the
-dataset tests/conftest.py prepares from the shipped corpus tests/data/tiny_corpus (60 standard-library
+The run is the tiny_run fixture's (tests/conftest.py): the recipe as shipped, on the dataset
+tests/conftest.py prepares from the shipped corpus tests/data/tiny_corpus (60 standard-library
 modules of CPython 3.11.7, the same text on every machine), so the fixture's 20 losses are compared
-with these. Regenerate only for an intended numerical change, and say which in the commit.
+with these (the MoE recipe: its own run in tests/test_train.py, on the same dataset). Regenerate only
+for an intended numerical change, and say which in the commit.
 """
 
+import argparse
 import hashlib
 import json
 import os
@@ -20,8 +23,9 @@ from importlib.metadata import version
 from conftest import TINY_CORPUS, prepare_tiny_dataset, tiny_corpus_files
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GOLDEN = os.path.join(REPO_ROOT, "tests", "data", "golden_tiny_losses.json")
-TINY_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_cpu.yaml")
+# recipe (relative to the repository) -> its golden curve
+GOLDEN = {"recipes/tiny_cpu.yaml": os.path.join(REPO_ROOT, "tests", "data", "golden_tiny_losses.json"),
+          "recipes/tiny_moe_cpu.yaml": os.path.join(REPO_ROOT, "tests", "data", "golden_tiny_moe_losses.json")}
 
 
 def corpus_sha256(count: int) -> str:
@@ -56,13 +60,18 @@ def main(argv) -> int:
     from ascend_llm_recipes.training.launcher.cli import launch
     from ascend_llm_recipes.training.recipe.loading import load_recipe
 
-    out_json = argv[0] if argv else GOLDEN
-    recipe = load_recipe(TINY_RECIPE)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="recipes/tiny_cpu.yaml", choices=sorted(GOLDEN))
+    parser.add_argument("out_json", nargs="?")
+    args = parser.parse_args(argv)
+    out_json = args.out_json or GOLDEN[args.recipe]
+    recipe_path = os.path.join(REPO_ROOT, args.recipe)
+    recipe = load_recipe(recipe_path)
     steps = recipe.runner_config.stop_step
     with tempfile.TemporaryDirectory(prefix="golden-") as tmp:
         dataset, run_dir = os.path.join(tmp, "tiny"), os.path.join(tmp, "run")
         prepare_tiny_dataset(dataset)
-        if launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={dataset}"],
+        if launch(recipe_path, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={dataset}"],
                   show_progress=False) != 0:
             print(f"training failed: see {run_dir}/logs", file=sys.stderr)
             return 1
@@ -70,8 +79,9 @@ def main(argv) -> int:
             losses = [r["loss"] for r in map(json.loads, f) if "val_loss" not in r]
     assert len(losses) == steps, losses
     golden = {
-        "recipe": "recipes/tiny_cpu.yaml",
-        "command": "python tests/make_golden_losses.py",
+        "recipe": args.recipe,
+        "command": "python tests/make_golden_losses.py" + ("" if args.recipe == "recipes/tiny_cpu.yaml"
+                                                            else f" --recipe {args.recipe}"),
         "losses": losses,
         "corpus": os.path.relpath(TINY_CORPUS, REPO_ROOT),
         "corpus_documents": recipe.data_preparation.max_documents,

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO_ROOT, TINY_RECIPE
-from make_golden_losses import GOLDEN as GOLDEN_LOSSES, corpus_sha256
+from make_golden_losses import GOLDEN, corpus_sha256
 from ascend_llm_recipes.training.launcher.cli import launch
 
 # Absolute, per step. Changes of rounding order measured on this machine (oneDNN's kernels restricted to
@@ -20,6 +20,7 @@ from ascend_llm_recipes.training.launcher.cli import launch
 # way. Real changes move the curve far more: learning rate +1% by up to 5.6e-3, another seed by up to 0.43.
 # 1e-4 sits 200x above the one and 50x below the other.
 GOLDEN_TOLERANCE = 1e-4
+GOLDEN_LOSSES = GOLDEN["recipes/tiny_cpu.yaml"]
 
 
 def read_metrics(run_dir, held_out=False):
@@ -48,20 +49,43 @@ def test_tiny_recipe_trains_and_loss_decreases(tiny_run):
     assert records[-1]["lr"] < records[2]["lr"]
 
 
-def test_first_20_losses_are_the_golden_curve(tiny_run):
-    """The tiny recipe's losses, pinned: a change to the model, data order, optimizer or schedule moves them."""
-    with open(GOLDEN_LOSSES, encoding="utf-8") as f:
+def assert_golden_curve(losses: list, golden_path: str) -> None:
+    """The run's losses are the curve pinned in golden_path, step by step within GOLDEN_TOLERANCE."""
+    with open(golden_path, encoding="utf-8") as f:
         golden = json.load(f)
     # The corpus is shipped (tests/data/tiny_corpus): the same training data everywhere, so the test never skips.
     assert corpus_sha256(golden["corpus_documents"]) == golden["corpus_sha256"], (
         f"{golden['corpus']} is not the corpus the golden curve was trained on: regenerate with {golden['command']}")
-    losses = [r["loss"] for r in read_metrics(tiny_run[0])]
     assert len(losses) == len(golden["losses"]) == 20
     # GOLDEN_TOLERANCE: see its comment; a failure prints every step's difference.
     differences = [round(a - b, 7) for a, b in zip(losses, golden["losses"])]
     assert max(map(abs, differences)) <= GOLDEN_TOLERANCE, (
-        f"losses moved from {GOLDEN_LOSSES} (made on {golden['cpu']}, mindspore {golden['mindspore']}): "
+        f"losses moved from {golden_path} (made on {golden['cpu']}, mindspore {golden['mindspore']}): "
         f"per-step differences {differences}; if the change is intended, regenerate with {golden['command']}")
+
+
+def test_first_20_losses_are_the_golden_curve(tiny_run):
+    """The tiny recipe's losses, pinned: a change to the model, data order, optimizer or schedule moves them."""
+    assert_golden_curve([r["loss"] for r in read_metrics(tiny_run[0])], GOLDEN_LOSSES)
+
+
+def test_tiny_moe_recipe_learns_and_its_losses_are_the_golden_curve(tmp_path, tiny_dataset):
+    """recipes/tiny_moe_cpu.yaml as shipped (a router, 4 experts, the router terms in the loss), pinned like tiny's:
+    a change to the routing, the experts' combine or the router losses moves the curve."""
+    recipe = os.path.join(REPO_ROOT, "recipes", "tiny_moe_cpu.yaml")
+    run_dir = str(tmp_path / "moe")
+    assert launch(recipe, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}"],
+                  show_progress=False) == 0
+    records = read_metrics(run_dir)
+    losses = [r["loss"] for r in records]
+    assert losses[0] == pytest.approx(6.24 + 0.01, abs=0.1)  # ln(512), plus the load-balancing term's ~0.01
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0
+    assert all(r["graph_mode"] for r in records)
+    for r in records:  # the recipe's coefficients weight the router terms the run records (router_stats.py)
+        assert r["loss"] == pytest.approx(r["lm_loss"] + 0.01 * r["load_balancing_loss"] + 0.001 * r["router_z_loss"],
+                                          rel=1e-6)
+        assert 0.99 < r["load_balancing_loss"] < 1.5  # near an even load (1.0); all on 2 experts would be ~2
+    assert_golden_curve(losses, GOLDEN["recipes/tiny_moe_cpu.yaml"])
 
 
 def test_training_ran_in_graph_mode_throughout(tiny_run):

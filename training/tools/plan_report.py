@@ -55,7 +55,9 @@ def format_plan(plan: Plan) -> str:
                   if pp > 1 else f"all {plan.stage_layers[0]} layers")
     devices = f"{plan.world_size} device{'s' if plan.world_size > 1 else ''}"
     lines = [
-        f"plan: {plan.parameters:,} parameters on DP {plan.data_parallel} x TP {tp} x PP {pp} = {devices}",
+        f"plan: {plan.parameters:,} parameters"
+        f"{f' ({plan.active_parameters:,} active per token)' if plan.active_parameters != plan.parameters else ''}"
+        f" on DP {plan.data_parallel} x TP {tp} x PP {pp} = {devices}",
         f"attention: {plan.attention}",
         f"sharding: {plan.sharding}",
         f"device: {plan.device} ({plan.device_source})",

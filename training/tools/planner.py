@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ascend_llm_recipes.common.errors import PretrainError
-from ascend_llm_recipes.models.arithmetic import flops_per_token, param_count
+from ascend_llm_recipes.models.arithmetic import active_param_count, flops_per_token, param_count
 from ascend_llm_recipes.models.parallel import RECOMPUTE_MODES, balanced_stages
 from ascend_llm_recipes.models.shapes import dimensions, parameter_dtype, parameter_shapes
 from ascend_llm_recipes.training.tools.devices import DEFAULT_DEVICE, DEVICES, GB, DeviceSpec
@@ -71,6 +71,7 @@ class Plan:
     micro_batch: int
     seq_length: int
     parameters: int                     # whole model, vocabulary padded for TP
+    active_parameters: int              # those one token passes through (MoE: top-k experts); = parameters if dense
     stage: int                          # the reported (heaviest) stage
     stage_layers: list
     stage_parameters: int               # parameters one device of that stage holds
@@ -448,6 +449,7 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
         compute_dtype=cfg.compute_dtype, data_parallel=p.data_parallel, tensor_parallel=p.model_parallel,
         pipeline_stages=p.pipeline_stage, world_size=recipe.world_size, micro_batch=recipe.runner_config.batch_size,
         seq_length=cfg.seq_length, parameters=param_count(cfg, p.model_parallel),
+        active_parameters=active_param_count(cfg, p.model_parallel),
         stage=worst.stage, stage_layers=[s.layers for s in stages], stage_parameters=worst.parameters,
         in_flight=worst.in_flight, recompute=mode, optimizer_sharded=shard,
         terms=worst.terms[mode],
