@@ -18,7 +18,7 @@ from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.models.arithmetic import param_count
 from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.recipe.mindformers import _leaves, from_mindformers
-from ascend_llm_recipes.training.recipe.mindformers_mcore import DEFAULTS
+from ascend_llm_recipes.training.recipe.mindformers_mcore import DEFAULTS, TC_DEFAULTS
 
 FAMILY_DIRS = ("qwen3", "qwen3_moe", "deepseek3", "glm4", "glm4_moe")
 
@@ -179,8 +179,10 @@ def test_qwen3_moe_imports_on_cpu_and_is_refused_on_ascend_by_the_recipe_check(t
     cfg = recipe.model.model_config
     assert (cfg.norm_topk_prob, cfg.router_aux_loss_coef, cfg.router_z_loss_coef) == (False, 0.001, 0.0)
     assert param_count(cfg, padded=False) == 30_532_122_624  # Qwen3-30B-A3B's 30.5B
+    assert set(_leaves(source)) <= {e.key for e in report.entries}
     by_key = {e.key: e for e in report.entries}
     assert by_key["model.model_config.router_aux_loss_coef"].status == "dropped"  # Qwen3MoeConfig deletes it
+    assert "expert" in by_key["parallel.enable_alltoall"].reason
     assert by_key["model.model_config.moe_aux_loss_coeff"].ours == "model.model_config.router_aux_loss_coef"
     with pytest.raises(RecipeError, match="Mixture-of-Experts layers run on CPU only so far"):
         from_mindformers(write_config(qwen3_moe_as_the_error_says("Ascend"), tmp_path, "a3b"), str(tmp_path / "o"))
@@ -244,6 +246,8 @@ def test_moe_template_and_other_families_are_refused_by_name(hf_dirs):
 
 
 def test_defaults_are_mindformers_own():
+    import dataclasses
+    from mindformers.parallel_core.transformer_config import TransformerConfig
     from mindformers.models.qwen3.configuration_qwen3 import Qwen3Config
     from mindformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 
@@ -251,6 +255,8 @@ def test_defaults_are_mindformers_own():
         config = cls()
         for key, value in DEFAULTS[family].items():
             assert getattr(config, key, None) == value, (family, key)
+    fields = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    assert {key: fields[key] for key in TC_DEFAULTS} == TC_DEFAULTS
 
 
 def test_command_line_reads_the_pretrained_model_dir(hf_dirs, tmp_path):

@@ -9,6 +9,8 @@ YAML winning (models/build_config.py:99-132). `McoreImporter` reads the model se
 classes read it and reuses the legacy importer (mindformers_import.py) for the sections both formats
 share (runner, optimizer, schedule, parallel, callbacks, context). Every key is reported carried,
 translated or dropped with the reason; anything our model would compute differently is refused by name.
+An Ascend MoE config that passes all this is still refused, by the recipe check (models/config.py
+moe_problems: MoE runs on CPU only so far); the importer has no option to change the device.
 File:line references are to the installed MindFormers 1.9 (site-packages `mindformers/`).
 """
 
@@ -46,6 +48,10 @@ DEFAULTS = {
                       pad_token_id=151643, attention_bias=False, moe_intermediate_size=768, num_experts_per_tok=8,
                       num_experts=128, norm_topk_prob=False),
 }
+# TransformerConfig's defaults for the MindFormers keys read here (parallel_core/transformer_config.py:146, 300,
+# 1045, 1673, 1777).
+TC_DEFAULTS = dict(compute_dtype="bfloat16", params_dtype="float32", use_flash_attention=True,
+                   moe_router_load_balancing_type="sub_seq_aux_loss", moe_aux_loss_coeff=0.0)
 # HF key -> our model_config key, as MindFormers maps them to TransformerConfig (config_converter_qwen3.py:25-42,
 # config_converter_qwen3_moe.py:26-33).
 ARCHITECTURE = (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
@@ -221,7 +227,8 @@ class McoreImporter(Importer):
                    reason="MindFormers' Qwen3 builds q/k norms whatever this key says (modeling_qwen3_train.py:47)")
         self.embeddings()
         self.dtypes()
-        self.carry(M + "use_flash_attention", reason="Ascend kernel switch with MindFormers' name and meaning")
+        self.carry(M + "use_flash_attention", default=None if self.on_cpu else TC_DEFAULTS["use_flash_attention"],
+                   reason="Ascend kernel switch with MindFormers' name and meaning")
         self.activation()
         raw = self.src["model"]["model_config"]
         for key, (only, default, why) in ONLY.items():
@@ -276,8 +283,8 @@ class McoreImporter(Importer):
                    else ""))
 
     def dtypes(self):
-        compute = self.carry(M + "compute_dtype", default="bfloat16")
-        self.carry(M + "params_dtype", M + "param_dtype", default="float32",
+        compute = self.carry(M + "compute_dtype", default=TC_DEFAULTS["compute_dtype"])
+        self.carry(M + "params_dtype", M + "param_dtype", default=TC_DEFAULTS["params_dtype"],
                    convert=lambda v: v if v in ("float32", compute) else "float32",
                    reason="weights stored in this dtype (16-bit ones other than compute_dtype: float32); 16-bit "
                           "weights get float32 master copies in FoldedAdamW (training/worker/optim.py)")
@@ -298,7 +305,8 @@ class McoreImporter(Importer):
         # MindFormers renormalises the top-k weights only when k > 1 (transformer/moe/router.py:290-294).
         self.carry(M + "norm_topk_prob", default=norm, convert=lambda v: bool(v) and k > 1,
                    reason="" if k > 1 else "k = 1: MindFormers never renormalises a single weight")
-        coef = self.carry(M + "moe_aux_loss_coeff", M + "router_aux_loss_coef", default=0.0, convert=float,
+        coef = self.carry(M + "moe_aux_loss_coeff", M + "router_aux_loss_coef",
+                          default=TC_DEFAULTS["moe_aux_loss_coeff"], convert=float,
                           reason="the load-balancing coefficient MindFormers' router uses (router.py:198, 435; "
                                  "TransformerConfig default 0)")
         self.put(M + "router_z_loss_coef", 0.0)
@@ -321,7 +329,7 @@ class McoreImporter(Importer):
         blocks and the step's micro-batches so far (gbs_aux_loss; reset each step, core/callback/callback.py:531).
         """
         key = M + "moe_router_load_balancing_type"
-        kind = self.get(key, "sub_seq_aux_loss")  # TransformerConfig's default (transformer_config.py:1673)
+        kind = self.get(key, TC_DEFAULTS["moe_router_load_balancing_type"])
         c = "parallel_config."
         dp, mp = self.get(c + "data_parallel", 1), self.get(c + "model_parallel", 1)
         cp = self.get(c + "context_parallel", 1)
@@ -392,6 +400,9 @@ class McoreImporter(Importer):
 
     # -- sections the legacy format lacks --------------------------------------------------
     def top_level(self):
+        if FAMILIES[self.family][1]:
+            self.drop("parallel.enable_alltoall", "AllToAll dispatch to expert-parallel devices: ours computes "
+                                                  "every expert where its tokens are (no expert parallel)")
         super().top_level()
         self.drop("use_legacy", "False: MindFormers 1.9's own format, read by this importer")
         self.drop("pretrained_model_dir", f"config.json merged from {self.pretrained_dir}" if self.pretrained_dir
