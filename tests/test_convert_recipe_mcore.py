@@ -240,6 +240,8 @@ def test_moe_template_and_other_families_are_refused_by_name(hf_dirs):
     for fragment in ("routed_scaling_factor: 1.5", "moe_router_load_balancing_type: 'seq_aux_loss' computes the "
                      "load-balancing loss per data x context parallel block"):
         assert fragment in str(err.value)
+    with pytest.raises(RecipeError, match="config.json cannot be read"):
+        from_mindformers(path, "/nonexistent/out.yaml", os.path.dirname(path))
     with pytest.raises(RecipeError, match="model_type: 'glm4' .* is a family ours does not implement"):
         from_mindformers(WHEEL["general/llm_pretrain_dense_template.yaml"], "/nonexistent/out.yaml",
                          hf_dirs["glm4"])

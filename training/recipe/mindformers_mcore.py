@@ -93,8 +93,9 @@ ONLY = {
     "moe_shared_expert_intermediate_size": (None, None, "no shared expert (Qwen3-MoE has none); MindFormers "
                                                         "builds one when set (transformer/moe/moe_layer.py:65)"),
     "shared_expert_num": (0, 0, "no shared expert (Qwen3-MoE has none)"),
-    "moe_expert_capacity_factor": (None, None, "dropless routing (every token reaches its top-k experts); an "
-                                               "expert capacity drops tokens, ours never does"),
+    "moe_expert_capacity_factor": (None, None, "dropless routing (every token reaches its top-k experts); a "
+                                               "capacity asks for dropping, which ours never does (MindFormers "
+                                               "1.9's training graph does not read it either: remove it)"),
     "moe_router_topk_scaling_factor": (None, None, "routed weights not scaled; MindFormers multiplies them by "
                                                    "it (transformer/moe/router.py:295), ours does not"),
 }
@@ -132,7 +133,6 @@ INERT = {
                             "MindFormers uses is moe_aux_loss_coeff",
     "moe_token_drop_policy": "which tokens an expert capacity would drop; moe_expert_capacity_factor is unset "
                              "(dropless) and MindFormers' training graph does not read it",
-    "use_flash_attention": None,  # carried; listed so the leftover check knows it
 }
 
 
@@ -234,6 +234,8 @@ class McoreImporter(Importer):
         for key, (only, default, why) in ONLY.items():
             if moe or not key.startswith(("moe_", "first_k", "mlp_only", "decoder_sparse", "shared_expert")):
                 value = raw.get(key, default)  # whole value: rope_scaling is a mapping
+                if key == "moe_expert_capacity_factor" and isinstance(value, (int, float)) and value < 0:
+                    value = None  # TransformerConfig reads a negative capacity as none (transformer_config.py:2124)
                 if value == only:
                     self.drop(M + key, f"{value!r}: {why.split(';')[0]}")
                 else:
@@ -241,11 +243,12 @@ class McoreImporter(Importer):
                     self.taken.update(k for k in self.leaves if k == M + key or k.startswith(M + key + "."))
         if moe:
             self.moe()
+        else:
+            self.drop(M + "router_dense_type", "no router: a dense model")
         self.tokens()
         self.offset()
         for key, why in INERT.items():
-            if why:
-                self.drop(M + key, why)
+            self.drop(M + key, why)
         if self.get(M + "quantization_config") or self.get(M + "quantization"):
             self.problems.append(f"{M}quantization_config: quantised training is not implemented by ours")
 
