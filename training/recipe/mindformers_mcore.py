@@ -272,9 +272,9 @@ class McoreImporter(Importer):
         where = (f"pretrained_model_dir {self.given_dir!r} has no config.json here" if self.given_dir
                  else "no pretrained_model_dir is given")
         return (f"{M}model_type: absent, and {where}; MindFormers takes the model from "
-                f"pretrained_model_dir/config.json merged under model_config (models/build_config.py:99-132). Missing: {', '.join(absent)}. Pass "
-                "--pretrained-model-dir DIR (a Hugging Face model directory with config.json), or add these keys "
-                "to model.model_config")
+                "pretrained_model_dir/config.json merged under model_config (models/build_config.py:99-132). "
+                f"Missing: {', '.join(absent)}. Pass --pretrained-model-dir DIR (a Hugging Face model directory "
+                "with config.json), or add these keys to model.model_config")
 
     def embeddings(self):
         tie = self.value("tie_word_embeddings")
