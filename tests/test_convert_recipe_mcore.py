@@ -213,6 +213,13 @@ def test_moe_options_ours_computes_differently_are_refused_by_name(key, value, m
     assert message in str(err.value)
 
 
+def test_expert_parallel_is_refused_by_name(tmp_path):
+    source = qwen3_moe_as_the_error_says("Ascend")
+    source["parallel_config"]["expert_parallel"] = 4
+    with pytest.raises(RecipeError, match="parallel_config.expert_parallel: 4 is not supported"):
+        from_mindformers(write_config(source, tmp_path, "a3b"), str(tmp_path / "out.yaml"))
+
+
 def test_load_balancing_per_parallel_block_is_refused_with_data_parallel(tmp_path):
     source = qwen3_moe_as_the_error_says("CPU")
     source["model"]["model_config"]["moe_router_load_balancing_type"] = "sub_seq_aux_loss"
