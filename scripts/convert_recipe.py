@@ -1,11 +1,14 @@
 """Turn a MindFormers training config into a recipe, or a recipe into a MindFormers config.
 
     python scripts/convert_recipe.py --from-mindformers CONFIG.yaml --output recipes/NAME.yaml [--report R.md]
+    python scripts/convert_recipe.py --from-mindformers TEMPLATE.yaml --pretrained-model-dir HF_DIR --output R.yaml
     python scripts/convert_recipe.py --to-mindformers RECIPE.yaml --output CONFIG.yaml [--report R.md]
 
 --from-mindformers imports MindFormers' Llama-family configs (LlamaConfig / LlamaForCausalLM: Llama 2,
-Llama 3, Qwen2-style q/k/v bias) and reports every key: carried over, translated, or dropped with the
-reason. Without --report the report is printed.
+Llama 3, Qwen2-style q/k/v bias) and MindFormers 1.9's own format (use_legacy: False) for Qwen3 and
+Qwen3-MoE, and reports every key: carried over, translated, or dropped with the reason. A 1.9 template
+without model_type takes the model from --pretrained-model-dir/config.json (else its own
+pretrained_model_dir), as MindFormers does. Without --report the report is printed.
 """
 
 import argparse
@@ -21,13 +24,16 @@ def main(argv=None) -> int:
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-mindformers", metavar="CONFIG", help="a MindFormers training YAML")
     direction.add_argument("--to-mindformers", metavar="RECIPE", help="one of our recipes")
+    parser.add_argument("--pretrained-model-dir", metavar="HF_DIR",
+                        help="with --from-mindformers (use_legacy: False): the Hugging Face directory whose "
+                             "config.json MindFormers merges under model_config")
     parser.add_argument("--output", required=True, help="file to write (a recipe, or a MindFormers config)")
     parser.add_argument("--report", help="write the per-key report (Markdown) here instead of printing it")
     parser.add_argument("--force", action="store_true", help="replace --output if it exists")
     args = parser.parse_args(argv)
     try:
         if args.from_mindformers:
-            text, report = from_mindformers(args.from_mindformers, args.output)
+            text, report = from_mindformers(args.from_mindformers, args.output, args.pretrained_model_dir)
             title = f"Import of {args.from_mindformers} into {args.output}"
         else:
             text, report = to_mindformers(args.to_mindformers)

@@ -341,17 +341,28 @@ def _read_yaml(path: str) -> dict:
     return read_yaml_file(path, hint="give the path of a MindFormers YAML config")
 
 
-def from_mindformers(config_path: str, output: str) -> tuple:
+def from_mindformers(config_path: str, output: str, pretrained_model_dir: str = None) -> tuple:
     """(recipe YAML text, Report) for the MindFormers config at `config_path`, to be written at `output`.
 
+    A config with `use_legacy: False` is MindFormers 1.9's own format (mindformers_mcore.py), merged with
+    `pretrained_model_dir`/config.json (this argument, else the config's own key) as MindFormers merges it.
     The recipe is validated by the strict loader (for planning, so Ascend layouts validate here)
     before anything is returned; a config that cannot be imported raises RecipeError naming its keys.
     """
     source = _read_yaml(config_path)
     name = os.path.splitext(os.path.basename(output))[0]
-    from ascend_llm_recipes.training.recipe.mindformers_import import Importer  # it imports this module's tables
+    # both import this module's tables
+    from ascend_llm_recipes.training.recipe.mindformers_import import Importer
+    from ascend_llm_recipes.training.recipe.mindformers_mcore import McoreImporter
 
-    importer = Importer(source, config_path, name)
+    if source.get("use_legacy", True) is False:
+        importer = McoreImporter(source, config_path, name, pretrained_model_dir)
+    elif pretrained_model_dir:
+        raise RecipeError(config_path, ["--pretrained-model-dir: only MindFormers 1.9's own format (use_legacy: "
+                                        "False) reads config.json; this is a legacy (1.x) config"],
+                          hint="drop --pretrained-model-dir")
+    else:
+        importer = Importer(source, config_path, name)
     recipe_data = importer.run()
     target = "CPU" if importer.on_cpu else "Ascend"
     base_path = BASES[target]

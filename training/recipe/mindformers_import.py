@@ -388,7 +388,7 @@ class Importer:
         self.carry(s + "total_steps", default=-1, convert=lambda t: -1 if t is None else t,
                    reason="-1: epochs x dataset size (or runner_config.stop_step)" if total in (-1, None) else "")
 
-    def datasets(self):
+    def data_loader(self):
         t = "train_dataset."
         self.carry(t + "data_loader.type")
         directory = self.get(t + "data_loader.dataset_dir") or ""
@@ -397,6 +397,10 @@ class Importer:
                    reason="our launcher needs the manifest.json written by scripts/prepare_data.py: prepare "
                           "the dataset with it" + ("" if directory else f" (empty in the source: {placeholder})"))
         self.carry(t + "data_loader.shuffle")
+
+    def datasets(self):
+        t = "train_dataset."
+        self.data_loader()
         columns = self.get(t + "input_columns", ["input_ids"])
         if columns == ["input_ids"]:
             self.carry(t + "input_columns")

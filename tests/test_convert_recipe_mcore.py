@@ -1,0 +1,281 @@
+"""scripts/convert_recipe.py on MindFormers 1.9's own configs (use_legacy: False), read from the installed wheel.
+
+The oracle is MindFormers itself: its Qwen3Config / Qwen3MoeConfig built from the same keys (merged with
+config.json by its own merge_model_config) and converted to its TransformerConfig, whose numbers give the
+parameter count our imported recipe must have. config.json files are written by transformers' save_pretrained.
+"""
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO_ROOT
+from ascend_llm_recipes.common.errors import RecipeError
+from ascend_llm_recipes.models.arithmetic import param_count
+from ascend_llm_recipes.training.recipe.loading import load_recipe
+from ascend_llm_recipes.training.recipe.mindformers import _leaves, from_mindformers
+from ascend_llm_recipes.training.recipe.mindformers_mcore import DEFAULTS, TC_DEFAULTS
+
+FAMILY_DIRS = ("qwen3", "qwen3_moe", "deepseek3", "glm4", "glm4_moe")
+
+
+def wheel_configs() -> dict:
+    """{'qwen3/pretrain_qwen3_32b_4k.yaml': path} for the pretraining configs the mindformers wheel installs."""
+    found = {}
+    for f in importlib.metadata.files("mindformers"):
+        parts = f.parts
+        if len(parts) == 3 and parts[0] == "configs" and parts[2].endswith(".yaml") and (
+                parts[1] in FAMILY_DIRS and parts[2].startswith("pretrain")
+                or parts[1] == "general" and parts[2].startswith("llm_pretrain_")):
+            found[f"{parts[1]}/{parts[2]}"] = str(f.locate())
+    return found
+
+
+WHEEL = wheel_configs()
+# What each wheel pretraining config does, by name; a config the wheel adds fails test_every_wheel_config_is_covered.
+IMPORTS = ["qwen3/pretrain_qwen3_32b_4k.yaml"]
+REFUSED = {
+    "qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml": ["routed_scaling_factor: 1.5",
+                                                 "moe_router_load_balancing_type: 'gbs_aux_loss'"],
+    "deepseek3/pretrain_deepseek3_671b.yaml": ["model_type: 'deepseek_v3'"],
+    "deepseek3/pretrain_deepseek3_12b_16p_pp16.yaml": ["model_type: 'deepseek_v3'"],
+    "general/llm_pretrain_dense_template.yaml": ["model_type: absent", "--pretrained-model-dir"],
+    "general/llm_pretrain_moe_template.yaml": ["model_type: absent", "--pretrained-model-dir"],
+}
+
+
+def read(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def write_config(data: dict, tmp_path, name: str) -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+def import_to(config: str, tmp_path, name: str, pretrained_model_dir: str = None) -> tuple:
+    out = tmp_path / "recipes" / f"{name}.yaml"
+    text, report = from_mindformers(config, str(out), pretrained_model_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return load_recipe(str(out), planning=True), report
+
+
+def mindformers_transformer_config(source: dict, pretrained_model_dir: str = None):
+    """MindFormers' own TransformerConfig for a config: merged with config.json, built, converted."""
+    from mindformers.models.build_config import merge_model_config
+    from mindformers.models.qwen3.configuration_qwen3 import Qwen3Config
+    from mindformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+
+    model_config = dict(source["model"]["model_config"])
+    if pretrained_model_dir:
+        model_config = merge_model_config(pretrained_model_dir, model_config)
+    classes = {"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}
+    config = classes[model_config["model_type"]](**model_config)
+    return config.convert_to_transformer_config(), config.tie_word_embeddings
+
+
+def mindformers_parameters(tc, tie: bool) -> int:
+    """Parameters of MindFormers' Qwen3 / Qwen3-MoE GPTModel from its TransformerConfig (test oracle).
+
+    Attention: q and o (hidden x heads*kv_channels), k and v (hidden x groups*kv_channels), q/k bias with
+    add_qkv_bias, the q/k RMSNorms of kv_channels both classes build; MLP: SwiGLU of ffn_hidden_size, or per
+    expert of moe_ffn_hidden_size plus the router (experts x hidden); two norms per layer, a final norm,
+    embedding and (untied) output table.
+    """
+    h, d = tc.hidden_size, tc.kv_channels
+    q, kv = tc.num_attention_heads * d, tc.num_query_groups * d
+    attention = 2 * h * q + 2 * h * kv + (q + 2 * kv if tc.add_qkv_bias else 0) + 2 * d
+    if tc.num_moe_experts:
+        mlp = tc.num_moe_experts * (3 * h * tc.moe_ffn_hidden_size + h)
+    else:
+        mlp = 3 * h * tc.ffn_hidden_size
+    return tc.num_layers * (attention + mlp + 2 * h) + h + tc.vocab_size * h * (1 if tie else 2)
+
+
+def assert_same_model(recipe, tc, tie):
+    cfg = recipe.model.model_config
+    assert param_count(cfg, padded=False) == mindformers_parameters(tc, tie)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_size, cfg.kv_heads, cfg.num_heads) == \
+        (tc.num_layers, tc.hidden_size, tc.ffn_hidden_size, tc.kv_channels, tc.num_query_groups,
+         tc.num_attention_heads)
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.qkv_bias, cfg.tie_word_embeddings, cfg.qk_norm) == \
+        (float(tc.rotary_base), tc.layernorm_epsilon, tc.add_qkv_bias, tie, True)
+    if tc.num_moe_experts:
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob,
+                cfg.router_aux_loss_coef, cfg.dense_layers) == \
+            (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size, tc.norm_topk_prob,
+             tc.moe_aux_loss_coeff, [])
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Hugging Face model directories (config.json by save_pretrained) of the families a template can name."""
+    from transformers import Glm4Config, Qwen3Config, Qwen3MoeConfig
+
+    dirs = {}
+    for name, config in (("qwen3", Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                              num_attention_heads=16, num_key_value_heads=8,
+                                              rope_theta=1e6)),
+                         ("qwen3_moe", Qwen3MoeConfig()), ("glm4", Glm4Config())):
+        directory = tmp_path_factory.mktemp(name)
+        config.save_pretrained(directory)
+        dirs[name] = str(directory)
+    return dirs
+
+
+def test_every_wheel_config_is_covered():
+    assert sorted(WHEEL) == sorted(IMPORTS + list(REFUSED))
+
+
+def test_qwen3_32b_imports_with_mindformers_own_numbers(tmp_path):
+    path = WHEEL["qwen3/pretrain_qwen3_32b_4k.yaml"]
+    source = read(path)
+    recipe, report = import_to(path, tmp_path, "qwen3_32b")
+    tc, tie = mindformers_transformer_config(source)
+    assert_same_model(recipe, tc, tie)
+    assert param_count(recipe.model.model_config, padded=False) == 32_762_123_264  # Qwen3-32B's 32.8B
+    p = recipe.parallel_config
+    assert (p.model_parallel, p.pipeline_stage, p.stage_layers) == (4, 4, [15, 15, 17, 17])  # offset [-1,-1,1,1]
+    cfg = recipe.model.model_config
+    assert (cfg.compute_dtype, cfg.param_dtype, cfg.pad_token_id) == ("bfloat16", "float32", -1)
+    assert recipe.dataset_dir.endswith("datasets/qwen3_32b") and recipe.context.device_target == "Ascend"
+    assert set(_leaves(source)) <= {e.key for e in report.entries}  # every key accounted for
+    by_key = {e.key: e for e in report.entries}
+    assert "--from-megatron-indexed /path/to/wiki103-megatron_text_document" in \
+        by_key["train_dataset.data_loader.type"].reason
+    assert by_key["model.model_config.qk_layernorm"].ours == "model.model_config.qk_norm"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_wheel_configs_name_what_is_refused(name):
+    with pytest.raises(RecipeError) as err:
+        from_mindformers(WHEEL[name], "/nonexistent/out.yaml")
+    for fragment in REFUSED[name]:
+        assert fragment in str(err.value)
+
+
+def qwen3_moe_as_the_error_says(device: str) -> dict:
+    """The wheel's Qwen3-30B-A3B config with its refused keys changed: no routed scaling, one micro-batch."""
+    source = read(WHEEL["qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml"])
+    del source["model"]["model_config"]["routed_scaling_factor"]
+    source["parallel_config"].update(model_parallel=1, pipeline_stage=1, micro_batch_num=1, expert_parallel=1,
+                                     use_seq_parallel=False)
+    source["context"]["device_target"] = device
+    return source
+
+
+def test_qwen3_moe_imports_on_cpu_and_is_refused_on_ascend_by_the_recipe_check(tmp_path):
+    source = qwen3_moe_as_the_error_says("CPU")
+    recipe, report = import_to(write_config(source, tmp_path, "a3b_cpu"), tmp_path, "a3b_cpu")
+    tc, tie = mindformers_transformer_config(source)
+    assert_same_model(recipe, tc, tie)
+    cfg = recipe.model.model_config
+    assert (cfg.norm_topk_prob, cfg.router_aux_loss_coef, cfg.router_z_loss_coef) == (False, 0.001, 0.0)
+    assert param_count(cfg, padded=False) == 30_532_122_624  # Qwen3-30B-A3B's 30.5B
+    assert set(_leaves(source)) <= {e.key for e in report.entries}
+    by_key = {e.key: e for e in report.entries}
+    assert by_key["model.model_config.router_aux_loss_coef"].status == "dropped"  # Qwen3MoeConfig deletes it
+    assert "expert" in by_key["parallel.enable_alltoall"].reason
+    assert by_key["model.model_config.moe_aux_loss_coeff"].ours == "model.model_config.router_aux_loss_coef"
+    with pytest.raises(RecipeError, match="Mixture-of-Experts layers run on CPU only so far"):
+        from_mindformers(write_config(qwen3_moe_as_the_error_says("Ascend"), tmp_path, "a3b"), str(tmp_path / "o"))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("moe_router_score_function", "sigmoid", "moe_router_score_function: 'sigmoid' is not supported"),
+    ("moe_router_enable_expert_bias", True, "moe_router_enable_expert_bias: True is not supported"),
+    ("moe_expert_capacity_factor", 1.25, "moe_expert_capacity_factor: 1.25 is not supported"),
+    ("moe_router_load_balancing_type", "seq_aux_loss", None),
+    ("multi_latent_attention", True, "multi_latent_attention: True is not supported"),
+    ("routed_scaling_factor", 1.0, None),
+    ("moe_shared_expert_intermediate_size", 768, "moe_shared_expert_intermediate_size: 768 is not supported"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling: {'rope_type': 'yarn'"),
+    ("hidden_act", "gelu", "hidden_act: 'gelu' is not supported"),
+    ("moe_router_topk_scaling_factor_typo", 2.0, "moe_router_topk_scaling_factor_typo: 2.0: a model key this "
+                                                 "importer does not know"),
+])
+def test_moe_options_ours_computes_differently_are_refused_by_name(key, value, message, tmp_path):
+    source = qwen3_moe_as_the_error_says("CPU")
+    source["model"]["model_config"][key] = value
+    config = write_config(source, tmp_path, "a3b")
+    if message is None:  # the same math as ours in this layout: imports
+        import_to(config, tmp_path, "a3b")
+        return
+    with pytest.raises(RecipeError) as err:
+        from_mindformers(config, str(tmp_path / "out.yaml"))
+    assert message in str(err.value)
+
+
+def test_expert_parallel_is_refused_by_name(tmp_path):
+    source = qwen3_moe_as_the_error_says("Ascend")
+    source["parallel_config"]["expert_parallel"] = 4
+    with pytest.raises(RecipeError, match="parallel_config.expert_parallel: 4 is not supported"):
+        from_mindformers(write_config(source, tmp_path, "a3b"), str(tmp_path / "out.yaml"))
+
+
+def test_load_balancing_per_parallel_block_is_refused_with_data_parallel(tmp_path):
+    source = qwen3_moe_as_the_error_says("CPU")
+    source["model"]["model_config"]["moe_router_load_balancing_type"] = "sub_seq_aux_loss"
+    source["parallel_config"]["data_parallel"] = 2
+    with pytest.raises(RecipeError, match="'sub_seq_aux_loss' computes the load-balancing loss per data x model"):
+        from_mindformers(write_config(source, tmp_path, "a3b"), str(tmp_path / "out.yaml"))
+
+
+def test_dense_template_takes_the_model_from_config_json(hf_dirs, tmp_path):
+    path = WHEEL["general/llm_pretrain_dense_template.yaml"]
+    source = read(path)
+    recipe, report = import_to(path, tmp_path, "template", hf_dirs["qwen3"])
+    tc, tie = mindformers_transformer_config(source, hf_dirs["qwen3"])
+    assert_same_model(recipe, tc, tie)
+    cfg = recipe.model.model_config
+    assert (cfg.hidden_size, cfg.num_layers, cfg.rope_theta) == (1024, 28, 1e6)  # from config.json
+    assert (cfg.compute_dtype, recipe.parallel_config.data_parallel) == ("bfloat16", 2)     # from the YAML
+    assert {e.key: e.status for e in report.entries}["model.model_config.layer_types"] == "dropped"
+
+
+def test_moe_template_and_other_families_are_refused_by_name(hf_dirs):
+    path = WHEEL["general/llm_pretrain_moe_template.yaml"]
+    with pytest.raises(RecipeError) as err:
+        from_mindformers(path, "/nonexistent/out.yaml", hf_dirs["qwen3_moe"])
+    for fragment in ("routed_scaling_factor: 1.5", "moe_router_load_balancing_type: 'seq_aux_loss' computes the "
+                     "load-balancing loss per data x context parallel block"):
+        assert fragment in str(err.value)
+    with pytest.raises(RecipeError, match="config.json cannot be read"):
+        from_mindformers(path, "/nonexistent/out.yaml", os.path.dirname(path))
+    with pytest.raises(RecipeError, match="model_type: 'glm4' .* is a family ours does not implement"):
+        from_mindformers(WHEEL["general/llm_pretrain_dense_template.yaml"], "/nonexistent/out.yaml",
+                         hf_dirs["glm4"])
+
+
+def test_defaults_are_mindformers_own():
+    import dataclasses
+    from mindformers.parallel_core.transformer_config import TransformerConfig
+    from mindformers.models.qwen3.configuration_qwen3 import Qwen3Config
+    from mindformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+
+    for family, cls in (("qwen3", Qwen3Config), ("qwen3_moe", Qwen3MoeConfig)):
+        config = cls()
+        for key, value in DEFAULTS[family].items():
+            assert getattr(config, key, None) == value, (family, key)
+    fields = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    assert {key: fields[key] for key in TC_DEFAULTS} == TC_DEFAULTS
+
+
+def test_command_line_reads_the_pretrained_model_dir(hf_dirs, tmp_path):
+    out = tmp_path / "recipes" / "template.yaml"
+    args = [sys.executable, os.path.join(REPO_ROOT, "scripts", "convert_recipe.py"), "--from-mindformers",
+            WHEEL["general/llm_pretrain_dense_template.yaml"], "--pretrained-model-dir", hf_dirs["qwen3"],
+            "--output", str(out), "--report", str(tmp_path / "report.md")]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert load_recipe(str(out), planning=True).model.model_config.hidden_size == 1024
+    refused = subprocess.run(args[:4] + ["--output", str(tmp_path / "other.yaml")], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "--pretrained-model-dir DIR" in refused.stderr

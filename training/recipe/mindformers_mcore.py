@@ -1,0 +1,477 @@
+"""MindFormers 1.9 configuration (`use_legacy: False`) -> recipe: Qwen3 and Qwen3-MoE.
+
+MindFormers 1.9's own format describes the model in Hugging Face keys (model_type, num_hidden_layers, ...)
+plus MindFormers keys (qk_layernorm, moe_grouped_gemm, offset, params_dtype, ...), converted to its
+Megatron-style TransformerConfig by a per-family table (mindformers/models/qwen3/config_converter_qwen3.py,
+models/qwen3_moe/config_converter_qwen3_moe.py). A template without model_type
+(configs/general/llm_pretrain_*_template.yaml) is merged with pretrained_model_dir/config.json first, the
+YAML winning (models/build_config.py:99-132). `McoreImporter` reads the model section the way those
+classes read it and reuses the legacy importer (mindformers_import.py) for the sections both formats
+share (runner, optimizer, schedule, parallel, callbacks, context). Every key is reported carried,
+translated or dropped with the reason; anything our model would compute differently is refused by name.
+An Ascend MoE config that passes all this is still refused, by the recipe check (models/config.py
+moe_problems: MoE runs on CPU only so far); the importer has no option to change the device.
+File:line references are to the installed MindFormers 1.9 (site-packages `mindformers/`).
+"""
+
+import json
+import os
+
+from ascend_llm_recipes.common.errors import RecipeError
+from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
+from ascend_llm_recipes.training.recipe.mindformers import OURS_FP32, SAME_MATH
+from ascend_llm_recipes.training.recipe.mindformers_import import Importer
+
+M = "model.model_config."
+# model_type -> (architecture, Mixture of Experts) of the families ours implements; the classes are registered
+# under these names (models/qwen3/configuration_qwen3.py:27, models/qwen3_moe/configuration_qwen3_moe.py).
+FAMILIES = {"qwen3": ("Qwen3ForCausalLM", False), "qwen3_moe": ("Qwen3MoeForCausalLM", True)}
+# Families MindFormers 1.9 ships in this format that ours cannot express, with what it would lack.
+REFUSED_FAMILIES = {
+    "deepseek_v3": "DeepSeek-V3: multi-latent attention (MLA), a sigmoid router with expert bias, group-limited "
+                   "routing and multi-token prediction",
+    "deepseek_mtp": "DeepSeek-V3's multi-token-prediction head",
+    "glm4": "GLM-4: partial rotary embeddings and extra post-attention/post-MLP norms",
+    "glm4_moe": "GLM-4-MoE: a sigmoid router with expert bias, partial rotary embeddings",
+}
+# What MindFormers' Qwen3Config / Qwen3MoeConfig fall back to when config.json and the YAML leave a key out:
+# their __init__ defaults (models/qwen3/configuration_qwen3.py:163-185, configuration_qwen3_moe.py:183-211) and
+# the MindFormers parameters they register (register_mf_model_parameter, configuration_qwen3.py:147-156).
+DEFAULTS = {
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.02, seq_length=4096,
+                  pad_token_id=151643, attention_bias=False),
+    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                      num_attention_heads=32, num_key_value_heads=4, head_dim=None, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.02, seq_length=4096,
+                      pad_token_id=151643, attention_bias=False, moe_intermediate_size=768, num_experts_per_tok=8,
+                      num_experts=128, norm_topk_prob=False),
+}
+# TransformerConfig's defaults for the MindFormers keys read here (parallel_core/transformer_config.py:146, 300,
+# 1045, 1673, 1777).
+TC_DEFAULTS = dict(compute_dtype="bfloat16", params_dtype="float32", use_flash_attention=True,
+                   moe_router_load_balancing_type="sub_seq_aux_loss", moe_aux_loss_coeff=0.0)
+# HF key -> our model_config key, as MindFormers maps them to TransformerConfig (config_converter_qwen3.py:25-42,
+# config_converter_qwen3_moe.py:26-33).
+ARCHITECTURE = (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                ("intermediate_size", "intermediate_size"), ("num_hidden_layers", "num_layers"),
+                ("num_attention_heads", "num_heads"), ("num_key_value_heads", "num_kv_heads"),
+                ("head_dim", "head_dim"), ("seq_length", "seq_length"), ("rms_norm_eps", "rms_norm_eps"),
+                ("rope_theta", "rope_theta"), ("initializer_range", "initializer_range"),
+                ("tie_word_embeddings", "tie_word_embeddings"), ("attention_bias", "qkv_bias"))
+MOE_ARCHITECTURE = (("num_experts", "num_experts"), ("num_experts_per_tok", "num_experts_per_tok"),
+                    ("moe_intermediate_size", "moe_intermediate_size"))
+# Keys with exactly one value ours implements: key -> (that value, MindFormers' default, what the value means).
+ONLY = {
+    "hidden_dropout": (0.0, 0.0, "no dropout; ours has none"),
+    "attention_dropout": (0.0, 0.0, "no attention dropout; ours has none"),
+    "add_bias_linear": (False, False, "no bias on the output projection and MLP; ours has none"),
+    "gated_linear_unit": (True, True, "SwiGLU MLP"),
+    "normalization": ("RMSNorm", "RMSNorm", "RMSNorm"),
+    "position_embedding_type": ("rope", "rope", "rotary embeddings"),
+    "rope_scaling": (None, None, "no RoPE scaling (YaRN, linear, ...); ours has none"),
+    "multi_latent_attention": (False, False, "grouped-query attention; multi-latent attention (MLA) is not "
+                                             "implemented by ours"),
+    "moe_router_score_function": ("softmax", "softmax", "softmax router; a sigmoid router is not implemented "
+                                                        "by ours"),
+    "moe_router_enable_expert_bias": (False, False, "no expert bias in top-k selection (aux-loss-free balancing "
+                                                    "is not implemented by ours)"),
+    "moe_router_force_expert_balance": (False, False, "real routing; forced round-robin routing (a benchmark "
+                                                      "mode) is not implemented by ours"),
+    "moe_router_num_groups": (None, None, "no group-limited routing; ours has none"),
+    "moe_router_group_topk": (None, None, "no group-limited routing; ours has none"),
+    "first_k_dense_replace": (None, None, "MindFormers' Qwen3-MoE gives every layer experts whatever it says "
+                                          "(models/qwen3_moe/modeling_qwen3_moe_train.py:50-58 passes one layer "
+                                          "spec); remove it"),
+    "moe_layer_freq": (1, 1, "MindFormers' Qwen3-MoE gives every layer experts whatever it says "
+                             "(modeling_qwen3_moe_train.py:50-58); remove it"),
+    "mlp_only_layers": ([], [], "Qwen3MoeConfig deletes it (configuration_qwen3_moe.py:177), so MindFormers "
+                                "would give these layers experts, unlike the checkpoint; set them by hand"),
+    "decoder_sparse_step": (1, 1, "Qwen3MoeConfig deletes it (configuration_qwen3_moe.py:175): every layer "
+                                  "has experts in MindFormers, unlike the checkpoint"),
+    "moe_shared_expert_intermediate_size": (None, None, "no shared expert (Qwen3-MoE has none); MindFormers "
+                                                        "builds one when set (transformer/moe/moe_layer.py:65)"),
+    "shared_expert_num": (0, 0, "no shared expert (Qwen3-MoE has none)"),
+    "moe_expert_capacity_factor": (None, None, "dropless routing (every token reaches its top-k experts); a "
+                                               "capacity asks for dropping, which ours never does (MindFormers "
+                                               "1.9's training graph does not read it either: remove it)"),
+    "moe_router_topk_scaling_factor": (None, None, "routed weights not scaled; MindFormers multiplies them by "
+                                                   "it (transformer/moe/router.py:295), ours does not"),
+}
+# Keys read by MindFormers for speed or memory only, or not at all in training, dropped whatever their value.
+INERT = {
+    "max_position_embeddings": "rotary-table length for inference; ours computes rotary for seq_length",
+    "use_cache": "inference KV cache",
+    "transformers_version": "Hugging Face bookkeeping",
+    "torch_dtype": "Hugging Face bookkeeping (MindFormers: compute_dtype)",
+    "dtype": "Hugging Face bookkeeping (MindFormers: compute_dtype)",
+    "_name_or_path": "Hugging Face bookkeeping",
+    "tokenizer_class": "tokenizer for inference: ours trains on prepared token ids",
+    "output_router_logits": "Hugging Face inference output",
+    "layer_types": "every layer full attention (use_sliding_window is False)",
+    "max_window_layers": "sliding-window layers: MindFormers deletes it (configuration_qwen3.py:158)",
+    "sliding_window": "MindFormers deletes it (configuration_qwen3.py:159); full attention, as ours",
+    "use_sliding_window": "MindFormers deletes it (configuration_qwen3.py:160); full attention, as ours",
+    "layernorm_compute_dtype": OURS_FP32,
+    "softmax_compute_dtype": OURS_FP32,
+    "rotary_dtype": OURS_FP32,
+    "fp32_residual_connection": "residual-stream precision: ours adds the residual in compute_dtype "
+                                "(models/llama.py); True keeps it in float32 in MindFormers (rounding only)",
+    "router_dense_type": "ours routes in float32 (models/moe.py Router)",
+    "qkv_concat": "q/k/v weights stored as one matrix: " + SAME_MATH,
+    "input_sliced_sig": "input layout: " + SAME_MATH,
+    "use_contiguous_weight_layout_attention": "weight layout of the fused q/k/v matrix: " + SAME_MATH,
+    "use_interleaved_weight_layout_mlp": "weight layout of the fused MLP matrix: " + SAME_MATH,
+    "moe_grouped_gemm": "grouped-matmul kernel for the experts: same math; ours runs every expert as its own "
+                        "matmul (models/moe.py)",
+    "moe_router_pre_softmax": "not read by MindFormers' training router, which always takes the softmax over "
+                              "all experts before top-k (transformer/moe/router.py:272-288), as ours",
+    "moe_z_loss_coeff": "not read by MindFormers' training graph (no router z-loss in transformer/moe/); ours "
+                        "keeps router_z_loss_coef 0",
+    "router_aux_loss_coef": "Qwen3MoeConfig deletes it (configuration_qwen3_moe.py:179); the coefficient "
+                            "MindFormers uses is moe_aux_loss_coeff",
+    "moe_token_drop_policy": "which tokens an expert capacity would drop; moe_expert_capacity_factor is unset "
+                             "(dropless) and MindFormers' training graph does not read it",
+}
+
+
+def read_pretrained_config(directory: str, where: str) -> dict:
+    """pretrained_model_dir/config.json, as MindFormers merges it under model_config (models/build_config.py:124)."""
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        raise RecipeError(where, [f"pretrained_model_dir: {path} cannot be read: {err}"],
+                          hint="give --pretrained-model-dir a Hugging Face model directory holding config.json") \
+            from None
+    if not isinstance(data, dict):
+        raise RecipeError(where, [f"pretrained_model_dir: {path} is not a JSON object"],
+                          hint="give --pretrained-model-dir a Hugging Face model directory holding config.json")
+    return data
+
+
+def merged_source(source: dict, where: str, pretrained_model_dir: str = None) -> tuple:
+    """(the config with config.json under model_config, the directory used or None).
+
+    MindFormers reads pretrained_model_dir/config.json and updates it with the YAML's model_config, the YAML
+    winning (models/build_config.py:99-132); --pretrained-model-dir replaces the YAML's directory.
+    """
+    directory = pretrained_model_dir or source.get("pretrained_model_dir") or None
+    if directory is None or (not pretrained_model_dir and not os.path.isfile(os.path.join(directory, "config.json"))):
+        return source, None
+    hf = read_pretrained_config(directory, where)
+    model = dict(source.get("model") or {})
+    model["model_config"] = {**hf, **(model.get("model_config") or {})}
+    return {**source, "model": model}, directory
+
+
+class McoreImporter(Importer):
+    """Importer for MindFormers 1.9's own format: the model section read as Qwen3Config/Qwen3MoeConfig read it."""
+
+    def __init__(self, source: dict, where: str, name: str, pretrained_model_dir: str = None):
+        merged, self.pretrained_dir = merged_source(source, where, pretrained_model_dir)
+        super().__init__(merged, where, name)
+        self.given_dir = source.get("pretrained_model_dir")
+        self.family = self.get(M + "model_type")
+        self.defaults = DEFAULTS.get(self.family, {})
+
+    @staticmethod
+    def hint() -> str:
+        return ("only MindFormers 1.9 Qwen3 and Qwen3-MoE training configs import (model_type qwen3 / qwen3_moe); "
+                "change the refused keys in the MindFormers file, or write the recipe by hand from recipes/")
+
+    def check_numbers(self):
+        super().check_numbers()
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "seq_length", "num_experts", "num_experts_per_tok",
+                    "moe_intermediate_size"):
+            value = self.get(M + key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                self.problems.append(f"{M}{key}: expected a whole number, got {value!r}")
+
+    def value(self, key: str):
+        """The value MindFormers' config class ends up with: the merged config's, else the class default."""
+        return self.get(M + key, self.defaults.get(key))
+
+    def drop(self, key: str, reason: str) -> None:
+        """Drop `key` (or its section) where not handled yet: the legacy tables also name keys read here first."""
+        for leaf in [k for k in self.leaves if (k == key or k.startswith(key + ".")) and k not in self.taken]:
+            self.taken.add(leaf)
+            self.report.add(leaf, self.leaves[leaf], "dropped", "", reason)
+
+    # -- the model ---------------------------------------------------------------------------
+    def model(self):
+        if not self.known_family():
+            return
+        architecture, moe = FAMILIES[self.family]
+        self.carry(M + "model_type", M + "type", convert=lambda _: LLAMA_CONFIG_TYPE,
+                   reason=f"{self.family}: our Llama-style decoder with Qwen3's q/k norms" + (" and MoE MLPs" if moe
+                                                                                              else ""))
+        self.put("model.arch.type", LLAMA_MODEL_TYPE)
+        self.carry(M + "architectures", "model.arch.type", convert=lambda _: LLAMA_MODEL_TYPE,
+                   reason=f"{architecture} is built as our model (models/llama.py)")
+        self.drop(M + "pretrained_model_dir", "MindFormers' copy of pretrained_model_dir")
+        for theirs, ours in ARCHITECTURE + (MOE_ARCHITECTURE if moe else ()):
+            self.carry(M + theirs, M + ours, default=self.defaults.get(theirs),
+                       convert=float if ours == "rope_theta" else None,
+                       reason="" if theirs == ours else "our spelling")
+        if self.value("head_dim") is None:
+            # TransformerConfig.kv_channels = hidden_size // num_attention_heads when unset (transformer_config.py:2044)
+            self.report.add(M + "head_dim", "(absent)", "default", M + "head_dim", "hidden_size / num_heads")
+        # Both Qwen3 classes build q/k RMSNorms whatever qk_layernorm says (modeling_qwen3_train.py:47,
+        # modeling_qwen3_moe_train.py:56).
+        self.put(M + "qk_norm", True)
+        self.carry(M + "qk_layernorm", M + "qk_norm", default=True, convert=lambda _: True,
+                   reason="MindFormers' Qwen3 builds q/k norms whatever this key says (modeling_qwen3_train.py:47)")
+        self.embeddings()
+        self.dtypes()
+        self.carry(M + "use_flash_attention", default=None if self.on_cpu else TC_DEFAULTS["use_flash_attention"],
+                   reason="Ascend kernel switch with MindFormers' name and meaning")
+        self.activation()
+        raw = self.src["model"]["model_config"]
+        for key, (only, default, why) in ONLY.items():
+            if moe or not key.startswith(("moe_", "first_k", "mlp_only", "decoder_sparse", "shared_expert")):
+                value = raw.get(key, default)  # whole value: rope_scaling is a mapping
+                if key == "moe_expert_capacity_factor" and isinstance(value, (int, float)) and value < 0:
+                    value = None  # TransformerConfig reads a negative capacity as none (transformer_config.py:2124)
+                if value == only:
+                    self.drop(M + key, f"{value!r}: {why.split(';')[0]}")
+                else:
+                    self.problems.append(f"{M}{key}: {value!r} is not supported ({only!r} only): {why}")
+                    self.taken.update(k for k in self.leaves if k == M + key or k.startswith(M + key + "."))
+        if moe:
+            self.moe()
+        else:
+            self.drop(M + "router_dense_type", "no router: a dense model")
+        self.tokens()
+        self.offset()
+        for key, why in INERT.items():
+            self.drop(M + key, why)
+        if self.get(M + "quantization_config") or self.get(M + "quantization"):
+            self.problems.append(f"{M}quantization_config: quantised training is not implemented by ours")
+
+    def known_family(self) -> bool:
+        if self.family in FAMILIES:
+            return True
+        if self.family in REFUSED_FAMILIES:
+            self.problems.append(f"{M}model_type: {self.family!r} ({REFUSED_FAMILIES[self.family]}) is a family ours "
+                                 f"does not implement; only {' and '.join(FAMILIES)} import")
+        elif self.family is None:
+            self.problems.append(self.missing_model_type())
+        else:
+            self.problems.append(f"{M}model_type: {self.family!r} is not a family ours implements; only "
+                                 f"{' and '.join(FAMILIES)} import")
+        return False
+
+    def missing_model_type(self) -> str:
+        """Which keys a template lacks, and how to supply them."""
+        absent = [k for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                              "num_attention_heads", "num_key_value_heads") if not self.has(M + k)]
+        where = (f"pretrained_model_dir {self.given_dir!r} has no config.json here" if self.given_dir
+                 else "no pretrained_model_dir is given")
+        return (f"{M}model_type: absent, and {where}; MindFormers takes the model from "
+                "pretrained_model_dir/config.json merged under model_config (models/build_config.py:99-132). "
+                f"Missing: {', '.join(absent)}. Pass --pretrained-model-dir DIR (a Hugging Face model directory "
+                "with config.json), or add these keys to model.model_config")
+
+    def embeddings(self):
+        tie = self.value("tie_word_embeddings")
+        untie = self.get(M + "untie_embeddings_and_output_weights")
+        # GPTModel shares the tables by tie_word_embeddings alone (modeling_qwen3_train.py:54).
+        self.drop(M + "untie_embeddings_and_output_weights", "not read: MindFormers ties the tables by "
+                  "tie_word_embeddings (modeling_qwen3_train.py:54)" +
+                  (f"; it contradicts tie_word_embeddings {tie}, which wins" if untie is not None and untie == tie
+                   else ""))
+
+    def dtypes(self):
+        compute = self.carry(M + "compute_dtype", default=TC_DEFAULTS["compute_dtype"])
+        self.carry(M + "params_dtype", M + "param_dtype", default=TC_DEFAULTS["params_dtype"],
+                   convert=lambda v: v if v in ("float32", compute) else "float32",
+                   reason="weights stored in this dtype (16-bit ones other than compute_dtype: float32); 16-bit "
+                          "weights get float32 master copies in FoldedAdamW (training/worker/optim.py)")
+
+    def activation(self):
+        # With gated_linear_unit, 'swiglu' and 'silu' both compute silu(x0) * x1 (transformer/mlp.py:145-152,
+        # activation.py:83-86).
+        act = self.get(M + "hidden_act", "silu")
+        if act in ("silu", "swiglu"):
+            self.drop(M + "hidden_act", "silu(gate) x up (SwiGLU), as ours")
+        else:
+            self.problems.append(f"{M}hidden_act: {act!r} is not supported (silu/swiglu only): ours has a SwiGLU MLP")
+            self.taken.add(M + "hidden_act")
+
+    def moe(self):
+        k = self.value("num_experts_per_tok")
+        norm = self.value("norm_topk_prob")
+        # MindFormers renormalises the top-k weights only when k > 1 (transformer/moe/router.py:290-294).
+        self.carry(M + "norm_topk_prob", default=norm, convert=lambda v: bool(v) and k > 1,
+                   reason="" if k > 1 else "k = 1: MindFormers never renormalises a single weight")
+        coef = self.carry(M + "moe_aux_loss_coeff", M + "router_aux_loss_coef",
+                          default=TC_DEFAULTS["moe_aux_loss_coeff"], convert=float,
+                          reason="the load-balancing coefficient MindFormers' router uses (router.py:198, 435; "
+                                 "TransformerConfig default 0)")
+        self.put(M + "router_z_loss_coef", 0.0)
+        self.balancing(coef)
+        if self.get(M + "routed_scaling_factor") not in (None, 1, 1.0):
+            # the converter maps it to moe_router_topk_scaling_factor (config_converter_qwen3_moe.py:32)
+            self.problems.append(f"{M}routed_scaling_factor: {self.get(M + 'routed_scaling_factor')!r} is not "
+                                 "supported (None or 1.0 only): MindFormers multiplies the routed weights by it "
+                                 "(transformer/moe/router.py:295); ours, like Hugging Face's Qwen3-MoE, does not")
+            self.taken.add(M + "routed_scaling_factor")
+        else:
+            self.drop(M + "routed_scaling_factor", "routed weights not scaled, as ours")
+
+    def balancing(self, coef: float):
+        """moe_router_load_balancing_type: equal to ours only where its token groups are ours.
+
+        Ours (models/moe.py LoadBalancingLoss) takes f_e and P_e over all tokens of the micro-batch the layer
+        sees. MindFormers (transformer/moe/router.py:388-425) takes them per block of data x model x context
+        parallel tokens (sub_seq_aux_loss), averages f over the model-parallel blocks (seq_aux_loss), or over all
+        blocks and the step's micro-batches so far (gbs_aux_loss; reset each step, core/callback/callback.py:531).
+        """
+        key = M + "moe_router_load_balancing_type"
+        kind = self.get(key, TC_DEFAULTS["moe_router_load_balancing_type"])
+        c = "parallel_config."
+        dp, mp = self.get(c + "data_parallel", 1), self.get(c + "model_parallel", 1)
+        cp = self.get(c + "context_parallel", 1)
+        micro = (self.get(c + "micro_batch_num", 1) if self.get(c + "pipeline_stage", 1) > 1 else 1) * \
+            self.get("runner_config.gradient_accumulation_steps", 1)
+        differs = {"sub_seq_aux_loss": mp * dp * cp > 1 and "per data x model x context parallel block",
+                   "seq_aux_loss": dp * cp > 1 and "per data x context parallel block",
+                   "gbs_aux_loss": (dp * cp > 1 or micro > 1) and "accumulated over the step's micro-batches"}
+        if not coef:
+            self.drop(key, "no load-balancing loss (moe_aux_loss_coeff is 0)")
+        elif kind not in differs:
+            self.problems.append(f"{key}: {kind!r} is not one of MindFormers' {', '.join(differs)}")
+            self.taken.add(key)
+        elif differs[kind]:
+            self.problems.append(f"{key}: {kind!r} computes the load-balancing loss {differs[kind]} (data_parallel "
+                                 f"{dp}, model_parallel {mp}, context_parallel {cp}, {micro} micro-batch(es) per "
+                                 "step); ours takes it over each micro-batch's tokens (models/moe.py), so the loss "
+                                 "would differ")
+            self.taken.add(key)
+        else:
+            self.drop(key, f"{kind!r} over one block of tokens per micro-batch in this layout: the same loss as ours")
+
+    def tokens(self):
+        for key in ("bos_token_id", "eos_token_id"):
+            value = self.get(M + key)
+            if isinstance(value, list):
+                self.carry(M + key, convert=lambda v: v[0], reason="the first of the list")
+            elif value is not None:
+                self.carry(M + key)
+            else:
+                self.report.add(M + key, "(absent)", "default", M + key, "not read by MindFormers' training; "
+                                "ours keeps its default")
+        pad = self.get("train_dataset.data_loader.config.pad")
+        if self.get("train_dataset.data_loader.type") == "BlendedMegatronDatasetDataLoader" and pad is not None:
+            # GPTDataset masks the loss where labels == the dataset's pad (dataset/blended_datasets/
+            # gpt_dataset.py:111-114, 217), not at the model's pad_token_id.
+            self.put(M + "pad_token_id", pad)
+            self.drop(M + "pad_token_id", f"MindFormers masks the loss at the dataset's pad id {pad} "
+                                          "(train_dataset.data_loader.config.pad), not at this id")
+        else:
+            self.carry(M + "pad_token_id", default=self.defaults["pad_token_id"])
+
+    def offset(self):
+        """offset -> parallel_config.stage_layers: num_layers // pp + offset[i] layers on stage i
+        (parallel_core/training_graph/transformer/utils.py:160-165, checked at 569-600)."""
+        offset = self.get(M + "offset", 0)
+        stages = self.get("parallel_config.pipeline_stage", 1)
+        layers = self.value("num_hidden_layers")
+        if offset in (0, None) or (isinstance(offset, list) and not any(offset)) or stages <= 1:
+            self.drop(M + "offset", "no pipeline-stage offset: layers split evenly, as ours" if stages > 1
+                      else "no pipeline stages")
+            return
+        if isinstance(offset, int):
+            offset = [offset] * stages
+        if not (isinstance(offset, list) and len(offset) == stages and all(isinstance(o, int) for o in offset)):
+            self.problems.append(f"{M}offset: {offset!r}: one whole number per pipeline stage ({stages}) imports "
+                                 "(interleaved stages are not implemented by ours)")
+            self.taken.add(M + "offset")
+            return
+        stage_layers = [layers // stages + o for o in offset]
+        if sum(stage_layers) != layers or min(stage_layers) < 1:
+            self.problems.append(f"{M}offset: {offset!r} gives {stage_layers} layers per stage, not {layers} in all "
+                                 "with at least one per stage")
+            self.taken.add(M + "offset")
+            return
+        self.carry(M + "offset", "parallel_config.stage_layers", convert=lambda _: stage_layers,
+                   reason=f"num_layers // pipeline_stage + offset: {stage_layers} layers per stage")
+
+    # -- sections the legacy format lacks --------------------------------------------------
+    def top_level(self):
+        if FAMILIES[self.family][1]:
+            self.drop("parallel.enable_alltoall", "AllToAll dispatch to expert-parallel devices: ours computes "
+                                                  "every expert where its tokens are (no expert parallel)")
+        super().top_level()
+        self.drop("use_legacy", "False: MindFormers 1.9's own format, read by this importer")
+        self.drop("pretrained_model_dir", f"config.json merged from {self.pretrained_dir}" if self.pretrained_dir
+                  else "no config.json read (the model keys are in model_config)")
+        fmt = self.get("load_ckpt_format", "ckpt")
+        self.carry("load_ckpt_format", reason="format of load_checkpoint's files")
+        if fmt not in ("ckpt", "safetensors"):
+            self.problems.append(f"load_ckpt_format: {fmt!r}; ckpt or safetensors")
+        self.drop("print_separate_loss", "log option: ours logs the loss and each MoE layer's router loss sum")
+
+    def data_loader(self):
+        t = "train_dataset."
+        if self.get(t + "data_loader.type") != "BlendedMegatronDatasetDataLoader":
+            return super().data_loader()
+        c = t + "data_loader.config."
+        placeholder = f"datasets/{self.name}"
+        paths = self.get(c + "data_path") or []
+        prefixes, weights = paths[1::2], paths[0::2]
+        command = (f"python scripts/prepare_data.py --from-megatron-indexed {' '.join(map(str, prefixes))} "
+                   f"--weights {' '.join(map(str, weights))} --eod-id {self.get(c + 'eod', 0)} "
+                   f"--pad-id {self.get(c + 'pad', -1)} --seq-length {self.value('seq_length')} "
+                   f"--output {placeholder}")
+        self.put(t + "data_loader.dataset_dir", placeholder)
+        self.carry(t + "data_loader.type", convert=lambda _: "MindDataset",
+                   reason="ours reads packed MindRecord samples with a manifest: " + command)
+        self.drop(c + "data_path", f"Megatron .bin/.idx corpora, packed into {placeholder} by: {command}")
+        for key in ("eod", "pad", "seed", "split"):
+            self.drop(c + key, "used when packing (prepare_data.py) / ours samples train only")
+        self.drop(t + "data_loader.datasets_type", "GPTDataset: packed causal-LM samples, as ours")
+        self.drop(t + "data_loader.sizes", "sample counts: ours trains on every packed sample for "
+                                           "runner_config.epochs")
+        seq = self.get(c + "seq_length")
+        if seq is not None and seq != self.value("seq_length"):
+            self.problems.append(f"{c}seq_length: {seq} differs from {M}seq_length {self.value('seq_length')}")
+        self.drop(c + "seq_length", "equal to model_config.seq_length")
+        for key in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask", "create_compressed_eod_mask"):
+            self.require(c + key, False, "causal attention across packed documents, loss on EOD tokens; "
+                         "set model_config.document_attention by hand for per-document masks", default=False)
+        self.drop(c + "create_attention_mask", "ours builds the causal mask in the model")
+        self.drop(c + "eod_pad_length", "compressed EOD masks are off")
+        self.drop(t + "construct_args_key", "MindFormers' column-to-argument order: ours reads input_ids")
+        self.drop(t + "seed", "ours shuffles with the recipe's seed")
+        self.put(t + "data_loader.shuffle", True)
+        self.report.add(t + "data_loader.shuffle", "(absent)", "default", t + "data_loader.shuffle",
+                        "GPTDataset shuffles its samples")
+
+    def lr_schedule(self):
+        super().lr_schedule()
+        schedule = self.out.get("lr_schedule", {})
+        if schedule.get("type") == "ConstantWarmUpLR" and "lr_end" not in schedule:
+            # the base recipe's lr_end (a cosine's) would exceed a small constant rate and fail validation
+            self.put("lr_schedule.lr_end", 0.0)
+            self.report.add("lr_schedule.lr_end", "(absent)", "default", "lr_schedule.lr_end",
+                            "ConstantWarmUpLR has no end rate (not read)")
+
+    def parallel(self):
+        super().parallel()
+        self.drop("parallel.dataset_strategy", "per-column batch split: ours gives every rank the global batch "
+                                               "(full_batch) in semi-auto parallel")
+
+    def leftovers(self):
+        for key in sorted(set(self.leaves) - self.taken):
+            if key.startswith(M):
+                self.problems.append(f"{key}: {self.leaves[key]!r}: a model key this importer does not know; it may "
+                                     "change the model (MindFormers maps unknown keys of TransformerConfig's names "
+                                     "onto it, parallel_core/config_converter.py:157-168), so nothing was written")
+                self.taken.add(key)
+        super().leftovers()
+
