@@ -70,8 +70,9 @@ def flops_per_token(cfg, seq_length: int = None, padded: bool = False) -> int:
 
     6 x (active parameters that take part in a matmul: every layer's, an MoE layer's router and
     the top-k experts and shared expert a token reaches, and the output projection, not the
-    embedding lookup) + 12 x layers x hidden x seq_length for the attention scores and
-    their weighted sum (PaLM, Chowdhery et al. 2022, appendix B; causal masking not discounted).
+    embedding lookup) + 6 x layers x seq_length x heads x (query/key head + value head) for the attention
+    scores and their weighted sum: 12 x layers x hidden x seq_length when heads x head size = hidden (PaLM,
+    Chowdhery et al. 2022, appendix B; causal masking not discounted).
     padded=True counts the output projection's padding rows too: what the GEMMs of a dense model
     execute (step_gemms), rather than the model's useful FLOPs that MFU counts.
     """
@@ -81,7 +82,9 @@ def flops_per_token(cfg, seq_length: int = None, padded: bool = False) -> int:
         layers = sum(layer_matmul_params(cfg, n, active=True) for n in range(cfg.num_layers))
     else:
         layers = cfg.num_layers * layer_matmul_params(cfg)  # every layer is layer 0's
-    return 6 * (layers + vocab * cfg.hidden_size) + 12 * cfg.num_layers * cfg.hidden_size * seq_length
+    # scores (query/key heads) and their weighted sum (value heads): 12 x layers x hidden x S when both are hidden wide
+    attention = 6 * cfg.num_layers * seq_length * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim)
+    return 6 * (layers + vocab * cfg.hidden_size) + attention
 
 
 @dataclass(frozen=True)
