@@ -166,34 +166,35 @@ def operator_strategies(net, layout: LlamaLayout) -> list:
         norm(layer.input_layernorm)
         norm(layer.post_attention_layernorm)
         add(layer.add, hidden3, hidden3)
-        for cell in (attn.q_proj, attn.k_proj, attn.v_proj):
-            linear(cell, s["column"], ((dp, tp), (tp,)))
-        linear(attn.o_proj, s["row"], ((dp, 1), (1,)))
-        if attn.q_norm is not None:  # (B, S, heads, head_dim) normalised per head: split by heads like q and k
-            norm(attn.q_norm, (dp, 1, tp, 1))
-            norm(attn.k_norm, (dp, 1, tp, 1))
-        add(attn.split_heads, (dp, 1, tp, 1))  # (B, S, heads, D) split by heads
-        rotary = attn.rotary
-        add(rotary.slice, heads)
-        add(rotary.neg, heads)
-        add(rotary.concat, heads, heads)
-        add(rotary.mul, heads, freqs)
-        add(rotary.add, heads, heads)
-        add(attn.tile_kv, heads)
-        core = attn.core
-        if attn.flash:
-            add(core.flash_attention, *flash_attention_strategy(cfg, dp, tp))
-            add(core.merge_heads, heads)
-            add(core.to_tokens_q, heads)
-            add(core.to_tokens_kv, heads)
-        else:
-            mask = (dp, 1, 1, 1) if documents else (1, 1, 1, 1)
-            add(core.mul_scale, heads, ())
-            add(core.qk_matmul, *s["attention_scores"])
-            add(core.mask_add, heads, mask)
-            add(core.softmax, *s["attention_softmax"])
-            add(core.pv_matmul, *s["attention_values"])
-            add(core.merge_heads, heads)
+        if not cfg.mla:  # multi-head latent attention runs on CPU only so far (models/config.py mla_problems)
+            for cell in (attn.q_proj, attn.k_proj, attn.v_proj):
+                linear(cell, s["column"], ((dp, tp), (tp,)))
+            linear(attn.o_proj, s["row"], ((dp, 1), (1,)))
+            if attn.q_norm is not None:  # (B, S, heads, head_dim) normalised per head: split by heads like q and k
+                norm(attn.q_norm, (dp, 1, tp, 1))
+                norm(attn.k_norm, (dp, 1, tp, 1))
+            add(attn.split_heads, (dp, 1, tp, 1))  # (B, S, heads, D) split by heads
+            rotary = attn.rotary
+            add(rotary.slice, heads)
+            add(rotary.neg, heads)
+            add(rotary.concat, heads, heads)
+            add(rotary.mul, heads, freqs)
+            add(rotary.add, heads, heads)
+            add(attn.tile_kv, heads)
+            core = attn.core
+            if attn.flash:
+                add(core.flash_attention, *flash_attention_strategy(cfg, dp, tp))
+                add(core.merge_heads, heads)
+                add(core.to_tokens_q, heads)
+                add(core.to_tokens_kv, heads)
+            else:
+                mask = (dp, 1, 1, 1) if documents else (1, 1, 1, 1)
+                add(core.mul_scale, heads, ())
+                add(core.qk_matmul, *s["attention_scores"])
+                add(core.mask_add, heads, mask)
+                add(core.softmax, *s["attention_softmax"])
+                add(core.pv_matmul, *s["attention_values"])
+                add(core.merge_heads, heads)
         if layer.is_moe:
             continue  # MoE layers run on CPU only so far (models/config.py moe_problems): no strategies yet
         for cell in (mlp.gate_proj, mlp.up_proj):

@@ -236,7 +236,8 @@ def test_header_states_parameters_tokens_and_memory(path):
     assert "Memory" in header or "memory" in header
 
 
-@pytest.mark.parametrize("path", [TINY_RECIPE, DEMO_RECIPE, os.path.join(REPO_ROOT, "recipes", "tiny_moe_cpu.yaml")])
+@pytest.mark.parametrize("path", [TINY_RECIPE, DEMO_RECIPE, os.path.join(REPO_ROOT, "recipes", "tiny_moe_cpu.yaml"),
+                                  os.path.join(REPO_ROOT, "recipes", "tiny_deepseek_cpu.yaml")])
 def test_header_parameter_count_matches_the_model(path):
     import mindspore as ms
     from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
@@ -244,7 +245,9 @@ def test_header_parameter_count_matches_the_model(path):
     cfg = load_recipe(path).model.model_config
     fields = {k: v for k, v in vars(cfg).items() if k not in ("type", "compute_dtype")}
     net = LlamaForCausalLM(LlamaConfig(**fields))
-    counted = sum(int(p.size) for p in net.trainable_params())  # not MoE's routing statistics
+    from ascend_llm_recipes.models.moe import STATISTICS
+    # every parameter (DeepSeek's correction bias is one, not trained) but MoE's routing statistics
+    counted = sum(int(p.size) for p in net.get_parameters() if not p.name.endswith(STATISTICS))
     assert counted == _header_parameter_count(path)
     del ms
 

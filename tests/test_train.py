@@ -223,3 +223,30 @@ def test_dashboard_of_a_run(tiny_run, tmp_path):
         header = f.read(24)
     assert header[:8] == b"\x89PNG\r\n\x1a\n"
     assert (int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")) == (1600, 950)  # width, height
+
+
+@pytest.mark.drill
+def test_deepseek_recipe_resumes_bit_exact_with_its_correction_bias(tmp_path, tiny_dataset):
+    """recipes/tiny_deepseek_cpu.yaml (MLA, sigmoid group-limited router, shared expert): 8 steps in one launch
+    equal 4 steps, then a resume to 8, exactly: the correction bias each step moves (auxiliary-loss-free balancing)
+    is saved with the checkpoint and restored, or the resumed routing would differ."""
+    from ascend_llm_recipes.models.conversion.formats import CkptFile
+
+    recipe = os.path.join(REPO_ROOT, "recipes", "tiny_deepseek_cpu.yaml")
+    common = [f"train_dataset.data_loader.dataset_dir={tiny_dataset}", "callbacks.1.save_checkpoint_steps=4",
+              "lr_schedule.total_steps=8"]
+    whole, halves = str(tmp_path / "whole"), str(tmp_path / "halves")
+    assert launch(recipe, [f"output_dir={whole}", "runner_config.stop_step=8", *common], show_progress=False) == 0
+    assert launch(recipe, [f"output_dir={halves}", "runner_config.stop_step=4", *common], show_progress=False) == 0
+    assert launch(recipe, [f"output_dir={halves}", "runner_config.stop_step=8", *common], show_progress=False,
+                  amend=True) == 0
+    keys = ("loss", "lm_loss", "load_balancing_loss", "expert_load", "grad_norm")
+    first, resumed = read_metrics(whole), read_metrics(halves)
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in first]
+
+    def bias(run_dir):
+        path = glob.glob(os.path.join(run_dir, "checkpoints", "step_00000008", "rank_0", "*.ckpt"))[0]
+        return CkptFile(path).read("model.layers.1.mlp.router.expert_bias")
+
+    assert bias(whole).tolist() == bias(halves).tolist() and any(bias(whole))  # it moved, and identically
