@@ -1,16 +1,17 @@
-"""MindFormers 1.9 configuration (`use_legacy: False`) -> recipe: Qwen3 and Qwen3-MoE.
+"""MindFormers 1.9 configuration (`use_legacy: False`) -> recipe: Qwen3, Qwen3-MoE and DeepSeek-V3.
 
 MindFormers 1.9's own format describes the model in Hugging Face keys (model_type, num_hidden_layers, ...)
 plus MindFormers keys (qk_layernorm, moe_grouped_gemm, offset, params_dtype, ...), converted to its
 Megatron-style TransformerConfig by a per-family table (mindformers/models/qwen3/config_converter_qwen3.py,
-models/qwen3_moe/config_converter_qwen3_moe.py). A template without model_type
+models/qwen3_moe/config_converter_qwen3_moe.py, models/deepseek3/config_converter_deepseek_v3.py); the router,
+MoE-layer and multi-latent-attention keys are read in mindformers_moe.py. A template without model_type
 (configs/general/llm_pretrain_*_template.yaml) is merged with pretrained_model_dir/config.json first, the
 YAML winning (models/build_config.py:99-132). `McoreImporter` reads the model section the way those
 classes read it and reuses the legacy importer (mindformers_import.py) for the sections both formats
 share (runner, optimizer, schedule, parallel, callbacks, context). Every key is reported carried,
 translated or dropped with the reason; anything our model would compute differently is refused by name.
-An Ascend MoE config that passes all this is still refused, by the recipe check (models/config.py
-moe_problems: MoE runs on CPU only so far); the importer has no option to change the device.
+An Ascend MoE or MLA config that passes all this is still refused, by the recipe check (models/config.py
+moe_problems, mla_problems: both run on CPU only so far); the importer has no option to change the device.
 File:line references are to the installed MindFormers 1.9 (site-packages `mindformers/`).
 """
 

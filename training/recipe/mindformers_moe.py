@@ -12,7 +12,7 @@ parallel_core/training_graph/transformer/moe/router.py, "mla.py" transformer/mul
 import math
 
 M = "model.model_config."
-R = "model.model_config."  # ours
+R = M  # our keys: the same section
 # TransformerConfig field -> the family's Hugging Face key converted to it (models/qwen3_moe/
 # config_converter_qwen3_moe.py:26-33, models/deepseek3/config_converter_deepseek_v3.py:26-54).
 HF_NAMES = {
@@ -118,16 +118,8 @@ class MoEKeys:
                   reason="top-k chosen by scores + bias, weighted by the scores alone (router.py:277-278, 369-377), "
                          "as ours")
         moved = bool(callback) and self.family in BIAS_UPDATED
-        stages = self.get("parallel_config.pipeline_stage", 1)
-        micro = self.get("parallel_config.micro_batch_num", 1)
-        if moved and stages <= 1 and micro != 1:
-            # gpt_model.py:403-404, 635: the target micro_batch_num x GA / E, but one pass per step adds 1 / E
-            self.problems.append(f"parallel_config.micro_batch_num: {micro} without pipeline stages: MindFormers moves "
-                                 "the expert bias towards micro_batch_num x gradient_accumulation_steps / experts "
-                                 "(gpt_model.py:403-404, 635) while each step's load sums to "
-                                 "gradient_accumulation_steps, so every bias rises each step; ours moves it towards "
-                                 "the step's mean load (router_stats.py). Set micro_batch_num: 1")
-            self.taken.add("parallel_config.micro_batch_num")
+        if moved:
+            self.bias_target(callback[0])
         # gpt_model.py:632-641: bias += rate x sign(micro_batch_num x GA / E - load), load the fraction of routing
         # slots per expert summed over the step's passes (router.py:379-386): the sign of (mean load - load), as
         # ours from the counts summed over data-parallel ranks (router_stats.py update_expert_bias).
@@ -141,6 +133,25 @@ class MoEKeys:
         for i in callback:
             for key in [k for k in self.leaves if k.startswith(f"callbacks[{i}].")]:
                 self.drop(key, "ours moves expert_bias after every step (router_stats.py)")
+
+    def bias_target(self, index: int) -> None:
+        """MindFormers moves each bias towards micro_batch_num x the callback's gradient_accumulation_steps / E
+        (gpt_model.py:403-404, 635), while a step's load sums to its forward passes (each adds the fraction of its
+        routing slots per expert, router.py:379-386): micro_batch_num with pipeline stages, else
+        runner_config.gradient_accumulation_steps (which pipeline stages ignore, trainer/base_trainer.py:228).
+        Only when the two agree is the sign that of (mean load - load), as ours."""
+        c = "parallel_config."
+        micro, stages = self.get(c + "micro_batch_num", 1), self.get(c + "pipeline_stage", 1)
+        accumulation = self.get(f"callbacks[{index}].gradient_accumulation_steps", 1)
+        passes = micro if stages > 1 else self.get("runner_config.gradient_accumulation_steps", 1)
+        if micro * accumulation != passes:
+            self.problems.append(
+                f"parallel_config.micro_batch_num, callbacks[{index}].gradient_accumulation_steps: {micro} x "
+                f"{accumulation}: MindFormers moves the expert bias towards {micro * accumulation} / experts per step "
+                f"(gpt_model.py:403-404, 635) while a step's {passes} forward pass(es) load each expert {passes} / "
+                "experts on average, so every bias drifts the same way; ours moves it towards the step's mean load "
+                f"(router_stats.py). Make micro_batch_num x the callback's gradient_accumulation_steps {passes}")
+            self.taken.update({c + "micro_batch_num", f"callbacks[{index}].gradient_accumulation_steps"})
 
     def groups(self, k: int) -> None:
         """Group-limited top-k (router.py:246-253, 307-357)."""
