@@ -91,14 +91,16 @@ def mindformers_parameters(tc, tie: bool) -> int:
 
     Attention: q and o (hidden x heads*kv_channels), k and v (hidden x groups*kv_channels), q/k bias with
     add_qkv_bias, the q/k RMSNorms of kv_channels both classes build; MLP: SwiGLU of ffn_hidden_size, or per
-    expert of moe_ffn_hidden_size plus the router (experts x hidden); two norms per layer, a final norm,
-    embedding and (untied) output table.
+    expert of moe_ffn_hidden_size plus the router (experts x hidden) and its expert_bias (router.py:96, 170), the
+    shared expert and its gate (moe/shared_experts.py:57, 67); two norms per layer, a final norm, embedding and
+    (untied) output table.
     """
     h, d = tc.hidden_size, tc.kv_channels
     q, kv = tc.num_attention_heads * d, tc.num_query_groups * d
     attention = 2 * h * q + 2 * h * kv + (q + 2 * kv if tc.add_qkv_bias else 0) + 2 * d
     if tc.num_moe_experts:
-        mlp = tc.num_moe_experts * (3 * h * tc.moe_ffn_hidden_size + h)
+        mlp = tc.num_moe_experts * (3 * h * tc.moe_ffn_hidden_size + h + bool(tc.moe_router_enable_expert_bias)) + \
+            3 * h * (tc.moe_shared_expert_intermediate_size or 0) + h * bool(tc.use_shared_expert_gating)
     else:
         mlp = 3 * h * tc.ffn_hidden_size
     return tc.num_layers * (attention + mlp + 2 * h) + h + tc.vocab_size * h * (1 if tie else 2)
@@ -279,8 +281,8 @@ def deepseek_parameters(tc) -> int:
         tc.kv_lora_rank
     attention = (h * q_rank + q_rank + q_rank * n * (qk + rope) + h * (kv_rank + rope) + kv_rank +
                  kv_rank * n * (qk + v) + n * v * h)
-    experts = tc.num_moe_experts * (3 * h * tc.moe_ffn_hidden_size + h + 1) + 3 * h * \
-        tc.moe_shared_expert_intermediate_size
+    experts = tc.num_moe_experts * (3 * h * tc.moe_ffn_hidden_size + h + bool(tc.moe_router_enable_expert_bias)) + \
+        3 * h * (tc.moe_shared_expert_intermediate_size or 0) + h * bool(tc.use_shared_expert_gating)
     mlps = sum(experts if moe else 3 * h * tc.ffn_hidden_size for moe in tc.moe_layer_freq)
     return tc.num_layers * (attention + 2 * h) + mlps + h + 2 * tc.vocab_size * h
 
@@ -385,3 +387,68 @@ def test_command_line_reads_the_pretrained_model_dir(hf_dirs, tmp_path):
     refused = subprocess.run(args[:4] + ["--output", str(tmp_path / "other.yaml")], capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode == 2 and "--pretrained-model-dir DIR" in refused.stderr
+
+
+TINY = os.path.join(REPO_ROOT, "recipes", "tiny_cpu.yaml")
+# Tiny recipes of each family MindFormers 1.9's own format is written for (over tiny_cpu.yaml's Llama).
+EXPORTED = {
+    "qwen3": dict(qk_norm=True, head_dim=32),
+    "qwen3_moe": dict(qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      router_aux_loss_coef=0.01, routed_scaling_factor=1.5, router_score="sigmoid", n_group=2,
+                      topk_group=1, shared_expert_intermediate_size=32, shared_expert_gate=True),
+    "deepseek_v3": dict(num_kv_heads=None, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                        v_head_dim=16, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+                        router_score="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5, expert_bias=True,
+                        expert_bias_update_rate=0.001, shared_expert_intermediate_size=32, dense_layers=[0],
+                        router_aux_loss_coef=0.001),
+}
+
+
+def tiny_recipe(tmp_path, name: str, **model) -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"base": TINY, "model": {"model_config": model}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("family", EXPORTED)
+def test_export_writes_mindformers_own_format_that_its_classes_build_and_that_imports_back(family, tmp_path):
+    from ascend_llm_recipes.training.recipe.mindformers import to_mindformers
+
+    path = tiny_recipe(tmp_path, family, **EXPORTED[family])
+    text, report = to_mindformers(path)
+    exported = yaml.safe_load(text)
+    assert exported["use_legacy"] is False and exported["model"]["model_config"]["model_type"] == family
+    tc, tie = mindformers_transformer_config(exported)   # MindFormers' own config class, from what was written
+    ours = load_recipe(path, planning=True)
+    cfg = ours.model.model_config
+    if family == "deepseek_v3":
+        assert param_count(cfg, padded=False) == deepseek_parameters(tc)
+        assert (tc.q_lora_rank, tc.kv_lora_rank, tc.qk_head_dim, tc.qk_pos_emb_head_dim, tc.v_head_dim,
+                tc.rotary_scaling_factor, tc.qk_layernorm, tc.mtp_num_layers) == (32, 32, 16, 16, 16, 1.0, True, 0)
+        assert (tc.moe_router_bias_update_rate, tc.moe_layer_freq) == (0.001, [0, 1])
+        assert exported["callbacks"][-1]["type"] == "TopkBiasBalanceCallback"
+    else:
+        assert_same_model(ours, tc, tie)
+    if cfg.moe:
+        assert (cfg.router_score, cfg.expert_bias, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor,
+                cfg.shared_expert_intermediate_size, cfg.shared_expert_gate, cfg.router_aux_loss_coef) == \
+            (tc.moe_router_score_function, tc.moe_router_enable_expert_bias, tc.moe_router_num_groups,
+             tc.moe_router_group_topk, tc.moe_router_topk_scaling_factor, tc.moe_shared_expert_intermediate_size,
+             tc.use_shared_expert_gating, tc.moe_aux_loss_coeff)
+    exported_path = tmp_path / f"mf_{family}.yaml"
+    exported_path.write_text(text)
+    back, _ = import_to(str(exported_path), tmp_path, f"back_{family}")
+    assert back.model == ours.model
+
+
+def test_export_refuses_what_mindformers_own_classes_compute_differently(tmp_path):
+    from ascend_llm_recipes.training.recipe.mindformers import to_mindformers
+
+    path = tiny_recipe(tmp_path, "moe", **{**EXPORTED["qwen3_moe"], "router_z_loss_coef": 0.001,
+                                           "dense_layers": [0], "n_group": 2, "topk_group": 2})
+    with pytest.raises(RecipeError) as err:
+        to_mindformers(path)
+    for fragment in ("router_z_loss_coef: 0.001: MindFormers 1.9's training graph has no router z-loss",
+                     "dense_layers: [0]: MindFormers' Qwen3-MoE gives every layer experts",
+                     "topk_group: 2: MindFormers scores a group by its best num_experts_per_tok // topk_group = 1"):
+        assert fragment in str(err.value)
