@@ -41,11 +41,12 @@ IMPORTS = ["qwen3/pretrain_qwen3_32b_4k.yaml"]
 REFUSED = {
     "qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml": ["1 problem(s)", "moe_router_load_balancing_type: 'gbs_aux_loss'"],
     "deepseek3/pretrain_deepseek3_671b.yaml": [
-        "4 problem(s)", "rotary_scaling_factor: 40.0 and model.model_config.mscale: 0.707", "= 1.5896 / sqrt",
+        "4 problem(s)", "= 1.5896 / sqrt",
+        "rotary_scaling_factor 40.0 (MLATransformerConfig's default) and mscale 0.707 (MLATransformerConfig's default)",
         "num_nextn_predict_layers: 1: multi-token prediction", "moe_router_load_balancing_type: 'seq_aux_loss'",
         "offset: [[1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, -2]]"],
     "deepseek3/pretrain_deepseek3_12b_16p_pp16.yaml": [
-        "3 problem(s)", "rotary_scaling_factor: 40.0 and model.model_config.mscale: 1", "= 1.8739 / sqrt",
+        "3 problem(s)", "rotary_scaling_factor 40.0 (MLATransformerConfig's default) and mscale 1:", "= 1.8739 / sqrt",
         "position_embedding_type: 'yarn' is not supported", "num_nextn_predict_layers: 1: multi-token prediction"],
     "general/llm_pretrain_dense_template.yaml": ["model_type: absent", "--pretrained-model-dir"],
     "general/llm_pretrain_moe_template.yaml": ["model_type: absent", "--pretrained-model-dir"],

@@ -129,7 +129,7 @@ INERT = {
     "bias_swiglu_fusion": "fused SwiGLU kernel on Ascend: " + SAME_MATH,
     "use_pad_tokens": "expert-parallel dispatch padding: ours dispatches no tokens (every expert on every device)",
     "moe_token_dispatcher_type": "expert-parallel dispatch (AllToAll / AllGather): ours dispatches no tokens",
-    "ep_size": "DeepseekV3Config deletes it (configuration_deepseek_v3.py:153)",
+    "ep_size": "DeepseekV3Config deletes it (configuration_deepseek_v3.py:156)",
     "moe_grouped_gemm": "grouped-matmul kernel for the experts: same math; ours runs every expert as its own "
                         "matmul (models/moe.py)",
     "moe_router_pre_softmax": "not read by MindFormers' training router, which always takes the softmax over "
@@ -262,7 +262,7 @@ class McoreImporter(MoEKeys, Importer):
     def only_keys(self, moe: bool, mla: bool):
         """Keys with one value ours implements; multi_latent_attention: True for DeepSeek-V3 only."""
         raw = self.src["model"]["model_config"]
-        mla_default = self.family == "deepseek_v3"  # registered by DeepseekV3Config (configuration_deepseek_v3.py:151)
+        mla_default = self.family == "deepseek_v3"  # registered by DeepseekV3Config (configuration_deepseek_v3.py:152)
         if raw.get("multi_latent_attention", mla_default) != mla:
             self.problems.append(f"{M}multi_latent_attention: {raw.get('multi_latent_attention')!r} is not supported "
                                  f"for {self.family} ({mla!r} only): ours builds "

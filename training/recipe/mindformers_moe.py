@@ -6,7 +6,7 @@ refused by name with the difference. The value of a setting is the one MindForme
 with: the family's Hugging Face key (DeepSeek-V3's n_group, ...), else the TransformerConfig key itself (any of
 its names is accepted in model_config, parallel_core/config_converter.py:157-168), else the family's default.
 File:line references are to the installed MindFormers 1.9 (site-packages `mindformers/`); "router.py" is
-parallel_core/training_graph/transformer/moe/router.py, "mla.py" transformer/multi_latent_attention.py.
+parallel_core/training_graph/transformer/moe/router.py.
 """
 
 import math
@@ -88,7 +88,7 @@ class MoEKeys:
         self.take("moe_router_score_function", "router_score", reason="router.py:272: scores = softmax/sigmoid of "
                   "the logits; with sigmoid the load-balancing loss reads them normalised per token (router.py:274), "
                   "as ours (models/moe.py Router)")
-        self.drop(M + "scoring_func", "DeepseekV3Config deletes it (configuration_deepseek_v3.py:154); the score "
+        self.drop(M + "scoring_func", "DeepseekV3Config deletes it (configuration_deepseek_v3.py:157); the score "
                                       "function is moe_router_score_function")
         self.drop(M + "topk_method", "not read by MindFormers' training router (router.py)")
         self.expert_bias()
@@ -232,7 +232,7 @@ class MoEKeys:
 
     # -- multi-latent attention ----------------------------------------------------------------
     def mla(self) -> None:
-        """MLA (mla.py:110-160, 420-490; gpt_layer_specs.py:127-158) -> models/mla.py."""
+        """MLA (multi_latent_attention.py:79-160, 599-705; gpt_layer_specs.py:127-158) -> models/mla.py."""
         for name, ours in (("q_lora_rank", "q_lora_rank"), ("kv_lora_rank", "kv_lora_rank"),
                            ("qk_head_dim", "qk_nope_head_dim"), ("qk_pos_emb_head_dim", "qk_rope_head_dim"),
                            ("v_head_dim", "v_head_dim")):
@@ -244,24 +244,30 @@ class MoEKeys:
             self.take("qk_layernorm", None, reason="RMSNorm of the q and kv latents (gpt_layer_specs.py:154-155), as "
                                                    "ours (models/mla.py q_a_layernorm, kv_a_layernorm)")
         self.put(R + "qk_norm", False)
-        factor, _ = self.setting("rotary_scaling_factor")
-        mscale, _ = self.setting("mscale")
+        factor, factor_key = self.setting("rotary_scaling_factor")
+        mscale, mscale_key = self.setting("mscale")
         scale = 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+        where = "multi_latent_attention.py:137-138"
         if scale != 1.0:
-            # mla.py:137-138 with embeddings/yarn_rotary_pos_embedding.py:162-165, whatever rope_scaling says
-            self.problems.append(f"{M}rotary_scaling_factor: {factor} and {M}mscale: {mscale} (MindFormers' "
-                                 "defaults when absent): MindFormers' MLA scales attention scores by "
-                                 f"(0.1 x mscale x ln(factor) + 1)^2 = {scale * scale:.4f} / sqrt(qk head dim) "
-                                 "(multi_latent_attention.py:137-138) even with plain rotary embeddings; ours by "
-                                 "1 / sqrt(qk head dim). Set rotary_scaling_factor: 1 (or mscale: 0)")
+            # with embeddings/yarn_rotary_pos_embedding.py:162-165, whatever rope_scaling says
+            given = [f"{name} {value}" + ("" if key else " (MLATransformerConfig's default)")
+                     for name, value, key in (("rotary_scaling_factor", factor, factor_key),
+                                              ("mscale", mscale, mscale_key))]
+            self.problems.append(f"{M}rotary_scaling_factor, {M}mscale: {' and '.join(given)}: MindFormers' MLA "
+                                 "scales attention scores by (0.1 x mscale x ln(rotary_scaling_factor) + 1)^2 = "
+                                 f"{scale * scale:.4f} / sqrt(qk head dim) ({where}) even with plain rotary "
+                                 "embeddings; ours by 1 / sqrt(qk head dim). Set rotary_scaling_factor: 1 "
+                                 "(or mscale: 0)")
             self.taken.update({M + "rotary_scaling_factor", M + "mscale"})
         else:
-            self.take("rotary_scaling_factor", None, reason="softmax scale 1 / sqrt(qk head dim) (mla.py:137-138)")
-            self.take("mscale", None, reason="softmax scale 1 / sqrt(qk head dim) (mla.py:137-138)")
-        self.drop(M + "mscale_all_dim", "not read by MindFormers' training MLA (mla.py:137 reads mscale)")
-        self.drop(M + "num_key_value_heads", "MLA: one key/value head per query head (mla.py:470-474), as ours")
+            for name in ("rotary_scaling_factor", "mscale"):
+                self.take(name, None, reason=f"softmax scale 1 / sqrt(qk head dim) ({where})")
+        self.drop(M + "mscale_all_dim", f"not read by MindFormers' training MLA ({where} reads mscale)")
+        self.drop(M + "num_key_value_heads", "MLA: one key/value head per query head "
+                                             "(multi_latent_attention.py:681-691), as ours")
         self.drop(M + "mla_qkv_concat", "q/kv down-projections stored as one matrix: the same math")
-        self.drop(M + "head_dim", "MLA: heads of qk_nope_head_dim + qk_rope_head_dim (mla.py:113-115)")
+        self.drop(M + "head_dim", "MLA: heads of qk_nope_head_dim + qk_rope_head_dim "
+                                  "(multi_latent_attention.py:114-116)")
         for key in ("use_flash_attention", "use_attn_mask_compression"):
             self.put(R + key, False)
             self.drop(M + key, "Ascend FlashAttention kernel: ours runs MLA's math path, the same numbers")
