@@ -194,7 +194,10 @@ class McoreImporter(MoEKeys, Importer):
         super().check_numbers()
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim", "seq_length", "num_experts", "num_experts_per_tok",
-                    "moe_intermediate_size"):
+                    "moe_intermediate_size", "n_routed_experts", "n_group", "topk_group", "n_shared_experts",
+                    "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                    "v_head_dim", "moe_router_num_groups", "moe_router_group_topk",
+                    "moe_shared_expert_intermediate_size"):
             value = self.get(M + key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 self.problems.append(f"{M}{key}: expected a whole number, got {value!r}")
