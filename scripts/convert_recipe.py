@@ -5,10 +5,18 @@
     python scripts/convert_recipe.py --to-mindformers RECIPE.yaml --output CONFIG.yaml [--report R.md]
 
 --from-mindformers imports MindFormers' Llama-family configs (LlamaConfig / LlamaForCausalLM: Llama 2,
-Llama 3, Qwen2-style q/k/v bias) and MindFormers 1.9's own format (use_legacy: False) for Qwen3 and
-Qwen3-MoE, and reports every key: carried over, translated, or dropped with the reason. A 1.9 template
-without model_type takes the model from --pretrained-model-dir/config.json (else its own
+Llama 3, Qwen2-style q/k/v bias) and MindFormers 1.9's own format (use_legacy: False) for Qwen3,
+Qwen3-MoE and DeepSeek-V3, and reports every key: carried over, translated, or dropped with the reason.
+A 1.9 template without model_type takes the model from --pretrained-model-dir/config.json (else its own
 pretrained_model_dir), as MindFormers does. Without --report the report is printed.
+
+--to-mindformers writes the format of the MindFormers class that builds the recipe's model:
+  - a Llama (no q/k norms, experts or latent attention): MindFormers' legacy LlamaForCausalLM (use_legacy: True);
+  - q/k norms (qk_norm: True): MindFormers 1.9's own format (use_legacy: False), model_type qwen3, or qwen3_moe
+    with experts (num_experts > 0);
+  - multi-head latent attention (kv_lora_rank) with experts: MindFormers 1.9's own format, model_type deepseek_v3.
+Options MindFormers' class would compute differently (a router z-loss, dense layers in Qwen3-MoE, ...) are
+refused by name; the written file imports back into the same recipe with --from-mindformers.
 """
 
 import argparse
@@ -23,7 +31,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-mindformers", metavar="CONFIG", help="a MindFormers training YAML")
-    direction.add_argument("--to-mindformers", metavar="RECIPE", help="one of our recipes")
+    direction.add_argument("--to-mindformers", metavar="RECIPE",
+                           help="one of our recipes: a Llama is written in MindFormers' legacy format (use_legacy: "
+                                "True), a Qwen3 / Qwen3-MoE / DeepSeek-V3 model in MindFormers 1.9's own "
+                                "(use_legacy: False)")
     parser.add_argument("--pretrained-model-dir", metavar="HF_DIR",
                         help="with --from-mindformers (use_legacy: False): the Hugging Face directory whose "
                              "config.json MindFormers merges under model_config")

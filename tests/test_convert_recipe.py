@@ -167,15 +167,17 @@ def test_a_mixture_of_experts_config_is_refused_not_imported_dense(tmp_path):
 
 
 def test_a_recipe_mindformers_llama_cannot_express_is_not_exported(tmp_path):
+    """Experts without Qwen3's q/k norms: neither LlamaForCausalLM nor MindFormers 1.9's Qwen3-MoE (which always
+    builds them) nor DeepSeek-V3 (multi-head latent attention) computes this model."""
     recipe = yaml.safe_load(open(TINY_RECIPE, encoding="utf-8"))
     recipe["base"] = os.path.join(REPO_ROOT, "recipes", "base", "cpu.yaml")
-    recipe["model"]["model_config"].update(qk_norm=True, num_experts=4, moe_intermediate_size=32)
+    recipe["model"]["model_config"].update(head_dim=32, num_experts=4, moe_intermediate_size=32)
     path = tmp_path / "moe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    with pytest.raises(RecipeError, match=r"model\.model_config\.qk_norm: True has no MindFormers LlamaForCausalLM "
-                                          r"equivalent") as err:
+    with pytest.raises(RecipeError, match=r"model\.model_config\.head_dim: 32 has no MindFormers LlamaForCausalLM "
+                                          r"equivalent \(MindFormers 1\.9's own format is written for Qwen3") as err:
         to_mindformers(str(path))
-    assert len(err.value.problems) == 3  # qk_norm, num_experts, moe_intermediate_size
+    assert len(err.value.problems) == 3  # head_dim, num_experts, moe_intermediate_size
 
 
 def test_mindformers_defaults_and_width_rule_match_the_installed_package():

@@ -39,10 +39,15 @@ WHEEL = wheel_configs()
 # What each wheel pretraining config does, by name; a config the wheel adds fails test_every_wheel_config_is_covered.
 IMPORTS = ["qwen3/pretrain_qwen3_32b_4k.yaml"]
 REFUSED = {
-    "qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml": ["routed_scaling_factor: 1.5",
-                                                 "moe_router_load_balancing_type: 'gbs_aux_loss'"],
-    "deepseek3/pretrain_deepseek3_671b.yaml": ["model_type: 'deepseek_v3'"],
-    "deepseek3/pretrain_deepseek3_12b_16p_pp16.yaml": ["model_type: 'deepseek_v3'"],
+    "qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml": ["1 problem(s)", "moe_router_load_balancing_type: 'gbs_aux_loss'"],
+    "deepseek3/pretrain_deepseek3_671b.yaml": [
+        "4 problem(s)", "= 1.5896 / sqrt",
+        "rotary_scaling_factor 40.0 (MLATransformerConfig's default) and mscale 0.707 (MLATransformerConfig's default)",
+        "num_nextn_predict_layers: 1: multi-token prediction", "moe_router_load_balancing_type: 'seq_aux_loss'",
+        "offset: [[1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, -2]]"],
+    "deepseek3/pretrain_deepseek3_12b_16p_pp16.yaml": [
+        "3 problem(s)", "rotary_scaling_factor 40.0 (MLATransformerConfig's default) and mscale 1:", "= 1.8739 / sqrt",
+        "position_embedding_type: 'yarn' is not supported", "num_nextn_predict_layers: 1: multi-token prediction"],
     "general/llm_pretrain_dense_template.yaml": ["model_type: absent", "--pretrained-model-dir"],
     "general/llm_pretrain_moe_template.yaml": ["model_type: absent", "--pretrained-model-dir"],
 }
@@ -72,11 +77,12 @@ def mindformers_transformer_config(source: dict, pretrained_model_dir: str = Non
     from mindformers.models.build_config import merge_model_config
     from mindformers.models.qwen3.configuration_qwen3 import Qwen3Config
     from mindformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from mindformers.models.deepseek3.configuration_deepseek_v3 import DeepseekV3Config
 
     model_config = dict(source["model"]["model_config"])
     if pretrained_model_dir:
         model_config = merge_model_config(pretrained_model_dir, model_config)
-    classes = {"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}
+    classes = {"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig, "deepseek_v3": DeepseekV3Config}
     config = classes[model_config["model_type"]](**model_config)
     return config.convert_to_transformer_config(), config.tie_word_embeddings
 
@@ -86,14 +92,16 @@ def mindformers_parameters(tc, tie: bool) -> int:
 
     Attention: q and o (hidden x heads*kv_channels), k and v (hidden x groups*kv_channels), q/k bias with
     add_qkv_bias, the q/k RMSNorms of kv_channels both classes build; MLP: SwiGLU of ffn_hidden_size, or per
-    expert of moe_ffn_hidden_size plus the router (experts x hidden); two norms per layer, a final norm,
-    embedding and (untied) output table.
+    expert of moe_ffn_hidden_size plus the router (experts x hidden) and its expert_bias (router.py:96, 170), the
+    shared expert and its gate (moe/shared_experts.py:57, 67); two norms per layer, a final norm, embedding and
+    (untied) output table.
     """
     h, d = tc.hidden_size, tc.kv_channels
     q, kv = tc.num_attention_heads * d, tc.num_query_groups * d
     attention = 2 * h * q + 2 * h * kv + (q + 2 * kv if tc.add_qkv_bias else 0) + 2 * d
     if tc.num_moe_experts:
-        mlp = tc.num_moe_experts * (3 * h * tc.moe_ffn_hidden_size + h)
+        mlp = tc.num_moe_experts * (3 * h * tc.moe_ffn_hidden_size + h + bool(tc.moe_router_enable_expert_bias)) + \
+            3 * h * (tc.moe_shared_expert_intermediate_size or 0) + h * bool(tc.use_shared_expert_gating)
     else:
         mlp = 3 * h * tc.ffn_hidden_size
     return tc.num_layers * (attention + mlp + 2 * h) + h + tc.vocab_size * h * (1 if tie else 2)
@@ -162,9 +170,8 @@ def test_refused_wheel_configs_name_what_is_refused(name):
 
 
 def qwen3_moe_as_the_error_says(device: str) -> dict:
-    """The wheel's Qwen3-30B-A3B config with its refused keys changed: no routed scaling, one micro-batch."""
+    """The wheel's Qwen3-30B-A3B config with its refused key's cause changed: one micro-batch, no model parallel."""
     source = read(WHEEL["qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml"])
-    del source["model"]["model_config"]["routed_scaling_factor"]
     source["parallel_config"].update(model_parallel=1, pipeline_stage=1, micro_batch_num=1, expert_parallel=1,
                                      use_seq_parallel=False)
     source["context"]["device_target"] = device
@@ -178,6 +185,7 @@ def test_qwen3_moe_imports_on_cpu_and_is_refused_on_ascend_by_the_recipe_check(t
     assert_same_model(recipe, tc, tie)
     cfg = recipe.model.model_config
     assert (cfg.norm_topk_prob, cfg.router_aux_loss_coef, cfg.router_z_loss_coef) == (False, 0.001, 0.0)
+    assert (cfg.routed_scaling_factor, tc.moe_router_topk_scaling_factor) == (1.5, 1.5)  # router.py:295
     assert param_count(cfg, padded=False) == 30_532_122_624  # Qwen3-30B-A3B's 30.5B
     assert set(_leaves(source)) <= {e.key for e in report.entries}
     by_key = {e.key: e for e in report.entries}
@@ -189,13 +197,17 @@ def test_qwen3_moe_imports_on_cpu_and_is_refused_on_ascend_by_the_recipe_check(t
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("moe_router_score_function", "sigmoid", "moe_router_score_function: 'sigmoid' is not supported"),
-    ("moe_router_enable_expert_bias", True, "moe_router_enable_expert_bias: True is not supported"),
+    ("moe_router_score_function", "sigmoid", None),
+    ("moe_router_score_function", "sqrtsoftplus", "moe_router_score_function: 'sqrtsoftplus': softmax or sigmoid"),
+    ("moe_router_enable_expert_bias", True, "moe_router_enable_expert_bias: True: an expert bias on softmax scores"),
+    ("moe_router_num_groups", 8, "moe_router_group_topk: None (MindFormers default): MindFormers scores each group"),
+    ("moe_router_group_topk", 2, None),  # no groups: unread
     ("moe_expert_capacity_factor", 1.25, "moe_expert_capacity_factor: 1.25 is not supported"),
     ("moe_router_load_balancing_type", "seq_aux_loss", None),
-    ("multi_latent_attention", True, "multi_latent_attention: True is not supported"),
+    ("multi_latent_attention", True, "multi_latent_attention: True is not supported for qwen3_moe"),
     ("routed_scaling_factor", 1.0, None),
-    ("moe_shared_expert_intermediate_size", 768, "moe_shared_expert_intermediate_size: 768 is not supported"),
+    ("moe_shared_expert_intermediate_size", 768, None),
+    ("first_k_dense_replace", 2, "first_k_dense_replace: 2 is not supported (None only): MindFormers' Qwen3-MoE"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling: {'rope_type': 'yarn'"),
     ("hidden_act", "gelu", "hidden_act: 'gelu' is not supported"),
     ("moe_router_topk_scaling_factor_typo", 2.0, "moe_router_topk_scaling_factor_typo: 2.0: a model key this "
@@ -211,6 +223,103 @@ def test_moe_options_ours_computes_differently_are_refused_by_name(key, value, m
     with pytest.raises(RecipeError) as err:
         from_mindformers(config, str(tmp_path / "out.yaml"))
     assert message in str(err.value)
+
+
+def qwen3_moe_router(tmp_path, **keys):
+    source = qwen3_moe_as_the_error_says("CPU")
+    source["model"]["model_config"].update(keys)
+    return source, write_config(source, tmp_path, "a3b_router")
+
+
+def test_deepseek_router_keys_import_as_mindformers_reads_them(tmp_path):
+    """Sigmoid scores, an expert bias, 8 groups with the best 4 and a shared expert on Qwen3-30B-A3B's config."""
+    source, config = qwen3_moe_router(tmp_path, moe_router_score_function="sigmoid",
+                                      moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01,
+                                      moe_router_num_groups=8, moe_router_group_topk=4,
+                                      moe_shared_expert_intermediate_size=768, use_shared_expert_gating=True)
+    recipe, report = import_to(config, tmp_path, "a3b_router")
+    tc, _ = mindformers_transformer_config(source)
+    cfg = recipe.model.model_config
+    assert (cfg.router_score, cfg.expert_bias, cfg.n_group, cfg.topk_group, cfg.shared_expert_intermediate_size,
+            cfg.shared_expert_gate, cfg.routed_scaling_factor) == \
+        (tc.moe_router_score_function, tc.moe_router_enable_expert_bias, tc.moe_router_num_groups,
+         tc.moe_router_group_topk, tc.moe_shared_expert_intermediate_size, tc.use_shared_expert_gating,
+         tc.moe_router_topk_scaling_factor)
+    # Qwen3-MoE's training class has no update_topk_bias: TopkBiasBalanceCallback never moves the bias
+    assert cfg.expert_bias_update_rate == 0.0
+    assert "no TopkBiasBalanceCallback" in {e.key: e for e in report.entries}[
+        "model.model_config.moe_router_bias_update_rate"].reason
+
+
+def test_group_scores_other_than_the_best_two_are_refused(tmp_path):
+    _, config = qwen3_moe_router(tmp_path, moe_router_score_function="sigmoid", moe_router_num_groups=8,
+                                 moe_router_group_topk=2)
+    with pytest.raises(RecipeError, match=r"best num_experts_per_tok // group_topk = 4 scores .*\(here 8 // 2\)"):
+        from_mindformers(config, str(tmp_path / "out.yaml"))
+
+
+def deepseek_as_the_errors_say(device: str, micro_batch_num: int = 16) -> dict:
+    """The wheel's DeepSeek-V3 12B config with what is refused changed: plain rotary embeddings with MLA's softmax
+    scale 1 / sqrt(d) (rotary_scaling_factor 1), no multi-token prediction, full_batch."""
+    source = read(WHEEL["deepseek3/pretrain_deepseek3_12b_16p_pp16.yaml"])
+    mc = source["model"]["model_config"]
+    for key in ("scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "position_embedding_type"):
+        del mc[key]
+    mc.update(rotary_scaling_factor=1.0, num_nextn_predict_layers=0)
+    source["parallel"]["full_batch"] = True
+    source["parallel_config"]["micro_batch_num"] = micro_batch_num
+    source["context"]["device_target"] = device
+    return source
+
+
+def deepseek_parameters(tc) -> int:
+    """Parameters of MindFormers' DeepSeek-V3 GPTModel from its MLATransformerConfig (test oracle): MLA's q
+    down/up projections with the q latent norm, kv down (latent + rotary key) and up projections with the kv latent
+    norm, output projection; dense SwiGLU layers where moe_layer_freq is 0, else the experts, the router and its
+    expert_bias (router.py:96, 170), the shared expert; two norms per layer, final norm, untied tables."""
+    h, n = tc.hidden_size, tc.num_attention_heads
+    qk, rope, v, q_rank, kv_rank = tc.qk_head_dim, tc.qk_pos_emb_head_dim, tc.v_head_dim, tc.q_lora_rank, \
+        tc.kv_lora_rank
+    attention = (h * q_rank + q_rank + q_rank * n * (qk + rope) + h * (kv_rank + rope) + kv_rank +
+                 kv_rank * n * (qk + v) + n * v * h)
+    experts = tc.num_moe_experts * (3 * h * tc.moe_ffn_hidden_size + h + bool(tc.moe_router_enable_expert_bias)) + \
+        3 * h * (tc.moe_shared_expert_intermediate_size or 0) + h * bool(tc.use_shared_expert_gating)
+    mlps = sum(experts if moe else 3 * h * tc.ffn_hidden_size for moe in tc.moe_layer_freq)
+    return tc.num_layers * (attention + 2 * h) + mlps + h + 2 * tc.vocab_size * h
+
+
+def test_deepseek_v3_imports_on_cpu_and_is_refused_on_ascend_by_the_recipe_check(tmp_path):
+    source = deepseek_as_the_errors_say("CPU")
+    recipe, report = import_to(write_config(source, tmp_path, "ds_cpu"), tmp_path, "ds_cpu")
+    tc, tie = mindformers_transformer_config(source)
+    cfg = recipe.model.model_config
+    assert param_count(cfg, padded=False) == deepseek_parameters(tc) == 11_379_780_288
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
+            cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope_theta, cfg.rms_norm_eps) == \
+        (tc.num_layers, tc.hidden_size, tc.ffn_hidden_size, tc.num_attention_heads, tc.q_lora_rank, tc.kv_lora_rank,
+         tc.qk_head_dim, tc.qk_pos_emb_head_dim, tc.v_head_dim, float(tc.rotary_base), tc.layernorm_epsilon)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob,
+            cfg.router_score, cfg.expert_bias, cfg.expert_bias_update_rate, cfg.n_group, cfg.topk_group,
+            cfg.routed_scaling_factor, cfg.shared_expert_intermediate_size, cfg.router_aux_loss_coef) == \
+        (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size, tc.norm_topk_prob,
+         tc.moe_router_score_function, True, tc.moe_router_bias_update_rate, tc.moe_router_num_groups,
+         tc.moe_router_group_topk, tc.moe_router_topk_scaling_factor, tc.moe_shared_expert_intermediate_size,
+         tc.moe_aux_loss_coeff)
+    assert cfg.dense_layers == [i for i, moe in enumerate(tc.moe_layer_freq) if not moe] == [0]
+    assert not tie and set(_leaves(source)) <= {e.key for e in report.entries}
+    with pytest.raises(RecipeError) as err:
+        from_mindformers(write_config(deepseek_as_the_errors_say("Ascend"), tmp_path, "ds"), str(tmp_path / "o"))
+    assert "Mixture-of-Experts layers run on CPU only so far" in str(err.value)
+    assert "multi-head latent attention runs on CPU only so far" in str(err.value)
+
+
+def test_deepseek_bias_target_without_pipeline_stages_is_refused(tmp_path):
+    source = deepseek_as_the_errors_say("CPU")
+    source["parallel_config"]["pipeline_stage"] = 1
+    source["model"]["model_config"]["offset"] = 0
+    with pytest.raises(RecipeError, match=r"micro_batch_num, callbacks\[1\].gradient_accumulation_steps: 16 x 1: "
+                                          "MindFormers moves the expert bias towards 16 / experts"):
+        from_mindformers(write_config(source, tmp_path, "ds"), str(tmp_path / "out.yaml"))
 
 
 def test_expert_parallel_is_refused_by_name(tmp_path):
@@ -244,9 +353,9 @@ def test_moe_template_and_other_families_are_refused_by_name(hf_dirs):
     path = WHEEL["general/llm_pretrain_moe_template.yaml"]
     with pytest.raises(RecipeError) as err:
         from_mindformers(path, "/nonexistent/out.yaml", hf_dirs["qwen3_moe"])
-    for fragment in ("routed_scaling_factor: 1.5", "moe_router_load_balancing_type: 'seq_aux_loss' computes the "
-                     "load-balancing loss per data x context parallel block"):
-        assert fragment in str(err.value)
+    assert "moe_router_load_balancing_type: 'seq_aux_loss' computes the load-balancing loss per data x context " \
+           "parallel block" in str(err.value)
+    assert "routed_scaling_factor" not in str(err.value)  # 1.5: MindFormers scales after renormalising, as ours
     with pytest.raises(RecipeError, match="config.json cannot be read"):
         from_mindformers(path, "/nonexistent/out.yaml", os.path.dirname(path))
     with pytest.raises(RecipeError, match="model_type: 'glm4' .* is a family ours does not implement"):
@@ -279,3 +388,68 @@ def test_command_line_reads_the_pretrained_model_dir(hf_dirs, tmp_path):
     refused = subprocess.run(args[:4] + ["--output", str(tmp_path / "other.yaml")], capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode == 2 and "--pretrained-model-dir DIR" in refused.stderr
+
+
+TINY = os.path.join(REPO_ROOT, "recipes", "tiny_cpu.yaml")
+# Tiny recipes of each family MindFormers 1.9's own format is written for (over tiny_cpu.yaml's Llama).
+EXPORTED = {
+    "qwen3": dict(qk_norm=True, head_dim=32),
+    "qwen3_moe": dict(qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      router_aux_loss_coef=0.01, routed_scaling_factor=1.5, router_score="sigmoid", n_group=2,
+                      topk_group=1, shared_expert_intermediate_size=32, shared_expert_gate=True),
+    "deepseek_v3": dict(num_kv_heads=None, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                        v_head_dim=16, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+                        router_score="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5, expert_bias=True,
+                        expert_bias_update_rate=0.001, shared_expert_intermediate_size=32, dense_layers=[0],
+                        router_aux_loss_coef=0.001),
+}
+
+
+def tiny_recipe(tmp_path, name: str, **model) -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"base": TINY, "model": {"model_config": model}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("family", EXPORTED)
+def test_export_writes_mindformers_own_format_that_its_classes_build_and_that_imports_back(family, tmp_path):
+    from ascend_llm_recipes.training.recipe.mindformers import to_mindformers
+
+    path = tiny_recipe(tmp_path, family, **EXPORTED[family])
+    text, report = to_mindformers(path)
+    exported = yaml.safe_load(text)
+    assert exported["use_legacy"] is False and exported["model"]["model_config"]["model_type"] == family
+    tc, tie = mindformers_transformer_config(exported)   # MindFormers' own config class, from what was written
+    ours = load_recipe(path, planning=True)
+    cfg = ours.model.model_config
+    if family == "deepseek_v3":
+        assert param_count(cfg, padded=False) == deepseek_parameters(tc)
+        assert (tc.q_lora_rank, tc.kv_lora_rank, tc.qk_head_dim, tc.qk_pos_emb_head_dim, tc.v_head_dim,
+                tc.rotary_scaling_factor, tc.qk_layernorm, tc.mtp_num_layers) == (32, 32, 16, 16, 16, 1.0, True, 0)
+        assert (tc.moe_router_bias_update_rate, tc.moe_layer_freq) == (0.001, [0, 1])
+        assert exported["callbacks"][-1]["type"] == "TopkBiasBalanceCallback"
+    else:
+        assert_same_model(ours, tc, tie)
+    if cfg.moe:
+        assert (cfg.router_score, cfg.expert_bias, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor,
+                cfg.shared_expert_intermediate_size, cfg.shared_expert_gate, cfg.router_aux_loss_coef) == \
+            (tc.moe_router_score_function, tc.moe_router_enable_expert_bias, tc.moe_router_num_groups,
+             tc.moe_router_group_topk, tc.moe_router_topk_scaling_factor, tc.moe_shared_expert_intermediate_size,
+             tc.use_shared_expert_gating, tc.moe_aux_loss_coeff)
+    exported_path = tmp_path / f"mf_{family}.yaml"
+    exported_path.write_text(text)
+    back, _ = import_to(str(exported_path), tmp_path, f"back_{family}")
+    assert back.model == ours.model
+
+
+def test_export_refuses_what_mindformers_own_classes_compute_differently(tmp_path):
+    from ascend_llm_recipes.training.recipe.mindformers import to_mindformers
+
+    path = tiny_recipe(tmp_path, "moe", **{**EXPORTED["qwen3_moe"], "router_z_loss_coef": 0.001,
+                                           "dense_layers": [0], "n_group": 2, "topk_group": 2})
+    with pytest.raises(RecipeError) as err:
+        to_mindformers(path)
+    for fragment in ("router_z_loss_coef: 0.001: MindFormers 1.9's training graph has no router z-loss",
+                     "dense_layers: [0]: MindFormers' Qwen3-MoE gives every layer experts",
+                     "topk_group: 2: MindFormers scores a group by its best num_experts_per_tok // topk_group = 1"):
+        assert fragment in str(err.value)

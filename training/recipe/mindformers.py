@@ -4,7 +4,9 @@
   both ways (the importer, mindformers_import.py, reads the right column into the left; the exporters
   write the left into the right).
 - `worker_config`: the recipe as MindFormers' Trainer reads it to train our model (training/worker/train.py).
-- `to_mindformers`: the recipe as a MindFormers configuration training MindFormers' own Llama.
+- `to_mindformers`: the recipe as a MindFormers configuration training MindFormers' own model: its legacy
+  LlamaForCausalLM (use_legacy: True) for a Llama, its 1.9 format (use_legacy: False) for Qwen3, Qwen3-MoE and
+  DeepSeek-V3 models (mindformers_mcore_export.py).
 - `model_layout`: the parallel layout models/llama.py applies, a typed value planned from the recipe
   (models/parallel.py LlamaLayout), handed to the model's constructor; never read back from the
   parallel config MindFormers attaches to the model config.
@@ -375,22 +377,34 @@ def from_mindformers(config_path: str, output: str, pretrained_model_dir: str = 
 
 
 def to_mindformers(recipe_path: str) -> tuple:
-    """(MindFormers YAML text, Report) training the recipe's model with MindFormers' own Llama."""
+    """(MindFormers YAML text, Report) training the recipe's model with MindFormers' own classes: LlamaForCausalLM
+    in the legacy format for a Llama; Qwen3 / Qwen3-MoE / DeepSeek-V3 in MindFormers 1.9's own format
+    (use_legacy: False) for a model with q/k norms, experts or multi-head latent attention."""
+    from ascend_llm_recipes.training.recipe.mindformers_mcore_export import mcore_family, mcore_model
+
     recipe = load_recipe(recipe_path, planning=True)
     cfg, report, problems = recipe.model.model_config, Report(recipe_path), []
+    family = mcore_family(cfg)
     if cfg.document_attention:
-        problems.append("model.model_config.document_attention: True has no LlamaForCausalLM equivalent that "
+        problems.append("model.model_config.document_attention: True has no MindFormers equivalent that "
                         "reads our packed data (MindFormers' EOD mask compression needs its own data columns)")
-    defaults = ModelConfig(**{name: getattr(cfg, name) for name in REQUIRED_MODEL_FIELDS})
-    problems += [f"model.model_config.{name}: {getattr(cfg, name)!r} has no MindFormers LlamaForCausalLM equivalent "
-                 "(Qwen3 and Mixture-of-Experts models are not exported to MindFormers' own classes yet)"
-                 for name in NOT_EXPORTED_MODEL_FIELDS if getattr(cfg, name) != getattr(defaults, name)]
+    if family is None:
+        defaults = ModelConfig(**{name: getattr(cfg, name) for name in REQUIRED_MODEL_FIELDS})
+        problems += [f"model.model_config.{name}: {getattr(cfg, name)!r} has no MindFormers LlamaForCausalLM "
+                     "equivalent (MindFormers 1.9's own format is written for Qwen3 models (qk_norm: True, with "
+                     "experts: Qwen3-MoE) and DeepSeek-V3 ones (kv_lora_rank))"
+                     for name in NOT_EXPORTED_MODEL_FIELDS if getattr(cfg, name) != getattr(defaults, name)]
+        model, extra_callbacks, model_notes = None, [], []
+    else:
+        model, extra_callbacks, model_notes = mcore_model(recipe, family, problems)
     stage_layers = recipe.parallel_config.stage_layers
-    if stage_layers and len(set(stage_layers)) > 1:
+    if stage_layers and len(set(stage_layers)) > 1 and family is None:
         problems.append(f"parallel_config.stage_layers: {stage_layers}: uneven stages; set MindFormers' "
                         "model_config.offset by hand")
     if problems:
-        raise RecipeError(recipe_path, problems, hint="MindFormers' LlamaForCausalLM has no such option")
+        hint = ("MindFormers' LlamaForCausalLM has no such option" if family is None else
+                f"MindFormers 1.9's {family} computes these differently; change them in the recipe")
+        raise RecipeError(recipe_path, problems, hint=hint)
     values = {**to_plain(cfg), "num_kv_heads": cfg.kv_heads}  # None in MindFormers means num_heads too
     model_config = {"type": MF_CONFIG_TYPE, **{theirs: values[ours] for ours, theirs in MODEL_KEYS},
                     **{key: "float32" for key in FLOAT32_COMPUTE_KEYS}}
@@ -427,16 +441,22 @@ def to_mindformers(recipe_path: str) -> tuple:
             "save_checkpoint_steps": checkpoints.save_checkpoint_steps,
             "keep_checkpoint_max": checkpoints.keep_checkpoint_max,
             "integrated_save": checkpoints.integrated_save, "async_save": checkpoints.async_save}]
-            if checkpoints else []),
+            if checkpoints else []) + extra_callbacks,
         "context": recipe.to_dict()["context"],
-        "model": {"model_config": model_config, "arch": {"type": MF_MODEL_TYPE}},
+        "model": model or {"model_config": model_config, "arch": {"type": MF_MODEL_TYPE}},
         "profile": False,
     }
     m = "model.model_config."
-    report.add(m + "type", cfg.type, "translated", m + "type", "MindFormers' Llama config class")
-    for ours, theirs in MODEL_KEYS:
-        if ours != theirs:
-            report.add(m + ours, getattr(cfg, ours), "translated", m + theirs, "MindFormers' spelling")
+    if family is None:
+        report.add(m + "type", cfg.type, "translated", m + "type", "MindFormers' Llama config class")
+        for ours, theirs in MODEL_KEYS:
+            if ours != theirs:
+                report.add(m + ours, getattr(cfg, ours), "translated", m + theirs, "MindFormers' spelling")
+    else:
+        config = {"use_legacy": False, **config}
+        report.add(m + "type", cfg.type, "translated", m + "model_type",
+                   f"MindFormers 1.9's {family} ({model['model_config']['architectures'][0]}), use_legacy: False; "
+                   "the keys are those convert_recipe.py --from-mindformers reads back")
     report.add(m + "vocab_pad_multiple", cfg.vocab_pad_multiple, "dropped", "",
                "MindFormers does not pad the vocabulary tables")
     report.add("runner_wrapper.type", recipe.runner_wrapper.type, "translated", "runner_wrapper.type",
@@ -452,11 +472,13 @@ def to_mindformers(recipe_path: str) -> tuple:
              "eval_dataset and profile windows are ours; MindFormers has no such keys",
              "the dataset directory must hold MindRecord samples of seq_length + 1 input_ids (as "
              "scripts/prepare_data.py writes them)"]
+    notes += model_notes
     for note in notes:
         report.add("(ours)", "", "dropped", "", note)
+    kind = ("MindFormers' LlamaForCausalLM (configs for MindFormers 1.x, use_legacy: True)" if family is None else
+            f"MindFormers 1.9's own {family} (use_legacy: False)")
     header = (f"# MindFormers config written from {recipe_path} by scripts/convert_recipe.py --to-mindformers.\n"
-              f"# {param_count(cfg, padded=False):,} parameters; MindFormers' LlamaForCausalLM "
-              "(configs for MindFormers 1.x, use_legacy: True).\n" + "".join(f"# - {n}\n" for n in notes))
+              f"# {param_count(cfg, padded=False):,} parameters; {kind}.\n" + "".join(f"# - {n}\n" for n in notes))
     return header + yaml.safe_dump(config, sort_keys=False, default_flow_style=None), report
 
 

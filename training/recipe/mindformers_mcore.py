@@ -1,16 +1,17 @@
-"""MindFormers 1.9 configuration (`use_legacy: False`) -> recipe: Qwen3 and Qwen3-MoE.
+"""MindFormers 1.9 configuration (`use_legacy: False`) -> recipe: Qwen3, Qwen3-MoE and DeepSeek-V3.
 
 MindFormers 1.9's own format describes the model in Hugging Face keys (model_type, num_hidden_layers, ...)
 plus MindFormers keys (qk_layernorm, moe_grouped_gemm, offset, params_dtype, ...), converted to its
 Megatron-style TransformerConfig by a per-family table (mindformers/models/qwen3/config_converter_qwen3.py,
-models/qwen3_moe/config_converter_qwen3_moe.py). A template without model_type
+models/qwen3_moe/config_converter_qwen3_moe.py, models/deepseek3/config_converter_deepseek_v3.py); the router,
+MoE-layer and multi-latent-attention keys are read in mindformers_moe.py. A template without model_type
 (configs/general/llm_pretrain_*_template.yaml) is merged with pretrained_model_dir/config.json first, the
 YAML winning (models/build_config.py:99-132). `McoreImporter` reads the model section the way those
 classes read it and reuses the legacy importer (mindformers_import.py) for the sections both formats
 share (runner, optimizer, schedule, parallel, callbacks, context). Every key is reported carried,
 translated or dropped with the reason; anything our model would compute differently is refused by name.
-An Ascend MoE config that passes all this is still refused, by the recipe check (models/config.py
-moe_problems: MoE runs on CPU only so far); the importer has no option to change the device.
+An Ascend MoE or MLA config that passes all this is still refused, by the recipe check (models/config.py
+moe_problems, mla_problems: both run on CPU only so far); the importer has no option to change the device.
 File:line references are to the installed MindFormers 1.9 (site-packages `mindformers/`).
 """
 
@@ -21,15 +22,16 @@ from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.training.recipe.mindformers import OURS_FP32, SAME_MATH
 from ascend_llm_recipes.training.recipe.mindformers_import import Importer
+from ascend_llm_recipes.training.recipe.mindformers_moe import MoEKeys
 
 M = "model.model_config."
 # model_type -> (architecture, Mixture of Experts) of the families ours implements; the classes are registered
 # under these names (models/qwen3/configuration_qwen3.py:27, models/qwen3_moe/configuration_qwen3_moe.py).
-FAMILIES = {"qwen3": ("Qwen3ForCausalLM", False), "qwen3_moe": ("Qwen3MoeForCausalLM", True)}
+# DeepseekV3ForCausalLM: models/deepseek3/configuration_deepseek_v3.py:135.
+FAMILIES = {"qwen3": ("Qwen3ForCausalLM", False), "qwen3_moe": ("Qwen3MoeForCausalLM", True),
+            "deepseek_v3": ("DeepseekV3ForCausalLM", True)}
 # Families MindFormers 1.9 ships in this format that ours cannot express, with what it would lack.
 REFUSED_FAMILIES = {
-    "deepseek_v3": "DeepSeek-V3: multi-latent attention (MLA), a sigmoid router with expert bias, group-limited "
-                   "routing and multi-token prediction",
     "deepseek_mtp": "DeepSeek-V3's multi-token-prediction head",
     "glm4": "GLM-4: partial rotary embeddings and extra post-attention/post-MLP norms",
     "glm4_moe": "GLM-4-MoE: a sigmoid router with expert bias, partial rotary embeddings",
@@ -47,6 +49,12 @@ DEFAULTS = {
                       rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.02, seq_length=4096,
                       pad_token_id=151643, attention_bias=False, moe_intermediate_size=768, num_experts_per_tok=8,
                       num_experts=128, norm_topk_prob=False),
+    # configuration_deepseek_v3.py:159-199 (MoE and MLA defaults: mindformers_moe.py FAMILY_DEFAULTS)
+    "deepseek_v3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                        num_attention_heads=128, num_key_value_heads=128, head_dim=None, rms_norm_eps=1e-6,
+                        rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.02, seq_length=4096,
+                        pad_token_id=0, attention_bias=False, moe_intermediate_size=2048, num_experts_per_tok=8,
+                        n_routed_experts=256, norm_topk_prob=True),
 }
 # TransformerConfig's defaults for the MindFormers keys read here (parallel_core/transformer_config.py:146, 300,
 # 1045, 1673, 1777).
@@ -60,8 +68,11 @@ ARCHITECTURE = (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
                 ("head_dim", "head_dim"), ("seq_length", "seq_length"), ("rms_norm_eps", "rms_norm_eps"),
                 ("rope_theta", "rope_theta"), ("initializer_range", "initializer_range"),
                 ("tie_word_embeddings", "tie_word_embeddings"), ("attention_bias", "qkv_bias"))
-MOE_ARCHITECTURE = (("num_experts", "num_experts"), ("num_experts_per_tok", "num_experts_per_tok"),
-                    ("moe_intermediate_size", "moe_intermediate_size"))
+MLA_DROPPED = ("num_key_value_heads", "head_dim")  # mindformers_moe.py MoEKeys.mla says why
+MOE_ARCHITECTURE = {"qwen3_moe": (("num_experts", "num_experts"), ("num_experts_per_tok", "num_experts_per_tok"),
+                                  ("moe_intermediate_size", "moe_intermediate_size")),
+                    "deepseek_v3": (("n_routed_experts", "num_experts"), ("num_experts_per_tok", "num_experts_per_tok"),
+                                    ("moe_intermediate_size", "moe_intermediate_size"))}
 # Keys with exactly one value ours implements: key -> (that value, MindFormers' default, what the value means).
 ONLY = {
     "hidden_dropout": (0.0, 0.0, "no dropout; ours has none"),
@@ -71,16 +82,8 @@ ONLY = {
     "normalization": ("RMSNorm", "RMSNorm", "RMSNorm"),
     "position_embedding_type": ("rope", "rope", "rotary embeddings"),
     "rope_scaling": (None, None, "no RoPE scaling (YaRN, linear, ...); ours has none"),
-    "multi_latent_attention": (False, False, "grouped-query attention; multi-latent attention (MLA) is not "
-                                             "implemented by ours"),
-    "moe_router_score_function": ("softmax", "softmax", "softmax router; a sigmoid router is not implemented "
-                                                        "by ours"),
-    "moe_router_enable_expert_bias": (False, False, "no expert bias in top-k selection (aux-loss-free balancing "
-                                                    "is not implemented by ours)"),
     "moe_router_force_expert_balance": (False, False, "real routing; forced round-robin routing (a benchmark "
                                                       "mode) is not implemented by ours"),
-    "moe_router_num_groups": (None, None, "no group-limited routing; ours has none"),
-    "moe_router_group_topk": (None, None, "no group-limited routing; ours has none"),
     "first_k_dense_replace": (None, None, "MindFormers' Qwen3-MoE gives every layer experts whatever it says "
                                           "(models/qwen3_moe/modeling_qwen3_moe_train.py:50-58 passes one layer "
                                           "spec); remove it"),
@@ -90,15 +93,12 @@ ONLY = {
                                 "would give these layers experts, unlike the checkpoint; set them by hand"),
     "decoder_sparse_step": (1, 1, "Qwen3MoeConfig deletes it (configuration_qwen3_moe.py:175): every layer "
                                   "has experts in MindFormers, unlike the checkpoint"),
-    "moe_shared_expert_intermediate_size": (None, None, "no shared expert (Qwen3-MoE has none); MindFormers "
-                                                        "builds one when set (transformer/moe/moe_layer.py:65)"),
-    "shared_expert_num": (0, 0, "no shared expert (Qwen3-MoE has none)"),
     "moe_expert_capacity_factor": (None, None, "dropless routing (every token reaches its top-k experts); a "
                                                "capacity asks for dropping, which ours never does (MindFormers "
                                                "1.9's training graph does not read it either: remove it)"),
-    "moe_router_topk_scaling_factor": (None, None, "routed weights not scaled; MindFormers multiplies them by "
-                                                   "it (transformer/moe/router.py:295), ours does not"),
 }
+# Keys of ONLY that apply to one family: Qwen3-MoE builds every layer with experts, DeepSeek-V3 honours them.
+QWEN3_MOE_ONLY = ("first_k_dense_replace", "moe_layer_freq", "mlp_only_layers", "decoder_sparse_step")
 # Keys read by MindFormers for speed or memory only, or not at all in training, dropped whatever their value.
 INERT = {
     "max_position_embeddings": "rotary-table length for inference; ours computes rotary for seq_length",
@@ -123,6 +123,13 @@ INERT = {
     "input_sliced_sig": "input layout: " + SAME_MATH,
     "use_contiguous_weight_layout_attention": "weight layout of the fused q/k/v matrix: " + SAME_MATH,
     "use_interleaved_weight_layout_mlp": "weight layout of the fused MLP matrix: " + SAME_MATH,
+    "moe_router_fusion": "fused router kernel on Ascend (registered by DeepseekV3Config): " + SAME_MATH,
+    "use_fused_ops_topkrouter": "fused top-k router kernel on Ascend: " + SAME_MATH,
+    "apply_rope_fusion": "fused rotary kernel on Ascend: " + SAME_MATH,
+    "bias_swiglu_fusion": "fused SwiGLU kernel on Ascend: " + SAME_MATH,
+    "use_pad_tokens": "expert-parallel dispatch padding: ours dispatches no tokens (every expert on every device)",
+    "moe_token_dispatcher_type": "expert-parallel dispatch (AllToAll / AllGather): ours dispatches no tokens",
+    "ep_size": "DeepseekV3Config deletes it (configuration_deepseek_v3.py:156)",
     "moe_grouped_gemm": "grouped-matmul kernel for the experts: same math; ours runs every expert as its own "
                         "matmul (models/moe.py)",
     "moe_router_pre_softmax": "not read by MindFormers' training router, which always takes the softmax over "
@@ -167,7 +174,7 @@ def merged_source(source: dict, where: str, pretrained_model_dir: str = None) ->
     return {**source, "model": model}, directory
 
 
-class McoreImporter(Importer):
+class McoreImporter(MoEKeys, Importer):
     """Importer for MindFormers 1.9's own format: the model section read as Qwen3Config/Qwen3MoeConfig read it."""
 
     def __init__(self, source: dict, where: str, name: str, pretrained_model_dir: str = None):
@@ -179,14 +186,18 @@ class McoreImporter(Importer):
 
     @staticmethod
     def hint() -> str:
-        return ("only MindFormers 1.9 Qwen3 and Qwen3-MoE training configs import (model_type qwen3 / qwen3_moe); "
+        return ("only MindFormers 1.9 Qwen3, Qwen3-MoE and DeepSeek-V3 training configs import (model_type qwen3 / "
+                "qwen3_moe / deepseek_v3); "
                 "change the refused keys in the MindFormers file, or write the recipe by hand from recipes/")
 
     def check_numbers(self):
         super().check_numbers()
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim", "seq_length", "num_experts", "num_experts_per_tok",
-                    "moe_intermediate_size"):
+                    "moe_intermediate_size", "n_routed_experts", "n_group", "topk_group", "n_shared_experts",
+                    "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                    "v_head_dim", "moe_router_num_groups", "moe_router_group_topk",
+                    "moe_shared_expert_intermediate_size"):
             value = self.get(M + key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 self.problems.append(f"{M}{key}: expected a whole number, got {value!r}")
@@ -206,41 +217,28 @@ class McoreImporter(Importer):
         if not self.known_family():
             return
         architecture, moe = FAMILIES[self.family]
+        mla = self.family == "deepseek_v3"
         self.carry(M + "model_type", M + "type", convert=lambda _: LLAMA_CONFIG_TYPE,
-                   reason=f"{self.family}: our Llama-style decoder with Qwen3's q/k norms" + (" and MoE MLPs" if moe
-                                                                                              else ""))
+                   reason=f"{self.family}: our Llama-style decoder" + (" with multi-latent attention" if mla else
+                                                                       " with Qwen3's q/k norms") +
+                   (" and MoE MLPs" if moe else ""))
         self.put("model.arch.type", LLAMA_MODEL_TYPE)
         self.carry(M + "architectures", "model.arch.type", convert=lambda _: LLAMA_MODEL_TYPE,
                    reason=f"{architecture} is built as our model (models/llama.py)")
         self.drop(M + "pretrained_model_dir", "MindFormers' copy of pretrained_model_dir")
-        for theirs, ours in ARCHITECTURE + (MOE_ARCHITECTURE if moe else ()):
-            self.carry(M + theirs, M + ours, default=self.defaults.get(theirs),
-                       convert=float if ours == "rope_theta" else None,
-                       reason="" if theirs == ours else "our spelling")
-        if self.value("head_dim") is None:
-            # TransformerConfig.kv_channels = hidden_size // num_attention_heads when unset (transformer_config.py:2044)
-            self.report.add(M + "head_dim", "(absent)", "default", M + "head_dim", "hidden_size / num_heads")
-        # Both Qwen3 classes build q/k RMSNorms whatever qk_layernorm says (modeling_qwen3_train.py:47,
-        # modeling_qwen3_moe_train.py:56).
-        self.put(M + "qk_norm", True)
-        self.carry(M + "qk_layernorm", M + "qk_norm", default=True, convert=lambda _: True,
-                   reason="MindFormers' Qwen3 builds q/k norms whatever this key says (modeling_qwen3_train.py:47)")
+        for theirs, ours in ARCHITECTURE + MOE_ARCHITECTURE.get(self.family, ()):
+            if not (mla and theirs in MLA_DROPPED):
+                self.carry(M + theirs, M + ours, default=self.defaults.get(theirs),
+                           convert=float if ours == "rope_theta" else None,
+                           reason="" if theirs == ours else "our spelling")
+        if mla:
+            self.mla()
+        else:
+            self.qwen3_attention()
         self.embeddings()
         self.dtypes()
-        self.carry(M + "use_flash_attention", default=None if self.on_cpu else TC_DEFAULTS["use_flash_attention"],
-                   reason="Ascend kernel switch with MindFormers' name and meaning")
         self.activation()
-        raw = self.src["model"]["model_config"]
-        for key, (only, default, why) in ONLY.items():
-            if moe or not key.startswith(("moe_", "first_k", "mlp_only", "decoder_sparse", "shared_expert")):
-                value = raw.get(key, default)  # whole value: rope_scaling is a mapping
-                if key == "moe_expert_capacity_factor" and isinstance(value, (int, float)) and value < 0:
-                    value = None  # TransformerConfig reads a negative capacity as none (transformer_config.py:2124)
-                if value == only:
-                    self.drop(M + key, f"{value!r}: {why.split(';')[0]}")
-                else:
-                    self.problems.append(f"{M}{key}: {value!r} is not supported ({only!r} only): {why}")
-                    self.taken.update(k for k in self.leaves if k == M + key or k.startswith(M + key + "."))
+        self.only_keys(moe, mla)
         if moe:
             self.moe()
         else:
@@ -251,6 +249,43 @@ class McoreImporter(Importer):
             self.drop(M + key, why)
         if self.get(M + "quantization_config") or self.get(M + "quantization"):
             self.problems.append(f"{M}quantization_config: quantised training is not implemented by ours")
+
+    def qwen3_attention(self):
+        if self.value("head_dim") is None:
+            # TransformerConfig.kv_channels = hidden_size // num_attention_heads when unset (transformer_config.py:2044)
+            self.report.add(M + "head_dim", "(absent)", "default", M + "head_dim", "hidden_size / num_heads")
+        # Both Qwen3 classes build q/k RMSNorms whatever qk_layernorm says (modeling_qwen3_train.py:47,
+        # modeling_qwen3_moe_train.py:56).
+        self.put(M + "qk_norm", True)
+        self.carry(M + "qk_layernorm", M + "qk_norm", default=True, convert=lambda _: True,
+                   reason="MindFormers' Qwen3 builds q/k norms whatever this key says (modeling_qwen3_train.py:47)")
+        self.carry(M + "use_flash_attention", default=None if self.on_cpu else TC_DEFAULTS["use_flash_attention"],
+                   reason="Ascend kernel switch with MindFormers' name and meaning")
+
+    def only_keys(self, moe: bool, mla: bool):
+        """Keys with one value ours implements; multi_latent_attention: True for DeepSeek-V3 only."""
+        raw = self.src["model"]["model_config"]
+        mla_default = self.family == "deepseek_v3"  # registered by DeepseekV3Config (configuration_deepseek_v3.py:152)
+        if raw.get("multi_latent_attention", mla_default) != mla:
+            self.problems.append(f"{M}multi_latent_attention: {raw.get('multi_latent_attention')!r} is not supported "
+                                 f"for {self.family} ({mla!r} only): ours builds "
+                                 + ("multi-latent attention for DeepSeek-V3" if mla else "grouped-query attention"))
+            self.taken.add(M + "multi_latent_attention")
+        else:
+            self.drop(M + "multi_latent_attention", "multi-latent attention (models/mla.py)" if mla
+                      else "grouped-query attention")
+        for key, (only, default, why) in ONLY.items():
+            if key in QWEN3_MOE_ONLY and self.family != "qwen3_moe":
+                continue
+            if moe or not key.startswith(("moe_", "first_k", "mlp_only", "decoder_sparse")):
+                value = raw.get(key, default)  # whole value: rope_scaling is a mapping
+                if key == "moe_expert_capacity_factor" and isinstance(value, (int, float)) and value < 0:
+                    value = None  # TransformerConfig reads a negative capacity as none (transformer_config.py:2124)
+                if value == only:
+                    self.drop(M + key, f"{value!r}: {why.split(';')[0]}")
+                else:
+                    self.problems.append(f"{M}{key}: {value!r} is not supported ({only!r} only): {why}")
+                    self.taken.update(k for k in self.leaves if k == M + key or k.startswith(M + key + "."))
 
     def known_family(self) -> bool:
         if self.family in FAMILIES:
@@ -314,14 +349,11 @@ class McoreImporter(Importer):
                                  "TransformerConfig default 0)")
         self.put(M + "router_z_loss_coef", 0.0)
         self.balancing(coef)
-        if self.get(M + "routed_scaling_factor") not in (None, 1, 1.0):
-            # the converter maps it to moe_router_topk_scaling_factor (config_converter_qwen3_moe.py:32)
-            self.problems.append(f"{M}routed_scaling_factor: {self.get(M + 'routed_scaling_factor')!r} is not "
-                                 "supported (None or 1.0 only): MindFormers multiplies the routed weights by it "
-                                 "(transformer/moe/router.py:295); ours, like Hugging Face's Qwen3-MoE, does not")
-            self.taken.add(M + "routed_scaling_factor")
-        else:
-            self.drop(M + "routed_scaling_factor", "routed weights not scaled, as ours")
+        self.router(k)
+        self.shared_experts()
+        if self.family == "deepseek_v3":
+            self.dense_layers(self.value("num_hidden_layers"))
+            self.multi_token_prediction()
 
     def balancing(self, coef: float):
         """moe_router_load_balancing_type: equal to ours only where its token groups are ours.
