@@ -431,8 +431,9 @@ def conversion_notes(family: Family, hf_config: dict) -> list:
     notes = []
     if family.interleaved_rows is not None:
         notes.append(f"{ROPE_INTERLEAVE}: {str(hf[ROPE_INTERLEAVE]).lower()} in config.json: " +
-                     ("the rotary rows of q_b_proj (or q_proj, per head) and of kv_a_proj_with_mqa were permuted "
-                      "from interleaved to our half-split order" if hf[ROPE_INTERLEAVE] else
+                     (f"the rotary rows of {'q_proj' if hf['q_lora_rank'] is None else 'q_b_proj'} (per head) and "
+                      "of kv_a_proj_with_mqa were permuted from interleaved to our half-split order"
+                      if hf[ROPE_INTERLEAVE] else
                       "the rotary rows are in our half-split order already (no permutation)"))
     if hf.get(MTP_LAYERS):
         notes.append(f"{MTP_LAYERS}: {hf[MTP_LAYERS]}: the multi-token-prediction module(s) (model.layers."
