@@ -161,7 +161,7 @@ YARN = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096
 REFUSED = {  # case: (config, what the error names)
     "deepseek_v2": (lambda: transformers.DeepseekV2Config(**TINY),
                     "'deepseek_v2' is not supported: its router (softmax scores, greedy or group-limited-greedy"),
-    "deepseek_v3_yarn": (lambda: deepseek_v3(rope_scaling=YARN),
+    "deepseek_v3_yarn": (lambda: deepseek_v3(rope_scaling=YARN, max_position_embeddings=163840),
                          "is not supported (None only): rotary positions are unscaled; DeepSeek-V3's released "
                          "config.json sets yarn"),
     "deepseek_v3_attention_bias": (lambda: deepseek_v3(attention_bias=True),
