@@ -7,7 +7,8 @@
     ours.py            our converted directory: file names, model section, manifest identity
     write.py           write_conversion (build, verify, publish by rename) and write_ours
     verify.py          the parity check against a reference's logits
-    hf_families.py     the HuggingFace model_types (llama, qwen2/3, mistral, qwen2_moe, qwen3_moe, mixtral):
+    hf_families.py     the HuggingFace model_types (llama, qwen2/3, mistral, qwen2_moe, qwen3_moe, mixtral,
+                       deepseek_v3):
                        config.json <-> our model_config, the options each refuses, its tensor table
     hf.py              HuggingFace <-> ours (from_hf, write_hf; hf_config_from_model and transformers_config:
                        our model_config as HuggingFace's config)

@@ -1,4 +1,4 @@
-"""HuggingFace checkpoints (hf_families.py: Llama, Mistral, Qwen2/3, Qwen2/3-MoE, Mixtral) <-> models/llama.py's.
+"""HuggingFace checkpoints (hf_families.py: Llama, Mistral, Qwen2/3, Qwen2/3-MoE, Mixtral, DeepSeek-V3) <-> ours.
 
     from_hf(HF_DIR, OUT_DIR)  config.json + safetensors / pytorch_model.bin
                               -> OUT_DIR/weights.safetensors (what the MindFormers Trainer loads
@@ -19,8 +19,8 @@ newer path (mindformers/checkpoint/checkpoint.py) reads the same directory, but 
 
 Everything is driven by tables: hf_families.py's FAMILIES and CONFIG_MAP (config.json keys <-> model_config
 fields, with the options each family must leave at their supported value) and the model's tensor list
-(models/shapes.py: names, shapes from the config), with the family's table (tables.HF_TABLE, or MIXTRAL_TABLE)
-naming each tensor and its transform.
+(models/shapes.py: names, shapes from the config), with the family's table (tables.HF_TABLE, MIXTRAL_TABLE, or
+DeepSeek-V3's by its config.json's rope_interleave) naming each tensor and its transform.
 Conversion is strict: every source tensor is converted or named in an ignore list, every shape
 is checked against the config before any data is read, unknown tensors are errors, and so is any
 NaN or inf value. Output goes through write.write_conversion: built in a hidden sibling directory and
@@ -30,6 +30,7 @@ renamed into place when complete, so a failed or interrupted conversion leaves n
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 
@@ -38,8 +39,9 @@ from ascend_llm_recipes.common.files import file_sha256
 from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.conversion.formats import (CkptFile, HFWeights, SafetensorsFile, SafetensorsWriter,
                                                           TorchBinFile)
-from ascend_llm_recipes.models.conversion.hf_families import (family_for, family_of, hf_config_from_model,
-                                                              model_config_from_hf)
+from ascend_llm_recipes.models.conversion.hf_families import (ROPE_INTERLEAVE, conversion_notes, export_notes,
+                                                              family_for, family_of, hf_config_from_model,
+                                                              model_config_from_hf, mtp_layers)
 from ascend_llm_recipes.models.conversion.ours import FORMAT_VERSION, HF_WEIGHTS_FILE, existing_conversion, fingerprint
 from ascend_llm_recipes.models.conversion.tables import (IGNORED_HF, IGNORED_OURS, TIED_HEAD, TRANSFORMS, check_tensors,
                                                          tensor_plan)
@@ -127,15 +129,21 @@ def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = Fa
     where = os.path.join(hf_dir, "config.json")
     cfg = model_config_from_hf(hf_config, where, seq_length)
     family = family_of(hf_config, where)
+    hf = {**family.defaults, **hf_config}
+    table = family.table_for(hf_config)  # DeepSeek-V3: by rope_interleave, recorded in the source and the notes
     weights = open_hf_weights(hf_dir)
-    plan = tensor_plan(cfg, rows=family.table)
+    plan = tensor_plan(cfg, rows=table)
     found = {name: info[2] for name, info in weights.tensors.items()}
     tied_copy = (TIED_HEAD,) if cfg.tie_word_embeddings else ()
-    ignored = check_tensors(found, {p.hf: p.hf_shape for p in plan}, IGNORED_HF, hf_dir, extra_ok=tied_copy)
+    mtp = tuple((rf"model\.layers\.{n}\..+", "multi-token-prediction module") for n in mtp_layers(hf))
+    ignored = check_tensors(found, {p.hf: p.hf_shape for p in plan}, IGNORED_HF + mtp, hf_dir, extra_ok=tied_copy)
+    not_converted = [name for name in ignored if any(re.fullmatch(pattern, name) for pattern, _ in mtp)]
     source = {"path": hf_dir, "model_type": family.model_type, "architectures": hf_config.get("architectures"),
               "config_sha256": config_sha, "format": weights.format,
               "files": [{"file": name, "bytes": os.path.getsize(os.path.join(hf_dir, name))}
                         for name in weights.files]}
+    if family.interleaved_rows is not None:
+        source[ROPE_INTERLEAVE] = hf[ROPE_INTERLEAVE]
 
     def tokenizer_entries(work_dir: str) -> dict:
         note, files = copy_hf_tokenizer(hf_dir, work_dir, out_dir)
@@ -143,8 +151,9 @@ def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = Fa
 
     check = (lambda work_dir: verify_logits(hf_dir, work_dir)) if verify else None
     return write_ours(weights, cfg, out_dir, "from-hf", source, f"Converted from {hf_dir} ({family.model_type})",
-                      verify=check, ignored=ignored, show_progress=show_progress, more_files=tokenizer_entries,
-                      start=start, rows=family.table)
+                      verify=check, ignored=[name for name in ignored if name not in not_converted],
+                      show_progress=show_progress, more_files=tokenizer_entries, start=start, rows=table,
+                      notes=conversion_notes(family, hf_config), not_converted=not_converted)
 
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
@@ -176,7 +185,8 @@ def write_hf(ckpt_path: str, cfg: ModelConfig, out_dir: str, tensor_parallel: in
     start = time.perf_counter()
     ckpt = CkptFile(ckpt_path) if ckpt_path.endswith(".ckpt") else SafetensorsFile(ckpt_path)
     hf_config = hf_config_from_model(cfg)  # refuses a model no HF family has
-    plan = tensor_plan(cfg, tensor_parallel, rows=family_for(cfg).table)
+    family = family_for(cfg)
+    plan = tensor_plan(cfg, tensor_parallel, rows=family.table)
     found = {name: info[1] for name, info in ckpt.tensors.items()}
     ignored = check_tensors(found, {p.ours: p.our_shape for p in plan}, IGNORED_OURS, ckpt_path)
     existing = existing_conversion(out_dir, hf_config)
@@ -187,7 +197,7 @@ def write_hf(ckpt_path: str, cfg: ModelConfig, out_dir: str, tensor_parallel: in
         records, non_finite = [], []
         with progress_bar(len(plan), "convert", show_progress) as bar:
             for item in plan:
-                tensor = TRANSFORMS[item.transform][1](ckpt.read(item.ours), item.hf_shape)
+                tensor = TRANSFORMS[item.transform][1](ckpt.read(item.ours), item.hf_shape, cfg)
                 non_finite += non_finite_report(item.ours, tensor)
                 writer.write(item.hf, tensor)
                 records.append({"name": item.hf, "source": item.ours, "transform": item.transform,
@@ -211,6 +221,7 @@ def write_hf(ckpt_path: str, cfg: ModelConfig, out_dir: str, tensor_parallel: in
             "tensors": records,
             "ignored": ignored,
             "tokenizer": tokenizer_note,
+            "notes": export_notes(family, cfg),
             "fingerprint": fingerprint(hf_config, records),
         }
 

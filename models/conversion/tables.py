@@ -10,6 +10,8 @@ weights with {e} in their names) is its tensors in models/shapes.py plus rows he
 
     HF_TABLE        HuggingFace safetensors/bin (our names; our vocabulary tables gain padding rows)
     MIXTRAL_TABLE   HuggingFace Mixtral (HF_TABLE with its block_sparse_moe.experts.{e}.w1/w3/w2 names)
+    DEEPSEEK_TABLE  HuggingFace DeepSeek-V3, rotary rows interleaved (rope_interleave: true, the released layout)
+    DEEPSEEK_HALF_TABLE  the same with rope_interleave: false (rotary rows already in our half-split order)
     MEGATRON_TABLE  Megatron-core GPT, local and TransformerEngine specs (read and written)
     META_TABLE      Meta's consolidated.NN.pth shards (read)
 """
@@ -79,11 +81,44 @@ def half_to_interleaved(x: np.ndarray, shape: tuple, cfg) -> np.ndarray:
                                 .reshape(rows, cols))
 
 
+def permute_rope_rows(x: np.ndarray, block: int, rope: int, inverse: bool) -> np.ndarray:
+    """x's rows as blocks of `block` rows whose last `rope` are rotary, those from interleaved to half order.
+
+    transformers' apply_rotary_pos_emb_interleave reads rotary pair i from rows 2i, 2i+1 of a block's rotary part
+    (view(rope/2, 2).transpose); our half-split layout from rows i, i + rope/2. inverse: half -> interleaved.
+    """
+    rows, cols = x.shape
+    order = np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])  # half row j <- interleaved row order[j]
+    blocks = x.reshape(rows // block, block, cols).copy()                    # (rows, in) -> (blocks, block, in)
+    blocks[:, block - rope:] = blocks[:, block - rope:][:, np.argsort(order) if inverse else order]
+    return blocks.reshape(rows, cols)
+
+
+def q_rope_interleaved_to_half(x: np.ndarray, shape: tuple, cfg) -> np.ndarray:
+    """MLA's q_b_proj / q_proj rows (heads x (nope + rope)): each head's rotary rows (its last qk_rope_head_dim)."""
+    return permute_rope_rows(x, cfg.qk_head_dim, cfg.qk_rope_head_dim, inverse=False)
+
+
+def q_rope_half_to_interleaved(x: np.ndarray, shape: tuple, cfg) -> np.ndarray:
+    return permute_rope_rows(x, cfg.qk_head_dim, cfg.qk_rope_head_dim, inverse=True)
+
+
+def kv_rope_interleaved_to_half(x: np.ndarray, shape: tuple, cfg) -> np.ndarray:
+    """MLA's kv_a_proj_with_mqa rows (kv_lora_rank + rope): the shared rotary key's rows (the last rope)."""
+    return permute_rope_rows(x, x.shape[0], cfg.qk_rope_head_dim, inverse=False)
+
+
+def kv_rope_half_to_interleaved(x: np.ndarray, shape: tuple, cfg) -> np.ndarray:
+    return permute_rope_rows(x, x.shape[0], cfg.qk_rope_head_dim, inverse=True)
+
+
 TRANSFORMS = {  # name: (theirs -> ours, ours -> theirs)
     "identity": (identity, identity),
     "pad_vocab_rows": (pad_vocab_rows, strip_vocab_rows),
     "strip_vocab_rows": (strip_vocab_rows, pad_vocab_rows),
     "interleaved_to_half": (interleaved_to_half, half_to_interleaved),
+    "q_rope_interleaved_to_half": (q_rope_interleaved_to_half, q_rope_half_to_interleaved),
+    "kv_rope_interleaved_to_half": (kv_rope_interleaved_to_half, kv_rope_half_to_interleaved),
 }
 
 
@@ -141,6 +176,11 @@ def renamed(rows: dict, names: dict) -> dict:
     return {ours: Row(ours, (names[ours],), row.transform) if ours in names else row for ours, row in rows.items()}
 
 
+def transformed(rows: dict, transforms: dict) -> dict:
+    """`rows` with the transforms of some tensors replaced ({our template: TRANSFORMS name})."""
+    return {ours: Row(ours, row.theirs, transforms[ours]) if ours in transforms else row for ours, row in rows.items()}
+
+
 # Mixtral (transformers' modeling_mixtral.py): the MoE block is `block_sparse_moe`, each expert's SwiGLU is
 # w1 (gate), w3 (up), w2 (down). Everything else is HF_TABLE's.
 MIXTRAL_MOE = "model.layers.{n}.block_sparse_moe"
@@ -149,6 +189,23 @@ MIXTRAL_TABLE = renamed(HF_TABLE, {
     "model.layers.{n}.mlp.experts.{e}.gate_proj.weight": f"{MIXTRAL_MOE}.experts.{{e}}.w1.weight",
     "model.layers.{n}.mlp.experts.{e}.up_proj.weight": f"{MIXTRAL_MOE}.experts.{{e}}.w3.weight",
     "model.layers.{n}.mlp.experts.{e}.down_proj.weight": f"{MIXTRAL_MOE}.experts.{{e}}.w2.weight",
+})
+
+# DeepSeek-V3 (transformers' modeling_deepseek_v3.py): the MoE block's router keeps its correction bias as
+# gate.e_score_correction_bias (a buffer, saved in the checkpoint), the shared expert is `shared_experts`; the
+# attention's names are ours (models/mla.py). With rope_interleave (transformers' default and the released
+# checkpoints' layout) the rotary rows of the queries and of the shared rotary key are stored interleaved.
+DEEPSEEK_MOE = "model.layers.{n}.mlp"
+DEEPSEEK_HALF_TABLE = renamed(HF_TABLE, {
+    "model.layers.{n}.mlp.router.expert_bias": f"{DEEPSEEK_MOE}.gate.e_score_correction_bias",
+    "model.layers.{n}.mlp.shared_expert.gate_proj.weight": f"{DEEPSEEK_MOE}.shared_experts.gate_proj.weight",
+    "model.layers.{n}.mlp.shared_expert.up_proj.weight": f"{DEEPSEEK_MOE}.shared_experts.up_proj.weight",
+    "model.layers.{n}.mlp.shared_expert.down_proj.weight": f"{DEEPSEEK_MOE}.shared_experts.down_proj.weight",
+})
+DEEPSEEK_TABLE = transformed(DEEPSEEK_HALF_TABLE, {
+    "model.layers.{n}.self_attn.q_proj.weight": "q_rope_interleaved_to_half",
+    "model.layers.{n}.self_attn.q_b_proj.weight": "q_rope_interleaved_to_half",
+    "model.layers.{n}.self_attn.kv_a_proj_with_mqa.weight": "kv_rope_interleaved_to_half",
 })
 
 # Megatron-core (gpt_layer_specs.py, local and TransformerEngine specs). Layer names are per pipeline stage

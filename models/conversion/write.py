@@ -77,35 +77,38 @@ def tensor_sha256(array: np.ndarray) -> str:
 
 def write_ours(weights: HFWeights, cfg: ModelConfig, out_dir: str, direction: str, source: dict, header: str,
                verify=None, ignored=(), show_progress: bool = True, moments=None, more_files=None, start=None,
-               rows: dict = None, **extra) -> dict:
+               rows: dict = None, notes=(), **extra) -> dict:
     """OUT_DIR in our format (weights.safetensors, model_config.yaml, conversion.json) from HF-named `weights`.
 
     from_hf, megatron.from_megatron and torch_state.from_torch all write through here (and so through
     write_conversion). moments ({"adam_m": HF-named moments, "adam_v": ...}) go to optimizer/adam_m.safetensors
     and adam_v.safetensors under the weights' names; more_files(work_dir) writes further files and returns
     their manifest entries (the tokenizer of from_hf); verify(work_dir) returns the parity result. `rows`: the
-    HuggingFace family's table naming `weights` (tables.tensor_plan; HF_TABLE by default).
+    HuggingFace family's table naming `weights` (tables.tensor_plan; HF_TABLE by default). `notes`: what the
+    model section cannot say (DeepSeek-V3's rotary layout, ...), written into its header and the manifest.
     """
     plan = tensor_plan(cfg, rows=rows)
     model = to_plain(cfg)
     existing = existing_conversion(out_dir, model)
 
     def write_files(work_dir: str) -> dict:
-        tensors = write_weights(weights, plan, os.path.join(work_dir, CHECKPOINT_FILE), show_progress,
+        tensors = write_weights(weights, plan, cfg, os.path.join(work_dir, CHECKPOINT_FILE), show_progress,
                                 source["path"], direction)
         if TIED_HEAD in ignored:
             check_tied_copy(weights, tensors)
         for prefix, values in (moments or {}).items():
             os.makedirs(os.path.join(work_dir, OPTIMIZER_DIR), exist_ok=True)
-            write_weights(values, plan, os.path.join(work_dir, OPTIMIZER_DIR, f"{prefix}.safetensors"),
+            write_weights(values, plan, cfg, os.path.join(work_dir, OPTIMIZER_DIR, f"{prefix}.safetensors"),
                           show_progress, f"{source['path']} ({MOMENT_FILES[prefix]})", direction)
         with open(os.path.join(work_dir, MODEL_SECTION_FILE), "w", encoding="utf-8") as f:
-            f.write(model_section_yaml(cfg, f"{header} by scripts/convert_checkpoint.py.\n{recipe_keys(out_dir)}"))
+            f.write(model_section_yaml(cfg, f"{header} by scripts/convert_checkpoint.py.\n" +
+                                       "".join(f"{note}.\n" for note in notes) + recipe_keys(out_dir)))
         manifest = {"format_version": FORMAT_VERSION, "direction": direction,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "source": source,
                     "checkpoint": CHECKPOINT_FILE, "dtype": "float32", "model": model,
                     "padded_vocab_size": dimensions(cfg)["padded_vocab"], "tensors": tensors,
-                    "ignored": list(ignored), "fingerprint": fingerprint(model, tensors), **extra}
+                    "ignored": list(ignored), "notes": list(notes), "fingerprint": fingerprint(model, tensors),
+                    **extra}
         if more_files is not None:
             manifest.update(more_files(work_dir))
         return manifest
@@ -137,7 +140,7 @@ def write_conversion(out_dir: str, write_files, existing: dict = None, verify=No
             shutil.rmtree(work_dir)
 
 
-def write_weights(weights: HFWeights, plan: list, path: str, show_progress: bool, where: str,
+def write_weights(weights: HFWeights, plan: list, cfg: ModelConfig, path: str, show_progress: bool, where: str,
                   direction: str) -> list:
     """Our safetensors file of `weights` (HF-named) along `plan`, one tensor at a time; returns the records."""
     # MindSpore's save_checkpoint(format="safetensors") marks its files the same way.
@@ -146,7 +149,7 @@ def write_weights(weights: HFWeights, plan: list, path: str, show_progress: bool
     with progress_bar(len(plan), "convert", show_progress) as bar:
         for item in plan:
             source = weights.read(item.hf)
-            tensor = TRANSFORMS[item.transform][0](source, item.our_shape)
+            tensor = TRANSFORMS[item.transform][0](source, item.our_shape, cfg)
             non_finite += non_finite_report(item.hf, tensor)
             writer.write(item.ours, tensor)
             records.append({"name": item.ours, "source": item.hf, "source_dtype": weights.tensors[item.hf][1],
@@ -211,8 +214,11 @@ def summary(manifest: dict, out_dir: str) -> str:
     if manifest["ignored"]:
         kinds = ", ".join(f"{count} {kind}" for kind, count in ignored_kinds(manifest["ignored"]).items())
         text += f"; ignored {len(manifest['ignored'])} tensors that are not weights ({kinds}; named in {MANIFEST_FILE})"
+    if manifest.get("not_converted"):
+        text += f"; did not convert {len(manifest['not_converted'])} tensors (named in {MANIFEST_FILE})"
     if manifest.get("tokenizer"):
         text += f"; tokenizer {manifest['tokenizer']}"
+    text += "".join(f". Note: {note}" for note in manifest.get("notes", ()))
     if manifest["direction"].startswith("from-"):
         text += f". {recipe_keys(out_dir)}"
     if "verify" in manifest:
