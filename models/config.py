@@ -172,7 +172,9 @@ class ModelConfig:
             if getattr(self, name) % ALIGN:
                 problems.append(f"{p}.{name}: {getattr(self, name)} is not a multiple of {ALIGN} (the Cube "
                                 f"unit's tile); use {round_up(getattr(self, name), ALIGN)}")
-        if self.head_dim is not None:
+        if self.mla:
+            pass  # heads of qk_nope_head_dim + qk_rope_head_dim and values of v_head_dim: mla_problems checks them
+        elif self.head_dim is not None:
             if self.head_dim < 1 or self.head_dim % 2:
                 problems.append(f"{p}.head_dim: {self.head_dim} must be a positive even number (rotary embeddings "
                                 "rotate pairs)")

@@ -96,3 +96,20 @@ def test_the_expert_bias_moves_towards_an_even_load_after_each_step():
     expected = before + 0.01 * np.sign(load.mean() - load)
     np.testing.assert_array_equal(router.expert_bias.asnumpy(), expected.astype(np.float32))
     assert (router.expert_bias.asnumpy() != before).any()
+
+
+def test_a_checkpoint_of_another_moe_or_mla_architecture_is_named_by_key():
+    """A launch from a checkpoint compares the recorded architecture with the recipe's (models/conversion/ours.py):
+    routing and latent-attention keys are architecture; the router loss coefficients are the recipe's choice."""
+    from dataclasses import replace
+    from ascend_llm_recipes.models.conversion.ours import architecture_differences
+
+    cfg = ModelConfig(**SIZES, **DEEPSEEK)
+    assert architecture_differences(cfg, replace(cfg, router_aux_loss_coef=0.01, expert_bias_update_rate=0.001)) == []
+    assert architecture_differences(cfg, replace(cfg, n_group=2, kv_lora_rank=48, routed_scaling_factor=1.0)) == [
+        "model.model_config.n_group: checkpoint 4, recipe 2",
+        "model.model_config.routed_scaling_factor: checkpoint 2.5, recipe 1.0",
+        "model.model_config.kv_lora_rank: checkpoint 32, recipe 48"]
+    qwen = ModelConfig(**SIZES, num_experts=4, moe_intermediate_size=None, head_dim=None)
+    spelled_out = replace(qwen, moe_intermediate_size=SIZES["intermediate_size"], head_dim=16)
+    assert architecture_differences(qwen, spelled_out) == []  # an unset size and its default are the same

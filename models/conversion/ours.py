@@ -27,7 +27,12 @@ MOMENT_FILES = {"adam_m": "exp_avg", "adam_v": "exp_avg_sq"}  # MindFormers' Ada
 # model_config fields a checkpoint's weights depend on: a recipe loading them must agree on each.
 # seq_length, token ids, document_attention, initializer_range and compute_dtype are training choices.
 ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                       "rms_norm_eps", "rope_theta", "tie_word_embeddings", "qkv_bias", "vocab_pad_multiple")
+                       "rms_norm_eps", "rope_theta", "tie_word_embeddings", "qkv_bias", "vocab_pad_multiple",
+                       "head_dim", "qk_norm", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                       "norm_topk_prob", "shared_expert_intermediate_size", "shared_expert_gate", "dense_layers",
+                       "router_score", "n_group", "topk_group", "routed_scaling_factor", "expert_bias",
+                       "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# (not compared: training choices such as seq_length, dtypes, kernels, token ids and the router loss coefficients)
 
 
 def model_section_yaml(cfg: ModelConfig, header: str) -> str:
@@ -106,8 +111,10 @@ def existing_conversion(out_dir: str, model: dict) -> dict:
 
 def architecture_differences(recorded: ModelConfig, wanted: ModelConfig) -> list:
     """'key: checkpoint X, recipe Y' for every architecture field that differs (training choices may differ)."""
-    def value(cfg, name):
-        return cfg.kv_heads if name == "num_kv_heads" else getattr(cfg, name)
+    resolved = {"num_kv_heads": "kv_heads", "head_dim": "head_size", "moe_intermediate_size": "expert_size"}
+
+    def value(cfg, name):  # an unset value and its default spelled out are the same architecture
+        return getattr(cfg, resolved.get(name, name))
 
     return [f"model.model_config.{name}: checkpoint {value(recorded, name)!r}, recipe {value(wanted, name)!r}"
             for name in ARCHITECTURE_FIELDS if value(recorded, name) != value(wanted, name)]
