@@ -18,7 +18,7 @@ import transformers
 import yaml
 from safetensors.torch import load_file
 
-from conftest import REPO_ROOT, load_script, tiny_corpus_files
+from conftest import MOE_RECIPE, load_script, tiny_corpus_files
 from ascend_llm_recipes.data.loader import build_train_dataset
 from ascend_llm_recipes.models.conversion.ours import HF_WEIGHTS_FILE, MODEL_SECTION_FILE
 from ascend_llm_recipes.models.conversion.verify import check_parity, compare_logits, reference_logits
@@ -28,7 +28,6 @@ from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE
 from ascend_llm_recipes.training.tools.export import find_our_checkpoint, read_model_section
 
-MOE_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_moe_cpu.yaml")
 STEPS = 3  # step 1 trains at learning rate 0 (warmup), steps 2 and 3 move the weights
 END_OF_TEXT = "<|endoftext|>"
 VOCAB = 512
