@@ -169,6 +169,7 @@ def test_the_continued_run_exports_to_transformers_with_its_trained_weights(cont
     check_parity(result, str(back))
     exported = transformers.AutoModelForCausalLM.from_pretrained(back).config
     assert (exported.model_type, exported.num_experts, exported.mlp_only_layers) == ("qwen3_moe", 4, [0])
+    assert (exported.bos_token_id, exported.eos_token_id) == (None, 0)  # no begin-of-text token, as it came in
     text = "def mean(values):\n    return sum(values) / len(values)\n"
     assert transformers.AutoTokenizer.from_pretrained(back).encode(text) == \
         transformers.AutoTokenizer.from_pretrained(continued.hf_dir).encode(text)
