@@ -159,6 +159,8 @@ class ModelConfig:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if name == "pad_token_id" and self.pad_token_id == -1:
                 continue  # no pad token: data prepared with such a tokenizer pads with -1, masked from the loss
+            if name == "bos_token_id" and self.bos_token_id == -1:
+                continue  # no begin-of-text token (Qwen's config.json may leave it null): training never reads it
             if not 0 <= getattr(self, name) < self.vocab_size:
                 problems.append(f"{p}.{name}: {getattr(self, name)} is not a token id of the vocabulary "
                                 f"(0..{self.vocab_size - 1})")

@@ -7,8 +7,9 @@ optional shared expert sees every token, scaled by its own sigmoid gate in Qwen2
 2024). Two terms keep the router healthy, each summed over the MoE layers into the loss with its coefficient:
 
     load balancing (Switch Transformer, Fedus et al. 2021)  E * sum_e f_e * P_e, f_e the fraction of the
-        T*k routing slots of this layer's T tokens that went to expert e (sum_e f_e = 1), P_e the mean router
-        probability of e. 1.0 when the load is even. Megatron-core's switch_load_balancing_loss_func and
+        T*k routing slots of this layer's T tokens of the global batch that went to expert e (sum_e f_e = 1,
+        summed over data-parallel ranks: LoadBalancingLoss), P_e the mean router probability of e. 1.0 when
+        the load is even. Megatron-core's switch_load_balancing_loss_func and
         MindFormers' per-layer normalisation; transformers' load_balancing_loss_func counts f_e per token
         (sum_e = k) over all layers' tokens at once, so for one layer it is k times this.
     router z-loss (ST-MoE, Zoph et al. 2022)  mean over tokens of logsumexp(router logits)^2.
@@ -101,19 +102,42 @@ class Router(nn.Cell):
 
 
 class LoadBalancingLoss(nn.Cell):
-    """E * sum_e f_e * P_e of one layer (see the module docstring) from its probabilities and top-k selection."""
+    """E * sum_e f_e * P_e of one layer (see the module docstring) from its probabilities and top-k selection.
+
+    f_e counts the routing slots of the whole global batch (global-batch balancing, as Qwen3 trains and
+    Megatron-core's global_aux_loss): in data-parallel mode, where each rank runs its own graph on its slice of
+    the batch, the ranks' counts are summed first, so the loss and its gradient averaged over the ranks are
+    one process's on the whole batch (f_e takes no gradient; P_e is the rank's own mean, which the gradient
+    average combines). Per-rank counts would make the objective depend on the data-parallel degree.
+    """
 
     def __init__(self, num_experts: int, top_k: int):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
+        self.ranks = data_parallel_ranks()
+        self.sum_over_ranks = ops.AllReduce() if self.ranks > 1 else None
+        self.sum_over_tokens = ops.ReduceSum()
         self.mean_over_tokens = ops.ReduceMean()
         self.mul = ops.Mul()
         self.sum = ops.ReduceSum()
 
     def construct(self, probs, selected):
-        fraction = self.mean_over_tokens(selected, 0) / self.top_k               # (E,), sums to 1
+        slots = self.sum_over_tokens(selected, 0)                                 # (E,) this rank's
+        if self.sum_over_ranks is not None:
+            slots = self.sum_over_ranks(ops.stop_gradient(slots))                 # (E,) the global batch's
+        fraction = slots / (selected.shape[0] * self.ranks * self.top_k)         # (E,), sums to 1
         mean_prob = self.mean_over_tokens(probs, 0)                               # (E,)
         return self.sum(self.mul(fraction, mean_prob)) * self.num_experts
+
+
+def data_parallel_ranks() -> int:
+    """How many ranks each run their own graph on a slice of the batch: the world in data-parallel mode, else 1
+    (stand-alone; semi-auto parallel compiles one graph over the whole batch and reduces across ranks itself)."""
+    if ms.get_auto_parallel_context("parallel_mode") != "data_parallel":
+        return 1
+    from mindspore.communication import get_group_size
+
+    return get_group_size()
 
 
 class ZLoss(nn.Cell):

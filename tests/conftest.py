@@ -19,6 +19,7 @@ TINY_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_cpu.yaml")
 # modules of CPython 3.11.7's standard library, one file one document, named NN-<path>.txt to keep their order.
 TINY_CORPUS = os.path.join(REPO_ROOT, "tests", "data", "tiny_corpus")
 DP2_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_dp2_cpu.yaml")
+MOE_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_moe_cpu.yaml")
 DP_STEPS = 8  # data_parallel_runs
 DP_SAVE_STEPS = 4  # data_parallel_runs save at steps 4 and 8 (the recipes keep 2): the resume drills start from step 4
 DEMO_RECIPE = os.path.join(REPO_ROOT, "recipes", "demo_cpu.yaml")
@@ -176,6 +177,22 @@ def data_parallel_runs(tmp_path_factory, tiny_dataset):
     assert launch(TINY_RECIPE, data_parallel_settings(one, tiny_dataset), show_progress=False) == 0
     assert launch(DP2_RECIPE, data_parallel_settings(two, tiny_dataset), show_progress=False) == 0
     return one, two
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_run(tmp_path_factory, tiny_dataset):
+    """recipes/tiny_moe_cpu.yaml as shipped, trained as one process on the tiny dataset: its run directory.
+
+    Read by its golden-curve test (test_train.py) and, as the one-process reference, by the MoE data-parallel
+    drill (test_data_parallel.py). Not in SHARED_FIXTURES: that would put those two modules' groups (tiny_run's,
+    data_parallel_runs') in one xdist worker; a second worker needing it builds its own (~9 CPU-s).
+    """
+    from ascend_llm_recipes.training.launcher.cli import launch
+
+    run_dir = str(tmp_path_factory.mktemp("runs") / "moe")
+    assert launch(MOE_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}"],
+                  show_progress=False) == 0
+    return run_dir
 
 
 @pytest.fixture(scope="session")

@@ -375,6 +375,7 @@ def test_numeric_keys_have_range_rules():
     ("runner_wrapper.max_grad_norm=-1", r"runner_wrapper\.max_grad_norm: must be > 0"),
     ("model.model_config.rms_norm_eps=0", r"model\.model_config\.rms_norm_eps: must be > 0"),
     ("model.model_config.pad_token_id=512", r"model\.model_config\.pad_token_id: 512 is not a token id"),
+    ("model.model_config.bos_token_id=-2", r"model\.model_config\.bos_token_id: -2 is not a token id"),
     ("seed=-1", r"seed: must be >= 0"),
     ("callbacks.1.keep_checkpoint_max=0", r"callbacks\[1\]\.keep_checkpoint_max: must be >= 1"),
     ("profile={start_step: 5, stop_step: 30}", r"profile\.stop_step, runner_config\.stop_step: the profile "

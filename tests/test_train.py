@@ -69,13 +69,10 @@ def test_first_20_losses_are_the_golden_curve(tiny_run):
     assert_golden_curve([r["loss"] for r in read_metrics(tiny_run[0])], GOLDEN_LOSSES)
 
 
-def test_tiny_moe_recipe_learns_and_its_losses_are_the_golden_curve(tmp_path, tiny_dataset):
+def test_tiny_moe_recipe_learns_and_its_losses_are_the_golden_curve(tiny_moe_run):
     """recipes/tiny_moe_cpu.yaml as shipped (a router, 4 experts, the router terms in the loss), pinned like tiny's:
     a change to the routing, the experts' combine or the router losses moves the curve."""
-    recipe = os.path.join(REPO_ROOT, "recipes", "tiny_moe_cpu.yaml")
-    run_dir = str(tmp_path / "moe")
-    assert launch(recipe, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}"],
-                  show_progress=False) == 0
+    run_dir = tiny_moe_run
     records = read_metrics(run_dir)
     losses = [r["loss"] for r in records]
     assert losses[0] == pytest.approx(6.24 + 0.01, abs=0.1)  # ln(512), plus the load-balancing term's ~0.01
