@@ -230,8 +230,8 @@ class ModelConfig:
                                            ("use_flash_attention", False))
                      if getattr(self, name) != default]
         if self.num_kv_heads not in (None, self.num_heads):
-            problems.append(f"{p}.num_kv_heads: multi-head latent attention has one key/value head per query head "
-                            "(leave num_kv_heads unset)")
+            problems.append(f"{p}.num_kv_heads: multi-head latent attention has one key/value head per query head: "
+                            f"set num_kv_heads to num_heads ({self.num_heads}) or leave it unset")
         if recipe.context.device_target != "CPU":
             problems.append(f"{p}.kv_lora_rank: multi-head latent attention runs on CPU only so far (the reference "
                             "math); MindFormers 1.9's MLA kernels and layouts are not mirrored yet")
@@ -277,6 +277,9 @@ class ModelConfig:
                             f"experts hold fewer than num_experts_per_tok ({self.num_experts_per_tok})")
         if self.expert_bias_update_rate and not self.expert_bias:
             problems.append(f"{p}.expert_bias_update_rate: {self.expert_bias_update_rate} needs {p}.expert_bias: True")
+        if self.n_group > 1 and self.router_score != "sigmoid":
+            problems.append(f"{p}.n_group: group-limited routing is DeepSeek-V3's, over sigmoid scores (a group scored "
+                            f"by its best two); set {p}.router_score: sigmoid, or n_group: 1")
         if self.expert_bias and self.router_score != "sigmoid":
             problems.append(f"{p}.expert_bias: the correction bias applies to sigmoid scores (DeepSeek-V3); set "
                             f"{p}.router_score: sigmoid")

@@ -25,9 +25,7 @@ from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import initializer
 
 from ascend_llm_recipes.models.layers import DTYPES, MLP, Linear
-
-# The MoE layer's statistics, Parameters that are not weights (see MoE): never converted, never required when loading.
-STATISTICS = ("expert_load", "router_losses")
+from ascend_llm_recipes.models.shapes import STATISTICS  # the MoE layer's counters (see MoE), not weights
 
 
 class Router(nn.Cell):

@@ -98,6 +98,13 @@ def parameter_shapes(cfg, tensor_parallel: int = 1, padded: bool = True, layers:
     return {name: tuple(dims[d] for d in names) for _, name, names in tensor_dimensions(cfg, layers)}
 
 
+# Parameters that are not weights: MoE layers' per-step counters (models/moe.py, zeroed after every step; never
+# converted or required at load), and DeepSeek's correction bias, a weight of the model that the training loop moves
+# (training/worker/router_stats.py), not the optimizer: it has no AdamW moments.
+STATISTICS = ("expert_load", "router_losses")
+UNTRAINED_PARAMETERS = ("router.expert_bias",)
+
+
 # RMSNorm weights stay float32 whatever param_dtype says: RMSNorm computes in float32 (models/llama.py), and
 # they are a few KB, below optimizer parallel's 64 KB slicing threshold anyway.
 FLOAT32_PARAMETERS = ("layernorm.weight", "_norm.weight", "model.norm.weight",

@@ -149,6 +149,17 @@ def test_options_that_change_the_model_are_refused(tmp_path):
     assert len(err.value.problems) == 3
 
 
+def test_warmup_steps_replace_the_ascend_bases_warmup_ratio(tmp_path):
+    """recipes/base/ascend.yaml sets warmup_ratio; a config giving warmup_steps must not end up with both."""
+    source = mf_config("pretrain_llama2_7b")
+    del source["lr_schedule"]["warmup_ratio"]
+    source["lr_schedule"]["warmup_steps"] = 20
+    path = tmp_path / "steps.yaml"
+    path.write_text(yaml.safe_dump(source))
+    recipe, _ = import_config_file(str(path), tmp_path)
+    assert (recipe.lr_schedule.warmup_steps, recipe.lr_schedule.warmup_ratio) == (20, None)
+
+
 def test_a_mixture_of_experts_config_is_refused_not_imported_dense(tmp_path):
     """MindFormers builds the model with the top-level moe_config (trainer/base_trainer.py:1250-1258): expert_num > 1
     there or in model_config makes an MoE network, which must not import as the dense model."""

@@ -223,7 +223,7 @@ def test_dashboard_of_a_run(tiny_run, tmp_path):
 
 
 @pytest.mark.drill
-def test_deepseek_recipe_resumes_bit_exact_with_its_correction_bias(tmp_path, tiny_dataset):
+def test_deepseek_recipe_resumes_bit_exact_with_its_correction_bias(tmp_path, tiny_dataset, capfd):
     """recipes/tiny_deepseek_cpu.yaml (MLA, sigmoid group-limited router, shared expert): 8 steps in one launch
     equal 4 steps, then a resume to 8, exactly: the correction bias each step moves (auxiliary-loss-free balancing)
     is saved with the checkpoint and restored, or the resumed routing would differ."""
@@ -235,8 +235,13 @@ def test_deepseek_recipe_resumes_bit_exact_with_its_correction_bias(tmp_path, ti
     whole, halves = str(tmp_path / "whole"), str(tmp_path / "halves")
     assert launch(recipe, [f"output_dir={whole}", "runner_config.stop_step=8", *common], show_progress=False) == 0
     assert launch(recipe, [f"output_dir={halves}", "runner_config.stop_step=4", *common], show_progress=False) == 0
+    capfd.readouterr()
     assert launch(recipe, [f"output_dir={halves}", "runner_config.stop_step=8", *common], show_progress=False,
                   amend=True) == 0
+    out = capfd.readouterr().out
+    # resumed from its step-4 save (the correction bias has no AdamW moments; the MoE counters are no weights)
+    assert f"[launch] resuming {halves} from step 4 " in out, out
+    assert not os.path.exists(os.path.join(halves, "checkpoints", "invalid"))
     keys = ("loss", "lm_loss", "load_balancing_loss", "expert_load", "grad_norm")
     first, resumed = read_metrics(whole), read_metrics(halves)
     assert [r["step"] for r in resumed] == list(range(1, 9))

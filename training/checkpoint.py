@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ascend_llm_recipes.common.files import file_sha256, write_atomic
 from ascend_llm_recipes.common.errors import PretrainError
+from ascend_llm_recipes.models.shapes import UNTRAINED_PARAMETERS
 from ascend_llm_recipes.training.run_files import CHECKPOINTS, INVALID, REASON
 
 MANIFEST = "manifest.json"
@@ -139,7 +140,8 @@ def verify_step(directory: str, world_size: int, expected_shapes: "RankShapes" =
             continue
         problems.extend(shape_problems(path, tensors, expected_shapes))
         if need_optimizer and expected_shapes:
-            missing = [n for n in expected_shapes if f"adam_m.{n}" not in tensors or f"adam_v.{n}" not in tensors]
+            missing = [n for n in expected_shapes if not n.endswith(UNTRAINED_PARAMETERS)
+                       and (f"adam_m.{n}" not in tensors or f"adam_v.{n}" not in tensors)]
             if missing:
                 problems.append(f"{path}: no AdamW state for {len(missing)} tensors (e.g. {missing[0]}); resuming "
                                 "needs it. To start from these weights only, set load_checkpoint without "

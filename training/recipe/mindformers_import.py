@@ -384,6 +384,8 @@ class Importer:
                      default=d["warmup_lr_init"])
         self.carry(s + "warmup_ratio", convert=float)
         self.carry(s + "warmup_steps")
+        if self.has(s + "warmup_steps") and not self.has(s + "warmup_ratio"):
+            self.put(s + "warmup_ratio", None)  # the base recipe's warmup_ratio (Ascend: 0.01) would conflict
         total = self.get(s + "total_steps")
         self.carry(s + "total_steps", default=-1, convert=lambda t: -1 if t is None else t,
                    reason="-1: epochs x dataset size (or runner_config.stop_step)" if total in (-1, None) else "")

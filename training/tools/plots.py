@@ -213,7 +213,8 @@ def _loss_panel(ax, runs: list, colors: list, span: int) -> None:
         ax.set_ylim(low - pad, high + pad)
     for run, color in zip(runs, colors):
         _mark_events(ax, run, {r["step"]: r["loss"] for r in run.train}, "loss", len(runs) > 1 and color)
-    ax.set_ylabel("cross-entropy (nats/token)")
+    moe = any("lm_loss" in r for run in runs for r in run.train)  # MoE: the loss includes the router terms
+    ax.set_ylabel("cross-entropy + router losses (nats/token)" if moe else "cross-entropy (nats/token)")
 
 
 def _mark_events(ax, run: RunHistory, values: dict, what: str, run_color) -> None:

@@ -114,7 +114,7 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
     loaded into an untied model); weights it does not use are dropped without a word.
     """
     from ascend_llm_recipes.models.conversion.formats import tensor_layouts
-    from ascend_llm_recipes.models.shapes import parameter_shapes
+    from ascend_llm_recipes.models.shapes import STATISTICS, parameter_shapes
     from ascend_llm_recipes.common.errors import ConversionError
     from ascend_llm_recipes.training.checkpoint import RankShapes, held_note, rank_shapes
     from ascend_llm_recipes.training.tools.relayout import pending_source_strategy
@@ -149,7 +149,8 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
                 problems.append(f"{name}: checkpoint shape {shape}, rank {rank} of the recipe's model holds {need}"
                                 + held_note(model, name))
     problems += [f"{name}: in the checkpoint but not a parameter of the recipe's model (would be dropped)"
-                 for name in found if name not in model and name.startswith(("model.", "lm_head."))]
+                 for name in found if name not in model and name.startswith(("model.", "lm_head."))
+                 and not name.endswith(STATISTICS)]  # MoE counters: saved with a run, not weights
     if problems:
         raise LaunchError(f"{where} ({', '.join(os.path.basename(f) for f in files)}) does not fit the recipe's "
                           f"model: {len(problems)} parameter problem(s):\n" + "\n".join(f"  - {p}" for p in problems),
