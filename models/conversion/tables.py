@@ -176,8 +176,9 @@ MEGATRON_TABLE = table(
     Row("model.layers.{n}.mlp.up_proj.weight", (FC1,), split=(0,), fuse="gate_up", part="up"),
     Row("model.layers.{n}.mlp.down_proj.weight", ("decoder.layers.{n}.mlp.linear_fc2.weight",), split=(1,)),
     # Qwen3's per-head norms, multi-latent attention (megatron/core/transformer/multi_latent_attention.py) and the MoE
-    # layer (megatron/core/transformer/moe: router, SequentialMLP's local experts, SharedExpertMLP). Named here; the
-    # Megatron reader and writer refuse these models so far (megatron.py).
+    # layer (megatron/core/transformer/moe: router, SequentialMLP's local experts, SharedExpertMLP). The reader takes
+    # the q/k norms and the MoE layer from legacy files; multi-latent attention and the writer refuse them (megatron.py).
+    # Local experts are numbered per expert-parallel rank: {e} is the local number in the files.
     Row("model.layers.{n}.self_attn.q_norm.weight", ("decoder.layers.{n}.self_attention.q_layernorm.weight",)),
     Row("model.layers.{n}.self_attn.k_norm.weight", ("decoder.layers.{n}.self_attention.k_layernorm.weight",)),
     Row("model.layers.{n}.self_attn.q_a_proj.weight", ("decoder.layers.{n}.self_attention.linear_q_down_proj.weight",)),
@@ -340,11 +341,16 @@ class FusedTensor:
 
 
 def fused_tensors(rows: dict) -> dict:
-    """{their first name template: FusedTensor} in table order: the format's tensors, each with its parts."""
+    """{their first name template: FusedTensor} in table order: the format's tensors, each with its parts.
+
+    Unfused rows whose first names agree are alternatives, one tensor for whichever model has it (Megatron's
+    q_layernorm is Qwen3's q_norm or multi-latent attention's q_a_layernorm): their names are pooled.
+    """
     grouped: dict = {}
     for row in rows.values():
-        grouped.setdefault(row.theirs, []).append(row)
-    return {names[0]: FusedTensor(names, tuple(parts)) for names, parts in grouped.items()}
+        names, parts = grouped.get(row.theirs[0], ((), []))
+        grouped[row.theirs[0]] = (names + tuple(n for n in row.theirs if n not in names), parts + [row])
+    return {key: FusedTensor(names, tuple(parts)) for key, (names, parts) in grouped.items()}
 
 
 MEGATRON_TENSORS = fused_tensors(MEGATRON_TABLE)
@@ -382,9 +388,15 @@ def present_tensors(tensors: dict, cfg, keep_output: bool = False) -> list:
     return [key for key, tensor in tensors.items() if any(row.ours in have for row in tensor.rows)]
 
 
-def layer_names(kind: str, local: int = None) -> tuple:
-    """A Megatron tensor's candidate names: of layer `local` of a stage, or stacked (torch_dist) with local=None."""
+def layer_names(kind: str, local: int = None, expert: int = None) -> tuple:
+    """A Megatron tensor's candidate names: of layer `local` of a stage (and local expert `expert` of an
+    expert-parallel rank), or stacked (torch_dist) with local=None."""
     names = MEGATRON_TENSORS[kind].names
     if local is None:
         return tuple(name.replace(".{n}.", ".") for name in names)
-    return tuple(name.format(n=local) for name in names)
+    return tuple(name.format(n=local, e=expert) for name in names)
+
+
+def is_expert(kind: str) -> bool:
+    """Whether a Megatron tensor is one routed expert's (numbered per expert-parallel rank)."""
+    return "{e}" in kind
