@@ -1,0 +1,103 @@
+"""Megatron-core Mixture-of-Experts checkpoints -> ours, proven on legacy files written by real megatron-core.
+
+The fixtures (conftest.py megatron_dir, tests/make_megatron_fixtures.py) are megatron-core's GPTModel with its
+MoELayer (SequentialMLP local experts, allgather dispatcher) run on CPU: `moe` at TP1 (first layer dense, softmax
+router, shared expert with gate, qk_layernorm, kv_channels 24 != hidden / heads) and `moe_ep2` with the experts
+split over 2 expert-parallel ranks (mp_rank_00_000, mp_rank_00_001; sigmoid router with expert_bias, shared expert
+without gate), each with megatron-core's own logits on fixed tokens.
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+
+from ascend_llm_recipes.common.errors import ConversionError
+from ascend_llm_recipes.models.conversion import megatron_files
+from ascend_llm_recipes.models.conversion.megatron import from_megatron, model_config_from_args
+from ascend_llm_recipes.models.conversion.ours import MODEL_SECTION_FILE
+from ascend_llm_recipes.models.conversion.verify import verify_against
+from ascend_llm_recipes.training.tools.export import to_megatron
+from test_convert import assert_nothing_written
+
+MOE_LAYOUTS = ("moe", "moe_ep2")
+EXPECTED = {  # what each fixture's Megatron-LM arguments become in our model_config
+    "moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, dense_layers=[0], head_dim=24,
+                qk_norm=True, shared_expert_intermediate_size=48, shared_expert_gate=True, router_score="softmax",
+                norm_topk_prob=True, expert_bias=False, tie_word_embeddings=True),
+    "moe_ep2": dict(num_experts=4, dense_layers=[], head_dim=None, qk_norm=False, shared_expert_intermediate_size=48,
+                    shared_expert_gate=False, router_score="sigmoid", norm_topk_prob=True, expert_bias=True,
+                    tie_word_embeddings=False),
+}
+
+
+def against_megatron_cores_logits(megatron_dir, layout, converted_dir) -> dict:
+    """Our converted model's logits against megatron-core's own on its fixture tokens (convert's PARITY_RULE)."""
+    tokens, logits = (np.load(megatron_dir / layout / f"{name}.npy") for name in ("tokens", "logits"))
+
+    def megatron_core(asked):  # verify_against draws (2, 16) tokens from seed 0: the fixture's own
+        assert np.array_equal(asked, tokens)
+        return logits
+
+    return verify_against(megatron_core, str(converted_dir), layout, name="megatron-core", batch=tokens.shape[0],
+                          max_tokens=tokens.shape[1])
+
+
+@pytest.fixture(scope="module")
+def converted(megatron_dir, tmp_path_factory):
+    """{layout: (manifest, directory)}: each MoE fixture converted once, with --verify."""
+    out = tmp_path_factory.mktemp("moe_converted")
+    return {layout: (from_megatron(str(megatron_dir / layout / "legacy"), str(out / layout), verify=True,
+                                   show_progress=False), out / layout) for layout in MOE_LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_moe_logits_equal_megatron_cores(megatron_dir, converted, layout):
+    """Megatron MoE (legacy, every expert-parallel rank) -> ours gives megatron-core's logits on the same tokens."""
+    manifest, out = converted[layout]
+    assert manifest["verify"]["reference"] == "a pure-torch Megatron forward"
+    assert manifest["source"].get("expert_model_parallel_size") == (2 if layout == "moe_ep2" else 1)
+    assert not manifest["optimizer"]["carried"] and "MoE" in manifest["optimizer"]["note"]
+    model = yaml.safe_load((out / MODEL_SECTION_FILE).read_text())["model"]["model_config"]
+    assert {key: model.get(key) for key in EXPECTED[layout]} == EXPECTED[layout]
+    result = against_megatron_cores_logits(megatron_dir, layout, out)
+    print(f"\n[parity] {layout}: max |delta logits| vs megatron-core {result['max_abs_delta']:.2e}")
+
+
+def test_expert_parallel_ranks_are_read_by_global_expert(megatron_dir, tmp_path, monkeypatch):
+    """Reading each expert-parallel rank's local experts as if they were global (expert e of every rank from rank 0)
+    converts without complaint; megatron-core's logits catch it (the pure-torch reference reads the files the same
+    way, so --verify alone cannot)."""
+    monkeypatch.setattr(megatron_files.LegacyCheckpoint, "expert_location",
+                        lambda self, expert: (0, None if expert is None else expert % 2))
+    from_megatron(str(megatron_dir / "moe_ep2" / "legacy"), str(tmp_path / "wrong"), show_progress=False)
+    with pytest.raises(ConversionError, match="differ from megatron-core"):
+        against_megatron_cores_logits(megatron_dir, "moe_ep2", tmp_path / "wrong")
+
+
+def test_moe_arguments_megatron_computes_differently_are_refused_by_name(megatron_dir):
+    with megatron_files.open_megatron(str(megatron_dir / "moe" / "legacy")) as ckpt:
+        args = dict(ckpt.args)
+    refused = dict(moe_grouped_gemm=True, moe_expert_capacity_factor=1.25, moe_router_num_groups=2,
+                   moe_router_load_balancing_type="sinkhorn", moe_router_enable_expert_bias=True,
+                   expert_tensor_parallel_size=2, moe_layer_freq="([0]*1+[1]*3)")
+    with pytest.raises(ConversionError, match="7 problem") as error:
+        model_config_from_args({**args, **refused}, "moe (args)")
+    for key in refused:
+        assert f"  - {key}: " in error.value.message, key
+    assert "softmax score function" in error.value.message  # expert_bias without sigmoid scores
+    # moe_router_pre_softmax: the top k of the softmax, not renormalised
+    assert not model_config_from_args({**args, "moe_router_pre_softmax": True}, "moe").norm_topk_prob
+
+
+def test_a_missing_expert_parallel_rank_and_the_writer_are_refused(megatron_dir, converted, tmp_path):
+    legacy = tmp_path / "legacy"
+    shutil.copytree(megatron_dir / "moe_ep2" / "legacy", legacy)
+    shutil.rmtree(legacy / "iter_0000040" / "mp_rank_00_001")
+    with pytest.raises(ConversionError, match=r"mp_rank_00_001/model_optim_rng.pt for tensor_model_parallel_size 1 "
+                                              r"x pipeline_model_parallel_size 1 x expert_model_parallel_size 2"):
+        from_megatron(str(legacy), str(tmp_path / "out"), show_progress=False)
+    assert_nothing_written(tmp_path / "out")
+    with pytest.raises(ConversionError, match="num_experts: 4: Mixture-of-Experts checkpoints are not written"):
+        to_megatron(str(converted["moe"][1]), str(tmp_path / "back"), show_progress=False)
