@@ -349,7 +349,7 @@ def _rewrite_args(src, dst, **changes):
 
 
 @pytest.mark.parametrize("arg, value", [("rotary_percent", 0.5), ("normalization", "LayerNorm"), ("swiglu", False),
-                                        ("num_experts", 8), ("add_bias_linear", True)])
+                                        ("multi_latent_attention", True), ("add_bias_linear", True)])
 def test_unsupported_args_are_refused_by_name(tmp_path, megatron_dir, arg, value):
     ckpt = _rewrite_args(megatron_dir / "tp1" / "legacy", tmp_path / "ckpt", **{arg: value})
     with pytest.raises(ConversionError, match=f"{arg}: {value!r} is not supported"):
