@@ -4,13 +4,16 @@ The fixtures (conftest.py megatron_dir, tests/make_megatron_fixtures.py) are meg
 MoELayer (SequentialMLP local experts, allgather dispatcher) run on CPU: `moe` at TP1 (first layer dense, softmax
 router, shared expert with gate, qk_layernorm, kv_channels 24 != hidden / heads) and `moe_ep2` with the experts
 split over 2 expert-parallel ranks (mp_rank_00_000, mp_rank_00_001; sigmoid router with expert_bias, shared expert
-without gate), each with megatron-core's own logits on fixed tokens.
+without gate), each with megatron-core's own logits on fixed tokens. Written back (to_megatron, --ep), they are
+megatron-core's files again.
 """
 
+import os
 import shutil
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from ascend_llm_recipes.common.errors import ConversionError
@@ -91,7 +94,7 @@ def test_moe_arguments_megatron_computes_differently_are_refused_by_name(megatro
     assert not model_config_from_args({**args, "moe_router_pre_softmax": True}, "moe").norm_topk_prob
 
 
-def test_a_missing_expert_parallel_rank_and_the_writer_are_refused(megatron_dir, converted, tmp_path):
+def test_a_missing_expert_parallel_rank_is_refused(megatron_dir, tmp_path):
     legacy = tmp_path / "legacy"
     shutil.copytree(megatron_dir / "moe_ep2" / "legacy", legacy)
     shutil.rmtree(legacy / "iter_0000040" / "mp_rank_00_001")
@@ -99,5 +102,28 @@ def test_a_missing_expert_parallel_rank_and_the_writer_are_refused(megatron_dir,
                                               r"x pipeline_model_parallel_size 1 x expert_model_parallel_size 2"):
         from_megatron(str(legacy), str(tmp_path / "out"), show_progress=False)
     assert_nothing_written(tmp_path / "out")
-    with pytest.raises(ConversionError, match="num_experts: 4: Mixture-of-Experts checkpoints are not written"):
-        to_megatron(str(converted["moe"][1]), str(tmp_path / "back"), show_progress=False)
+
+
+@pytest.mark.parametrize("layout, ep", [("moe", 1), ("moe_ep2", 2)])
+def test_moe_round_trip_to_megatron_legacy_is_exact(megatron_dir, converted, tmp_path, layout, ep):
+    """ours -> Megatron legacy files equal to megatron-core's own, rank file by rank file (experts, router,
+    expert_bias, shared experts, q/k norms); only the vocabulary's padding rows are written as zeros."""
+    source = megatron_dir / layout / "legacy" / "iter_0000040"
+    to_megatron(str(converted[layout][1]), str(tmp_path / "back"), ep=ep, show_progress=False)
+    back_dir = tmp_path / "back" / "iter_0000040"
+    assert sorted(os.listdir(back_dir)) == sorted(os.listdir(source))
+    for rank in sorted(os.listdir(source)):
+        original = torch.load(source / rank / "model_optim_rng.pt", weights_only=False)
+        back = torch.load(back_dir / rank / "model_optim_rng.pt", weights_only=False)
+        weights = {k: v for k, v in original["model"].items() if not k.endswith("_extra_state")}
+        assert sorted(back["model"]) == sorted(weights), rank
+        for name, tensor in weights.items():
+            rows = 512 if name in ("embedding.word_embeddings.weight", "output_layer.weight") else None
+            assert torch.equal(back["model"][name][:rows], tensor[:rows]), f"{rank}: {name}"
+        for key in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "kv_channels",
+                    "qk_layernorm", "moe_shared_expert_gate", "moe_router_score_function",
+                    "moe_router_enable_expert_bias", "expert_model_parallel_size"):
+            assert getattr(back["args"], key) == getattr(original["args"], key), key
+    with pytest.raises(ConversionError, match=r"--ep 3 does not divide num_experts \(4\)"):
+        to_megatron(str(converted[layout][1]), str(tmp_path / "bad"), ep=3, show_progress=False)
+    assert_nothing_written(tmp_path / "bad")

@@ -40,8 +40,8 @@ from ascend_llm_recipes.models.conversion.megatron_files import (LATEST_FILE, Le
                                                                  open_megatron)
 from ascend_llm_recipes.models.conversion.ours import FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES, OPTIMIZER_DIR
 from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TABLE, MEGATRON_TENSORS, TRANSFORMS,
-                                                         layer_names, megatron_name, present_tensors, rank_share,
-                                                         row_for, tensor_plan)
+                                                         is_expert, layer_names, megatron_name, present_tensors,
+                                                         rank_share, row_for, tensor_plan)
 from ascend_llm_recipes.models.conversion.verify import verify_against
 from ascend_llm_recipes.models.conversion.write import progress_bar, write_conversion, write_ours
 from ascend_llm_recipes.models.shapes import dimensions, tensor_dimensions
@@ -61,10 +61,9 @@ UNSUPPORTED_ARGS = (
 )
 # What the Megatron writer does not write yet (the tables name these tensors; the reader refuses them by argument).
 MEGATRON_NOT_YET = (
-    ("num_experts", 0, "Mixture-of-Experts checkpoints are not written for Megatron yet (Hugging Face export works)"),
-    ("qk_norm", False, "query/key norms (Megatron's qk_layernorm) are not written yet"),
-    ("head_dim", None, "an explicit head_dim (Megatron's kv_channels) is not written yet"),
     ("kv_lora_rank", None, "multi-latent attention (Megatron's MLA) is not written yet"),
+    ("n_group", 1, "group-limited routing: megatron-core scores a group by its top topk/group_topk experts, the "
+                   "model by its top 2"),
 )
 # MoE arguments whose other values route or compute differently from models/moe.py (Megatron-LM's names).
 UNSUPPORTED_MOE_ARGS = (
@@ -410,8 +409,9 @@ def verify_against_megatron(ckpt, cfg: ModelConfig, converted_dir: str) -> dict:
 
 
 def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp: int = 1, iteration: int = None,
-                source: str = None, section_path: str = None, show_progress: bool = True) -> dict:
-    """Write Megatron-LM legacy files (mp_rank_TT[_PPP]/model_optim_rng.pt) for TP x PP, one rank file at a time.
+                source: str = None, section_path: str = None, show_progress: bool = True, ep: int = 1) -> dict:
+    """Write Megatron-LM legacy files (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt) for TP x PP (x EP: a MoE
+    model's experts split over `ep` expert-parallel ranks), one rank file at a time.
 
     `source`: the converted directory whose conversion.json may hold the original Megatron arguments;
     `section_path`: where cfg was read, for the manifest. training/tools/export.py's to_megatron finds both.
@@ -419,7 +419,7 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
     import torch
 
     start = time.perf_counter()
-    numbers = [f"--{name} {value}: must be a positive integer" for name, value in (("tp", tp), ("pp", pp))
+    numbers = [f"--{name} {value}: must be a positive integer" for name, value in (("tp", tp), ("pp", pp), ("ep", ep))
                if type(value) is not int or value < 1]
     if iteration is not None and (type(iteration) is not int or iteration < 0):
         numbers.append(f"--iteration {iteration}: must be 0 or more (Megatron names iter_NNNNNNN directories by it)")
@@ -430,9 +430,14 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
     problems = [f"{p.ours}: missing" for p in plan.values() if p.ours not in ckpt.tensors]
     groups = cfg.kv_heads
     for what, value in (("num_heads", cfg.num_heads), ("num_kv_heads", groups),
-                        ("intermediate_size", cfg.intermediate_size)):
+                        ("intermediate_size", cfg.intermediate_size),
+                        ("moe_intermediate_size", cfg.expert_size if cfg.moe else 0),
+                        ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):
         if value % tp:
             problems.append(f"--tp {tp} does not divide {what} ({value})")
+    if ep > 1 and (not cfg.moe or cfg.num_experts % ep):
+        problems.append(f"--ep {ep} does not divide num_experts ({cfg.num_experts})")
+    problems += moe_args_for(cfg)[1]
     if cfg.num_layers % pp:
         problems.append(f"--pp {pp} does not divide num_layers ({cfg.num_layers})")
     problems += [f"model_config.{name}: {getattr(cfg, name)!r}: {why}" for name, value, why in MEGATRON_NOT_YET
@@ -440,7 +445,7 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
     if problems:
         raise ConversionError(f"{ckpt_path}: cannot write TP {tp} x PP {pp}:\n" +
                               "\n".join(f"  - {p}" for p in problems))
-    args = _megatron_args_for(cfg, tp, pp, source or os.path.dirname(ckpt_path), iteration)
+    args = _megatron_args_for(cfg, tp, pp, source or os.path.dirname(ckpt_path), iteration, ep)
     iteration = args["iteration"]
     padded = args["padded_vocab_size"]
     if os.path.exists(out_dir) and os.listdir(out_dir):
@@ -451,11 +456,14 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
     dims = {**dimensions(cfg), "vocab": padded}  # Megatron's shapes: vocabulary rows padded
     their_shapes = {pattern: tuple(dims[d] for d in names) for pattern, _, names in tensor_dimensions(cfg)}
 
-    def rank_state(p: int, t: int) -> dict:
-        """Rank (t, p)'s tensors, generated from MEGATRON_TABLE.
+    per_rank = cfg.num_experts // ep
+
+    def rank_state(p: int, t: int, e: int) -> dict:
+        """Rank (t, p, e)'s tensors, generated from MEGATRON_TABLE.
 
         In the order Megatron's model holds them: the embedding (first stage), each layer, the final norm and
-        output layer (last stage).
+        output layer (last stage). A layer has the rows whose tensors it has (dense or MoE MLP, per layer);
+        expert-parallel rank e holds global experts e x E/EP .. (e + 1) x E/EP - 1 under local numbers.
         """
         first = cfg.num_layers // pp * p
         layers = [(n, n - first) for n in range(first, first + cfg.num_layers // pp)]
@@ -465,42 +473,47 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
                 continue
             for n, local in layers if group is None else [(None, None)]:
                 for kind in (k for k in kinds if MEGATRON_TENSORS[k].stage == group):
-                    parts = [their_tensor(row, n) for row in MEGATRON_TENSORS[kind].rows]
-                    state[layer_names(kind, local)[0]] = rank_share(MEGATRON_TENSORS[kind], parts, t, tp, cfg.kv_heads,
-                                                                    cfg.head_size)
+                    experts = range(per_rank) if is_expert(kind) else (None,)
+                    for local_e, g in ((le, None if le is None else e * per_rank + le) for le in experts):
+                        rows = [row for row in MEGATRON_TENSORS[kind].rows if row.ours.format(n=n, e=g) in plan]
+                        if not rows:  # a dense layer's router, a MoE layer's dense MLP, MLA's q_a_layernorm
+                            continue
+                        parts = [their_tensor(row, n, g) for row in rows]
+                        state[layer_names(kind, local, local_e)[0]] = rank_share(
+                            MEGATRON_TENSORS[kind], parts, t, tp, cfg.kv_heads, cfg.head_size)
         return state
 
-    def their_tensor(row, n):
-        """Our tensor of `row` at layer n, in Megatron's layout (vocabulary rows padded)."""
-        item = plan[row.ours.format(n=n)]
+    def their_tensor(row, n, e=None):
+        """Our tensor of `row` at layer n (expert e), in Megatron's layout (vocabulary rows padded)."""
+        item = plan[row.ours.format(n=n, e=e)]
         hf = TRANSFORMS[item.transform][1](ckpt.read(item.ours), item.hf_shape)
         return TRANSFORMS[row.transform][1](hf, their_shapes[row.ours], cfg)
 
     def write_files(work_dir: str) -> dict:
-        with progress_bar(tp * pp, "write rank files", show_progress) as bar:
-            for p in range(pp):
-                for t in range(tp):
-                    state = rank_state(p, t)
-                    name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
-                    os.makedirs(os.path.join(work_dir, iter_name, name))
-                    torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0,
-                                "iteration": iteration,
-                                "model": {k: torch.from_numpy(np.array(v)) for k, v in state.items()}},
-                               os.path.join(work_dir, iter_name, name, RANK_FILE))
-                    del state
-                    bar.update()
+        with progress_bar(tp * pp * ep, "write rank files", show_progress) as bar:
+            for p, e, t in ((p, e, t) for p in range(pp) for e in range(ep) for t in range(tp)):
+                state = rank_state(p, t, e)
+                # Megatron-LM's get_checkpoint_name: _PPP with pipeline stages, _EEE with expert parallelism
+                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+                os.makedirs(os.path.join(work_dir, iter_name, name))
+                torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": iteration,
+                            "model": {k: torch.from_numpy(np.array(v)) for k, v in state.items()}},
+                           os.path.join(work_dir, iter_name, name, RANK_FILE))
+                del state
+                bar.update()
         with open(os.path.join(work_dir, LATEST_FILE), "w", encoding="utf-8") as f:
             f.write(str(iteration) if iteration else "release")
         return {"format_version": FORMAT_VERSION, "direction": "to-megatron",
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "source": {"path": ckpt_path, "model_section": section_path}, "checkpoint": iter_name,
                 "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                **({"expert_model_parallel_size": ep} if cfg.moe else {}),
                 "model": json_args(args), "tensors": [], "ignored": []}
 
     return write_conversion(out_dir, write_files, start=start)
 
 
-def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteration: int = None) -> dict:
+def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteration: int = None, ep: int = 1) -> dict:
     """Megatron-LM arguments for cfg at TP x PP, starting from the original run's when it came from Megatron."""
     original = source_manifest(source).get("source", {})
     args = dict(original.get("megatron_args") or {})
@@ -508,7 +521,7 @@ def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteratio
     groups = cfg.kv_heads
     args.update(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads,
                 group_query_attention=groups != cfg.num_heads, num_query_groups=groups,
-                kv_channels=cfg.hidden_size // cfg.num_heads, ffn_hidden_size=cfg.intermediate_size,
+                kv_channels=cfg.head_size, qk_layernorm=cfg.qk_norm, ffn_hidden_size=cfg.intermediate_size,
                 seq_length=cfg.seq_length, max_position_embeddings=max(cfg.seq_length,
                                                                        args.get("max_position_embeddings") or 0),
                 position_embedding_type="rope", rotary_base=cfg.rope_theta, rotary_percent=1.0,
@@ -519,8 +532,33 @@ def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteratio
                 padded_vocab_size=round_up(cfg.vocab_size, divisible * tp),
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                 iteration=iteration if iteration is not None else original.get("iteration", 0),
-                init_method_std=cfg.initializer_range)
+                init_method_std=cfg.initializer_range, **moe_args_for(cfg, ep, tp)[0])
     return args
+
+
+def moe_args_for(cfg: ModelConfig, ep: int = 1, tp: int = 1) -> tuple:
+    """(Megatron-LM's MoE arguments for cfg, what megatron-core cannot compute as the model does): moe_fields' inverse."""
+    if not cfg.moe:
+        return dict(num_experts=None), []
+    problems = []
+    sigmoid = cfg.router_score == "sigmoid"
+    if sigmoid and cfg.norm_topk_prob != (cfg.num_experts_per_tok > 1):
+        problems.append(f"model_config.norm_topk_prob: {cfg.norm_topk_prob!r} with sigmoid scores and "
+                        f"{cfg.num_experts_per_tok} experts per token: megatron-core renormalises sigmoid weights "
+                        "exactly when k > 1")
+    if cfg.expert_bias and not sigmoid:
+        problems.append("model_config.expert_bias: with softmax scores megatron-core routes without the bias")
+    layers = [0 if n in cfg.dense_layers else 1 for n in range(cfg.num_layers)]
+    return dict(num_experts=cfg.num_experts, moe_router_topk=cfg.num_experts_per_tok,
+                moe_ffn_hidden_size=cfg.expert_size, moe_layer_freq=1 if all(layers) else layers,
+                moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size or None,
+                moe_shared_expert_gate=cfg.shared_expert_gate, moe_router_score_function=cfg.router_score,
+                moe_router_pre_softmax=not sigmoid and not cfg.norm_topk_prob,
+                moe_router_enable_expert_bias=cfg.expert_bias, moe_router_bias_update_rate=cfg.expert_bias_update_rate,
+                moe_router_topk_scaling_factor=None if cfg.routed_scaling_factor == 1.0 else cfg.routed_scaling_factor,
+                moe_grouped_gemm=False, moe_router_load_balancing_type="aux_loss",
+                moe_aux_loss_coeff=cfg.router_aux_loss_coef, moe_z_loss_coeff=cfg.router_z_loss_coef or None,
+                expert_model_parallel_size=ep, expert_tensor_parallel_size=tp), problems
 
 
 def source_manifest(source: str) -> dict:
