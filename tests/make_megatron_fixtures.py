@@ -21,7 +21,7 @@ does, for each LAYOUT:
         for a non-distributed optimizer, optimizer = optimizer.state_dict() and opt_param_scheduler)
     OUT_DIR/LAYOUT/torch_dist/latest_checkpointed_iteration.txt, iter_NNNNNNN/ (*.distcp, metadata.json, common.pt)
     OUT_DIR/LAYOUT/tokens.npy, logits.npy  (megatron-core's forward, real vocabulary columns only)
-    (MoE layouts: legacy files mp_rank_TT[_EEE] only, untrained, no optimizer state)
+    (MoE layouts: untrained, no optimizer state; legacy files mp_rank_TT[_EEE])
     OUT_DIR/LAYOUT/moments_TT_PPP.pt  {parameter name: (exp_avg, exp_avg_sq, step)} read from the live
         optimizer by parameter identity: the ground truth for the converter's index -> name mapping
 
@@ -328,7 +328,8 @@ def make_layout(out_dir: str, tp: int, pp: int, tied: bool, qkv_bias: bool, larg
 
 
 def make_moe_layout(out_dir: str, tp: int, ep: int, tied: bool, options: dict) -> None:
-    """Build a MoE GPT, run it and save its legacy files (expert-parallel ranks as Megatron-LM names them).
+    """Build a MoE GPT, run it and save it as legacy files (expert-parallel ranks as Megatron-LM names them) and
+    torch_dist.
 
     Not trained: megatron-core keeps expert parameters in their own optimizer groups, whose moments the
     converter does not carry yet; the forward and the files are the point.
@@ -346,13 +347,16 @@ def make_moe_layout(out_dir: str, tp: int, ep: int, tied: bool, options: dict) -
     # every rank the same tokens: the allgather dispatcher gathers the expert-parallel group's tokens
     tokens = torch.from_numpy(np.random.default_rng(0).integers(0, args.vocab_size, size=TOKENS_SHAPE))
     logits = forward(model, args, tokens)
-    save = os.path.join(out_dir, "legacy")
-    if parallel_state.get_expert_data_parallel_rank() == 0:  # as Megatron-LM: one file per TP x EP rank
-        save_legacy(model, args, save, tp_rank, 0, ep_rank=ep_rank)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(ITERATION))
+    for fmt in ("legacy", "torch_dist"):
+        save = os.path.join(out_dir, fmt)
+        if fmt == "torch_dist":
+            save_torch_dist(model, args, save)
+        elif parallel_state.get_expert_data_parallel_rank() == 0:  # as Megatron-LM: one file per TP x EP rank
+            save_legacy(model, args, save, tp_rank, 0, ep_rank=ep_rank)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(ITERATION))
         np.save(os.path.join(out_dir, "tokens.npy"), tokens.numpy())
         np.save(os.path.join(out_dir, "logits.npy"), logits[..., :args.vocab_size].double().numpy())
     dist.barrier()

@@ -4,7 +4,7 @@ The fixtures (conftest.py megatron_dir, tests/make_megatron_fixtures.py) are meg
 MoELayer (SequentialMLP local experts, allgather dispatcher) run on CPU: `moe` at TP1 (first layer dense, softmax
 router, shared expert with gate, qk_layernorm, kv_channels 24 != hidden / heads) and `moe_ep2` with the experts
 split over 2 expert-parallel ranks (mp_rank_00_000, mp_rank_00_001; sigmoid router with expert_bias, shared expert
-without gate), each with megatron-core's own logits on fixed tokens. Written back (to_megatron, --ep), they are
+without gate), saved as legacy files and torch_dist, each with megatron-core's own logits on fixed tokens. Written back (to_megatron, --ep), they are
 megatron-core's files again.
 """
 
@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.models.conversion import megatron_files
 from ascend_llm_recipes.models.conversion.megatron import from_megatron, model_config_from_args
-from ascend_llm_recipes.models.conversion.ours import MODEL_SECTION_FILE
+from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, MODEL_SECTION_FILE
 from ascend_llm_recipes.models.conversion.verify import verify_against
 from ascend_llm_recipes.training.tools.export import to_megatron
 from test_convert import assert_nothing_written
@@ -49,15 +50,21 @@ def against_megatron_cores_logits(megatron_dir, layout, converted_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def converted(megatron_dir, tmp_path_factory):
-    """{layout: (manifest, directory)}: each MoE fixture converted once, with --verify."""
+    """{layout: (manifest, directory)} of the legacy files, {(layout, "torch_dist"): ...} of the torch_dist ones:
+    each MoE fixture converted once, with --verify."""
     out = tmp_path_factory.mktemp("moe_converted")
-    return {layout: (from_megatron(str(megatron_dir / layout / "legacy"), str(out / layout), verify=True,
-                                   show_progress=False), out / layout) for layout in MOE_LAYOUTS}
+    made = {}
+    for layout in MOE_LAYOUTS:
+        for fmt, key in (("legacy", layout), ("torch_dist", (layout, "torch_dist"))):
+            made[key] = (from_megatron(str(megatron_dir / layout / fmt), str(out / layout / fmt), verify=True,
+                                       show_progress=False), out / layout / fmt)
+    return made
 
 
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)
 def test_moe_logits_equal_megatron_cores(megatron_dir, converted, layout):
-    """Megatron MoE (legacy, every expert-parallel rank) -> ours gives megatron-core's logits on the same tokens."""
+    """Megatron MoE (legacy, every expert-parallel rank; torch_dist) -> ours gives megatron-core's logits on the
+    same tokens."""
     manifest, out = converted[layout]
     assert manifest["verify"]["reference"] == "a pure-torch Megatron forward"
     assert manifest["source"].get("expert_model_parallel_size") == (2 if layout == "moe_ep2" else 1)
@@ -66,6 +73,12 @@ def test_moe_logits_equal_megatron_cores(megatron_dir, converted, layout):
     assert {key: model.get(key) for key in EXPECTED[layout]} == EXPECTED[layout]
     result = against_megatron_cores_logits(megatron_dir, layout, out)
     print(f"\n[parity] {layout}: max |delta logits| vs megatron-core {result['max_abs_delta']:.2e}")
+    # megatron-core's torch_dist save of the same model (experts on an axis; layer by layer when layers differ,
+    # stacked when they do not) converts to the same tensors
+    manifest, dist_out = converted[layout, "torch_dist"]
+    assert manifest["source"]["format"] == "megatron-torch_dist" and manifest["verify"]["max_abs_delta"] < 1e-4
+    legacy, dist = (load_file(str(d / CHECKPOINT_FILE)) for d in (out, dist_out))
+    assert sorted(legacy) == sorted(dist) and all(torch.equal(legacy[k], dist[k]) for k in legacy)
 
 
 def test_expert_parallel_ranks_are_read_by_global_expert(megatron_dir, tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 
     from_megatron(CKPT_DIR, OUT_DIR)  a Megatron save directory (latest_checkpointed_iteration.txt)
                                       or one iter_NNNNNNN directory, legacy or torch_dist
-    to_megatron(CKPT, cfg, OUT_DIR, tp, pp)  legacy mp_rank_TT[_PPP]/model_optim_rng.pt files
+    to_megatron(CKPT, cfg, OUT_DIR, tp, pp, ep=1)  legacy mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt files
 
 training/tools/export.py resolves what a user names (a run directory, a recipe as --model-config) into
 these functions' arguments and writes the recipe continuing a converted run (--write-recipe).
@@ -19,6 +19,11 @@ layout; `linear_fc1` is [gate; up] per rank in legacy files and [gate of all ran
 in torch_dist; `linear_proj` and `linear_fc2` are split on their input dimension; the vocabulary
 tables are split on rows and padded to make_vocab_size_divisible_by x TP. Rotary embeddings use
 the same half-split layout as ours (rotary_interleaved False), so nothing is permuted.
+
+Mixture of Experts (megatron-core transformer/moe): the router, expert_bias, SequentialMLP's local experts
+(legacy files number them per expert-parallel rank, torch_dist puts all experts on one axis) and the shared
+experts map to models/moe.py's tensors; moe_fields translates the routing arguments and refuses by name what
+megatron-core computes differently (grouped GEMM experts, token dropping, group-limited routing, sinkhorn).
 
 Legacy files are pickles of argparse namespaces (Megatron loads them with weights_only=False, and so
 must this reader): convert only checkpoints you trust.
@@ -231,10 +236,6 @@ def from_megatron(ckpt_dir: str, out_dir: str, iteration: int = None, vocab_size
     """
     with open_megatron(ckpt_dir, iteration) as ckpt:  # each rank file loaded once, released on return
         cfg = model_config_from_args(ckpt.args, f"{ckpt.path} (args)", vocab_size)
-        if cfg.moe and not isinstance(ckpt, LegacyCheckpoint):
-            raise ConversionError(f"{ckpt.path}: Mixture-of-Experts checkpoints are read from legacy files only "
-                                  f"({ckpt.format} stacks the experts in its own layout, not read yet)",
-                                  hint="save the checkpoint with --ckpt-format torch (legacy mp_rank_* files)")
         unknown = ckpt.unknown_tensors(cfg)
         if unknown:
             raise ConversionError(f"{ckpt.path}: {len(unknown)} tensor(s) this converter does not know:\n" +

@@ -288,7 +288,9 @@ class TorchDistCheckpoint(MegatronCheckpoint):
     """A torch_dist directory: global tensors (layers stacked on axis 0), read chunk by chunk without a process group.
 
     Each saved chunk is a small torch.save stream inside a .distcp file (torch.distributed.checkpoint's
-    FileSystemWriter); reading only the chunks of one layer keeps memory at one layer's tensor.
+    FileSystemWriter); reading only the chunks of one layer keeps memory at one layer's tensor. A model whose
+    layers differ (MoE with dense layers) is saved layer by layer (decoder.layers.N.*, no layer axis); routed
+    experts are one tensor per layer with the global expert number on the next axis (mlp.experts.experts.*).
     """
 
     format = "megatron-torch_dist"
@@ -306,6 +308,7 @@ class TorchDistCheckpoint(MegatronCheckpoint):
         common = _torch_load(os.path.join(path, "common.pt"))
         self.args = _args_of(common, os.path.join(path, "common.pt"))
         self.tp, self.pp = self.args["tensor_model_parallel_size"], self.args["pipeline_model_parallel_size"]
+        self.ep = self.args.get("expert_model_parallel_size") or 1  # recorded only: the tensors are global
         self.files = sorted(f for f in os.listdir(path) if f.endswith(".distcp") or f in ("common.pt", "metadata.json"))
         self.tensors = {}  # name -> global shape
         for name, meta in self.metadata.state_dict_metadata.items():
@@ -313,29 +316,38 @@ class TorchDistCheckpoint(MegatronCheckpoint):
                 continue
             self.tensors[name] = tuple(meta.size)
 
-    def find(self, kind: str, layer: int = None) -> tuple:
-        return None, next((n for n in layer_names(kind) if n in self.tensors), None)
+    def candidates(self, kind: str, layer: int = None) -> list:
+        """[(name, its leading index axes)]: stacked over layers, or layer `layer`'s own; experts on an axis."""
+        expert = ["expert"] if is_expert(kind) else []
+        names = [n for n in MEGATRON_TENSORS[kind].names if "{e}" not in n]  # legacy's per-expert names: not here
+        stacked = [(n.replace(".{n}.", "."), (["layer"] if layer is not None and "{n}" in n else []) + expert)
+                   for n in names]
+        return stacked + ([(n.format(n=layer), expert) for n in names if "{n}" in n] if layer is not None else [])
 
-    def merged(self, kind: str, layer: int = None, fc1_merge: str = "per_rank") -> np.ndarray:
-        """The global tensor (one layer of a stacked one), assembled from its saved chunks."""
+    def find(self, kind: str, layer: int = None, expert: int = None) -> tuple:
+        return None, next((n for n, _ in self.candidates(kind, layer) if n in self.tensors), None)
+
+    def merged(self, kind: str, layer: int = None, fc1_merge: str = "per_rank", expert: int = None) -> np.ndarray:
+        """The global tensor (one layer of a stacked one, one expert of an experts' one), from its saved chunks."""
         import torch
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
-        _, name = self.find(kind, layer)
+        name, axes = next(((n, a) for n, a in self.candidates(kind, layer) if n in self.tensors), (None, None))
         if name is None:
             wanted = layer_names(kind)[0]
             raise ConversionError(f"{self.path}: {wanted}: missing")
         size = self.tensors[name]
-        stacked = layer is not None
-        shape = size[1:] if stacked else size
+        wanted = [{"layer": layer, "expert": expert}[axis] for axis in axes]  # one index on each leading axis
+        stacked = bool(axes)
+        shape = size[len(axes):]
         out = np.empty(shape, np.float32)
         filled = 0
         for chunk in self.metadata.state_dict_metadata[name].chunks:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
             if stacked:
-                if not offsets[0] <= layer < offsets[0] + sizes[0]:
+                if not all(o <= w < o + n for o, n, w in zip(offsets, sizes, wanted)):
                     continue
-                rows = slice(layer - offsets[0], layer - offsets[0] + 1)
+                rows = tuple(slice(w - o, w - o + 1) for o, w in zip(offsets, wanted))
             info = self.reader.storage_data[MetadataIndex(name, torch.Size(offsets))]
             if getattr(info, "transform_descriptors", None):
                 raise ConversionError(f"{self.path}: {name} is stored with transforms {info.transform_descriptors}; "
@@ -347,17 +359,18 @@ class TorchDistCheckpoint(MegatronCheckpoint):
                 os.close(fd)
             piece = torch_to_float32(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
             if stacked:
-                piece, offsets, sizes = piece[rows][0], offsets[1:], sizes[1:]
+                piece = piece[rows].reshape(piece.shape[len(axes):])
+                offsets, sizes = offsets[len(axes):], sizes[len(axes):]
             out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = piece
             filled += piece.size
         if filled != out.size:
-            raise ConversionError(f"{self.path}: {name}" + (f" layer {layer}" if stacked else "") +
+            raise ConversionError(f"{self.path}: {name}" + (f" at {dict(zip(axes, wanted))}" if stacked else "") +
                                   f": saved chunks cover {filled} of {out.size} values")
         return out
 
-    def shard(self, kind: str, layer: int, tp_rank: int) -> np.ndarray:
+    def shard(self, kind: str, layer: int, tp_rank: int, expert: int = None) -> np.ndarray:
         """What tensor-parallel rank tp_rank held (legacy's per-rank layout), cut from the global tensor."""
-        full = self.merged(kind, layer)
+        full = self.merged(kind, layer, expert=expert)
         spec = MEGATRON_TENSORS[kind]
         if spec.split is None:
             return full
@@ -366,7 +379,8 @@ class TorchDistCheckpoint(MegatronCheckpoint):
         return rank_share(spec, [parts[row.part] for row in spec.rows], tp_rank, self.tp, groups, head_dim)
 
     def unknown_tensors(self, cfg) -> list:
-        known = {n for kind in present_tensors(MEGATRON_TENSORS, cfg, keep_output=True) for n in layer_names(kind)}
+        known = {n for kind in present_tensors(MEGATRON_TENSORS, cfg, keep_output=True)
+                 for layer in (None, *range(cfg.num_layers)) for n, _ in self.candidates(kind, layer)}
         return [name for name in self.tensors if name not in known]
 
 

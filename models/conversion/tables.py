@@ -156,7 +156,9 @@ MIXTRAL_TABLE = renamed(HF_TABLE, {
 # next linear are read under their second name. Vocabulary rows are padded to make_vocab_size_divisible_by x TP.
 QKV, FC1 = "decoder.layers.{n}.self_attention.linear_qkv.weight", "decoder.layers.{n}.mlp.linear_fc1.weight"
 QKV_BIAS = "decoder.layers.{n}.self_attention.linear_qkv.bias"
-EXPERT_FC1 = "decoder.layers.{n}.mlp.experts.local_experts.{e}.linear_fc1.weight"
+# routed experts: SequentialMLP's local experts in legacy files, all experts on one axis in torch_dist
+EXPERT_FC1 = ("decoder.layers.{n}.mlp.experts.local_experts.{e}.linear_fc1.weight",
+              "decoder.layers.{n}.mlp.experts.experts.linear_fc1.weight")
 SHARED_FC1 = "decoder.layers.{n}.mlp.shared_experts.linear_fc1.weight"
 MEGATRON_TABLE = table(
     Row("model.embed_tokens.weight", ("embedding.word_embeddings.weight",), "strip_vocab_rows", (0,), stage="first"),
@@ -194,10 +196,11 @@ MEGATRON_TABLE = table(
     Row("model.layers.{n}.self_attn.kv_b_proj.weight", ("decoder.layers.{n}.self_attention.linear_kv_up_proj.weight",)),
     Row("model.layers.{n}.mlp.gate.weight", ("decoder.layers.{n}.mlp.router.weight",)),
     Row("model.layers.{n}.mlp.router.expert_bias", ("decoder.layers.{n}.mlp.router.expert_bias",)),
-    Row("model.layers.{n}.mlp.experts.{e}.gate_proj.weight", (EXPERT_FC1,), split=(0,), fuse="gate_up", part="gate"),
-    Row("model.layers.{n}.mlp.experts.{e}.up_proj.weight", (EXPERT_FC1,), split=(0,), fuse="gate_up", part="up"),
+    Row("model.layers.{n}.mlp.experts.{e}.gate_proj.weight", EXPERT_FC1, split=(0,), fuse="gate_up", part="gate"),
+    Row("model.layers.{n}.mlp.experts.{e}.up_proj.weight", EXPERT_FC1, split=(0,), fuse="gate_up", part="up"),
     Row("model.layers.{n}.mlp.experts.{e}.down_proj.weight",
-        ("decoder.layers.{n}.mlp.experts.local_experts.{e}.linear_fc2.weight",), split=(1,)),
+        ("decoder.layers.{n}.mlp.experts.local_experts.{e}.linear_fc2.weight",
+         "decoder.layers.{n}.mlp.experts.experts.linear_fc2.weight"), split=(1,)),
     Row("model.layers.{n}.mlp.shared_expert.gate_proj.weight", (SHARED_FC1,), split=(0,), fuse="gate_up",
         part="gate"),
     Row("model.layers.{n}.mlp.shared_expert.up_proj.weight", (SHARED_FC1,), split=(0,), fuse="gate_up", part="up"),
