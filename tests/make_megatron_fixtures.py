@@ -5,11 +5,11 @@
 LAYOUT is tp1 (tied embeddings), tp2 (q/k/v bias), tp2pp2, moe (Mixture of Experts at TP1: megatron-core's
 SequentialMLP, first layer dense, shared expert with gate, qk_layernorm, kv_channels != hidden / heads) or moe_ep2
 (the experts split over 2 expert-parallel ranks, sigmoid router with expert_bias, shared expert without gate)
-(default: all five, in one launch; ranks beyond TP x PP are data-parallel replicas), or tp2_large (hidden 512, 8 layers, vocabulary 32000; `--processes 2`) to
-measure the converter. The N ranks (default 4) are forked from one process after it has imported torch and
-megatron-core, which each rank would otherwise import again (8-12 CPU-s apiece on 2 cores); under
-`torchrun --nproc-per-node N` the script runs as one of torchrun's ranks instead. Run by tests/test_megatron.py,
-always under a timeout (a failed torch_dist writer hangs its parent).
+(default: all five, in one launch; ranks beyond TP x PP are data-parallel replicas), or tp2_large (hidden 512,
+8 layers, vocabulary 32000; `--processes 2`) to measure the converter. The N ranks (default 4) are forked from one
+process after it has imported torch and megatron-core, which each rank would otherwise import again (8-12 CPU-s
+apiece on 2 cores); under `torchrun --nproc-per-node N` the script runs as one of torchrun's ranks instead. Run by
+tests/conftest.py's megatron_dir, always under a timeout (a failed torch_dist writer hangs its parent).
 Builds megatron-core's GPTModel with the local layer spec on CPU under gloo from a Megatron-LM
 style `args` namespace, fills every parameter with seeded noise (norms around 1), takes TRAIN_STEPS real
 training steps with megatron-core's own optimizer (get_megatron_optimizer, Adam, use_distributed_optimizer

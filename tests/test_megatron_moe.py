@@ -4,8 +4,8 @@ The fixtures (conftest.py megatron_dir, tests/make_megatron_fixtures.py) are meg
 MoELayer (SequentialMLP local experts, allgather dispatcher) run on CPU: `moe` at TP1 (first layer dense, softmax
 router, shared expert with gate, qk_layernorm, kv_channels 24 != hidden / heads) and `moe_ep2` with the experts
 split over 2 expert-parallel ranks (mp_rank_00_000, mp_rank_00_001; sigmoid router with expert_bias, shared expert
-without gate), saved as legacy files and torch_dist, each with megatron-core's own logits on fixed tokens. Written back (to_megatron, --ep), they are
-megatron-core's files again.
+without gate), saved as legacy files and torch_dist, each with megatron-core's own logits on fixed tokens.
+Written back (to_megatron, --ep), they are megatron-core's files again.
 """
 
 import os

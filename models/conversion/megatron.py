@@ -538,7 +538,9 @@ def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteratio
 
 
 def moe_args_for(cfg: ModelConfig, ep: int = 1, tp: int = 1) -> tuple:
-    """(Megatron-LM's MoE arguments for cfg, what megatron-core cannot compute as the model does): moe_fields' inverse."""
+    """(Megatron-LM's MoE arguments for cfg, what megatron-core cannot compute as the model does).
+
+    moe_fields' inverse."""
     if not cfg.moe:
         return dict(num_experts=None), []
     problems = []

@@ -178,9 +178,9 @@ MEGATRON_TABLE = table(
     Row("model.layers.{n}.mlp.up_proj.weight", (FC1,), split=(0,), fuse="gate_up", part="up"),
     Row("model.layers.{n}.mlp.down_proj.weight", ("decoder.layers.{n}.mlp.linear_fc2.weight",), split=(1,)),
     # Qwen3's per-head norms, multi-latent attention (megatron/core/transformer/multi_latent_attention.py) and the MoE
-    # layer (megatron/core/transformer/moe: router, SequentialMLP's local experts, SharedExpertMLP). The reader takes
-    # the q/k norms and the MoE layer from legacy files; multi-latent attention and the writer refuse them (megatron.py).
-    # Local experts are numbered per expert-parallel rank: {e} is the local number in the files.
+    # layer (megatron/core/transformer/moe: router, SequentialMLP's local experts, SharedExpertMLP). Reader and writer
+    # take the q/k norms and the MoE layer; multi-latent attention is refused (megatron.py). Legacy files number
+    # local experts per expert-parallel rank ({e} is the local number there); torch_dist has them on one axis.
     Row("model.layers.{n}.self_attn.q_norm.weight", ("decoder.layers.{n}.self_attention.q_layernorm.weight",)),
     Row("model.layers.{n}.self_attn.k_norm.weight", ("decoder.layers.{n}.self_attention.k_layernorm.weight",)),
     Row("model.layers.{n}.self_attn.q_a_proj.weight", ("decoder.layers.{n}.self_attention.linear_q_down_proj.weight",)),
