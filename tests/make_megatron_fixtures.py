@@ -4,8 +4,8 @@
 
 LAYOUT is tp1 (tied embeddings), tp2 (q/k/v bias), tp2pp2, moe (Mixture of Experts at TP1: megatron-core's
 SequentialMLP, first layer dense, shared expert with gate, qk_layernorm, kv_channels != hidden / heads) or moe_ep2
-(the experts split over 2 expert-parallel ranks, sigmoid router with expert_bias, shared expert without gate)
-(default: all five, in one launch; ranks beyond TP x PP are data-parallel replicas), or tp2_large (hidden 512,
+(the experts split over 2 expert-parallel ranks, sigmoid router with expert_bias, shared expert without gate) or
+moe_tp2ep2 (TP2 x EP2, moe_router_pre_softmax, every other layer dense, no shared expert) (default: all six, in one launch; ranks beyond TP x PP are data-parallel replicas), or tp2_large (hidden 512,
 8 layers, vocabulary 32000; `--processes 2`) to measure the converter. The N ranks (default 4) are forked from one
 process after it has imported torch and megatron-core, which each rank would otherwise import again (8-12 CPU-s
 apiece on 2 cores); under `torchrun --nproc-per-node N` the script runs as one of torchrun's ranks instead. Run by
@@ -51,6 +51,7 @@ MOE_LAYOUTS = {
                              moe_shared_expert_gate=True, qk_layernorm=True, kv_channels=24)),
     "moe_ep2": (1, 2, False, dict(moe_layer_freq=1, moe_shared_expert_intermediate_size=48,
                                   moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)),
+    "moe_tp2ep2": (2, 2, False, dict(moe_layer_freq=2, moe_router_pre_softmax=True, qk_layernorm=True)),
 }
 LARGE = {"tp2_large": (2, 1, False, False)}  # on request only: the size of docs/benchmarks.md's figures
 LARGE_SHAPE = dict(num_layers=8, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8, num_query_groups=4,

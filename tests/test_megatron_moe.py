@@ -4,7 +4,8 @@ The fixtures (conftest.py megatron_dir, tests/make_megatron_fixtures.py) are meg
 MoELayer (SequentialMLP local experts, allgather dispatcher) run on CPU: `moe` at TP1 (first layer dense, softmax
 router, shared expert with gate, qk_layernorm, kv_channels 24 != hidden / heads) and `moe_ep2` with the experts
 split over 2 expert-parallel ranks (mp_rank_00_000, mp_rank_00_001; sigmoid router with expert_bias, shared expert
-without gate), saved as legacy files and torch_dist, each with megatron-core's own logits on fixed tokens.
+without gate), and `moe_tp2ep2` (TP2 x EP2: mp_rank_TT_EEE; pre-softmax top k, every other layer dense, no shared
+expert), saved as legacy files and torch_dist, each with megatron-core's own logits on fixed tokens.
 Written back (to_megatron, --ep), they are megatron-core's files again.
 """
 
@@ -25,7 +26,8 @@ from ascend_llm_recipes.models.conversion.verify import verify_against
 from ascend_llm_recipes.training.tools.export import to_megatron
 from test_convert import assert_nothing_written
 
-MOE_LAYOUTS = ("moe", "moe_ep2")
+MOE_LAYOUTS = ("moe", "moe_ep2", "moe_tp2ep2")
+PARALLEL = {"moe": (1, 1), "moe_ep2": (1, 2), "moe_tp2ep2": (2, 2)}  # (TP, EP)
 EXPECTED = {  # what each fixture's Megatron-LM arguments become in our model_config
     "moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, dense_layers=[0], head_dim=24,
                 qk_norm=True, shared_expert_intermediate_size=48, shared_expert_gate=True, router_score="softmax",
@@ -33,7 +35,14 @@ EXPECTED = {  # what each fixture's Megatron-LM arguments become in our model_co
     "moe_ep2": dict(num_experts=4, dense_layers=[], head_dim=None, qk_norm=False, shared_expert_intermediate_size=48,
                     shared_expert_gate=False, router_score="sigmoid", norm_topk_prob=True, expert_bias=True,
                     tie_word_embeddings=False),
+    "moe_tp2ep2": dict(dense_layers=[1, 3], qk_norm=True, shared_expert_intermediate_size=0, router_score="softmax",
+                       norm_topk_prob=False, expert_bias=False),
 }
+
+
+def layer_pattern(freq, layers: int = 4) -> list:
+    """Megatron-LM's moe_layer_freq (N: every N-th layer has experts, or a 0/1 list) as its 0/1 list."""
+    return [int(n % freq == 0) for n in range(layers)] if isinstance(freq, int) else list(freq)
 
 
 def against_megatron_cores_logits(megatron_dir, layout, converted_dir) -> dict:
@@ -67,7 +76,8 @@ def test_moe_logits_equal_megatron_cores(megatron_dir, converted, layout):
     same tokens."""
     manifest, out = converted[layout]
     assert manifest["verify"]["reference"] == "a pure-torch Megatron forward"
-    assert manifest["source"].get("expert_model_parallel_size") == (2 if layout == "moe_ep2" else 1)
+    assert (manifest["source"]["tensor_model_parallel_size"],
+            manifest["source"]["expert_model_parallel_size"]) == PARALLEL[layout]
     assert not manifest["optimizer"]["carried"] and "MoE" in manifest["optimizer"]["note"]
     model = yaml.safe_load((out / MODEL_SECTION_FILE).read_text())["model"]["model_config"]
     assert {key: model.get(key) for key in EXPECTED[layout]} == EXPECTED[layout]
@@ -117,12 +127,13 @@ def test_a_missing_expert_parallel_rank_is_refused(megatron_dir, tmp_path):
     assert_nothing_written(tmp_path / "out")
 
 
-@pytest.mark.parametrize("layout, ep", [("moe", 1), ("moe_ep2", 2)])
-def test_moe_round_trip_to_megatron_legacy_is_exact(megatron_dir, converted, tmp_path, layout, ep):
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_moe_round_trip_to_megatron_legacy_is_exact(megatron_dir, converted, tmp_path, layout):
     """ours -> Megatron legacy files equal to megatron-core's own, rank file by rank file (experts, router,
     expert_bias, shared experts, q/k norms); only the vocabulary's padding rows are written as zeros."""
     source = megatron_dir / layout / "legacy" / "iter_0000040"
-    to_megatron(str(converted[layout][1]), str(tmp_path / "back"), ep=ep, show_progress=False)
+    tp, ep = PARALLEL[layout]
+    to_megatron(str(converted[layout][1]), str(tmp_path / "back"), tp=tp, ep=ep, show_progress=False)
     back_dir = tmp_path / "back" / "iter_0000040"
     assert sorted(os.listdir(back_dir)) == sorted(os.listdir(source))
     for rank in sorted(os.listdir(source)):
@@ -131,9 +142,11 @@ def test_moe_round_trip_to_megatron_legacy_is_exact(megatron_dir, converted, tmp
         weights = {k: v for k, v in original["model"].items() if not k.endswith("_extra_state")}
         assert sorted(back["model"]) == sorted(weights), rank
         for name, tensor in weights.items():
-            rows = 512 if name in ("embedding.word_embeddings.weight", "output_layer.weight") else None
+            # vocabulary rows: 576 padded, split over TP; the real ones (512) written, the padding ones zeros
+            rows = 512 - 576 // tp * int(rank[8:10]) if name.startswith(("embedding.", "output_layer.")) else None
             assert torch.equal(back["model"][name][:rows], tensor[:rows]), f"{rank}: {name}"
-        for key in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "kv_channels",
+        assert layer_pattern(back["args"].moe_layer_freq) == layer_pattern(original["args"].moe_layer_freq)
+        for key in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "kv_channels", "moe_router_pre_softmax",
                     "qk_layernorm", "moe_shared_expert_gate", "moe_router_score_function",
                     "moe_router_enable_expert_bias", "expert_model_parallel_size"):
             assert getattr(back["args"], key) == getattr(original["args"], key), key
