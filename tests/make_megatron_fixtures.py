@@ -5,8 +5,9 @@
 LAYOUT is tp1 (tied embeddings), tp2 (q/k/v bias), tp2pp2, moe (Mixture of Experts at TP1: megatron-core's
 SequentialMLP, first layer dense, shared expert with gate, qk_layernorm, kv_channels != hidden / heads) or moe_ep2
 (the experts split over 2 expert-parallel ranks, sigmoid router with expert_bias, shared expert without gate) or
-moe_tp2ep2 (TP2 x EP2, moe_router_pre_softmax, every other layer dense, no shared expert) (default: all six, in one launch; ranks beyond TP x PP are data-parallel replicas), or tp2_large (hidden 512,
-8 layers, vocabulary 32000; `--processes 2`) to measure the converter. The N ranks (default 4) are forked from one
+moe_tp2ep2 (TP2 x EP2, moe_router_pre_softmax, every other layer dense, no shared expert) (default: all six, in
+one launch; ranks beyond TP x PP are data-parallel replicas), or tp2_large (hidden 512, 8 layers, vocabulary 32000;
+`--processes 2`) to measure the converter. The N ranks (default 4) are forked from one
 process after it has imported torch and megatron-core, which each rank would otherwise import again (8-12 CPU-s
 apiece on 2 cores); under `torchrun --nproc-per-node N` the script runs as one of torchrun's ranks instead. Run by
 tests/conftest.py's megatron_dir, always under a timeout (a failed torch_dist writer hangs its parent).
