@@ -70,6 +70,8 @@ def main(argv=None) -> int:
     parser.add_argument("--key-map", metavar="YAML", help="--from-torch: `their name: HF name` patterns ({n} = layer)")
     parser.add_argument("--tp", type=count(1), default=1, help="--to-megatron: tensor-parallel degree")
     parser.add_argument("--pp", type=count(1), default=1, help="--to-megatron: pipeline stages")
+    parser.add_argument("--ep", type=count(1), default=1,
+                        help="--to-megatron: expert-parallel degree (a MoE model's experts split over EP files)")
     parser.add_argument("--iteration", type=count(0),
                         help="--from-megatron: iteration to read (default: the latest); --to-megatron: iteration "
                              "to write")

@@ -2,6 +2,9 @@
 
 import importlib.util
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -15,6 +18,7 @@ os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_cpu.yaml")
+MEGATRON_GENERATOR = os.path.join(REPO_ROOT, "tests", "make_megatron_fixtures.py")
 # The tiny dataset's text, shipped so that it is the same on every machine (tests/data/README.md): the first 60
 # modules of CPython 3.11.7's standard library, one file one document, named NN-<path>.txt to keep their order.
 TINY_CORPUS = os.path.join(REPO_ROOT, "tests", "data", "tiny_corpus")
@@ -193,6 +197,26 @@ def tiny_moe_run(tmp_path_factory, tiny_dataset):
     assert launch(MOE_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}"],
                   show_progress=False) == 0
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def megatron_dir(tmp_path_factory):
+    """Every layout of tests/make_megatron_fixtures.py, written once per session by megatron-core in 4 ranks (forked
+    after one import): tests/test_megatron.py and tests/test_megatron_moe.py read them."""
+    out = tmp_path_factory.mktemp("megatron")
+    command = [sys.executable, MEGATRON_GENERATOR, str(out), "--processes", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # its own process group: a timeout kills the ranks too, not only the process that forked them
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:  # a failed torch_dist writer hangs its parent instead of exiting
+        _, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"megatron fixture generation timed out after 240 s:\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stderr[-5000:]
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -2,12 +2,15 @@
 
     python tests/make_megatron_fixtures.py OUT_DIR [LAYOUT ...] [--processes N]
 
-LAYOUT is tp1 (tied embeddings), tp2 (q/k/v bias) or tp2pp2 (default: all three, in one launch; ranks beyond
-TP x PP are data-parallel replicas), or tp2_large (hidden 512, 8 layers, vocabulary 32000; `--processes 2`) to
-measure the converter. The N ranks (default 4) are forked from one process after it has imported torch and
-megatron-core, which each rank would otherwise import again (8-12 CPU-s apiece on 2 cores); under
-`torchrun --nproc-per-node N` the script runs as one of torchrun's ranks instead. Run by tests/test_megatron.py,
-always under a timeout (a failed torch_dist writer hangs its parent).
+LAYOUT is tp1 (tied embeddings), tp2 (q/k/v bias), tp2pp2, moe (Mixture of Experts at TP1: megatron-core's
+SequentialMLP, first layer dense, shared expert with gate, qk_layernorm, kv_channels != hidden / heads) or moe_ep2
+(the experts split over 2 expert-parallel ranks, sigmoid router with expert_bias, shared expert without gate) or
+moe_tp2ep2 (TP2 x EP2, moe_router_pre_softmax, every other layer dense, no shared expert) (default: all six, in
+one launch; ranks beyond TP x PP are data-parallel replicas), or tp2_large (hidden 512, 8 layers, vocabulary 32000;
+`--processes 2`) to measure the converter. The N ranks (default 4) are forked from one
+process after it has imported torch and megatron-core, which each rank would otherwise import again (8-12 CPU-s
+apiece on 2 cores); under `torchrun --nproc-per-node N` the script runs as one of torchrun's ranks instead. Run by
+tests/conftest.py's megatron_dir, always under a timeout (a failed torch_dist writer hangs its parent).
 Builds megatron-core's GPTModel with the local layer spec on CPU under gloo from a Megatron-LM
 style `args` namespace, fills every parameter with seeded noise (norms around 1), takes TRAIN_STEPS real
 training steps with megatron-core's own optimizer (get_megatron_optimizer, Adam, use_distributed_optimizer
@@ -19,6 +22,7 @@ does, for each LAYOUT:
         for a non-distributed optimizer, optimizer = optimizer.state_dict() and opt_param_scheduler)
     OUT_DIR/LAYOUT/torch_dist/latest_checkpointed_iteration.txt, iter_NNNNNNN/ (*.distcp, metadata.json, common.pt)
     OUT_DIR/LAYOUT/tokens.npy, logits.npy  (megatron-core's forward, real vocabulary columns only)
+    (MoE layouts: untrained, no optimizer state; legacy files mp_rank_TT[_EEE])
     OUT_DIR/LAYOUT/moments_TT_PPP.pt  {parameter name: (exp_avg, exp_avg_sq, step)} read from the live
         optimizer by parameter identity: the ground truth for the converter's index -> name mapping
 
@@ -41,6 +45,15 @@ ITERATION = 40
 TRAIN_STEPS = 2  # optimizer steps actually taken: the optimizer restarted at iteration ITERATION - TRAIN_STEPS
 # TP, PP, tied embeddings, q/k/v bias
 LAYOUTS = {"tp1": (1, 1, True, False), "tp2": (2, 1, False, True), "tp2pp2": (2, 2, False, False)}
+# Mixture of Experts (megatron-core's MoELayer with SequentialMLP and the allgather dispatcher): TP, EP, tied, and
+# the MoE/attention arguments, under Megatron-LM's argument names.
+MOE_LAYOUTS = {
+    "moe": (1, 1, True, dict(moe_layer_freq=[0, 1, 1, 1], moe_shared_expert_intermediate_size=48,
+                             moe_shared_expert_gate=True, qk_layernorm=True, kv_channels=24)),
+    "moe_ep2": (1, 2, False, dict(moe_layer_freq=1, moe_shared_expert_intermediate_size=48,
+                                  moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)),
+    "moe_tp2ep2": (2, 2, False, dict(moe_layer_freq=2, moe_router_pre_softmax=True, qk_layernorm=True)),
+}
 LARGE = {"tp2_large": (2, 1, False, False)}  # on request only: the size of docs/benchmarks.md's figures
 LARGE_SHAPE = dict(num_layers=8, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8, num_query_groups=4,
                    kv_channels=64, vocab_size=32000)
@@ -68,6 +81,19 @@ def megatron_args(tp: int, pp: int, tied: bool, qkv_bias: bool = False, large: b
     return args
 
 
+def moe_args(tp: int, ep: int, tied: bool, options: dict) -> argparse.Namespace:
+    """megatron_args plus the MoE arguments (Megatron-LM's names) of a MOE_LAYOUTS entry."""
+    args = megatron_args(tp, 1, tied)
+    vars(args).update({**dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=1,
+                              moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False,
+                              moe_router_score_function="softmax", moe_router_pre_softmax=False,
+                              moe_router_enable_expert_bias=False, moe_router_topk_scaling_factor=None,
+                              moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+                              moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
+                              expert_model_parallel_size=ep, expert_tensor_parallel_size=tp), **options})
+    return args
+
+
 def _padded(vocab: int, multiple: int) -> int:
     return -(-vocab // multiple) * multiple
 
@@ -85,6 +111,10 @@ def cpu_workarounds() -> None:
     # dist_checkpointing.save runs the writer synchronously in this process: a plain queue carries the same results.
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     filesystem_async._results_queue = queue.Queue()
+    # CPU: without TransformerEngine, moe_utils leaves te_general_gemm undefined (its import fallback names only the
+    # other TE functions) and the router's gating linear tests it for None.
+    from megatron.core.transformer.moe import moe_utils
+    moe_utils.te_general_gemm = None
 
 
 class _CpuTensors:
@@ -105,9 +135,19 @@ class _CpuTensors:
 def build_model(args):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+               moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_layer_freq=args.moe_layer_freq,
+               moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+               moe_shared_expert_gate=args.moe_shared_expert_gate,
+               moe_router_score_function=args.moe_router_score_function,
+               moe_router_pre_softmax=args.moe_router_pre_softmax,
+               moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+               moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+               moe_router_load_balancing_type="none", expert_model_parallel_size=args.expert_model_parallel_size,
+               qk_layernorm=args.qk_layernorm) if args.num_experts else {}
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
@@ -118,10 +158,12 @@ def build_model(args):
         params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         # CPU: no fused kernels
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False, **moe,
     )
+    spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization)
+            if args.num_experts else get_gpt_layer_local_spec(normalization=args.normalization))
     return GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        config=config, transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=False, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -129,14 +171,18 @@ def build_model(args):
     )
 
 
-def randomize(model, tp_rank: int, pp_rank: int) -> None:
-    """Seeded noise in every parameter: TP shards differ per rank, replicated ones (norms) agree."""
+def randomize(model, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> None:
+    """Seeded noise in every parameter: TP shards differ per rank, replicated ones (norms) agree; each
+    expert-parallel rank's local experts differ. Router weights are wide (std 1), so that each token's top k
+    is clear of ties; expert_bias (a buffer) gets noise of a size that changes some choices."""
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in [*model.named_parameters(), *((n, b) for n, b in model.named_buffers()
+                                                         if n.endswith("expert_bias"))]:
             sharded = getattr(param, "tensor_model_parallel", False)
-            key = f"{name}|{pp_rank}|{tp_rank if sharded else 'all'}"
+            key = f"{name}|{pp_rank}|{tp_rank if sharded else 'all'}" + (f"|{ep_rank}" if ".experts." in name else "")
             generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
-            noise = torch.randn(param.shape, generator=generator) * 0.05
+            scale = 1.0 if name.endswith("router.weight") else 0.5 if name.endswith("expert_bias") else 0.05
+            noise = torch.randn(param.shape, generator=generator) * scale
             param.copy_(noise + (1.0 if "layernorm" in name or "norm" in name.split(".")[-2] else 0.0))
 
 
@@ -215,9 +261,12 @@ def train(model, args):
     return ddp.module, optimizer, scheduler
 
 
-def save_legacy(model, args, out_dir: str, tp_rank: int, pp_rank: int, optimizer=None, scheduler=None) -> None:
-    """Megatron-LM's legacy layout: one torch.save per model-parallel rank (checkpointing.generate_state_dict)."""
+def save_legacy(model, args, out_dir: str, tp_rank: int, pp_rank: int, optimizer=None, scheduler=None,
+                ep_rank: int = 0) -> None:
+    """Megatron-LM's legacy layout: one torch.save per model-parallel rank (checkpointing.generate_state_dict),
+    named as checkpointing.get_checkpoint_name does: mp_rank_TT[_PPP][_EEE]."""
     name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if args.pipeline_model_parallel_size > 1 else "")
+    name += f"_{ep_rank:03d}" if getattr(args, "expert_model_parallel_size", 1) > 1 else ""
     path = os.path.join(out_dir, f"iter_{ITERATION:07d}", name, "model_optim_rng.pt")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
@@ -280,11 +329,50 @@ def make_layout(out_dir: str, tp: int, pp: int, tied: bool, qkv_bias: bool, larg
     parallel_state.destroy_model_parallel()
 
 
+def make_moe_layout(out_dir: str, tp: int, ep: int, tied: bool, options: dict) -> None:
+    """Build a MoE GPT, run it and save it as legacy files (expert-parallel ranks as Megatron-LM names them) and
+    torch_dist.
+
+    Not trained: megatron-core keeps expert parameters in their own optimizer groups, whose moments the
+    converter does not carry yet; the forward and the files are the point.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
+    args = moe_args(tp, ep, tied, options)
+    model = build_model(args).eval()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    randomize(model, tp_rank, 0, ep_rank)
+    # every rank the same tokens: the allgather dispatcher gathers the expert-parallel group's tokens
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(0, args.vocab_size, size=TOKENS_SHAPE))
+    logits = forward(model, args, tokens)
+    for fmt in ("legacy", "torch_dist"):
+        save = os.path.join(out_dir, fmt)
+        if fmt == "torch_dist":
+            save_torch_dist(model, args, save)
+        elif parallel_state.get_expert_data_parallel_rank() == 0:  # as Megatron-LM: one file per TP x EP rank
+            save_legacy(model, args, save, tp_rank, 0, ep_rank=ep_rank)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(ITERATION))
+        np.save(os.path.join(out_dir, "tokens.npy"), tokens.numpy())
+        np.save(os.path.join(out_dir, "logits.npy"), logits[..., :args.vocab_size].double().numpy())
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
 def run_rank(out_dir: str, layouts: list) -> None:
     """One rank of the world (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment): every layout in turn."""
     cpu_workarounds()
     dist.init_process_group("gloo")
     for name in layouts:
+        if name in MOE_LAYOUTS:
+            make_moe_layout(os.path.join(out_dir, name), *MOE_LAYOUTS[name])
+            continue
         make_layout(os.path.join(out_dir, name), *{**LAYOUTS, **LARGE}[name], large=name in LARGE)
     dist.destroy_process_group()
 
@@ -325,13 +413,13 @@ def fork_ranks(world: int, out_dir: str, layouts: list) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
-    parser.add_argument("layouts", nargs="*", help=f"of {', '.join(LAYOUTS)} (default: all)")
+    parser.add_argument("layouts", nargs="*", help=f"of {', '.join([*LAYOUTS, *MOE_LAYOUTS])} (default: all)")
     parser.add_argument("--processes", type=int, default=4, help="ranks to fork (ignored under torchrun)")
     options = parser.parse_args()
-    unknown = set(options.layouts) - set(LAYOUTS) - set(LARGE)
+    unknown = set(options.layouts) - set(LAYOUTS) - set(MOE_LAYOUTS) - set(LARGE)
     if unknown:
         parser.error(f"unknown layout(s) {sorted(unknown)}")
-    layouts = options.layouts or list(LAYOUTS)
+    layouts = options.layouts or [*LAYOUTS, *MOE_LAYOUTS]
     if "RANK" in os.environ:  # started by torchrun
         run_rank(options.out_dir, layouts)
         return 0

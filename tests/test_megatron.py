@@ -1,8 +1,9 @@
 """Megatron-LM and torch.save imports, proven on checkpoints written by real megatron-core.
 
-The fixtures (tests/make_megatron_fixtures.py, one launch of 4 ranks per session) are megatron-core's
-own GPTModel at TP1 (tied embeddings), TP2 (q/k/v bias) and TP2xPP2 with grouped-query attention, saved in the
-legacy and torch_dist formats, with megatron-core's forward logits on fixed tokens.
+The fixtures (conftest.py megatron_dir: tests/make_megatron_fixtures.py, one launch of 4 ranks per session) are
+megatron-core's own GPTModel at TP1 (tied embeddings), TP2 (q/k/v bias) and TP2xPP2 with grouped-query attention,
+saved in the legacy and torch_dist formats, with megatron-core's forward logits on fixed tokens. Its MoE layouts are
+read by tests/test_megatron_moe.py.
 """
 
 import collections
@@ -10,9 +11,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -33,29 +31,9 @@ from ascend_llm_recipes.training.tools.planner import plan
 from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.checkpoint import step_dir
 
-GENERATOR = os.path.join(REPO_ROOT, "tests", "make_megatron_fixtures.py")
 LAYOUTS = ("tp1", "tp2", "tp2pp2")
 FORMATS = ("legacy", "torch_dist")
 PARITY = 1e-4  # max |delta logits| against megatron-core's own forward
-
-
-@pytest.fixture(scope="session")
-def megatron_dir(tmp_path_factory):
-    """All six fixtures, written once per session by megatron-core in 4 ranks (forked after one import)."""
-    out = tmp_path_factory.mktemp("megatron")
-    command = [sys.executable, GENERATOR, str(out), "--processes", "4"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # its own process group: a timeout kills the ranks too, not only the process that forked them
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:  # a failed torch_dist writer hangs its parent instead of exiting
-        _, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"megatron fixture generation timed out after 240 s:\n{stderr[-3000:]}")
-    assert proc.returncode == 0, stderr[-5000:]
-    return out
 
 
 def transformers_logits(hf_dir, tokens: np.ndarray) -> np.ndarray:
@@ -371,7 +349,7 @@ def _rewrite_args(src, dst, **changes):
 
 
 @pytest.mark.parametrize("arg, value", [("rotary_percent", 0.5), ("normalization", "LayerNorm"), ("swiglu", False),
-                                        ("num_experts", 8), ("add_bias_linear", True)])
+                                        ("multi_latent_attention", True), ("add_bias_linear", True)])
 def test_unsupported_args_are_refused_by_name(tmp_path, megatron_dir, arg, value):
     ckpt = _rewrite_args(megatron_dir / "tp1" / "legacy", tmp_path / "ckpt", **{arg: value})
     with pytest.raises(ConversionError, match=f"{arg}: {value!r} is not supported"):

@@ -2,7 +2,7 @@
 
     from_megatron(CKPT_DIR, OUT_DIR)  a Megatron save directory (latest_checkpointed_iteration.txt)
                                       or one iter_NNNNNNN directory, legacy or torch_dist
-    to_megatron(CKPT, cfg, OUT_DIR, tp, pp)  legacy mp_rank_TT[_PPP]/model_optim_rng.pt files
+    to_megatron(CKPT, cfg, OUT_DIR, tp, pp, ep=1)  legacy mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt files
 
 training/tools/export.py resolves what a user names (a run directory, a recipe as --model-config) into
 these functions' arguments and writes the recipe continuing a converted run (--write-recipe).
@@ -19,6 +19,11 @@ layout; `linear_fc1` is [gate; up] per rank in legacy files and [gate of all ran
 in torch_dist; `linear_proj` and `linear_fc2` are split on their input dimension; the vocabulary
 tables are split on rows and padded to make_vocab_size_divisible_by x TP. Rotary embeddings use
 the same half-split layout as ours (rotary_interleaved False), so nothing is permuted.
+
+Mixture of Experts (megatron-core transformer/moe): the router, expert_bias, SequentialMLP's local experts
+(legacy files number them per expert-parallel rank, torch_dist puts all experts on one axis) and the shared
+experts map to models/moe.py's tensors; moe_fields translates the routing arguments and refuses by name what
+megatron-core computes differently (grouped GEMM experts, token dropping, group-limited routing, sinkhorn).
 
 Legacy files are pickles of argparse namespaces (Megatron loads them with weights_only=False, and so
 must this reader): convert only checkpoints you trust.
@@ -40,8 +45,8 @@ from ascend_llm_recipes.models.conversion.megatron_files import (LATEST_FILE, Le
                                                                  open_megatron)
 from ascend_llm_recipes.models.conversion.ours import FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES, OPTIMIZER_DIR
 from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TABLE, MEGATRON_TENSORS, TRANSFORMS,
-                                                         layer_names, megatron_name, present_tensors, rank_share,
-                                                         row_for, tensor_plan)
+                                                         is_expert, layer_names, megatron_name, present_tensors,
+                                                         rank_share, row_for, tensor_plan)
 from ascend_llm_recipes.models.conversion.verify import verify_against
 from ascend_llm_recipes.models.conversion.write import progress_bar, write_conversion, write_ours
 from ascend_llm_recipes.models.shapes import dimensions, tensor_dimensions
@@ -55,19 +60,27 @@ UNSUPPORTED_ARGS = (
     ("rotary_percent", 1.0, "rotary embeddings cover the whole head (rotary_percent < 1 rotates part of it)"),
     ("rotary_interleaved", False, "rotary pairs are half-split, not interleaved"),
     ("add_bias_linear", False, "the only biases the model has are q/k/v (add_qkv_bias)"),
-    ("num_experts", None, "Mixture-of-Experts layers are not read from Megatron checkpoints yet"),
-    ("qk_layernorm", False, "query/key norms (Qwen3) are not read from Megatron checkpoints yet"),
     ("multi_latent_attention", False, "multi-latent attention (DeepSeek) is not read from Megatron checkpoints yet"),
     ("apply_layernorm_1p", False, "norm weights are used as stored (no 1 + weight)"),
     ("virtual_pipeline_model_parallel_size", None, "the reader expects one model chunk per pipeline stage"),
 )
 # What the Megatron writer does not write yet (the tables name these tensors; the reader refuses them by argument).
 MEGATRON_NOT_YET = (
-    ("num_experts", 0, "Mixture-of-Experts checkpoints are not written for Megatron yet (Hugging Face export works)"),
-    ("qk_norm", False, "query/key norms (Megatron's qk_layernorm) are not written yet"),
-    ("head_dim", None, "an explicit head_dim (Megatron's kv_channels) is not written yet"),
     ("kv_lora_rank", None, "multi-latent attention (Megatron's MLA) is not written yet"),
+    ("n_group", 1, "group-limited routing: megatron-core scores a group by its top topk/group_topk experts, the "
+                   "model by its top 2"),
 )
+# MoE arguments whose other values route or compute differently from models/moe.py (Megatron-LM's names).
+UNSUPPORTED_MOE_ARGS = (
+    ("moe_grouped_gemm", False, "grouped-GEMM experts (TEGroupedMLP's linear_fc1.weight<e>, GroupedMLP's stacked "
+                                "weight1/weight2) are not read yet: convert a checkpoint saved with SequentialMLP"),
+    ("moe_expert_capacity_factor", None, "token dropping: the model's routing is dropless"),
+    ("moe_router_num_groups", 1, "group-limited routing scores a group by its top topk/group_topk experts, the "
+                                    "model by its top 2"),
+    ("moe_latent_size", None, "MoE latent projections are not in the model"),
+    ("moe_router_padding_for_fp8", False, "the router pads its input: not read"),
+)
+MOE_ROUTER_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")  # sinkhorn routes differently
 REQUIRED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size")
 
@@ -87,11 +100,11 @@ def model_config_from_args(args: dict, where: str, vocab_size: int = None) -> Mo
                               hint="only Llama-style Megatron models convert: RMSNorm, rotary positions, SwiGLU, "
                                    "optional q/k/v bias")
     hidden, heads = args["hidden_size"], args["num_attention_heads"]
-    groups = kv_groups(args)[0]
+    groups, head_dim = kv_groups(args)
     tp = args["tensor_model_parallel_size"]
-    if args.get("kv_channels") not in (None, hidden // heads) or hidden % heads:
-        problems.append(f"kv_channels: {args.get('kv_channels')} with hidden_size {hidden} and {heads} heads is not "
-                        "supported: the model uses head_dim = hidden_size / num_attention_heads")
+    if args.get("kv_channels") is None and hidden % heads:
+        problems.append(f"kv_channels: not recorded and hidden_size {hidden} is not a multiple of {heads} heads")
+    moe, problems = moe_fields(args, problems)
     if groups < tp:
         problems.append(f"num_query_groups: {groups} KV groups are fewer than tensor_model_parallel_size {tp} "
                         "(replicated KV heads are not supported)")
@@ -113,12 +126,77 @@ def model_config_from_args(args: dict, where: str, vocab_size: int = None) -> Mo
                        rope_theta=float(args.get("rotary_base", 10000)),
                        initializer_range=float(args.get("init_method_std", 0.02)),
                        tie_word_embeddings=not args.get("untie_embeddings_and_output_weights", False),
-                       qkv_bias=bool(args.get("add_qkv_bias", False)))
+                       qkv_bias=bool(args.get("add_qkv_bias", False)),
+                       head_dim=head_dim if head_dim != hidden // heads else None,
+                       qk_norm=bool(args.get("qk_layernorm", False)), **moe)
+
+
+def moe_fields(args: dict, problems: list) -> tuple:
+    """(our MoE model_config fields, problems + the MoE arguments refused) from Megatron-LM's MoE arguments.
+
+    Megatron-core's router (transformer/moe/moe_utils.py topk_routing_with_score_function): softmax without
+    moe_router_pre_softmax takes the top k logits and softmaxes them (= our softmax, top k, renormalised:
+    norm_topk_prob), with it the top k of the softmax as they are; sigmoid scores are chosen with expert_bias
+    added and renormalised when k > 1; then x moe_router_topk_scaling_factor.
+    """
+    experts = args.get("num_experts")
+    if not experts:
+        return {}, problems
+    problems = list(problems)
+    for key, supported, why in UNSUPPORTED_MOE_ARGS:
+        value = args.get(key, supported)
+        if value not in (None, False, supported):
+            problems.append(f"{key}: {value!r} is not supported ({supported!r} only): {why}")
+    if args.get("moe_router_load_balancing_type", "aux_loss") not in MOE_ROUTER_TYPES:
+        problems.append(f"moe_router_load_balancing_type: {args['moe_router_load_balancing_type']!r} routes tokens "
+                        f"differently from the model's top-k router (supported: {', '.join(MOE_ROUTER_TYPES)})")
+    tp = args["tensor_model_parallel_size"]
+    if args.get("expert_tensor_parallel_size") not in (None, tp):
+        problems.append(f"expert_tensor_parallel_size: {args['expert_tensor_parallel_size']} differs from "
+                        f"tensor_model_parallel_size {tp} (experts split by their own TP are not read)")
+    ep = args.get("expert_model_parallel_size") or 1
+    if experts % ep:
+        problems.append(f"expert_model_parallel_size: {ep} does not divide num_experts {experts}")
+    score = args.get("moe_router_score_function", "softmax")
+    top_k = args.get("moe_router_topk", 2)
+    bias = bool(args.get("moe_router_enable_expert_bias", False))
+    if score not in ("softmax", "sigmoid"):
+        problems.append(f"moe_router_score_function: {score!r} (softmax or sigmoid only)")
+    if bias and score != "sigmoid":
+        problems.append("moe_router_enable_expert_bias: with the softmax score function megatron-core routes without "
+                        "the bias, the model with it (sigmoid scores only)")
+    freq = args.get("moe_layer_freq", 1)
+    layers = args["num_layers"]
+    if isinstance(freq, int) and freq > 0:
+        dense = [n for n in range(layers) if n % freq]
+    elif isinstance(freq, (list, tuple)) and len(freq) == layers and set(freq) <= {0, 1}:
+        dense = [n for n, moe in enumerate(freq) if not moe]
+    else:
+        problems.append(f"moe_layer_freq: {freq!r} is neither a positive integer nor a list of {layers} 0/1 entries")
+        dense = []
+    normalize = (not args.get("moe_router_pre_softmax", False)) if score == "softmax" else top_k > 1
+    coefficient = args.get("moe_aux_loss_coeff") or 0.0
+    balancing = args.get("moe_router_load_balancing_type", "aux_loss")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size"),
+                norm_topk_prob=normalize,
+                shared_expert_intermediate_size=args.get("moe_shared_expert_intermediate_size") or 0,
+                shared_expert_gate=bool(args.get("moe_shared_expert_gate", False)), dense_layers=dense,
+                router_score=score, expert_bias=bias,
+                expert_bias_update_rate=float(args.get("moe_router_bias_update_rate") or 0.0) if bias else 0.0,
+                routed_scaling_factor=float(args.get("moe_router_topk_scaling_factor") or 1.0),
+                # only Megatron's per-layer load-balancing loss is ours (models/moe.py); the sequence- and
+                # global-batch variants are training terms the model does not compute
+                router_aux_loss_coef=float(coefficient) if balancing == "aux_loss" and
+                not isinstance(coefficient, list) else 0.0,
+                router_z_loss_coef=float(args.get("moe_z_loss_coeff") or 0.0)), problems
 
 
 def json_args(args: dict) -> dict:
     """The arguments that JSON can hold (for conversion.json and the way back to Megatron)."""
-    return {k: v for k, v in args.items() if v is None or isinstance(v, (bool, int, float, str))}
+    scalar = (bool, int, float, str)
+    return {k: v for k, v in args.items() if v is None or isinstance(v, scalar) or
+            isinstance(v, list) and all(isinstance(x, scalar) for x in v)}
 
 
 class MegatronWeights(HFWeights):
@@ -137,10 +215,11 @@ class MegatronWeights(HFWeights):
 
     def read(self, name: str) -> np.ndarray:
         row, numbers, shape = self.sources[name]
-        key = (row.theirs, numbers.get("n"))
+        key = (row.theirs, numbers.get("n"), numbers.get("e"))
         if self._cache[0] != key:
             self._cache = (None, None)  # drop the previous one first: one merged tensor alive at a time
-            self._cache = (key, self.ckpt.merged(row.theirs[0], numbers.get("n"), self.fc1_merge))
+            expert = {"expert": numbers["e"]} if "e" in numbers else {}  # only the legacy reader has experts
+            self._cache = (key, self.ckpt.merged(row.theirs[0], numbers.get("n"), self.fc1_merge, **expert))
         tensor = self._cache[1]
         if row.fuse is not None:
             tensor = FUSE[row.fuse][1](tensor, self.cfg.kv_heads, self.cfg.head_size, self.qkv_layout)[row.part]
@@ -165,6 +244,7 @@ def from_megatron(ckpt_dir: str, out_dir: str, iteration: int = None, vocab_size
         weights = MegatronWeights(ckpt, cfg, qkv_layout, fc1_merge)
         source = {"path": ckpt.path, "format": ckpt.format, "iteration": ckpt.iteration,
                   "tensor_model_parallel_size": ckpt.tp, "pipeline_model_parallel_size": ckpt.pp,
+                  **({"expert_model_parallel_size": ckpt.ep} if cfg.moe else {}),
                   "megatron_args": json_args(ckpt.args),
                   "files": [{"file": f, "bytes": os.path.getsize(os.path.join(ckpt.path, f))} for f in ckpt.files]}
         check = (lambda work_dir: verify_against_megatron(ckpt, cfg, work_dir)) if verify else None
@@ -184,6 +264,8 @@ def carried_moments(ckpt, cfg: ModelConfig, qkv_layout: str = "grouped", fc1_mer
     restarts = "training restarts the optimizer (AdamW moments start at zero)"
     if not isinstance(ckpt, LegacyCheckpoint):
         return {}, {"carried": False, "note": f"{restarts}: optimizer state is read from legacy files only"}
+    if cfg.moe:  # megatron-core keeps expert parameters in their own groups (and optimizer, under EP)
+        return {}, {"carried": False, "note": f"{restarts}: the Adam moments of MoE checkpoints are not read yet"}
     try:
         step = ckpt.optimizer_step()
     except ConversionError as err:
@@ -204,6 +286,34 @@ MLP_NORM = megatron_name("model.layers.{n}.post_attention_layernorm.weight")
 FC1 = megatron_name("model.layers.{n}.mlp.gate_proj.weight")
 FC2 = megatron_name("model.layers.{n}.mlp.down_proj.weight")
 FINAL_NORM = megatron_name("model.norm.weight")
+Q_NORM, K_NORM = (megatron_name(f"model.layers.{{n}}.self_attn.{w}_norm.weight") for w in "qk")
+ROUTER, EXPERT_BIAS = megatron_name("model.layers.{n}.mlp.gate.weight"), megatron_name(
+    "model.layers.{n}.mlp.router.expert_bias")
+EXPERT_FC1 = megatron_name("model.layers.{n}.mlp.experts.{e}.gate_proj.weight")
+EXPERT_FC2 = megatron_name("model.layers.{n}.mlp.experts.{e}.down_proj.weight")
+SHARED_FC1 = megatron_name("model.layers.{n}.mlp.shared_expert.gate_proj.weight")
+SHARED_FC2 = megatron_name("model.layers.{n}.mlp.shared_expert.down_proj.weight")
+SHARED_GATE = megatron_name("model.layers.{n}.mlp.shared_expert_gate.weight")
+
+
+def megatron_routing(logits, args: dict):
+    """(T, E) router logits -> (T, E) combine weights, zero outside each token's top k, as megatron-core's
+    topk_routing_with_score_function computes them from Megatron-LM's arguments (`bias`: expert_bias or None)."""
+    import torch
+
+    top_k, bias = args.get("moe_router_topk", 2), args.get("_expert_bias")
+    if args.get("moe_router_score_function", "softmax") == "sigmoid":
+        scores = torch.sigmoid(logits)
+        _, chosen = torch.topk(scores if bias is None else scores + bias, top_k, dim=1)
+        probs = scores.gather(1, chosen)
+        probs = probs / (probs.sum(-1, keepdim=True) + 1e-20) if top_k > 1 else probs
+    elif args.get("moe_router_pre_softmax", False):
+        probs, chosen = torch.topk(torch.softmax(logits, -1), top_k, dim=1)
+    else:
+        top, chosen = torch.topk(logits, top_k, dim=1)
+        probs = torch.softmax(top, -1)
+    probs = probs * (args.get("moe_router_topk_scaling_factor") or 1.0)
+    return torch.zeros_like(logits).scatter(1, chosen, probs)
 
 
 def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.ndarray:
@@ -211,7 +321,9 @@ def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.
 
     Each rank computes with the shards it holds in Megatron's own layouts (grouped qkv, [gate; up]
     fc1) and the partial outputs of linear_proj and linear_fc2 are summed, as their all-reduce does;
-    so the merge into our separate tensors is checked, not assumed.
+    so the merge into our separate tensors is checked, not assumed. MoE layers route as megatron-core does
+    (megatron_routing, from the checkpoint's arguments, not from our model_config) and read each expert from
+    the expert-parallel rank file holding it.
     """
     import torch
     import torch.nn.functional as F
@@ -222,7 +334,8 @@ def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.
     def rms(x, weight):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * weight
 
-    head_dim, groups, tp = cfg.hidden_size // cfg.num_heads, cfg.kv_heads, ckpt.tp
+    groups, head_dim = kv_groups(ckpt.args)
+    tp = ckpt.tp
     per_group = cfg.num_heads // groups
     batch, seq = tokens.shape
     ids = torch.from_numpy(tokens).long()
@@ -236,6 +349,18 @@ def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.
         return v * cos + torch.cat([-v[..., half:], v[..., :half]], -1) * sin
 
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)
+
+    def swiglu(h, fc1, fc2, layer, expert=None):
+        """A SwiGLU MLP over the tensor-parallel ranks' [gate; up] and linear_fc2 shards (summed: all-reduce)."""
+        out = 0
+        for r in range(tp):
+            gate, up = (h @ t(ckpt.shard(fc1, layer, r, **experts(expert))).T).chunk(2, -1)
+            out = out + (F.silu(gate) * up) @ t(ckpt.shard(fc2, layer, r, **experts(expert))).T
+        return out
+
+    def experts(expert):
+        return {} if expert is None else {"expert": expert}
+
     for layer in range(cfg.num_layers):
         h = rms(x, t(ckpt.merged(INPUT_NORM, layer)))
         attn = 0
@@ -247,17 +372,29 @@ def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.
             qkv = qkv.view(batch, seq, groups // tp, per_group + 2, head_dim)
             q = qkv[:, :, :, :per_group].reshape(batch, seq, -1, head_dim).transpose(1, 2)
             k = qkv[:, :, :, per_group].transpose(1, 2).repeat_interleave(per_group, 1)
+            if ckpt.args.get("qk_layernorm"):  # per head, before rotary (megatron-core attention.py)
+                q, k = rms(q, t(ckpt.merged(Q_NORM, layer))), rms(k, t(ckpt.merged(K_NORM, layer)))
             v = qkv[:, :, :, per_group + 1].transpose(1, 2).repeat_interleave(per_group, 1)
             scores = rotate(q) @ rotate(k).transpose(-1, -2) / math.sqrt(head_dim)
             context = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v  # (B, local heads, S, head_dim)
             attn = attn + context.transpose(1, 2).reshape(batch, seq, -1) @ t(ckpt.shard(PROJ, layer, r)).T
         x = x + attn
         h = rms(x, t(ckpt.merged(MLP_NORM, layer)))
-        mlp = 0
-        for r in range(tp):
-            gate, up = (h @ t(ckpt.shard(FC1, layer, r)).T).chunk(2, -1)
-            mlp = mlp + (F.silu(gate) * up) @ t(ckpt.shard(FC2, layer, r)).T
-        x = x + mlp
+        if ckpt.find(ROUTER, layer)[1] is None:  # a dense layer (moe_layer_freq)
+            x = x + swiglu(h, FC1, FC2, layer)
+            continue
+        # MoE layer (megatron-core moe_layer.py): routed experts weighted by the router, plus the shared expert
+        logits = h @ t(ckpt.merged(ROUTER, layer)).T                                    # (B, S, E)
+        bias = t(ckpt.merged(EXPERT_BIAS, layer)) if ckpt.args.get("moe_router_enable_expert_bias") else None
+        weights = megatron_routing(logits.reshape(batch * seq, -1), {**ckpt.args, "_expert_bias": bias})
+        weights = weights.reshape(batch, seq, -1)
+        for e in range(ckpt.args["num_experts"]):
+            x = x + swiglu(h, EXPERT_FC1, EXPERT_FC2, layer, e) * weights[..., e:e + 1]
+        if ckpt.args.get("moe_shared_expert_intermediate_size"):
+            shared = swiglu(h, SHARED_FC1, SHARED_FC2, layer)
+            if ckpt.args.get("moe_shared_expert_gate"):
+                shared = shared * torch.sigmoid(h @ t(ckpt.merged(SHARED_GATE, layer)).T)
+            x = x + shared
     x = rms(x, t(ckpt.merged(FINAL_NORM)))
     head = EMBED if cfg.tie_word_embeddings else OUTPUT
     weight = torch.cat([t(ckpt.shard(head, None, r)) for r in range(tp)])
@@ -273,8 +410,9 @@ def verify_against_megatron(ckpt, cfg: ModelConfig, converted_dir: str) -> dict:
 
 
 def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp: int = 1, iteration: int = None,
-                source: str = None, section_path: str = None, show_progress: bool = True) -> dict:
-    """Write Megatron-LM legacy files (mp_rank_TT[_PPP]/model_optim_rng.pt) for TP x PP, one rank file at a time.
+                source: str = None, section_path: str = None, show_progress: bool = True, ep: int = 1) -> dict:
+    """Write Megatron-LM legacy files (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt) for TP x PP (x EP: a MoE
+    model's experts split over `ep` expert-parallel ranks), one rank file at a time.
 
     `source`: the converted directory whose conversion.json may hold the original Megatron arguments;
     `section_path`: where cfg was read, for the manifest. training/tools/export.py's to_megatron finds both.
@@ -282,7 +420,7 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
     import torch
 
     start = time.perf_counter()
-    numbers = [f"--{name} {value}: must be a positive integer" for name, value in (("tp", tp), ("pp", pp))
+    numbers = [f"--{name} {value}: must be a positive integer" for name, value in (("tp", tp), ("pp", pp), ("ep", ep))
                if type(value) is not int or value < 1]
     if iteration is not None and (type(iteration) is not int or iteration < 0):
         numbers.append(f"--iteration {iteration}: must be 0 or more (Megatron names iter_NNNNNNN directories by it)")
@@ -293,9 +431,14 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
     problems = [f"{p.ours}: missing" for p in plan.values() if p.ours not in ckpt.tensors]
     groups = cfg.kv_heads
     for what, value in (("num_heads", cfg.num_heads), ("num_kv_heads", groups),
-                        ("intermediate_size", cfg.intermediate_size)):
+                        ("intermediate_size", cfg.intermediate_size),
+                        ("moe_intermediate_size", cfg.expert_size if cfg.moe else 0),
+                        ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):
         if value % tp:
             problems.append(f"--tp {tp} does not divide {what} ({value})")
+    if ep > 1 and (not cfg.moe or cfg.num_experts % ep):
+        problems.append(f"--ep {ep} does not divide num_experts ({cfg.num_experts})")
+    problems += moe_args_for(cfg)[1]
     if cfg.num_layers % pp:
         problems.append(f"--pp {pp} does not divide num_layers ({cfg.num_layers})")
     problems += [f"model_config.{name}: {getattr(cfg, name)!r}: {why}" for name, value, why in MEGATRON_NOT_YET
@@ -303,7 +446,7 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
     if problems:
         raise ConversionError(f"{ckpt_path}: cannot write TP {tp} x PP {pp}:\n" +
                               "\n".join(f"  - {p}" for p in problems))
-    args = _megatron_args_for(cfg, tp, pp, source or os.path.dirname(ckpt_path), iteration)
+    args = _megatron_args_for(cfg, tp, pp, source or os.path.dirname(ckpt_path), iteration, ep)
     iteration = args["iteration"]
     padded = args["padded_vocab_size"]
     if os.path.exists(out_dir) and os.listdir(out_dir):
@@ -314,11 +457,14 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
     dims = {**dimensions(cfg), "vocab": padded}  # Megatron's shapes: vocabulary rows padded
     their_shapes = {pattern: tuple(dims[d] for d in names) for pattern, _, names in tensor_dimensions(cfg)}
 
-    def rank_state(p: int, t: int) -> dict:
-        """Rank (t, p)'s tensors, generated from MEGATRON_TABLE.
+    per_rank = cfg.num_experts // ep
+
+    def rank_state(p: int, t: int, e: int) -> dict:
+        """Rank (t, p, e)'s tensors, generated from MEGATRON_TABLE.
 
         In the order Megatron's model holds them: the embedding (first stage), each layer, the final norm and
-        output layer (last stage).
+        output layer (last stage). A layer has the rows whose tensors it has (dense or MoE MLP, per layer);
+        expert-parallel rank e holds global experts e x E/EP .. (e + 1) x E/EP - 1 under local numbers.
         """
         first = cfg.num_layers // pp * p
         layers = [(n, n - first) for n in range(first, first + cfg.num_layers // pp)]
@@ -328,42 +474,47 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
                 continue
             for n, local in layers if group is None else [(None, None)]:
                 for kind in (k for k in kinds if MEGATRON_TENSORS[k].stage == group):
-                    parts = [their_tensor(row, n) for row in MEGATRON_TENSORS[kind].rows]
-                    state[layer_names(kind, local)[0]] = rank_share(MEGATRON_TENSORS[kind], parts, t, tp, cfg.kv_heads,
-                                                                    cfg.head_size)
+                    experts = range(per_rank) if is_expert(kind) else (None,)
+                    for local_e, g in ((le, None if le is None else e * per_rank + le) for le in experts):
+                        rows = [row for row in MEGATRON_TENSORS[kind].rows if row.ours.format(n=n, e=g) in plan]
+                        if not rows:  # a dense layer's router, a MoE layer's dense MLP, MLA's q_a_layernorm
+                            continue
+                        parts = [their_tensor(row, n, g) for row in rows]
+                        state[layer_names(kind, local, local_e)[0]] = rank_share(
+                            MEGATRON_TENSORS[kind], parts, t, tp, cfg.kv_heads, cfg.head_size)
         return state
 
-    def their_tensor(row, n):
-        """Our tensor of `row` at layer n, in Megatron's layout (vocabulary rows padded)."""
-        item = plan[row.ours.format(n=n)]
+    def their_tensor(row, n, e=None):
+        """Our tensor of `row` at layer n (expert e), in Megatron's layout (vocabulary rows padded)."""
+        item = plan[row.ours.format(n=n, e=e)]
         hf = TRANSFORMS[item.transform][1](ckpt.read(item.ours), item.hf_shape)
         return TRANSFORMS[row.transform][1](hf, their_shapes[row.ours], cfg)
 
     def write_files(work_dir: str) -> dict:
-        with progress_bar(tp * pp, "write rank files", show_progress) as bar:
-            for p in range(pp):
-                for t in range(tp):
-                    state = rank_state(p, t)
-                    name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
-                    os.makedirs(os.path.join(work_dir, iter_name, name))
-                    torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0,
-                                "iteration": iteration,
-                                "model": {k: torch.from_numpy(np.array(v)) for k, v in state.items()}},
-                               os.path.join(work_dir, iter_name, name, RANK_FILE))
-                    del state
-                    bar.update()
+        with progress_bar(tp * pp * ep, "write rank files", show_progress) as bar:
+            for p, e, t in ((p, e, t) for p in range(pp) for e in range(ep) for t in range(tp)):
+                state = rank_state(p, t, e)
+                # Megatron-LM's get_checkpoint_name: _PPP with pipeline stages, _EEE with expert parallelism
+                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+                os.makedirs(os.path.join(work_dir, iter_name, name))
+                torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": iteration,
+                            "model": {k: torch.from_numpy(np.array(v)) for k, v in state.items()}},
+                           os.path.join(work_dir, iter_name, name, RANK_FILE))
+                del state
+                bar.update()
         with open(os.path.join(work_dir, LATEST_FILE), "w", encoding="utf-8") as f:
             f.write(str(iteration) if iteration else "release")
         return {"format_version": FORMAT_VERSION, "direction": "to-megatron",
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "source": {"path": ckpt_path, "model_section": section_path}, "checkpoint": iter_name,
                 "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                **({"expert_model_parallel_size": ep} if cfg.moe else {}),
                 "model": json_args(args), "tensors": [], "ignored": []}
 
     return write_conversion(out_dir, write_files, start=start)
 
 
-def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteration: int = None) -> dict:
+def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteration: int = None, ep: int = 1) -> dict:
     """Megatron-LM arguments for cfg at TP x PP, starting from the original run's when it came from Megatron."""
     original = source_manifest(source).get("source", {})
     args = dict(original.get("megatron_args") or {})
@@ -371,7 +522,7 @@ def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteratio
     groups = cfg.kv_heads
     args.update(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads,
                 group_query_attention=groups != cfg.num_heads, num_query_groups=groups,
-                kv_channels=cfg.hidden_size // cfg.num_heads, ffn_hidden_size=cfg.intermediate_size,
+                kv_channels=cfg.head_size, qk_layernorm=cfg.qk_norm, ffn_hidden_size=cfg.intermediate_size,
                 seq_length=cfg.seq_length, max_position_embeddings=max(cfg.seq_length,
                                                                        args.get("max_position_embeddings") or 0),
                 position_embedding_type="rope", rotary_base=cfg.rope_theta, rotary_percent=1.0,
@@ -382,8 +533,35 @@ def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteratio
                 padded_vocab_size=round_up(cfg.vocab_size, divisible * tp),
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                 iteration=iteration if iteration is not None else original.get("iteration", 0),
-                init_method_std=cfg.initializer_range)
+                init_method_std=cfg.initializer_range, **moe_args_for(cfg, ep, tp)[0])
     return args
+
+
+def moe_args_for(cfg: ModelConfig, ep: int = 1, tp: int = 1) -> tuple:
+    """(Megatron-LM's MoE arguments for cfg, what megatron-core cannot compute as the model does).
+
+    moe_fields' inverse."""
+    if not cfg.moe:
+        return dict(num_experts=None), []
+    problems = []
+    sigmoid = cfg.router_score == "sigmoid"
+    if sigmoid and cfg.norm_topk_prob != (cfg.num_experts_per_tok > 1):
+        problems.append(f"model_config.norm_topk_prob: {cfg.norm_topk_prob!r} with sigmoid scores and "
+                        f"{cfg.num_experts_per_tok} experts per token: megatron-core renormalises sigmoid weights "
+                        "exactly when k > 1")
+    if cfg.expert_bias and not sigmoid:
+        problems.append("model_config.expert_bias: with softmax scores megatron-core routes without the bias")
+    layers = [0 if n in cfg.dense_layers else 1 for n in range(cfg.num_layers)]
+    return dict(num_experts=cfg.num_experts, moe_router_topk=cfg.num_experts_per_tok,
+                moe_ffn_hidden_size=cfg.expert_size, moe_layer_freq=1 if all(layers) else layers,
+                moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size or None,
+                moe_shared_expert_gate=cfg.shared_expert_gate, moe_router_score_function=cfg.router_score,
+                moe_router_pre_softmax=not sigmoid and not cfg.norm_topk_prob,
+                moe_router_enable_expert_bias=cfg.expert_bias, moe_router_bias_update_rate=cfg.expert_bias_update_rate,
+                moe_router_topk_scaling_factor=None if cfg.routed_scaling_factor == 1.0 else cfg.routed_scaling_factor,
+                moe_grouped_gemm=False, moe_router_load_balancing_type="aux_loss",
+                moe_aux_loss_coeff=cfg.router_aux_loss_coef, moe_z_loss_coeff=cfg.router_z_loss_coef or None,
+                expert_model_parallel_size=ep, expert_tensor_parallel_size=tp), problems
 
 
 def source_manifest(source: str) -> dict:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.models.conversion.formats import read_mapped, torch_to_float32
-from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TENSORS, join_ranks, layer_names,
+from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TENSORS, is_expert, join_ranks, layer_names,
                                                          present_tensors, rank_share)
 
 
@@ -59,10 +59,11 @@ def iteration_dir(ckpt_dir: str, iteration: int = None) -> tuple:
 
 
 def kv_groups(args: dict) -> tuple:
-    """(KV groups, head_dim) of a Megatron model from its arguments (the fused qkv's layout)."""
+    """(KV groups, head_dim) of a Megatron model from its arguments (the fused qkv's layout): head_dim is
+    kv_channels when given (Qwen3's explicit head_dim), else hidden_size / num_attention_heads."""
     heads = args["num_attention_heads"]
     groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
-    return groups or heads, args["hidden_size"] // heads
+    return groups or heads, args.get("kv_channels") or args["hidden_size"] // heads
 
 
 def open_megatron(ckpt_dir: str, iteration: int = None):
@@ -73,10 +74,10 @@ def open_megatron(ckpt_dir: str, iteration: int = None):
     path, iteration = iteration_dir(ckpt_dir, iteration)
     if os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(os.path.join(path, ".metadata")):
         return TorchDistCheckpoint(path, iteration)
-    if any(re.fullmatch(r"mp_rank_\d\d(_\d\d\d)?", d) for d in os.listdir(path)):
+    if any(re.fullmatch(r"mp_rank_\d\d(_\d\d\d){0,2}", d) for d in os.listdir(path)):
         return LegacyCheckpoint(path, iteration)
     raise ConversionError(f"{path}: neither a torch_dist checkpoint (metadata.json, .metadata, *.distcp) nor "
-                          "legacy mp_rank_TT[_PPP]/model_optim_rng.pt files")
+                          "legacy mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt files")
 
 
 def _torch_load(path: str, **kwargs):
@@ -103,7 +104,12 @@ class MegatronCheckpoint:
 
 
 class LegacyCheckpoint(MegatronCheckpoint):
-    """mp_rank_TT[_PPP]/model_optim_rng.pt files; tensors read one shard at a time.
+    """mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt files; tensors read one shard at a time.
+
+    Megatron-LM (training/checkpointing.py get_checkpoint_name) appends _PPP when pipeline_model_parallel_size
+    > 1 and _EEE when expert_model_parallel_size > 1. Each expert-parallel rank's file holds the whole model
+    but only its E / EP routed experts, numbered locally: global expert g is local expert g % (E / EP) of
+    rank g // (E / EP). Everything else is read from expert-parallel rank 0.
 
     Each rank file is loaded (torch.load, memory-mapped) once and kept until close(): a conversion reads
     every tensor several times (the index, the weights, the --verify forward, the optimizer's step and
@@ -118,22 +124,29 @@ class LegacyCheckpoint(MegatronCheckpoint):
     def __init__(self, path: str, iteration: int):
         self.path, self.iteration = path, iteration
         self._states = {}  # rank file path -> its torch.load result, until close() (shared with moments() views)
-        first = self._file(0, 0)
+        self.ep = 1
+        first = next((f for f in (os.path.join(path, d, RANK_FILE) for d in ("mp_rank_00", "mp_rank_00_000",
+                                                                             "mp_rank_00_000_000"))
+                      if os.path.isfile(f)), self._file(0, 0))
         state = self._state(first)
         self.args = _args_of(state, first)
         self.tp, self.pp = self.args["tensor_model_parallel_size"], self.args["pipeline_model_parallel_size"]
-        self.files = [os.path.relpath(self._file(t, p), path) for p in range(self.pp) for t in range(self.tp)]
+        self.ep = self.args.get("expert_model_parallel_size") or 1
+        self.files = [os.path.relpath(self._file(t, p, e), path) for p in range(self.pp) for e in range(self.ep)
+                      for t in range(self.tp)]
         missing = [f for f in self.files if not os.path.isfile(os.path.join(path, f))]
         if missing:
             raise ConversionError(f"{path}: missing rank file(s) {', '.join(missing)} for tensor_model_parallel_size "
-                                  f"{self.tp} x pipeline_model_parallel_size {self.pp}",
+                                  f"{self.tp} x pipeline_model_parallel_size {self.pp}" +
+                                  (f" x expert_model_parallel_size {self.ep}" if self.ep > 1 else ""),
                                   hint="copy every mp_rank_* directory of the iteration")
         self.stage_layers = []  # per pipeline stage: its global layer numbers (stages number layers locally)
-        self.index = {}         # (tp, pp) -> {name: shape}
+        self.index = {}         # (tp, pp, ep) -> {name: shape}
         for p in range(self.pp):
             for t in range(self.tp):
-                self.index[t, p] = self._index(t, p)
-            local = sorted({int(m.group(1)) for name in self.index[0, p]
+                for e in range(self.ep):
+                    self.index[t, p, e] = self._index(t, p, e)
+            local = sorted({int(m.group(1)) for name in self.index[0, p, 0]
                             for m in [re.match(r"decoder\.layers\.(\d+)\.", name)] if m})
             offset = sum(len(s) for s in self.stage_layers)
             self.stage_layers.append([offset + n for n in local])
@@ -147,9 +160,12 @@ class LegacyCheckpoint(MegatronCheckpoint):
     def close(self) -> None:
         self._states.clear()
 
-    def _file(self, t: int, p: int) -> str:
-        name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if os.path.isdir(os.path.join(self.path, f"mp_rank_{t:02d}_000"))
-                                     else "")
+    def _file(self, t: int, p: int, e: int = 0) -> str:
+        if self.ep > 1:
+            name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else "") + f"_{e:03d}"
+        else:
+            name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if os.path.isdir(os.path.join(self.path, f"mp_rank_{t:02d}_000"))
+                                         else "")
         return os.path.join(self.path, name, RANK_FILE)
 
     def _model(self, state: dict, path: str) -> dict:
@@ -159,8 +175,8 @@ class LegacyCheckpoint(MegatronCheckpoint):
             raise ConversionError(f"{path}: no 'model' entry{extra}")
         return state["model"]
 
-    def _index(self, t: int, p: int) -> dict:
-        path = self._file(t, p)
+    def _index(self, t: int, p: int, e: int = 0) -> dict:
+        path = self._file(t, p, e)
         state = self._state(path)
         found = {}
         for name, value in self._model(state, path).items():
@@ -179,24 +195,34 @@ class LegacyCheckpoint(MegatronCheckpoint):
         raise ConversionError(f"{self.path}: no pipeline stage holds layer {layer} (stages hold "
                               f"{[len(s) for s in self.stage_layers]} layers)")
 
-    def names(self, kind: str, layer: int = None) -> tuple:
+    def expert_location(self, expert: int) -> tuple:
+        """(expert-parallel rank, local expert number) of a global routed expert (0 and None: not an expert)."""
+        if expert is None:
+            return 0, None
+        per_rank = self.args["num_experts"] // self.ep
+        return expert // per_rank, expert % per_rank
+
+    def names(self, kind: str, layer: int = None, expert: int = None) -> tuple:
         """(stage, candidate names) of one Megatron tensor in the rank files."""
         if layer is None:
             return (self.pp - 1 if MEGATRON_TENSORS[kind].stage == "last" else 0), layer_names(kind)
         stage, local = self.layer_location(layer)
-        return stage, layer_names(kind, local)
+        return stage, layer_names(kind, local, self.expert_location(expert)[1])
 
-    def find(self, kind: str, layer: int = None) -> tuple:
-        stage, names = self.names(kind, layer)
-        name = next((n for n in names if n in self.index[0, stage]), None)
+    def find(self, kind: str, layer: int = None, expert: int = None) -> tuple:
+        stage, names = self.names(kind, layer, expert)
+        name = next((n for n in names if n in self.index[0, stage, self.expert_location(expert)[0]]), None)
         return stage, name
 
-    def shard(self, kind: str, layer: int, tp_rank: int) -> np.ndarray:
-        """One rank's tensor as stored in its file (a copy; the file pages it was read from are released)."""
-        stage, name = self.find(kind, layer)
-        path = self._file(tp_rank, stage)
-        if name is None or name not in self.index[tp_rank, stage]:
-            raise ConversionError(f"{path}: {' or '.join(self.names(kind, layer)[1])}: missing")
+    def shard(self, kind: str, layer: int, tp_rank: int, expert: int = None) -> np.ndarray:
+        """One rank's tensor as stored in its file (a copy; the file pages it was read from are released).
+
+        `expert`: the global number of a routed expert's tensor, read from the expert-parallel rank holding it."""
+        stage, name = self.find(kind, layer, expert)
+        ep_rank = self.expert_location(expert)[0]
+        path = self._file(tp_rank, stage, ep_rank)
+        if name is None or name not in self.index[tp_rank, stage, ep_rank]:
+            raise ConversionError(f"{path}: {' or '.join(self.names(kind, layer, expert)[1])}: missing")
         state = self._state(path)
         tensors = self._model(state, path) if self.source == "model" else optimizer_moments(state, path, self.source)
         return read_mapped(tensors[name])
@@ -215,7 +241,7 @@ class LegacyCheckpoint(MegatronCheckpoint):
         steps = set()
         for p in range(self.pp):
             for t in range(self.tp):
-                path = self._file(t, p)
+                path = self._file(t, p, 0)
                 state = self._state(path)
                 optimizer_moments(state, path, "exp_avg")
                 steps |= {int(entry["step"]) for entry in state["optimizer"]["state"].values()}
@@ -223,7 +249,7 @@ class LegacyCheckpoint(MegatronCheckpoint):
             raise ConversionError(f"{self.path}: Adam step counts differ between parameters ({sorted(steps)})")
         return steps.pop()
 
-    def merged(self, kind: str, layer: int = None, fc1_merge: str = "per_rank") -> np.ndarray:
+    def merged(self, kind: str, layer: int = None, fc1_merge: str = "per_rank", expert: int = None) -> np.ndarray:
         """The global tensor in torch_dist's convention, from the TP shards read one at a time.
 
         fc1_merge="concat" stacks the ranks' [gate; up] blocks as they are: wrong for TP > 1, kept to
@@ -231,29 +257,30 @@ class LegacyCheckpoint(MegatronCheckpoint):
         """
         spec = MEGATRON_TENSORS[kind]
         if spec.split is None:  # norms are replicated: every rank must hold the same values
-            first = self.shard(kind, layer, 0)
+            first = self.shard(kind, layer, 0, expert)
             for t in range(1, self.tp):
-                if not np.array_equal(first, self.shard(kind, layer, t)):
-                    raise ConversionError(f"{self.path}: {self.find(kind, layer)[1]} differs between tensor-parallel "
-                                          f"ranks 0 and {t} (replicated weights must agree)")
+                if not np.array_equal(first, self.shard(kind, layer, t, expert)):
+                    raise ConversionError(f"{self.path}: {self.find(kind, layer, expert)[1]} differs between "
+                                          f"tensor-parallel ranks 0 and {t} (replicated weights must agree)")
             return first
-        shards = [self.shard(kind, layer, t) for t in range(self.tp)]
+        shards = [self.shard(kind, layer, t, expert) for t in range(self.tp)]
         if fc1_merge == "concat":
             return np.concatenate(shards, axis=spec.split)
         return join_ranks(spec, shards, *kv_groups(self.args))
 
     def unknown_tensors(self, cfg) -> list:
-        """Names in the rank files that no row consumes (biases other than q/k/v, MoE, ...)."""
+        """Names in the rank files that no row consumes (biases other than q/k/v, ...)."""
         known = set()
         kinds = present_tensors(MEGATRON_TENSORS, cfg, keep_output=True)
+        local_experts = range(cfg.num_experts // self.ep)
         for p in range(self.pp):
             stages = {"first"} if p == 0 else set()
             stages |= {"last"} if p == self.pp - 1 else set()
             known |= {n for kind in kinds if MEGATRON_TENSORS[kind].stage in stages for n in layer_names(kind)}
             for local in range(len(self.stage_layers[p])):
                 known |= {n for kind in kinds if MEGATRON_TENSORS[kind].stage is None
-                          for n in layer_names(kind, local)}
-        return [f"{self.files[p * self.tp + t]}: {name}" for (t, p), names in self.index.items()
+                          for e in (local_experts if is_expert(kind) else (None,)) for n in layer_names(kind, local, e)}
+        return [f"{os.path.relpath(self._file(t, p, e), self.path)}: {name}" for (t, p, e), names in self.index.items()
                 for name in names if name not in known]
 
 
@@ -261,7 +288,9 @@ class TorchDistCheckpoint(MegatronCheckpoint):
     """A torch_dist directory: global tensors (layers stacked on axis 0), read chunk by chunk without a process group.
 
     Each saved chunk is a small torch.save stream inside a .distcp file (torch.distributed.checkpoint's
-    FileSystemWriter); reading only the chunks of one layer keeps memory at one layer's tensor.
+    FileSystemWriter); reading only the chunks of one layer keeps memory at one layer's tensor. A model whose
+    layers differ (MoE with dense layers) is saved layer by layer (decoder.layers.N.*, no layer axis); routed
+    experts are one tensor per layer with the global expert number on the next axis (mlp.experts.experts.*).
     """
 
     format = "megatron-torch_dist"
@@ -279,6 +308,7 @@ class TorchDistCheckpoint(MegatronCheckpoint):
         common = _torch_load(os.path.join(path, "common.pt"))
         self.args = _args_of(common, os.path.join(path, "common.pt"))
         self.tp, self.pp = self.args["tensor_model_parallel_size"], self.args["pipeline_model_parallel_size"]
+        self.ep = self.args.get("expert_model_parallel_size") or 1  # recorded only: the tensors are global
         self.files = sorted(f for f in os.listdir(path) if f.endswith(".distcp") or f in ("common.pt", "metadata.json"))
         self.tensors = {}  # name -> global shape
         for name, meta in self.metadata.state_dict_metadata.items():
@@ -286,29 +316,38 @@ class TorchDistCheckpoint(MegatronCheckpoint):
                 continue
             self.tensors[name] = tuple(meta.size)
 
-    def find(self, kind: str, layer: int = None) -> tuple:
-        return None, next((n for n in layer_names(kind) if n in self.tensors), None)
+    def candidates(self, kind: str, layer: int = None) -> list:
+        """[(name, its leading index axes)]: stacked over layers, or layer `layer`'s own; experts on an axis."""
+        expert = ["expert"] if is_expert(kind) else []
+        names = [n for n in MEGATRON_TENSORS[kind].names if "{e}" not in n]  # legacy's per-expert names: not here
+        stacked = [(n.replace(".{n}.", "."), (["layer"] if layer is not None and "{n}" in n else []) + expert)
+                   for n in names]
+        return stacked + ([(n.format(n=layer), expert) for n in names if "{n}" in n] if layer is not None else [])
 
-    def merged(self, kind: str, layer: int = None, fc1_merge: str = "per_rank") -> np.ndarray:
-        """The global tensor (one layer of a stacked one), assembled from its saved chunks."""
+    def find(self, kind: str, layer: int = None, expert: int = None) -> tuple:
+        return None, next((n for n, _ in self.candidates(kind, layer) if n in self.tensors), None)
+
+    def merged(self, kind: str, layer: int = None, fc1_merge: str = "per_rank", expert: int = None) -> np.ndarray:
+        """The global tensor (one layer of a stacked one, one expert of an experts' one), from its saved chunks."""
         import torch
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
-        _, name = self.find(kind, layer)
+        name, axes = next(((n, a) for n, a in self.candidates(kind, layer) if n in self.tensors), (None, None))
         if name is None:
             wanted = layer_names(kind)[0]
             raise ConversionError(f"{self.path}: {wanted}: missing")
         size = self.tensors[name]
-        stacked = layer is not None
-        shape = size[1:] if stacked else size
+        wanted = [{"layer": layer, "expert": expert}[axis] for axis in axes]  # one index on each leading axis
+        stacked = bool(axes)
+        shape = size[len(axes):]
         out = np.empty(shape, np.float32)
         filled = 0
         for chunk in self.metadata.state_dict_metadata[name].chunks:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
             if stacked:
-                if not offsets[0] <= layer < offsets[0] + sizes[0]:
+                if not all(o <= w < o + n for o, n, w in zip(offsets, sizes, wanted)):
                     continue
-                rows = slice(layer - offsets[0], layer - offsets[0] + 1)
+                rows = tuple(slice(w - o, w - o + 1) for o, w in zip(offsets, wanted))
             info = self.reader.storage_data[MetadataIndex(name, torch.Size(offsets))]
             if getattr(info, "transform_descriptors", None):
                 raise ConversionError(f"{self.path}: {name} is stored with transforms {info.transform_descriptors}; "
@@ -320,17 +359,18 @@ class TorchDistCheckpoint(MegatronCheckpoint):
                 os.close(fd)
             piece = torch_to_float32(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
             if stacked:
-                piece, offsets, sizes = piece[rows][0], offsets[1:], sizes[1:]
+                piece = piece[rows].reshape(piece.shape[len(axes):])
+                offsets, sizes = offsets[len(axes):], sizes[len(axes):]
             out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = piece
             filled += piece.size
         if filled != out.size:
-            raise ConversionError(f"{self.path}: {name}" + (f" layer {layer}" if stacked else "") +
+            raise ConversionError(f"{self.path}: {name}" + (f" at {dict(zip(axes, wanted))}" if stacked else "") +
                                   f": saved chunks cover {filled} of {out.size} values")
         return out
 
-    def shard(self, kind: str, layer: int, tp_rank: int) -> np.ndarray:
+    def shard(self, kind: str, layer: int, tp_rank: int, expert: int = None) -> np.ndarray:
         """What tensor-parallel rank tp_rank held (legacy's per-rank layout), cut from the global tensor."""
-        full = self.merged(kind, layer)
+        full = self.merged(kind, layer, expert=expert)
         spec = MEGATRON_TENSORS[kind]
         if spec.split is None:
             return full
@@ -339,7 +379,8 @@ class TorchDistCheckpoint(MegatronCheckpoint):
         return rank_share(spec, [parts[row.part] for row in spec.rows], tp_rank, self.tp, groups, head_dim)
 
     def unknown_tensors(self, cfg) -> list:
-        known = {n for kind in present_tensors(MEGATRON_TENSORS, cfg, keep_output=True) for n in layer_names(kind)}
+        known = {n for kind in present_tensors(MEGATRON_TENSORS, cfg, keep_output=True)
+                 for layer in (None, *range(cfg.num_layers)) for n, _ in self.candidates(kind, layer)}
         return [name for name in self.tensors if name not in known]
 
 

@@ -213,7 +213,9 @@ DEEPSEEK_TABLE = transformed(DEEPSEEK_HALF_TABLE, {
 # next linear are read under their second name. Vocabulary rows are padded to make_vocab_size_divisible_by x TP.
 QKV, FC1 = "decoder.layers.{n}.self_attention.linear_qkv.weight", "decoder.layers.{n}.mlp.linear_fc1.weight"
 QKV_BIAS = "decoder.layers.{n}.self_attention.linear_qkv.bias"
-EXPERT_FC1 = "decoder.layers.{n}.mlp.experts.local_experts.{e}.linear_fc1.weight"
+# routed experts: SequentialMLP's local experts in legacy files, all experts on one axis in torch_dist
+EXPERT_FC1 = ("decoder.layers.{n}.mlp.experts.local_experts.{e}.linear_fc1.weight",
+              "decoder.layers.{n}.mlp.experts.experts.linear_fc1.weight")
 SHARED_FC1 = "decoder.layers.{n}.mlp.shared_experts.linear_fc1.weight"
 MEGATRON_TABLE = table(
     Row("model.embed_tokens.weight", ("embedding.word_embeddings.weight",), "strip_vocab_rows", (0,), stage="first"),
@@ -233,8 +235,9 @@ MEGATRON_TABLE = table(
     Row("model.layers.{n}.mlp.up_proj.weight", (FC1,), split=(0,), fuse="gate_up", part="up"),
     Row("model.layers.{n}.mlp.down_proj.weight", ("decoder.layers.{n}.mlp.linear_fc2.weight",), split=(1,)),
     # Qwen3's per-head norms, multi-latent attention (megatron/core/transformer/multi_latent_attention.py) and the MoE
-    # layer (megatron/core/transformer/moe: router, SequentialMLP's local experts, SharedExpertMLP). Named here; the
-    # Megatron reader and writer refuse these models so far (megatron.py).
+    # layer (megatron/core/transformer/moe: router, SequentialMLP's local experts, SharedExpertMLP). Reader and writer
+    # take the q/k norms and the MoE layer; multi-latent attention is refused (megatron.py). Legacy files number
+    # local experts per expert-parallel rank ({e} is the local number there); torch_dist has them on one axis.
     Row("model.layers.{n}.self_attn.q_norm.weight", ("decoder.layers.{n}.self_attention.q_layernorm.weight",)),
     Row("model.layers.{n}.self_attn.k_norm.weight", ("decoder.layers.{n}.self_attention.k_layernorm.weight",)),
     Row("model.layers.{n}.self_attn.q_a_proj.weight", ("decoder.layers.{n}.self_attention.linear_q_down_proj.weight",)),
@@ -250,10 +253,11 @@ MEGATRON_TABLE = table(
     Row("model.layers.{n}.self_attn.kv_b_proj.weight", ("decoder.layers.{n}.self_attention.linear_kv_up_proj.weight",)),
     Row("model.layers.{n}.mlp.gate.weight", ("decoder.layers.{n}.mlp.router.weight",)),
     Row("model.layers.{n}.mlp.router.expert_bias", ("decoder.layers.{n}.mlp.router.expert_bias",)),
-    Row("model.layers.{n}.mlp.experts.{e}.gate_proj.weight", (EXPERT_FC1,), split=(0,), fuse="gate_up", part="gate"),
-    Row("model.layers.{n}.mlp.experts.{e}.up_proj.weight", (EXPERT_FC1,), split=(0,), fuse="gate_up", part="up"),
+    Row("model.layers.{n}.mlp.experts.{e}.gate_proj.weight", EXPERT_FC1, split=(0,), fuse="gate_up", part="gate"),
+    Row("model.layers.{n}.mlp.experts.{e}.up_proj.weight", EXPERT_FC1, split=(0,), fuse="gate_up", part="up"),
     Row("model.layers.{n}.mlp.experts.{e}.down_proj.weight",
-        ("decoder.layers.{n}.mlp.experts.local_experts.{e}.linear_fc2.weight",), split=(1,)),
+        ("decoder.layers.{n}.mlp.experts.local_experts.{e}.linear_fc2.weight",
+         "decoder.layers.{n}.mlp.experts.experts.linear_fc2.weight"), split=(1,)),
     Row("model.layers.{n}.mlp.shared_expert.gate_proj.weight", (SHARED_FC1,), split=(0,), fuse="gate_up",
         part="gate"),
     Row("model.layers.{n}.mlp.shared_expert.up_proj.weight", (SHARED_FC1,), split=(0,), fuse="gate_up", part="up"),
@@ -397,11 +401,16 @@ class FusedTensor:
 
 
 def fused_tensors(rows: dict) -> dict:
-    """{their first name template: FusedTensor} in table order: the format's tensors, each with its parts."""
+    """{their first name template: FusedTensor} in table order: the format's tensors, each with its parts.
+
+    Unfused rows whose first names agree are alternatives, one tensor for whichever model has it (Megatron's
+    q_layernorm is Qwen3's q_norm or multi-latent attention's q_a_layernorm): their names are pooled.
+    """
     grouped: dict = {}
     for row in rows.values():
-        grouped.setdefault(row.theirs, []).append(row)
-    return {names[0]: FusedTensor(names, tuple(parts)) for names, parts in grouped.items()}
+        names, parts = grouped.get(row.theirs[0], ((), []))
+        grouped[row.theirs[0]] = (names + tuple(n for n in row.theirs if n not in names), parts + [row])
+    return {key: FusedTensor(names, tuple(parts)) for key, (names, parts) in grouped.items()}
 
 
 MEGATRON_TENSORS = fused_tensors(MEGATRON_TABLE)
@@ -439,9 +448,15 @@ def present_tensors(tensors: dict, cfg, keep_output: bool = False) -> list:
     return [key for key, tensor in tensors.items() if any(row.ours in have for row in tensor.rows)]
 
 
-def layer_names(kind: str, local: int = None) -> tuple:
-    """A Megatron tensor's candidate names: of layer `local` of a stage, or stacked (torch_dist) with local=None."""
+def layer_names(kind: str, local: int = None, expert: int = None) -> tuple:
+    """A Megatron tensor's candidate names: of layer `local` of a stage (and local expert `expert` of an
+    expert-parallel rank), or stacked (torch_dist) with local=None."""
     names = MEGATRON_TENSORS[kind].names
     if local is None:
         return tuple(name.replace(".{n}.", ".") for name in names)
-    return tuple(name.format(n=local) for name in names)
+    return tuple(name.format(n=local, e=expert) for name in names)
+
+
+def is_expert(kind: str) -> bool:
+    """Whether a Megatron tensor is one routed expert's (numbered per expert-parallel rank)."""
+    return "{e}" in kind

@@ -1,0 +1,155 @@
+"""Megatron-core Mixture-of-Experts checkpoints -> ours, proven on legacy files written by real megatron-core.
+
+The fixtures (conftest.py megatron_dir, tests/make_megatron_fixtures.py) are megatron-core's GPTModel with its
+MoELayer (SequentialMLP local experts, allgather dispatcher) run on CPU: `moe` at TP1 (first layer dense, softmax
+router, shared expert with gate, qk_layernorm, kv_channels 24 != hidden / heads) and `moe_ep2` with the experts
+split over 2 expert-parallel ranks (mp_rank_00_000, mp_rank_00_001; sigmoid router with expert_bias, shared expert
+without gate), and `moe_tp2ep2` (TP2 x EP2: mp_rank_TT_EEE; pre-softmax top k, every other layer dense, no shared
+expert), saved as legacy files and torch_dist, each with megatron-core's own logits on fixed tokens.
+Written back (to_megatron, --ep), they are megatron-core's files again.
+"""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from ascend_llm_recipes.common.errors import ConversionError
+from ascend_llm_recipes.models.conversion import megatron_files
+from ascend_llm_recipes.models.conversion.megatron import from_megatron, model_config_from_args
+from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, MODEL_SECTION_FILE
+from ascend_llm_recipes.models.conversion.verify import verify_against
+from ascend_llm_recipes.training.tools.export import to_megatron
+from test_convert import assert_nothing_written
+
+MOE_LAYOUTS = ("moe", "moe_ep2", "moe_tp2ep2")
+PARALLEL = {"moe": (1, 1), "moe_ep2": (1, 2), "moe_tp2ep2": (2, 2)}  # (TP, EP)
+EXPECTED = {  # what each fixture's Megatron-LM arguments become in our model_config
+    "moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, dense_layers=[0], head_dim=24,
+                qk_norm=True, shared_expert_intermediate_size=48, shared_expert_gate=True, router_score="softmax",
+                norm_topk_prob=True, expert_bias=False, tie_word_embeddings=True),
+    "moe_ep2": dict(num_experts=4, dense_layers=[], head_dim=None, qk_norm=False, shared_expert_intermediate_size=48,
+                    shared_expert_gate=False, router_score="sigmoid", norm_topk_prob=True, expert_bias=True,
+                    tie_word_embeddings=False),
+    "moe_tp2ep2": dict(dense_layers=[1, 3], qk_norm=True, shared_expert_intermediate_size=0, router_score="softmax",
+                       norm_topk_prob=False, expert_bias=False),
+}
+
+
+def layer_pattern(freq, layers: int = 4) -> list:
+    """Megatron-LM's moe_layer_freq (N: every N-th layer has experts, or a 0/1 list) as its 0/1 list."""
+    return [int(n % freq == 0) for n in range(layers)] if isinstance(freq, int) else list(freq)
+
+
+def against_megatron_cores_logits(megatron_dir, layout, converted_dir) -> dict:
+    """Our converted model's logits against megatron-core's own on its fixture tokens (convert's PARITY_RULE)."""
+    tokens, logits = (np.load(megatron_dir / layout / f"{name}.npy") for name in ("tokens", "logits"))
+
+    def megatron_core(asked):  # verify_against draws (2, 16) tokens from seed 0: the fixture's own
+        assert np.array_equal(asked, tokens)
+        return logits
+
+    return verify_against(megatron_core, str(converted_dir), layout, name="megatron-core", batch=tokens.shape[0],
+                          max_tokens=tokens.shape[1])
+
+
+@pytest.fixture(scope="module")
+def converted(megatron_dir, tmp_path_factory):
+    """{layout: (manifest, directory)} of the legacy files, {(layout, "torch_dist"): ...} of the torch_dist ones:
+    each MoE fixture converted once, with --verify."""
+    out = tmp_path_factory.mktemp("moe_converted")
+    made = {}
+    for layout in MOE_LAYOUTS:
+        for fmt, key in (("legacy", layout), ("torch_dist", (layout, "torch_dist"))):
+            made[key] = (from_megatron(str(megatron_dir / layout / fmt), str(out / layout / fmt), verify=True,
+                                       show_progress=False), out / layout / fmt)
+    return made
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_moe_logits_equal_megatron_cores(megatron_dir, converted, layout):
+    """Megatron MoE (legacy, every expert-parallel rank; torch_dist) -> ours gives megatron-core's logits on the
+    same tokens."""
+    manifest, out = converted[layout]
+    assert manifest["verify"]["reference"] == "a pure-torch Megatron forward"
+    assert (manifest["source"]["tensor_model_parallel_size"],
+            manifest["source"]["expert_model_parallel_size"]) == PARALLEL[layout]
+    assert not manifest["optimizer"]["carried"] and "MoE" in manifest["optimizer"]["note"]
+    model = yaml.safe_load((out / MODEL_SECTION_FILE).read_text())["model"]["model_config"]
+    assert {key: model.get(key) for key in EXPECTED[layout]} == EXPECTED[layout]
+    result = against_megatron_cores_logits(megatron_dir, layout, out)
+    print(f"\n[parity] {layout}: max |delta logits| vs megatron-core {result['max_abs_delta']:.2e}")
+    # megatron-core's torch_dist save of the same model (experts on an axis; layer by layer when layers differ,
+    # stacked when they do not) converts to the same tensors
+    manifest, dist_out = converted[layout, "torch_dist"]
+    assert manifest["source"]["format"] == "megatron-torch_dist" and manifest["verify"]["max_abs_delta"] < 1e-4
+    legacy, dist = (load_file(str(d / CHECKPOINT_FILE)) for d in (out, dist_out))
+    assert sorted(legacy) == sorted(dist) and all(torch.equal(legacy[k], dist[k]) for k in legacy)
+
+
+def test_expert_parallel_ranks_are_read_by_global_expert(megatron_dir, tmp_path, monkeypatch):
+    """Reading each expert-parallel rank's local experts as if they were global (expert e of every rank from rank 0)
+    converts without complaint; megatron-core's logits catch it (the pure-torch reference reads the files the same
+    way, so --verify alone cannot)."""
+    monkeypatch.setattr(megatron_files.LegacyCheckpoint, "expert_location",
+                        lambda self, expert: (0, None if expert is None else expert % 2))
+    from_megatron(str(megatron_dir / "moe_ep2" / "legacy"), str(tmp_path / "wrong"), show_progress=False)
+    with pytest.raises(ConversionError, match="differ from megatron-core"):
+        against_megatron_cores_logits(megatron_dir, "moe_ep2", tmp_path / "wrong")
+
+
+def test_moe_arguments_megatron_computes_differently_are_refused_by_name(megatron_dir):
+    with megatron_files.open_megatron(str(megatron_dir / "moe" / "legacy")) as ckpt:
+        args = dict(ckpt.args)
+    refused = dict(moe_grouped_gemm=True, moe_expert_capacity_factor=1.25, moe_router_num_groups=2,
+                   moe_router_load_balancing_type="sinkhorn", moe_router_enable_expert_bias=True,
+                   expert_tensor_parallel_size=2, moe_layer_freq="([0]*1+[1]*3)")
+    with pytest.raises(ConversionError, match="7 problem") as error:
+        model_config_from_args({**args, **refused}, "moe (args)")
+    for key in refused:
+        assert f"  - {key}: " in error.value.message, key
+    assert "softmax score function" in error.value.message  # expert_bias without sigmoid scores
+    # moe_router_pre_softmax: the top k of the softmax, not renormalised
+    assert not model_config_from_args({**args, "moe_router_pre_softmax": True}, "moe").norm_topk_prob
+
+
+def test_a_missing_expert_parallel_rank_is_refused(megatron_dir, tmp_path):
+    legacy = tmp_path / "legacy"
+    shutil.copytree(megatron_dir / "moe_ep2" / "legacy", legacy)
+    shutil.rmtree(legacy / "iter_0000040" / "mp_rank_00_001")
+    with pytest.raises(ConversionError, match=r"mp_rank_00_001/model_optim_rng.pt for tensor_model_parallel_size 1 "
+                                              r"x pipeline_model_parallel_size 1 x expert_model_parallel_size 2"):
+        from_megatron(str(legacy), str(tmp_path / "out"), show_progress=False)
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_moe_round_trip_to_megatron_legacy_is_exact(megatron_dir, converted, tmp_path, layout):
+    """ours -> Megatron legacy files equal to megatron-core's own, rank file by rank file (experts, router,
+    expert_bias, shared experts, q/k norms); only the vocabulary's padding rows are written as zeros."""
+    source = megatron_dir / layout / "legacy" / "iter_0000040"
+    tp, ep = PARALLEL[layout]
+    to_megatron(str(converted[layout][1]), str(tmp_path / "back"), tp=tp, ep=ep, show_progress=False)
+    back_dir = tmp_path / "back" / "iter_0000040"
+    assert sorted(os.listdir(back_dir)) == sorted(os.listdir(source))
+    for rank in sorted(os.listdir(source)):
+        original = torch.load(source / rank / "model_optim_rng.pt", weights_only=False)
+        back = torch.load(back_dir / rank / "model_optim_rng.pt", weights_only=False)
+        weights = {k: v for k, v in original["model"].items() if not k.endswith("_extra_state")}
+        assert sorted(back["model"]) == sorted(weights), rank
+        for name, tensor in weights.items():
+            # vocabulary rows: 576 padded, split over TP; the real ones (512) written, the padding ones zeros
+            rows = 512 - 576 // tp * int(rank[8:10]) if name.startswith(("embedding.", "output_layer.")) else None
+            assert torch.equal(back["model"][name][:rows], tensor[:rows]), f"{rank}: {name}"
+        assert layer_pattern(back["args"].moe_layer_freq) == layer_pattern(original["args"].moe_layer_freq)
+        for key in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "kv_channels", "moe_router_pre_softmax",
+                    "qk_layernorm", "moe_shared_expert_gate", "moe_router_score_function",
+                    "moe_router_enable_expert_bias", "expert_model_parallel_size"):
+            assert getattr(back["args"], key) == getattr(original["args"], key), key
+    with pytest.raises(ConversionError, match=r"--ep 3 does not divide num_experts \(4\)"):
+        to_megatron(str(converted[layout][1]), str(tmp_path / "bad"), ep=3, show_progress=False)
+    assert_nothing_written(tmp_path / "bad")
