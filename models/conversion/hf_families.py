@@ -384,7 +384,7 @@ def family_for(cfg: ModelConfig) -> Family:
         raise ConversionError(f"no HuggingFace family has this model's combination of options ({options(cfg)})",
                               hint="exportable: llama, qwen2, qwen3 (q/k norms, no bias); qwen3_moe (q/k norms, no "
                                    "shared expert, no bias); qwen2_moe (gated shared expert, no q/k norms); "
-                                   "mixtral (no q/k norms, shared expert, dense layers or bias; norm_topk_prob), "
+                                   "mixtral (norm_topk_prob; without q/k norms, shared expert, dense layers or bias), "
                                    "each with the softmax router (no correction bias, groups or scaling); "
                                    "deepseek_v3 (multi-head latent attention, the sigmoid router with expert_bias, "
                                    "an ungated shared expert a whole number of experts wide, dense layers first)")
