@@ -171,8 +171,9 @@ class MoE(nn.Cell):
         self.experts = nn.CellList([MLP(config, config.expert_size) for _ in range(config.num_experts)])
         self.shared_expert = (MLP(config, config.shared_expert_intermediate_size)
                               if config.shared_expert_intermediate_size else None)
-        self.shared_expert_gate = (Linear(config.hidden_size, 1, config.initializer_range, compute_dtype=self.compute_dtype,
-                                          param_dtype=DTYPES[config.param_dtype]) if config.shared_expert_gate else None)
+        self.shared_expert_gate = (Linear(config.hidden_size, 1, config.initializer_range,
+                                          compute_dtype=self.compute_dtype, param_dtype=DTYPES[config.param_dtype])
+                                   if config.shared_expert_gate else None)
         self.sigmoid = ops.Sigmoid()
         self.shared_mul = ops.Mul()
         self.combine_mul = ops.Mul()

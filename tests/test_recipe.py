@@ -169,7 +169,8 @@ def test_mixture_of_experts_and_qwen3_keys_are_checked_naming_each():
     assert f"{mc}moe_intermediate_size: 40 is not a multiple of 16 (the Cube unit's tile); use 48" in text
     assert f"{mc}shared_expert_gate: gates a shared expert, but {mc}shared_expert_intermediate_size is 0" in text
     assert f"{mc}head_dim: 18 is not a multiple of 16" in text
-    with pytest.raises(RecipeError, match=rf"{mc}dense_layers: \[0, 2\] must list distinct layer indices within 0\.\.1"):
+    with pytest.raises(RecipeError,
+                       match=rf"{mc}dense_layers: \[0, 2\] must list distinct layer indices within 0\.\.1"):
         load_recipe(TINY_RECIPE, (mc + "num_experts=4", mc + "dense_layers=[0, 2]"))
     with pytest.raises(RecipeError, match=rf"{mc}dense_layers: is set, but {mc}num_experts is 0 \(a dense model\)"):
         load_recipe(TINY_RECIPE, (mc + "dense_layers=[0]",))

@@ -318,7 +318,8 @@ def dashboard(runs: list, ema_span: int = None):
     axes = dict(zip(PANELS, [loss, fig.add_subplot(grid[0, 2], sharex=loss)]
                     + [fig.add_subplot(grid[1, i], sharex=loss) for i in range(3)]))
     if moe:
-        axes.update(zip(MOE_PANELS, [fig.add_subplot(grid[2, 0], sharex=loss), fig.add_subplot(grid[2, 1:], sharex=loss)]))
+        axes.update(zip(MOE_PANELS, [fig.add_subplot(grid[2, 0], sharex=loss),
+                                     fig.add_subplot(grid[2, 1:], sharex=loss)]))
         _router_panels(axes, runs, colors, span)
     _loss_panel(axes["loss"], runs, colors, span)
     for run, color in zip(runs, colors):
