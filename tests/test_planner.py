@@ -32,8 +32,8 @@ def test_moe_plan_states_total_and_active_parameters():
 
     p = plan(recipe(path=os.path.join(os.path.dirname(TINY_RECIPE), "tiny_moe_cpu.yaml")), device="CPU")
     # tiny_moe_cpu.yaml's header: 2 of the MoE layer's 4 experts of 3 x 64 x 48 are idle for each token
-    assert (p.parameters, p.active_parameters) == (161_344, 161_344 - 2 * 3 * 64 * 48)
-    assert format_plan(p).startswith("plan: 161,344 parameters (142,912 active per token) on DP 1 x TP 1 x PP 1")
+    assert (p.parameters, p.active_parameters) == (161_408, 161_408 - 2 * 3 * 64 * 48)
+    assert format_plan(p).startswith("plan: 161,408 parameters (142,976 active per token) on DP 1 x TP 1 x PP 1")
     assert format_plan(plan(recipe(), device="CPU")).startswith("plan: 158,016 parameters on DP 1")  # dense
 
 
