@@ -2,13 +2,17 @@
 
     python scripts/benchmark_training.py [--steps 6] [--warmup 2] [--shapes reference larger demo]
                                          [--demo-steps 40] [--no-torch-compile] [--no-demo]
+    python scripts/benchmark_training.py --shapes moe --no-demo [--moe-dispatch stacked loop]
     python scripts/benchmark_training.py --gemm-only [--shapes reference] [--gemm-rounds 3] [--gemm-repeats 2]
 
 For each shape (reference: hidden 256, 4 layers, 8 heads, MLP 688, vocabulary 8192,
 seq_length 256, batch 8; larger: hidden 512, 8 layers, MLP 1376, vocabulary 16384,
-seq_length 512, batch 2; demo: the demo recipe's model, vocabulary 2048) it trains our
+seq_length 512, batch 2; demo: the demo recipe's model, vocabulary 2048; moe, not run unless named:
+Qwen3-MoE's layout, hidden 512, 4 layers, 8 heads of 64 (4 KV heads), q/k norms, every MLP 8 experts
+top-2 of width 256, vocabulary 8192, seq_length 512, batch 2) it trains our
 LlamaForCausalLM through PortableTrainOneStepCell with the recipes' optimizer, and
-transformers' LlamaForCausalLM (scripts/torch_peer.py; float32, eager, and under torch.compile when it works)
+transformers' model of the same config (LlamaForCausalLM, Qwen3MoeForCausalLM for moe: scripts/torch_peer.py;
+float32, eager, and under torch.compile when it works)
 with torch.optim.AdamW and the same hyper-parameters, alternating their steps in this one
 process, and prints steady-state tokens/s, the ratio,
 MFU against a float32 GEMM peak measured between the steps, and our compile time. tokens/s
@@ -27,6 +31,11 @@ settings (the recipe's AdamW, gradient clipping and LR schedule). Steps of the t
 alternated in one process so that whatever else runs on the machine slows both alike;
 warm-up (graph compile, first allocations) is excluded and steady-state tokens/s is the
 median over the timed steps.
+
+The moe shape's FLOPs per token are from the active parameters (the top 2 of 8 experts a token reaches),
+whatever either side computes. Our MoE layers route with models/moe.py's default dispatch ("sorted": only
+the routed tokens); --moe-dispatch adds our model with the other variants ("stacked", "loop": every expert on
+every token) as rows "mindspore[variant]" in the same alternation, with their ratio to the default.
 
 MFU (analytic FLOPs per token, models/arithmetic.py, x tokens/s) is given against two
 yardsticks, both measured between the timed steps (one round after
