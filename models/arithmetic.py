@@ -156,7 +156,8 @@ def step_gemms(cfg, batch_size: int, seq_length: int = None) -> list:
     layer is a Linear (weights of equal shape share a row), the output projection (lm_head, or the
     embedding table when tied) has the padded vocabulary's rows. Attention runs over all query heads
     (grouped KV heads are tiled to them first, models/llama.py repeat_kv). An MoE layer's experts each
-    compute every token (models/moe.py's dropless reference math).
+    compute every token (models/moe.py's "loop" and "stacked" dispatch; the default "sorted" runs the routed
+    tokens' GEMMs as BatchMatMuls over blocks of about 1.25 x the routed rows instead).
     Their total FLOPs are flops_per_token(cfg, seq_length, padded=True) x batch_size x seq_length, plus, in a
     model with MoE layers, 6 x tokens x the weights of the experts beyond each layer's top k.
     """

@@ -14,15 +14,24 @@ optional shared expert sees every token, scaled by its own sigmoid gate in Qwen2
         (sum_e = k) over all layers' tokens at once, so for one layer it is k times this.
     router z-loss (ST-MoE, Zoph et al. 2022)  mean over tokens of logsumexp(router logits)^2.
 
-Routing is dropless. This is the reference math, in graph mode on CPU: every expert computes every token
-and the combine weights (zero outside a token's top k) select, the same numbers as sending each token to its
-k experts, at E/k times their FLOPs. Parameters are named as Hugging Face's Qwen2/Qwen3-MoE checkpoints name
-them (mlp.gate, mlp.experts.{e}.gate_proj, mlp.shared_expert, mlp.shared_expert_gate), so conversion is a table.
+Routing is dropless: every token reaches its top k experts. Static shapes (graph mode) cannot size a buffer
+per expert by its token count, so MoE.dispatch picks how the tokens meet their experts, each giving the same
+numbers (tests/test_moe.py):
+    "sorted" (the default)  the T*k routing slots sorted by expert into blocks of `block` rows, each expert's
+        run padded to whole blocks (MegaBlocks, Gale et al. 2022): at most T*k + E*block rows, a static bound, so
+        one BatchMatMul over the blocks with each block's expert weights computes only the routed tokens
+    "stacked"  every expert computes every token, one BatchMatMul over the stacked expert weights (E/k x FLOPs)
+    "loop"     every expert computes every token, one Cell per expert (the reference math, E/k x the FLOPs)
+scripts/benchmark_training.py --shapes moe measures them. Parameters are named as Hugging Face's Qwen2/Qwen3-MoE
+checkpoints name them (mlp.gate, mlp.experts.{e}.gate_proj, mlp.shared_expert, mlp.shared_expert_gate), so
+conversion is a table.
 """
 
 import mindspore as ms
 from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import initializer
+
+from mindspore.ops.auto_generate.gen_ops_prim import SiLU
 
 from ascend_llm_recipes.models.layers import DTYPES, MLP, Linear
 from ascend_llm_recipes.models.shapes import STATISTICS  # the MoE layer's counters (see MoE), not weights
@@ -158,6 +167,69 @@ class ZLoss(nn.Cell):
         return self.mean(self.square(logsumexp))
 
 
+def block_rows(slots: int, num_experts: int) -> int:
+    """Rows of a "sorted" dispatch block: a multiple of 16 with num_experts blocks of padding at most ~1/4 of the
+    slots (the padding is computed: the buffer's rows are fixed at its bound), at least 16."""
+    return max(16, slots // (4 * num_experts) // 16 * 16)
+
+
+class SortedExperts(nn.Cell):
+    """Each routing slot's token through its expert only: (T, hidden), top-k experts (T, k) and their weights (T, k),
+    the experts' stacked gate/up (E, F, hidden) and down (E, hidden, F) weights -> (T, hidden) weighted sums.
+
+    The T*k slots are sorted by expert and laid out in blocks of `block` rows, each expert's run starting a new
+    block; the rows past a run's end read a zero token and carry weight 0. T*k + E*block rows bound the layout
+    whatever the routing, so every shape is static and no token is dropped.
+    """
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.sort = ops.Sort()
+        self.cumsum = ops.CumSum()
+        self.scatter = ops.TensorScatterUpdate()
+        self.gather = ops.Gather()
+        self.up_matmul = ops.BatchMatMul(transpose_b=True)
+        self.down_matmul = ops.BatchMatMul(transpose_b=True)
+        self.silu = SiLU()
+        self.mul = ops.Mul()
+        self.weigh = ops.Mul()
+
+    def layout(self, experts, slots: int, block: int, blocks: int):
+        """(slots,) expert of each slot -> (row of each slot in the blocks (slots,), slot of each row or `slots`
+        for padding (rows,), expert of each block (blocks,))."""
+        position = ops.arange(slots, dtype=ms.int32)
+        # expert-major, slot order within an expert; exact in float32 below 2^24
+        _, order = self.sort((experts * slots + position).astype(ms.float32))       # sorted position -> slot
+        sorted_experts = self.gather(experts, order, 0)
+        counts = ops.one_hot(experts, self.num_experts, ops.ones((), ms.int32), ops.zeros((), ms.int32)).sum(0)
+        padded = (counts + block - 1) // block * block                                 # (E,) whole blocks
+        ends, padded_ends = self.cumsum(counts, 0), self.cumsum(padded, 0)
+        row = (self.gather(padded_ends - padded, sorted_experts, 0) + position
+               - self.gather(ends - counts, sorted_experts, 0)).astype(ms.int32)       # sorted position -> row
+        order = order.astype(ms.int32)
+        slot_row = self.scatter(ops.zeros((slots,), ms.int32), order.reshape(slots, 1), row)
+        row_slot = self.scatter(ops.fill(ms.int32, (blocks * block,), slots), row.reshape(slots, 1), order)
+        block_start = ops.arange(blocks, dtype=ms.int32) * block
+        block_expert = (padded_ends.reshape(1, -1) <= block_start.reshape(-1, 1)).astype(ms.int32).sum(1)
+        return slot_row, row_slot, ops.minimum(block_expert, self.num_experts - 1)  # trailing blocks: any expert
+
+    def construct(self, tokens, chosen, weights, gate_up, down):
+        t, h = tokens.shape
+        k = chosen.shape[1]
+        slots = t * k
+        block = block_rows(slots, self.num_experts)
+        blocks = -(-slots // block) + self.num_experts - 1  # sum over experts of ceil(count / block) is at most this
+        slot_row, row_slot, block_expert = self.layout(chosen.reshape(slots), slots, block, blocks)
+        padded_tokens = ops.concat((tokens, ops.zeros((1, h), tokens.dtype)))        # row t: the padding's token
+        # (rows,) -> (rows, hidden) -> (blocks, block, hidden): slot s is token s // k
+        x = self.gather(padded_tokens, row_slot // k, 0).reshape(blocks, block, h)
+        gate, up = ops.split(self.up_matmul(x, self.gather(gate_up, block_expert, 0)), gate_up.shape[1] // 2, -1)
+        y = self.down_matmul(self.mul(self.silu(gate), up), self.gather(down, block_expert, 0))  # (blocks, block, h)
+        y = self.gather(y.reshape(blocks * block, h), slot_row, 0)                     # (slots, hidden)
+        return self.weigh(y, weights.reshape(slots, 1)).reshape(t, k, h).sum(1)
+
+
 class MoE(nn.Cell):
     """The MoE MLP of one decoder layer: (B, S, hidden) -> ((B, S, hidden), this layer's weighted router loss)."""
 
@@ -169,6 +241,13 @@ class MoE(nn.Cell):
         self.gate = Linear(config.hidden_size, config.num_experts, config.initializer_range)
         self.router = Router(config)
         self.experts = nn.CellList([MLP(config, config.expert_size) for _ in range(config.num_experts)])
+        self.top_k = config.num_experts_per_tok
+        self.dispatch = "sorted"  # or "stacked", "loop": the same numbers (the module docstring); read at compile
+        self.sorted_experts = SortedExperts(config.num_experts)
+        self.select = ops.TopK()
+        self.take = ops.GatherD()
+        self.expert_matmul = ops.BatchMatMul(transpose_b=True)
+        self.silu = SiLU()
         self.shared_expert = (MLP(config, config.shared_expert_intermediate_size)
                               if config.shared_expert_intermediate_size else None)
         self.shared_expert_gate = (Linear(config.hidden_size, 1, config.initializer_range,
@@ -202,11 +281,13 @@ class MoE(nn.Cell):
         logits = self.gate(tokens.astype(ms.float32))                                # (T, E)
         weights, probs, selected = self.router(logits)
         weights = weights.astype(self.compute_dtype)
-        out = None
-        for e, expert in enumerate(self.experts):
-            # (T, hidden) scaled by each token's weight for expert e (0 unless e is among its top k)
-            contribution = self.combine_mul(expert(tokens), weights[:, e:e + 1])
-            out = contribution if out is None else self.add(out, contribution)
+        if self.dispatch == "sorted":
+            _, chosen = self.select(selected, self.top_k)  # (T, k): the k experts marked 1 (any order)
+            out = self.sorted_experts(tokens, chosen, self.take(weights, 1, chosen), *self.stacked_weights())
+        elif self.dispatch == "stacked":
+            out = self.every_expert_stacked(tokens, weights)
+        else:
+            out = self.every_expert_loop(tokens, weights)
         if self.shared_expert is not None:
             shared = self.shared_expert(tokens)
             if self.shared_expert_gate is not None:
@@ -216,3 +297,27 @@ class MoE(nn.Cell):
         self.add_load(self.expert_load, ops.stop_gradient(self.count_slots(selected, 0)))          # (E,)
         self.add_losses(self.router_losses, ops.stop_gradient(self.stack((balance, z))))
         return out.reshape(b, s, h), balance * self.aux_coef + z * self.z_coef
+
+    def stacked_weights(self):
+        """The experts' weights as (E, 2F, hidden) gate and up rows, and (E, hidden, F) down, in compute dtype."""
+        gate_up = ops.stack([ops.concat((e.gate_proj.weight, e.up_proj.weight)) for e in self.experts])
+        down = ops.stack([e.down_proj.weight for e in self.experts])
+        return gate_up.astype(self.compute_dtype), down.astype(self.compute_dtype)
+
+    def every_expert_stacked(self, tokens, weights):
+        """Every expert on every token in one BatchMatMul per projection, combined with the (T, E) weights."""
+        gate_up, down = self.stacked_weights()
+        e, t, h = gate_up.shape[0], tokens.shape[0], tokens.shape[1]
+        # (T, hidden) -> (E, T, hidden) -> (E, T, 2F) -> two (E, T, F)
+        both = self.expert_matmul(ops.broadcast_to(tokens, (e, t, h)), gate_up)
+        gate, up = ops.split(both, gate_up.shape[1] // 2, -1)
+        y = self.expert_matmul(self.combine_mul(self.silu(gate), up), down)                # (E, T, hidden)
+        return self.combine_mul(y, ops.transpose(weights, (1, 0)).reshape(e, t, 1)).sum(0)
+
+    def every_expert_loop(self, tokens, weights):
+        """Every expert Cell on every token, scaled by each token's weight for it (0 outside its top k)."""
+        out = None
+        for e, expert in enumerate(self.experts):
+            contribution = self.combine_mul(expert(tokens), weights[:, e:e + 1])          # (T, hidden)
+            out = contribution if out is None else self.add(out, contribution)
+        return out

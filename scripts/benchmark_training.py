@@ -2,13 +2,17 @@
 
     python scripts/benchmark_training.py [--steps 6] [--warmup 2] [--shapes reference larger demo]
                                          [--demo-steps 40] [--no-torch-compile] [--no-demo]
+    python scripts/benchmark_training.py --shapes moe --no-demo [--moe-dispatch stacked loop]
     python scripts/benchmark_training.py --gemm-only [--shapes reference] [--gemm-rounds 3] [--gemm-repeats 2]
 
 For each shape (reference: hidden 256, 4 layers, 8 heads, MLP 688, vocabulary 8192,
 seq_length 256, batch 8; larger: hidden 512, 8 layers, MLP 1376, vocabulary 16384,
-seq_length 512, batch 2; demo: the demo recipe's model, vocabulary 2048) it trains our
+seq_length 512, batch 2; demo: the demo recipe's model, vocabulary 2048; moe, not run unless named:
+Qwen3-MoE's layout, hidden 512, 4 layers, 8 heads of 64 (4 KV heads), q/k norms, every MLP 8 experts
+top-2 of width 256, vocabulary 8192, seq_length 512, batch 2) it trains our
 LlamaForCausalLM through PortableTrainOneStepCell with the recipes' optimizer, and
-transformers' LlamaForCausalLM (scripts/torch_peer.py; float32, eager, and under torch.compile when it works)
+transformers' model of the same config (LlamaForCausalLM, Qwen3MoeForCausalLM for moe: scripts/torch_peer.py;
+float32, eager, and under torch.compile when it works)
 with torch.optim.AdamW and the same hyper-parameters, alternating their steps in this one
 process, and prints steady-state tokens/s, the ratio,
 MFU against a float32 GEMM peak measured between the steps, and our compile time. tokens/s
@@ -27,6 +31,11 @@ settings (the recipe's AdamW, gradient clipping and LR schedule). Steps of the t
 alternated in one process so that whatever else runs on the machine slows both alike;
 warm-up (graph compile, first allocations) is excluded and steady-state tokens/s is the
 median over the timed steps.
+
+The moe shape's FLOPs per token are from the active parameters (the top 2 of 8 experts a token reaches),
+whatever either side computes. Our MoE layers route with models/moe.py's default dispatch ("sorted": only
+the routed tokens); --moe-dispatch adds our model with the other variants ("stacked", "loop": every expert on
+every token) as rows "mindspore[variant]" in the same alternation, with their ratio to the default.
 
 MFU (analytic FLOPs per token, models/arithmetic.py, x tokens/s) is given against two
 yardsticks, both measured between the timed steps (one round after
@@ -74,14 +83,32 @@ class Shape:
     seq_length: int
     batch_size: int
     num_kv_heads: int = None
+    head_dim: int = None      # Qwen3's explicit head width (else hidden / heads)
+    qk_norm: bool = False
+    num_experts: int = 0      # > 0: every layer's MLP is models/moe.py's MoE (Qwen3-MoE with qk_norm)
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = None
 
     def overrides(self) -> tuple:
         """The recipe overrides that give the demo recipe this shape."""
         m = "model.model_config."
+        moe = dict(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                   moe_intermediate_size=self.moe_intermediate_size) if self.num_experts else {}
+        extra = {"head_dim": self.head_dim, "qk_norm": self.qk_norm or None, **moe}
         return (f"{m}hidden_size={self.hidden_size}", f"{m}num_layers={self.num_layers}",
                 f"{m}num_heads={self.num_heads}", f"{m}num_kv_heads={self.num_kv_heads or self.num_heads}",
                 f"{m}intermediate_size={self.intermediate_size}", f"{m}vocab_size={self.vocab_size}",
-                f"{m}seq_length={self.seq_length}", f"runner_config.batch_size={self.batch_size}")
+                f"{m}seq_length={self.seq_length}", f"runner_config.batch_size={self.batch_size}") + tuple(
+                    f"{m}{name}={value}" for name, value in extra.items() if value is not None)
+
+    def describe(self) -> str:
+        """The shape's line in the output."""
+        heads = f"{self.num_heads} heads" + (f" ({self.num_kv_heads} KV)" if self.num_kv_heads else "") + (
+            f" of {self.head_dim}" if self.head_dim else "") + (", q/k norms" if self.qk_norm else "")
+        mlp = (f"{self.num_experts} experts top-{self.num_experts_per_tok} of width {self.moe_intermediate_size}"
+               if self.num_experts else f"MLP {self.intermediate_size}")
+        return (f"hidden {self.hidden_size}, {self.num_layers} layers, {heads}, {mlp}, vocab {self.vocab_size}, "
+                f"seq {self.seq_length}, batch {self.batch_size}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -93,7 +120,14 @@ REFERENCE = Shape("reference", 256, 4, 8, 688, 8192, 256, 8)
 LARGER = Shape("larger", 512, 8, 8, 1376, 16384, 512, 2)
 DEMO = Shape("demo", 256, 4, 8, 688, 2048, 256, 8)  # recipes/demo_cpu.yaml's model
 SMOKE = Shape("smoke", 64, 2, 4, 176, 512, 32, 2)
-SHAPES = {s.name: s for s in (REFERENCE, LARGER, DEMO, SMOKE)}
+# Qwen3-MoE's layout (qk_norm, head_dim 64, GQA, every layer MoE, top-2 of 8 renormalised: Qwen3-30B-A3B routes to
+# 8 of 128 with norm_topk_prob) at a size two CPU cores train in seconds per step; transformers' peer is
+# Qwen3MoeForCausalLM. intermediate_size is unused (no dense layer) but the recipe requires one.
+MOE = Shape("moe", 512, 4, 8, 1376, 8192, 512, 2, num_kv_heads=4, head_dim=64, qk_norm=True, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=256)
+SMOKE_MOE = Shape("smoke_moe", 64, 2, 4, 176, 512, 32, 2, num_kv_heads=2, head_dim=16, qk_norm=True, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=48)
+SHAPES = {s.name: s for s in (REFERENCE, LARGER, DEMO, SMOKE, MOE, SMOKE_MOE)}
 
 
 @dataclass
@@ -134,7 +168,7 @@ class MindSporeTrainer:
 
     name = "mindspore"
 
-    def __init__(self, recipe, run_dir: str):
+    def __init__(self, recipe, run_dir: str, moe_dispatch: str = None):
         import mindspore as ms
         from mindformers import MindFormerConfig
         from mindformers.core import build_lr, build_optim
@@ -142,6 +176,7 @@ class MindSporeTrainer:
         from mindformers.wrapper import build_wrapper
 
         from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
+        from ascend_llm_recipes.models.moe import MoE
         import ascend_llm_recipes.training.worker.train_step  # noqa: F401  (registers the portable wrapper)
         import ascend_llm_recipes.training.worker.optim  # noqa: F401  (registers FoldedAdamW)
         from ascend_llm_recipes.training.worker.train import mindformers_config
@@ -151,6 +186,11 @@ class MindSporeTrainer:
         ms.set_seed(recipe.seed)
         model_cfg = {k: v for k, v in cfg.model.model_config.items() if k != "type"}
         self.network = LlamaForCausalLM(LlamaConfig(**model_cfg))
+        if moe_dispatch:  # read when the graph compiles, at the first step
+            self.name = f"mindspore[{moe_dispatch}]"
+            for _, cell in self.network.cells_and_names():
+                if isinstance(cell, MoE):
+                    cell.dispatch = moe_dispatch
         lr = build_lr(cfg.lr_schedule)
         groups = get_optimizer_grouped_parameters(model=self.network, weight_decay=cfg.optimizer.weight_decay,
                                                   dynamic_lr_schedule=lr, optimizer_type=cfg.optimizer.type)
@@ -198,11 +238,18 @@ def alternate(trainers: list, data: np.ndarray, warmup: int, steps: int, between
     return timings
 
 
-def compare_shape(shape: Shape, warmup: int, steps: int, torch_compile: bool, run_dir: str) -> dict:
-    """Train our model and the PyTorch peers at `shape`, alternating; returns the figures."""
+def compare_shape(shape: Shape, warmup: int, steps: int, torch_compile: bool, run_dir: str,
+                  moe_dispatch: tuple = ()) -> dict:
+    """Train our model and the PyTorch peers at `shape`, alternating; returns the figures.
+
+    With MoE layers, `moe_dispatch` names models/moe.py MoE.dispatch variants trained beside our default
+    ("mindspore"); each is a row "mindspore[variant]" and a ratio "ours / mindspore[variant]".
+    """
     load_before = os.getloadavg()[0]  # other work on the machine, before ours starts
     recipe = load_shape_recipe(shape, total_steps=warmup + steps + 1)
-    trainers = [MindSporeTrainer(recipe, run_dir), TorchTrainer(recipe)]
+    trainers = [MindSporeTrainer(recipe, run_dir)]
+    trainers += [MindSporeTrainer(recipe, run_dir, variant) for variant in moe_dispatch if shape.num_experts]
+    trainers.append(TorchTrainer(recipe))
     compile_error = None
     if torch_compile:
         compiled = TorchTrainer(recipe, compile_model=True)
@@ -222,7 +269,7 @@ def compare_shape(shape: Shape, warmup: int, steps: int, torch_compile: bool, ru
               "gemm_step_s": {name: yardstick.step_seconds(name) for name in yardstick.rounds}, "rows": {}}
     for name, t in timings.items():
         tps = shape.tokens_per_step / t.median_step()
-        own = "mindspore" if name == "mindspore" else "torch"
+        own = "mindspore" if name.startswith("mindspore") else "torch"
         median, low, high = result["yardstick"][own]
         result["rows"][name] = {"tokens_per_s": tps, "step_s": t.median_step(), "first_step_s": t.first_step_s,
                                 "best_tokens_per_s": shape.tokens_per_step / t.best_step(),
@@ -325,9 +372,9 @@ def torch_demo(steps: int, dataset_dir: str) -> dict:
 def print_shape(result: dict) -> None:
     s = result["shape"]
     peak, low_high = result["peak"], result["peak_range"]
-    print(f"\n== {s.name}: hidden {s.hidden_size}, {s.num_layers} layers, {s.num_heads} heads, MLP "
-          f"{s.intermediate_size}, vocab {s.vocab_size}, seq {s.seq_length}, batch {s.batch_size} "
-          f"({result['flops_per_token'] / 1e6:.1f} MFLOP/token)")
+    active = " from the active parameters (models/arithmetic.py)" if s.num_experts else ""
+    print(f"\n== {s.name}: {s.describe()} ({result['flops_per_token'] / 1e6:.1f} MFLOP/token{active}); "
+          f"CPU: {cpu_model()}, {os.cpu_count()} cores")
     for name in ("mindspore", "torch"):
         lo, hi = low_high[name]
         median, low, high = result["yardstick"][name]
@@ -338,14 +385,14 @@ def print_shape(result: dict) -> None:
               f"({lo / 1e9:.0f}-{hi / 1e9:.0f})")
     print("   MFU: vs MindSpore's 1024^3 GEMM | vs the framework's own 1024^3 GEMM | vs its own GEMMs at this "
           "shape (median yardstick, range over rounds; per round: paired with the GEMM round after each step)")
-    print(f"   {'':14s} {'tokens/s':>9s} {'best':>6s} {'step s':>7s} {'MFU':>6s} {'MFU/own GEMM':>13s} "
+    print(f"   {'':18s} {'tokens/s':>9s} {'best':>6s} {'step s':>7s} {'MFU':>6s} {'MFU/own GEMM':>13s} "
           f"{'MFU/own GEMMs at shape':>23s} {'per round':>17s} {'first step s':>13s} {'loss first->last':>17s}")
     for name, row in result["rows"].items():
         low, high = row["mfu_shapes_range"]
         shapes = f"{row['mfu_shapes']:.1%} ({low:.0%}-{high:.0%})"
         rounds = row["mfu_shapes_per_round"]
         paired = f"{statistics.median(rounds):.1%} ({min(rounds):.0%}-{max(rounds):.0%})"
-        print(f"   {name:14s} {row['tokens_per_s']:9.0f} {row['best_tokens_per_s']:6.0f} {row['step_s']:7.3f} "
+        print(f"   {name:18s} {row['tokens_per_s']:9.0f} {row['best_tokens_per_s']:6.0f} {row['step_s']:7.3f} "
               f"{row['mfu']:6.1%} {row['mfu_own_gemm']:13.1%} {shapes:>23s} {paired:>17s} "
               f"{row['first_step_s']:13.2f} {row['loss_first']:8.4f}->{row['loss_last']:.4f}")
     ours = result["rows"]["mindspore"]
@@ -362,6 +409,18 @@ def print_shape(result: dict) -> None:
               "OpenMP loops usually more), so the medians are skewed; the best-step ratio is the closest to idle")
     if result["torch_compile_error"]:
         print(f"   torch.compile not available here: {result['torch_compile_error']}")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor string elsewhere."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or "unknown"
 
 
 def gemm_only(shape: Shape, rounds: int, repeats: int) -> dict:
@@ -438,6 +497,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="+", default=["reference", "larger", "demo"],
                         choices=sorted(SHAPES))
     parser.add_argument("--no-torch-compile", action="store_true")
+    parser.add_argument("--moe-dispatch", nargs="*", default=[], choices=["stacked", "loop"],
+                        help="MoE shapes: also train our model with these models/moe.py dispatch variants beside the "
+                             "default (sorted), one row each")
     parser.add_argument("--no-demo", action="store_true")
     parser.add_argument("--demo-steps", type=int, default=40)
     parser.add_argument("--demo-dataset", help="dataset directory for the demo (default: the recipe's)")
@@ -461,7 +523,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.shapes:
             print_shape(compare_shape(SHAPES[name], args.warmup, args.steps, not args.no_torch_compile,
-                                      os.path.join(tmp, name)))
+                                      os.path.join(tmp, name), tuple(args.moe_dispatch)))
         if not args.no_demo:
             ours = run_demo(args.demo_steps, os.path.join(tmp, "demo"), args.demo_dataset)
             print_demo(ours, torch_demo(args.demo_steps, ours["dataset_dir"]))

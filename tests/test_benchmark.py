@@ -5,6 +5,10 @@ import glob
 import math
 import os
 
+import pytest
+
+from ascend_llm_recipes.models.arithmetic import flops_per_token
+from ascend_llm_recipes.models.conversion.hf import transformers_config
 from conftest import REPO_ROOT, load_script
 
 
@@ -26,6 +30,28 @@ def test_smoke_shape_trains_both_frameworks_side_by_side(tmp_path):
     for name in ("mindspore", "torch"):  # one yardstick round between every timed round of steps
         assert len(result["gemm_step_s"][name]) == 2 and 0 < result["yardstick"][name][0]
     assert all(row["mfu_shapes"] > 0 for row in result["rows"].values())
+
+
+def test_moe_shape_trains_our_dispatch_variants_beside_transformers_qwen3_moe(tmp_path, capsys):
+    benchmark = benchmark_script()
+    shape = benchmark.SMOKE_MOE
+    result = benchmark.compare_shape(shape, warmup=1, steps=1, torch_compile=False, run_dir=str(tmp_path),
+                                     moe_dispatch=("loop",))
+    assert set(result["rows"]) == {"mindspore", "mindspore[loop]", "pytorch"}
+    rows = result["rows"]
+    # same seed, same batches: the dispatch variants compute the same numbers
+    assert rows["mindspore"]["loss_first"] == pytest.approx(rows["mindspore[loop]"]["loss_first"], rel=1e-5)
+    assert abs(rows["pytorch"]["loss_first"] - math.log(shape.vocab_size)) < 0.1
+    recipe = benchmark.load_shape_recipe(shape, total_steps=1)
+    m = recipe.model.model_config
+    assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.head_dim, m.qk_norm) == (
+        4, 2, 48, 16, True)
+    assert type(transformers_config(m)).__name__ == "Qwen3MoeConfig"  # the peer TorchTrainer builds
+    assert result["flops_per_token"] == flops_per_token(m)  # from the active parameters
+    benchmark.print_shape(result)
+    out = capsys.readouterr().out
+    assert "4 experts top-2 of width 48" in out and f"CPU: {benchmark.cpu_model()}" in out
+    assert "ratio (ours / mindspore[loop])" in out and "ratio (ours / pytorch)" in out
 
 
 def test_gemm_only_prints_a_row_per_step_gemm(monkeypatch, capsys):

@@ -121,13 +121,15 @@ def reference_block(family: str, norm_topk_prob: bool = True):
     return block.eval(), ours
 
 
+@pytest.mark.parametrize("dispatch", ["sorted", "stacked", "loop"])
 @pytest.mark.parametrize("family, norm_topk_prob", [("qwen3_moe", True), ("qwen3_moe", False),
                                                     ("qwen2_moe", False), ("mixtral", True)])
-def test_moe_block_equals_transformers(family, norm_topk_prob):
+def test_moe_block_equals_transformers(family, norm_topk_prob, dispatch):
     block, config = reference_block(family, norm_topk_prob)
     config.router_aux_loss_coef, config.router_z_loss_coef = 0.01, 0.001
     ms.set_seed(0)
     cell = MoE(config)
+    cell.dispatch = dispatch
     rename = {".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."} if family == "mixtral" else None
     copy_weights(cell, block.state_dict(), rename)
     x = np.random.default_rng(1).normal(size=(3, TOKENS // 3, HIDDEN)).astype(np.float32)
@@ -143,6 +145,34 @@ def test_moe_block_equals_transformers(family, norm_topk_prob):
     expected_loss = (moe_utils.switch_load_balancing_loss_func(probs, tokens_per_expert, TOKENS, TOP_K, EXPERTS, 0.01)
                      + moe_utils.z_loss_func(logits, 0.001))
     assert float(router_loss.asnumpy()) == pytest.approx(float(expected_loss), rel=1e-5)
+
+
+def test_sorted_dispatch_gradients_equal_the_reference_loop_when_the_routing_is_lopsided():
+    """Every token to experts 0 and 1 (a run longer than a block), no token to the others (empty runs)."""
+    config = moe_config(router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
+    x = np.random.default_rng(2).normal(1.0, 0.5, size=(2, TOKENS // 2, HIDDEN)).astype(np.float32)
+    grads = {}
+    for dispatch in ("sorted", "loop"):
+        ms.set_seed(0)
+        cell = MoE(config)
+        cell.dispatch = dispatch
+        gate = cell.gate.weight.asnumpy()
+        gate[:2] += 0.5  # x is positive on average: the logits of experts 0, 1 are ~16 above the rest
+        cell.gate.weight.set_data(ms.Tensor(gate))
+        params = cell.trainable_params()
+
+        def loss(inputs):
+            out, router_loss = cell(inputs)
+            return (out * out).sum() + router_loss
+
+        value, (d_input, d_params) = ms.value_and_grad(loss, 0, params)(ms.Tensor(x))
+        grads[dispatch] = [float(value.asnumpy()), d_input.asnumpy()] + [g.asnumpy() for g in d_params]
+        load = cell.expert_load.asnumpy()
+    assert load[:2].tolist() == [TOKENS, TOKENS] and not load[2:].any()
+    sorted_grads, loop_grads = grads["sorted"], grads["loop"]
+    assert sorted_grads[0] == pytest.approx(loop_grads[0], rel=1e-6)
+    for ours, reference in zip(sorted_grads[1:], loop_grads[1:]):
+        np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max() + 1e-12)
 
 
 PAD = 3
