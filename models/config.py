@@ -287,7 +287,7 @@ class ModelConfig:
             problems.append(f"{p}.dense_layers: lists every layer, so no layer has experts; set num_experts: 0")
         if recipe.context.device_target != "CPU":
             problems.append(f"{p}.num_experts: Mixture-of-Experts layers run on CPU only so far (the dropless "
-                            "reference math): expert parallel on Ascend (MindFormers 1.9's grouped matmul and "
+                            "math of models/moe.py): expert parallel on Ascend (MindFormers 1.9's grouped matmul and "
                             "AllToAll dispatch) is not built yet; set num_experts: 0 or train on CPU")
         return problems
 

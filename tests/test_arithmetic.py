@@ -102,7 +102,8 @@ def test_shapes_converter_plan_and_counts_agree_with_the_cell(fields):
 def test_step_gemms_are_the_real_models_matmuls_and_its_training_flops(fields):
     """Every Linear of the real Cell (and the tied head's MatMul) has its forward, dX and dW GEMM, attention
     its six BatchMatMuls per layer; their FLOPs are the analytic training FLOPs (forward + 2 backward), plus, with
-    MoE layers, those of the experts beyond each token's top k (every expert computes every token)."""
+    MoE layers, those of the experts beyond each token's top k (step_gemms lists every expert on every token, as the
+    stacked and loop dispatches run them; the default sorted dispatch runs about the routed ones)."""
     from collections import Counter
 
     from ascend_llm_recipes.models.arithmetic import step_gemms
