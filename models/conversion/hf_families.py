@@ -439,6 +439,12 @@ def conversion_notes(family: Family, hf_config: dict) -> list:
         notes.append(f"{MTP_LAYERS}: {hf[MTP_LAYERS]}: the multi-token-prediction module(s) (model.layers."
                      f"{mtp_layers(hf)[0]}.* on) are not converted; our model has no MTP head, and the main "
                      "model's logits do not depend on them")
+    coefficient = hf.get("router_aux_loss_coef")
+    if coefficient and not family.fixed.get("expert_bias"):
+        notes.append(f"router_aux_loss_coef: {coefficient:g} carried as it is; transformers' term pools every "
+                     "layer's tokens (k times one layer of ours), ours sums one term per MoE layer (Megatron's): for "
+                     "about the same pull on the router, model.model_config.router_aux_loss_coef = this x "
+                     "num_experts_per_tok / the number of MoE layers")
     if family.fixed.get("expert_bias"):
         notes.append("expert_bias_update_rate: 0 (config.json has no key for it): the converted correction bias "
                      "stays as trained; to keep balancing the experts during training set "
