@@ -24,9 +24,7 @@ import functools
 
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
-from mindspore.common.initializer import Normal, initializer
-from mindspore.ops.auto_generate.gen_ops_prim import SiLU
+from mindspore import Tensor, nn, ops
 from mindspore.ops.operations.nn_ops import FlashAttentionScore
 from mindformers.models.configuration_utils import PretrainedConfig
 from mindformers.models.modeling_utils import PreTrainedModel

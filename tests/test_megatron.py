@@ -19,7 +19,7 @@ import transformers
 import yaml
 from safetensors.torch import load_file
 
-from conftest import REPO_ROOT, TINY_RECIPE, load_script
+from conftest import TINY_RECIPE, load_script
 from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, HF_WEIGHTS_FILE, MODEL_SECTION_FILE
 from ascend_llm_recipes.models.conversion.megatron import from_megatron
 from ascend_llm_recipes.models.conversion import megatron_files
