@@ -40,7 +40,8 @@ from ascend_llm_recipes.models.shapes import STATISTICS  # noqa: F401
 
 class Router(nn.Cell):
     """Router logits (T, E) -> (combine weights (T, E), zero outside each token's top k; the probabilities the
-    load-balancing loss reads; the top-k selection (T, E) in {0, 1}). Float32 whatever the compute dtype.
+    load-balancing loss reads; the top-k selection (T, E) in {0, 1}; the chosen experts (T, k), best first).
+    Float32 whatever the compute dtype.
 
     softmax (Mixtral, Qwen-MoE): the top k of softmax(logits), weighted by their probabilities, renormalised to
     sum to 1 when norm_topk_prob. sigmoid (DeepSeek-V3, transformers' DeepseekV3TopkRouter): scores
@@ -106,7 +107,7 @@ class Router(nn.Cell):
             weights = self.div(weights, total + 1e-20 if self.sigmoid_scores else total)
         if self.scaling != 1.0:
             weights = weights * self.scaling
-        return weights, probs, selected
+        return weights, probs, selected, chosen
 
 
 class LoadBalancingLoss(nn.Cell):
@@ -242,10 +243,8 @@ class MoE(nn.Cell):
         self.gate = Linear(config.hidden_size, config.num_experts, config.initializer_range)
         self.router = Router(config)
         self.experts = nn.CellList([MLP(config, config.expert_size) for _ in range(config.num_experts)])
-        self.top_k = config.num_experts_per_tok
         self.dispatch = "sorted"  # or "stacked", "loop": the same numbers (the module docstring); read at compile
         self.sorted_experts = SortedExperts(config.num_experts)
-        self.select = ops.TopK()
         self.take = ops.GatherD()
         self.expert_matmul = ops.BatchMatMul(transpose_b=True)
         self.silu = SiLU()
@@ -280,10 +279,9 @@ class MoE(nn.Cell):
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
         logits = self.gate(tokens.astype(ms.float32))                                # (T, E)
-        weights, probs, selected = self.router(logits)
+        weights, probs, selected, chosen = self.router(logits)
         weights = weights.astype(self.compute_dtype)
         if self.dispatch == "sorted":
-            _, chosen = self.select(selected, self.top_k)  # (T, k): the k experts marked 1 (any order)
             out = self.sorted_experts(tokens, chosen, self.take(weights, 1, chosen), *self.stacked_weights())
         elif self.dispatch == "stacked":
             out = self.every_expert_stacked(tokens, weights)
