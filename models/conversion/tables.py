@@ -23,7 +23,7 @@ import numpy as np
 
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.models.config import ModelConfig
-from ascend_llm_recipes.models.shapes import TENSORS, dimensions, tensor_dimensions, tensor_flags
+from ascend_llm_recipes.models.shapes import STATISTICS, TENSORS, dimensions, tensor_dimensions, tensor_flags
 
 
 @dataclass(frozen=True)
@@ -319,7 +319,7 @@ IGNORED_OURS = (
     (r"adam_[mv]\..+", "AdamW moments"),
     (r"global_step|epoch_num|step_num|loss_scale|scale_sense|global_batch_size", "training counters"),
     (r"current_iterator_step|last_overflow_iterator_step", "training counters"),
-    (r"model\.layers\.\d+\.mlp\.(expert_load|router_losses)", "MoE routing statistics"),  # models/moe.py STATISTICS
+    (rf"model\.layers\.\d+\.mlp\.({'|'.join(STATISTICS)})", "MoE routing statistics"),
 )
 TIED_HEAD = "lm_head.weight"  # in a tied HF checkpoint, a copy of the embedding when present at all
 TIED_COPY_KIND = "copy of the tied embedding"
