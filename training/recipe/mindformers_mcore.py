@@ -15,10 +15,9 @@ moe_problems, mla_problems: both run on CPU only so far); the importer has no op
 File:line references are to the installed MindFormers 1.9 (site-packages `mindformers/`).
 """
 
-import json
 import os
 
-from ascend_llm_recipes.common.errors import RecipeError
+from ascend_llm_recipes.common.errors import ConversionError, RecipeError
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.training.recipe.mindformers import OURS_FP32, SAME_MATH
 from ascend_llm_recipes.training.recipe.mindformers_import import Importer
@@ -144,19 +143,17 @@ INERT = {
 
 
 def read_pretrained_config(directory: str, where: str) -> dict:
-    """pretrained_model_dir/config.json, as MindFormers merges it under model_config (models/build_config.py:124)."""
-    path = os.path.join(directory, "config.json")
+    """pretrained_model_dir/config.json, as MindFormers merges it under model_config (models/build_config.py:124),
+    read as the checkpoint converter reads it (models/conversion/hf.py read_hf_config)."""
+    from ascend_llm_recipes.models.conversion.hf import read_hf_config
+
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as err:
-        raise RecipeError(where, [f"pretrained_model_dir: {path} cannot be read: {err}"],
+        return read_hf_config(directory)[0]
+    except ConversionError as err:
+        raise RecipeError(where, [f"pretrained_model_dir: {os.path.join(directory, 'config.json')} cannot be read: "
+                                  f"{err.message}"],
                           hint="give --pretrained-model-dir a Hugging Face model directory holding config.json") \
             from None
-    if not isinstance(data, dict):
-        raise RecipeError(where, [f"pretrained_model_dir: {path} is not a JSON object"],
-                          hint="give --pretrained-model-dir a Hugging Face model directory holding config.json")
-    return data
 
 
 def merged_source(source: dict, where: str, pretrained_model_dir: str = None) -> tuple:
