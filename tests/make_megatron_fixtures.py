@@ -312,21 +312,33 @@ def make_layout(out_dir: str, tp: int, pp: int, tied: bool, qkv_bias: bool, larg
 
     tokens = torch.from_numpy(np.random.default_rng(0).integers(0, args.vocab_size, size=TOKENS_SHAPE))
     logits = forward(model, args, tokens)
+    save_formats(out_dir, model, args, (lambda save: save_legacy(model, args, save, tp_rank, pp_rank, optimizer,
+                                                                 scheduler)) if first_replica else None)
+    if logits is not None and tp_rank == 0 and first_replica:
+        save_reference(out_dir, tokens, logits, args.vocab_size)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
+def save_formats(out_dir: str, model, args, write_legacy) -> None:
+    """One layout in both formats: torch_dist by every rank, legacy files by the ranks given `write_legacy`
+    (save directory -> None; None for the others), and the iteration file Megatron-LM reads next to each."""
     for fmt in ("legacy", "torch_dist"):
         save = os.path.join(out_dir, fmt)
         if fmt == "torch_dist":
             save_torch_dist(model, args, save)
-        elif first_replica:
-            save_legacy(model, args, save, tp_rank, pp_rank, optimizer, scheduler)
+        elif write_legacy is not None:
+            write_legacy(save)
         dist.barrier()
         if dist.get_rank() == 0:
             with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write(str(ITERATION))
-    if logits is not None and tp_rank == 0 and first_replica:
-        np.save(os.path.join(out_dir, "tokens.npy"), tokens.numpy())
-        np.save(os.path.join(out_dir, "logits.npy"), logits[..., :args.vocab_size].double().numpy())
-    dist.barrier()
-    parallel_state.destroy_model_parallel()
+
+
+def save_reference(out_dir: str, tokens, logits, vocab_size: int) -> None:
+    """The tokens and megatron-core's logits on them (vocabulary padding cut off): what --verify is checked against."""
+    np.save(os.path.join(out_dir, "tokens.npy"), tokens.numpy())
+    np.save(os.path.join(out_dir, "logits.npy"), logits[..., :vocab_size].double().numpy())
 
 
 def make_moe_layout(out_dir: str, tp: int, ep: int, tied: bool, options: dict) -> None:
@@ -349,18 +361,11 @@ def make_moe_layout(out_dir: str, tp: int, ep: int, tied: bool, options: dict) -
     # every rank the same tokens: the allgather dispatcher gathers the expert-parallel group's tokens
     tokens = torch.from_numpy(np.random.default_rng(0).integers(0, args.vocab_size, size=TOKENS_SHAPE))
     logits = forward(model, args, tokens)
-    for fmt in ("legacy", "torch_dist"):
-        save = os.path.join(out_dir, fmt)
-        if fmt == "torch_dist":
-            save_torch_dist(model, args, save)
-        elif parallel_state.get_expert_data_parallel_rank() == 0:  # as Megatron-LM: one file per TP x EP rank
-            save_legacy(model, args, save, tp_rank, 0, ep_rank=ep_rank)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
-                f.write(str(ITERATION))
-        np.save(os.path.join(out_dir, "tokens.npy"), tokens.numpy())
-        np.save(os.path.join(out_dir, "logits.npy"), logits[..., :args.vocab_size].double().numpy())
+    writes_legacy = parallel_state.get_expert_data_parallel_rank() == 0  # as Megatron-LM: one file per TP x EP rank
+    save_formats(out_dir, model, args,
+                 (lambda save: save_legacy(model, args, save, tp_rank, 0, ep_rank=ep_rank)) if writes_legacy else None)
+    if dist.get_rank() == 0:
+        save_reference(out_dir, tokens, logits, args.vocab_size)
     dist.barrier()
     parallel_state.destroy_model_parallel()
 
