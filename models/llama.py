@@ -191,13 +191,14 @@ class DecoderLayer(nn.Cell):
     In a model with MoE layers every layer returns (x, its router loss), 0 for a dense one.
     """
 
-    def __init__(self, config: LlamaConfig, index: int = 0):
+    def __init__(self, config: LlamaConfig, index: int = 0, moe_block=None):
+        """`moe_block`: builds the MoE layer (models/parallel.py moe_block: MindFormers' on Ascend), else MoE."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
         self.self_attn = MultiLatentAttention(config) if config.mla else Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
         self.is_moe, self.returns_router_loss = config.is_moe_layer(index), config.moe
-        self.mlp = MoE(config) if self.is_moe else MLP(config)
+        self.mlp = (moe_block or MoE)(config) if self.is_moe else MLP(config)
         self.add = ops.Add()
 
     def construct(self, x, cos, sin, mask, seq_ends=None):
@@ -250,11 +251,11 @@ class DocumentMask(nn.Cell):
 class LlamaModel(nn.Cell):
     """Token embedding, the decoder stack and the final norm."""
 
-    def __init__(self, config: LlamaConfig, padded_vocab: int):
+    def __init__(self, config: LlamaConfig, padded_vocab: int, moe_block=None):
         super().__init__()
         self.embed_tokens = Embedding(padded_vocab, config.hidden_size, config.initializer_range,
                                       DTYPES[config.compute_dtype], DTYPES[config.param_dtype])
-        self.layers = nn.CellList([DecoderLayer(config, index) for index in range(config.num_layers)])
+        self.layers = nn.CellList([DecoderLayer(config, index, moe_block) for index in range(config.num_layers)])
         self.moe = config.moe
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
         self.seq_length = config.seq_length
@@ -368,7 +369,9 @@ class LlamaForCausalLM(PreTrainedModel):
         # The tables are padded to a multiple of vocab_pad_multiple x TP, so they split evenly over TP.
         padded_vocab = padded_vocab_size(config.vocab_size, config.vocab_pad_multiple,
                                          layout.tensor_parallel if layout is not None else 1)
-        self.model = LlamaModel(config, padded_vocab)
+        if layout is not None:
+            from ascend_llm_recipes.models.parallel import apply_layout, moe_block
+        self.model = LlamaModel(config, padded_vocab, moe_block(layout) if layout is not None else None)
         self.moe = config.moe
         self.tie_word_embeddings = config.tie_word_embeddings
         if not self.tie_word_embeddings:
@@ -393,7 +396,6 @@ class LlamaForCausalLM(PreTrainedModel):
             self.fused_loss = WholeVocabularyCrossEntropy(config.vocab_size, config.pad_token_id)
             self.keep_mul = ops.Mul()
         if layout is not None:
-            from ascend_llm_recipes.models.parallel import apply_layout
             apply_layout(self, layout)
 
     def hidden_states(self, tokens):

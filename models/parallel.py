@@ -45,6 +45,9 @@ class LlamaLayout:
     # Cell.recompute's keyword options (RECOMPUTE_OPTIONS), as recompute_config sets them.
     recompute_options: dict = field(default_factory=dict)
     gradient_aggregation_group: int = 4   # gradient all-reduce fusion groups without pipelining
+    # MindFormers' TransformerConfig of the MoE layers when they run as its MoELayer with expert parallel (Ascend;
+    # models/expert_parallel.py), else None: models/moe.py's MoE, the CPU reference.
+    experts: object = None
 
     @property
     def layers_per_stage(self) -> list:
@@ -196,7 +199,7 @@ def operator_strategies(net, layout: LlamaLayout) -> list:
                 add(core.pv_matmul, *s["attention_values"])
                 add(core.merge_heads, heads)
         if layer.is_moe:
-            continue  # MoE layers run on CPU only so far (models/config.py moe_problems): no strategies yet
+            continue  # models/moe.py's MoE runs on CPU only; MindFormers' MoELayer shards itself (expert_parallel.py)
         for cell in (mlp.gate_proj, mlp.up_proj):
             linear(cell, s["column"], ((dp, tp), (tp,)))
         linear(mlp.down_proj, s["row"], ((dp, 1), (1,)))
@@ -304,6 +307,14 @@ def apply_layout(net, layout: LlamaLayout) -> None:
             layer.recompute(**layout.recompute_options)
         elif layout.recompute == "selective":
             attn.core.recompute(**layout.recompute_options)
+
+
+def moe_block(layout: LlamaLayout):
+    """What builds a MoE layer under `layout`: MindFormers' MoELayer when layout.experts is set, else None (ours)."""
+    if layout.experts is None:
+        return None
+    from ascend_llm_recipes.models.expert_parallel import MindFormersMoE
+    return lambda config: MindFormersMoE(layout.experts)
 
 
 def optimizer_shard_shape(shape: tuple, itemsize: int, copies: int, threshold_kb: int) -> tuple:

@@ -240,7 +240,7 @@ def semi_auto(recipe: Recipe) -> bool:
     return recipe.use_parallel and recipe.parallel.parallel_mode in (1, 2)
 
 
-def model_layout(recipe: Recipe) -> LlamaLayout:
+def model_layout(recipe: Recipe, source: str = "the recipe") -> LlamaLayout:
     """The layout models/llama.py applies: the recipe's degrees, stages and recompute, as MindFormers would apply them.
 
     Outside semi-auto/auto parallel MindFormers resets every degree of parallel_config to 1 before it builds
@@ -253,8 +253,13 @@ def model_layout(recipe: Recipe) -> LlamaLayout:
     degrees = (p.data_parallel, p.model_parallel, p.pipeline_stage, p.micro_batch_num, p.stage_layers)
     if not semi_auto(recipe):
         degrees = (1, 1, 1, 1, None)
-    return plan_layout(recipe.model.model_config, *degrees, r.mode, p.vocab_emb_dp and p.pipeline_stage == 1,
-                       options, p.gradient_aggregation_group)
+    layout = plan_layout(recipe.model.model_config, *degrees, r.mode, p.vocab_emb_dp and p.pipeline_stage == 1,
+                         options, p.gradient_aggregation_group)
+    if recipe.model.model_config.moe and recipe.context.device_target != "CPU":
+        # MoE layers with expert parallel: MindFormers' own MoELayer (models/expert_parallel.py)
+        from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_transformer_config
+        layout.experts = moe_transformer_config(recipe, source)
+    return layout
 
 
 def full_batch(recipe: Recipe) -> bool:

@@ -68,8 +68,9 @@ def load_balancing(recipe, problems: list) -> str:
     return "seq_aux_loss"
 
 
-def experts(recipe, family: str, problems: list) -> tuple:
-    """(MoE keys, extra callbacks) for the router and the MoE layers."""
+def experts(recipe, family: str, problems: list, layers_ours: bool = False) -> tuple:
+    """(MoE keys, extra callbacks) for the router and the MoE layers. layers_ours: our decoder decides which layers
+    have experts (models/expert_parallel.py), so MindFormers' per-family layer pattern is not asked for."""
     cfg = recipe.model.model_config
     if cfg.router_z_loss_coef:
         problems.append(f"{M}router_z_loss_coef: {cfg.router_z_loss_coef}: MindFormers 1.9's training graph has no "
@@ -86,7 +87,10 @@ def experts(recipe, family: str, problems: list) -> tuple:
             "norm_topk_prob": cfg.norm_topk_prob, "routed_scaling_factor": cfg.routed_scaling_factor,
             "moe_aux_loss_coeff": cfg.router_aux_loss_coef,
             "moe_router_load_balancing_type": load_balancing(recipe, problems),
-            "moe_router_score_function": cfg.router_score, "moe_router_enable_expert_bias": cfg.expert_bias}
+            "moe_router_score_function": cfg.router_score, "moe_router_enable_expert_bias": cfg.expert_bias,
+            # MindFormers' training graph builds MoE layers only with grouped matmul: get_moe_module_spec raises
+            # NotImplementedError otherwise (base_models/gpt/moe_module_specs.py:37-38)
+            "moe_grouped_gemm": True}
     names = ("moe_router_num_groups", "moe_router_group_topk") if family == "qwen3_moe" else ("n_group", "topk_group")
     if cfg.n_group > 1 or family == "deepseek_v3":
         keys.update({names[0]: cfg.n_group, names[1]: cfg.topk_group})
@@ -96,13 +100,14 @@ def experts(recipe, family: str, problems: list) -> tuple:
     if family == "deepseek_v3":
         keys["n_shared_experts"] = (max(1, cfg.shared_expert_intermediate_size // cfg.expert_size)
                                     if cfg.shared_expert_intermediate_size else 0)
+    if family == "deepseek_v3" and not layers_ours:
         dense = sorted(cfg.dense_layers)
         if dense == list(range(len(dense))):
             keys["first_k_dense_replace"] = len(dense)
         else:  # gpt_layer_specs.py:229-248: 0 marks a dense layer
             keys.update(first_k_dense_replace=0, moe_layer_freq=[int(cfg.is_moe_layer(i)) for i in
                                                                   range(cfg.num_layers)])
-    elif cfg.dense_layers:
+    elif cfg.dense_layers and not layers_ours:
         problems.append(f"{M}dense_layers: {cfg.dense_layers}: MindFormers' Qwen3-MoE gives every layer experts "
                         "(models/qwen3_moe/modeling_qwen3_moe_train.py:50-58)")
     callbacks = []
@@ -141,3 +146,38 @@ def mcore_model(recipe, family: str, problems: list) -> tuple:
     notes = [f"{key}: {getattr(cfg, key)}: Ascend kernel switch MindFormers 1.9's own classes set themselves"
              for key in KERNELS if getattr(cfg, key)]
     return {"model_config": model_config}, callbacks, notes
+
+
+def moe_transformer_config(recipe, source: str):
+    """MindFormers' TransformerConfig for the recipe's MoE layers run as its MoELayer (models/expert_parallel.py):
+    the keys `--to-mindformers` writes, read by MindFormers' own config class and converter as its trainer reads
+    such a YAML (core/parallel_config.py:61-74, models/qwen3_moe/configuration_qwen3_moe.py:256), so a key that
+    MindFormers would compute differently from ours is refused by name here too (RecipeError naming `source`).
+    Outside semi-auto parallel MindFormers runs every degree at 1 (trainer/base_trainer.py:289-296): so do we."""
+    from mindformers.models.deepseek3 import DeepseekV3Config
+    from mindformers.models.qwen3_moe import Qwen3MoeConfig
+    from mindformers.modules.transformer import TransformerOpParallelConfig
+
+    from ascend_llm_recipes.common.errors import RecipeError
+    from ascend_llm_recipes.training.recipe.mindformers import semi_auto
+
+    cfg, p, problems = recipe.model.model_config, recipe.parallel_config, []
+    family = "deepseek_v3" if cfg.mla else "qwen3_moe"
+    keys, _ = experts(recipe, family, problems, layers_ours=True)
+    if cfg.shared_expert_intermediate_size:
+        problems.append(f"{M}shared_expert_intermediate_size: {cfg.shared_expert_intermediate_size}: the shared "
+                        "expert of MindFormers' MoELayer is its MLP with gate and up rows interleaved "
+                        "(checkpoint/converter/convert_op.py:186-225), for which models/expert_parallel.py has no "
+                        "table yet; Ascend runs MoE models without shared experts (Qwen3-MoE, Mixtral) so far")
+    if problems:
+        raise RecipeError(source, problems, hint="on Ascend the MoE layers are MindFormers 1.9's MoELayer, which "
+                                                 "computes these differently; change them in the recipe")
+    degrees = dict(data_parallel=p.data_parallel, model_parallel=p.model_parallel, pipeline_stage=p.pipeline_stage,
+                   micro_batch_num=p.micro_batch_num, expert_parallel=getattr(p, "expert_parallel", 1),
+                   use_seq_parallel=p.use_seq_parallel)
+    if not semi_auto(recipe):
+        degrees = dict(data_parallel=1, model_parallel=1, pipeline_stage=1, micro_batch_num=1, expert_parallel=1)
+    config_class = DeepseekV3Config if family == "deepseek_v3" else Qwen3MoeConfig
+    model = config_class(**common(cfg, family), **attention(cfg, family), **keys,
+                         parallel_config=TransformerOpParallelConfig(**degrees))
+    return model.convert_to_transformer_config(is_mla_model=family == "deepseek_v3")

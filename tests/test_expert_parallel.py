@@ -1,0 +1,122 @@
+"""The Ascend MoE path (models/expert_parallel.py): MindFormers 1.9's own MoELayer built in our decoder, on CPU.
+
+Its forward needs Ascend (TopkExt, GroupedMatmul, AllToAll have no CPU kernels); what runs here is everything
+before that: MindFormers' config class and converter making the TransformerConfig from our recipe, the real cells
+built from it inside our model (names, shapes), the checkpoint layout against MindFormers' own converter, and the
+whole training graph compiled on CPU up to the first Ascend-only kernel.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import mindspore as ms
+
+from ascend_llm_recipes.common.errors import RecipeError
+from ascend_llm_recipes.common.schema import to_plain
+from ascend_llm_recipes.models.expert_parallel import MindFormersMoE, stack_experts, unstack_experts
+from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
+from ascend_llm_recipes.models.parallel import plan_layout
+from ascend_llm_recipes.training.recipe.loading import load_recipe
+from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_transformer_config
+
+from conftest import REPO_ROOT
+
+ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+MOE_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_moe_cpu.yaml")
+COUNTERS = ("router.fi_accu", "router.expert_load")  # MindFormers' router's, not weights (router.py:163-212)
+
+
+def moe_recipe(tmp_path, *overrides):
+    # tiny_moe_cpu.yaml without its router z-loss, which MindFormers' router does not have
+    return load_recipe(MOE_RECIPE, [f"output_dir={tmp_path}", "model.model_config.router_z_loss_coef=0",
+                                    *overrides], planning=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(recipe, our CPU model, the same model with MindFormers' MoELayer as its MoE layers)."""
+    recipe = moe_recipe(tmp_path_factory.mktemp("ep"))
+    cfg = recipe.model.model_config
+    layout = plan_layout(cfg)
+    layout.experts = moe_transformer_config(recipe, MOE_RECIPE)
+    ms.set_seed(0)
+    return recipe, LlamaForCausalLM(LlamaConfig(**to_plain(cfg))), LlamaForCausalLM(LlamaConfig(**to_plain(cfg)),
+                                                                                     layout)
+
+
+def shapes(net) -> dict:
+    return {p.name: tuple(p.shape) for p in net.get_parameters()}
+
+
+def test_the_transformer_config_is_the_recipe_read_by_mindformers_own_classes(models):
+    recipe, _, net = models
+    cfg, tc = recipe.model.model_config, net.model.layers[1].mlp.config
+    assert isinstance(net.model.layers[1].mlp, MindFormersMoE) and not isinstance(net.model.layers[0].mlp,
+                                                                                    MindFormersMoE)
+    assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size, tc.hidden_size) == (
+        cfg.num_experts, cfg.num_experts_per_tok, cfg.expert_size, cfg.hidden_size)
+    assert (tc.moe_router_score_function, tc.norm_topk_prob, tc.moe_aux_loss_coeff) == (
+        cfg.router_score, cfg.norm_topk_prob, cfg.router_aux_loss_coef)
+    assert tc.moe_grouped_gemm and tc.moe_token_dispatcher_type == "alltoall"
+    # outside semi-auto parallel MindFormers builds every degree at 1, as here on CPU
+    assert (tc.data_parallel_size, tc.tensor_model_parallel_size, tc.expert_model_parallel_size) == (1, 1, 1)
+
+
+def test_its_parameters_are_ours_stacked_as_mindformers_converter_stacks_them(models):
+    recipe, ours, theirs = models
+    cfg = recipe.model.model_config
+    ours_stacked = {name: value.shape for name, value in stack_experts(
+        {p.name: np.zeros(p.shape, np.float32) for p in ours.get_parameters()}, cfg).items()
+        if not name.endswith(("expert_load", "router_losses"))}
+    their_weights = {name: shape for name, shape in shapes(theirs).items() if not name.endswith(COUNTERS)}
+    assert their_weights == ours_stacked
+
+
+def test_stacked_experts_equal_mindformers_experts_convert_op(models):
+    """MindFormers' own Hugging Face -> MindFormers converter (ExpertsConvertOp) is the reference layout."""
+    from mindformers.checkpoint.converter.convert_op import ExpertsConvertOp
+
+    recipe, ours, theirs = models
+    cfg, tc = recipe.model.model_config, theirs.model.layers[1].mlp.config
+    rng = np.random.default_rng(0)
+    tensors = {p.name: rng.normal(size=p.shape).astype(np.float32) for p in ours.get_parameters()}
+    stacked = stack_experts(tensors, cfg)
+    expert = "model.layers.1.mlp.experts.{e}.{p}.weight"
+    per_expert = {p: np.concatenate([tensors[expert.format(e=e, p=p)] for e in range(cfg.num_experts)])
+                  for p in ("gate_proj", "up_proj", "down_proj")}
+    fc1 = ExpertsConvertOp(hf_names=["a.{}", "b.{}"], mf_names=["w1"])
+    fc2 = ExpertsConvertOp(hf_names=["c.{}"], mf_names=["w2"])
+    for op in (fc1, fc2):
+        op.set_model_config(tc)
+        op.optimizer_parallel_size = 1  # one device: no optimizer slicing of the stacked weights
+    np.testing.assert_array_equal(stacked["model.layers.1.mlp.experts.weight1"],
+                                  fc1._hf_to_mf([per_expert["gate_proj"], per_expert["up_proj"]])[0])
+    np.testing.assert_array_equal(stacked["model.layers.1.mlp.experts.weight2"],
+                                  fc2._hf_to_mf([per_expert["down_proj"]])[0])
+    np.testing.assert_array_equal(stacked["model.layers.1.mlp.router.weight"], tensors["model.layers.1.mlp.gate.weight"])
+    back = unstack_experts(stacked, cfg)
+    assert back.keys() == tensors.keys()
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(back[name], value)
+
+
+def test_the_training_graph_compiles_on_cpu_up_to_the_first_ascend_only_kernel(models, tmp_path, monkeypatch):
+    """Every shape and dtype through our decoder and MindFormers' MoELayer is inferred by MindSpore's compiler;
+    the CPU backend then stops at the router's TopkExt, which only Ascend has (the acceptance kit runs it)."""
+    _, _, net = models
+    monkeypatch.chdir(tmp_path)  # MindSpore writes rank_0/om/analyze_fail.ir where it runs
+    with pytest.raises(RuntimeError, match=r"Unsupported op \[TopkExt\] on CPU"):
+        net(ms.Tensor(np.zeros((2, net.config.seq_length + 1), np.int32)))
+
+
+def test_what_mindformers_moe_layer_computes_differently_is_refused_by_key(tmp_path):
+    recipe = moe_recipe(tmp_path, "model.model_config.router_z_loss_coef=0.01")
+    with pytest.raises(RecipeError, match="router_z_loss_coef: 0.01: MindFormers 1.9's training graph has no router"):
+        moe_transformer_config(recipe, MOE_RECIPE)
+    recipe = moe_recipe(tmp_path, "model.model_config.num_experts_per_tok=1")
+    with pytest.raises(RecipeError, match="norm_topk_prob: True with one expert per token"):
+        moe_transformer_config(recipe, MOE_RECIPE)
+    recipe = moe_recipe(tmp_path, "model.model_config.shared_expert_intermediate_size=32")
+    with pytest.raises(RecipeError, match="shared_expert_intermediate_size: 32: .*no table"):
+        moe_transformer_config(recipe, MOE_RECIPE)
