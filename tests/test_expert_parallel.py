@@ -94,7 +94,8 @@ def test_stacked_experts_equal_mindformers_experts_convert_op(models):
                                   fc1._hf_to_mf([per_expert["gate_proj"], per_expert["up_proj"]])[0])
     np.testing.assert_array_equal(stacked["model.layers.1.mlp.experts.weight2"],
                                   fc2._hf_to_mf([per_expert["down_proj"]])[0])
-    np.testing.assert_array_equal(stacked["model.layers.1.mlp.router.weight"], tensors["model.layers.1.mlp.gate.weight"])
+    np.testing.assert_array_equal(stacked["model.layers.1.mlp.router.weight"],
+                                  tensors["model.layers.1.mlp.gate.weight"])
     back = unstack_experts(stacked, cfg)
     assert back.keys() == tensors.keys()
     for name, value in tensors.items():
