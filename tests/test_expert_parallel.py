@@ -121,3 +121,38 @@ def test_what_mindformers_moe_layer_computes_differently_is_refused_by_key(tmp_p
     recipe = moe_recipe(tmp_path, "model.model_config.shared_expert_intermediate_size=32")
     with pytest.raises(RecipeError, match="shared_expert_intermediate_size: 32: .*no table"):
         moe_transformer_config(recipe, MOE_RECIPE)
+
+
+def test_data_parallel_takes_the_global_batch_loss_and_more_passes_per_step_are_refused(tmp_path):
+    """gbs_aux_loss over one pass per step is ours (mindformers_mcore_export.py load_balancing); with several
+    passes MindFormers accumulates f over them and ours does not."""
+    recipe = moe_recipe(tmp_path, "use_parallel=True", "parallel_config.data_parallel=2")
+    assert moe_transformer_config(recipe, MOE_RECIPE).moe_router_load_balancing_type == "gbs_aux_loss"
+    recipe.runner_config.gradient_accumulation_steps = 2  # (semi-auto parallel only: a check this skips)
+    with pytest.raises(RecipeError, match="2 forward passes per step: MindFormers takes the load-balancing loss"):
+        moe_transformer_config(recipe, MOE_RECIPE)
+
+
+def test_router_stats_zero_mindformers_counters_and_move_its_correction_bias(tmp_path):
+    """What MindFormers' callbacks do for its own models after a step, done on its real router cells."""
+    from ascend_llm_recipes.training.worker.router_stats import MindFormersRouterStats, router_stats
+
+    recipe = moe_recipe(tmp_path, "model.model_config.router_score=sigmoid", "model.model_config.expert_bias=True",
+                        "model.model_config.expert_bias_update_rate=0.01", "use_parallel=True",
+                        "parallel_config.data_parallel=2")
+    cfg = recipe.model.model_config
+    layout = plan_layout(cfg)
+    layout.experts = moe_transformer_config(recipe, MOE_RECIPE)
+    net = LlamaForCausalLM(LlamaConfig(**to_plain(cfg)), layout)
+    stats = router_stats(net, collapse_factor=1.5)
+    assert isinstance(stats, MindFormersRouterStats) and [name for name, _ in stats.layers] == ["model.layers.1.mlp"]
+    router = net.model.layers[1].mlp.router
+    load = np.array([0.5, 0.3, 0.1, 0.1], np.float32)    # fractions of the routing slots (router.py:371-377)
+    router.expert_load.set_data(ms.Tensor(load))
+    router.fi_accu.set_data(ms.Tensor(np.ones(4, np.float32)))
+    values = stats.values()
+    np.testing.assert_array_equal(values, load)
+    assert not router.expert_load.asnumpy().any() and not router.fi_accu.asnumpy().any()
+    record = stats.from_sums(values * 2, ranks=2, tokens=128, step=3)   # the host all-reduce of two ranks
+    assert record.expert_load == [2.0] and record.load_balancing_loss is None
+    np.testing.assert_allclose(router.expert_bias.asnumpy(), [-0.01, -0.01, 0.01, 0.01])

@@ -359,6 +359,8 @@ class McoreImporter(MoEKeys, Importer):
         sees. MindFormers (transformer/moe/router.py:388-425) takes them per block of data x model x context
         parallel tokens (sub_seq_aux_loss), averages f over the model-parallel blocks (seq_aux_loss), or over all
         blocks and the step's micro-batches so far (gbs_aux_loss; reset each step, core/callback/callback.py:531).
+        With one micro-batch per step gbs_aux_loss is ours whatever the data parallel: f over all blocks, P per
+        block averaged by the loss's mean over blocks (router.py:411-425), E * sum_e f_e * P_e of the micro-batch.
         """
         key = M + "moe_router_load_balancing_type"
         kind = self.get(key, TC_DEFAULTS["moe_router_load_balancing_type"])
@@ -369,7 +371,7 @@ class McoreImporter(MoEKeys, Importer):
             self.get("runner_config.gradient_accumulation_steps", 1)
         differs = {"sub_seq_aux_loss": mp * dp * cp > 1 and "per data x model x context parallel block",
                    "seq_aux_loss": dp * cp > 1 and "per data x context parallel block",
-                   "gbs_aux_loss": (dp * cp > 1 or micro > 1) and "accumulated over the step's micro-batches"}
+                   "gbs_aux_loss": micro > 1 and "accumulated over the step's micro-batches"}
         if not coef:
             self.drop(key, "no load-balancing loss (moe_aux_loss_coeff is 0)")
         elif kind not in differs:

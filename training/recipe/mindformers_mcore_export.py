@@ -57,14 +57,23 @@ def attention(cfg, family: str) -> dict:
 
 
 def load_balancing(recipe, problems: list) -> str:
-    """The moe_router_load_balancing_type whose token groups are ours (mindformers_mcore.py balancing)."""
+    """The moe_router_load_balancing_type whose token groups are ours (mindformers_mcore.py balancing).
+
+    With data parallel, gbs_aux_loss takes f over every data-parallel block of the pass (router.py:411-422) and
+    P per block, averaged by the loss's mean over blocks (router.py:424-425): E * sum_e f_e * P_e over the whole
+    micro-batch, ours, as long as its accumulator fi_accu holds one pass (zeroed every step: MFLossMonitor for
+    MindFormers' own models, core/callback/callback.py:531-540; training/worker/router_stats.py for ours)."""
     cfg, p = recipe.model.model_config, recipe.parallel_config
     if not cfg.router_aux_loss_coef or p.data_parallel == 1:
         return "seq_aux_loss"  # one block of a micro-batch's tokens per model-parallel group: ours
-    problems.append(f"{M}router_aux_loss_coef: {cfg.router_aux_loss_coef} with data_parallel {p.data_parallel}: "
-                    "MindFormers takes the load-balancing loss per data-parallel block of tokens "
-                    "(transformer/moe/router.py:388-425), ours over the micro-batch's tokens; set it 0 or "
-                    "data_parallel 1")
+    passes = (p.micro_batch_num if p.pipeline_stage > 1 else 1) * recipe.runner_config.gradient_accumulation_steps
+    if passes == 1:
+        return "gbs_aux_loss"
+    problems.append(f"{M}router_aux_loss_coef: {cfg.router_aux_loss_coef} with data_parallel {p.data_parallel} and "
+                    f"{passes} forward passes per step: MindFormers takes the load-balancing loss per data-parallel "
+                    "block (seq_aux_loss) or accumulated over the step's passes (gbs_aux_loss, "
+                    "transformer/moe/router.py:388-425), ours over each pass's tokens; set it 0, or data_parallel 1, "
+                    "or one pass per step")
     return "seq_aux_loss"
 
 
@@ -111,7 +120,10 @@ def experts(recipe, family: str, problems: list, layers_ours: bool = False) -> t
         problems.append(f"{M}dense_layers: {cfg.dense_layers}: MindFormers' Qwen3-MoE gives every layer experts "
                         "(models/qwen3_moe/modeling_qwen3_moe_train.py:50-58)")
     callbacks = []
-    if cfg.expert_bias and cfg.expert_bias_update_rate:
+    if cfg.expert_bias and cfg.expert_bias_update_rate and layers_ours:
+        # moved by training/worker/router_stats.py from the router's counts, whatever the passes per step
+        keys["moe_router_bias_update_rate"] = cfg.expert_bias_update_rate
+    elif cfg.expert_bias and cfg.expert_bias_update_rate:
         if family not in BIAS_UPDATED:
             problems.append(f"{M}expert_bias_update_rate: {cfg.expert_bias_update_rate}: MindFormers' {family} "
                             "never moves the expert bias (its training class has no update_topk_bias)")

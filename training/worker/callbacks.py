@@ -132,8 +132,8 @@ class StepRecorder(Callback):
 
     def on_train_begin(self, run_context):
         if self.moe:
-            from ascend_llm_recipes.training.worker.router_stats import RouterStats
-            self.router_stats = RouterStats(run_context.original_args().train_network, self.collapse_factor)
+            from ascend_llm_recipes.training.worker.router_stats import router_stats
+            self.router_stats = router_stats(run_context.original_args().train_network, self.collapse_factor)
         self._file = open(self.metrics_path, "a", encoding="utf-8")
         if self.tensorboard_dir:
             from tensorboardX import SummaryWriter
@@ -201,6 +201,8 @@ class StepRecorder(Callback):
     def router_fields(self, loss: float) -> dict:
         """The MoE routers' numbers (training/worker/router_stats.py), and the loss without their weighted terms."""
         r, (aux, z) = self.router, self.router_coefs
+        if r.load_balancing_loss is None:  # MindFormers' MoELayer (Ascend) keeps no unweighted losses
+            return {"expert_load": r.expert_load, "dropped_tokens": r.dropped_tokens} if r.expert_load else {}
         layers = len(r.expert_load)
         return {"lm_loss": loss - layers * (aux * r.load_balancing_loss + z * r.router_z_loss),
                 "load_balancing_loss": r.load_balancing_loss, "router_z_loss": r.router_z_loss,
@@ -230,8 +232,8 @@ class StepRecorder(Callback):
                          f"{record['grad_norm'] if record['grad_norm'] is None else round(record['grad_norm'], 4)} "
                          f"step {record['step_time'] * 1e3:.0f} ms gap {record['iteration_gap'] * 1e3:.0f} ms "
                          f"({record['data_wait']:.1%} wait) {record['tokens_per_s']:,.0f} tok/s MFU {mfu}"
-                         + (f" aux {record['load_balancing_loss']:.3f} load max/mean "
-                            f"{max(record['expert_load']):.2f}" if "expert_load" in record else "")
+                         + (f" aux {record['load_balancing_loss']:.3f}" if "load_balancing_loss" in record else "")
+                         + (f" load max/mean {max(record['expert_load']):.2f}" if record.get("expert_load") else "")
                          + (" [includes graph compile]" if record["compile"] else "") + "\n")
         sys.stdout.flush()
         if self._writer is not None:

@@ -14,10 +14,19 @@ Per step it records, averaged over the MoE layers unless named per layer:
 moves DeepSeek-V3's expert_bias towards an even load (when model_config.expert_bias_update_rate > 0), and warns of
 a collapse: a layer whose busiest expert takes more than `collapse_factor` x its mean share (once,
 until the layer is back halfway to an even load).
+
+On Ascend the MoE layers are MindFormers' MoELayer (models/expert_parallel.py): MindFormersRouterStats does there
+what MindFormers' own callbacks do for its models after every step, which its trainer does not run for ours
+(MFLossMonitor acts on MindFormers 1.9's own models only, core/callback/callback.py:487-492): zero the routers'
+gbs_aux_loss accumulator fi_accu (callback.py:531-540, gpt_model.py:671-675), and move the correction bias from
+the router's expert_load and zero it (GPTModel.update_topk_bias, gpt_model.py:623-641). Its router counts
+expert_load only with the correction bias (router.py:163-178), and keeps no unweighted losses: the record then
+has the load (when counted) and no loss terms.
 """
 
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 import mindspore as ms
 import numpy as np
@@ -25,10 +34,19 @@ import numpy as np
 
 @dataclass(frozen=True)
 class RouterRecord:
-    load_balancing_loss: float
-    router_z_loss: float
+    load_balancing_loss: Optional[float]   # None: not counted (MindFormers' MoELayer)
+    router_z_loss: Optional[float]
     expert_load: list         # per MoE layer: max / mean routing slots
     dropped_tokens: float
+
+
+def router_stats(network, collapse_factor: float):
+    """RouterStats for models/moe.py's layers, MindFormersRouterStats for MindFormers' MoELayer (Ascend)."""
+    from ascend_llm_recipes.models.expert_parallel import MindFormersMoE
+
+    if any(isinstance(cell, MindFormersMoE) for _, cell in network.cells_and_names()):
+        return MindFormersRouterStats(network, collapse_factor)
+    return RouterStats(network, collapse_factor)
 
 
 class RouterStats:
@@ -103,3 +121,57 @@ class RouterStats:
                 sys.stdout.write(f"[anomaly] step {step}: {name}'s expert load is back under the limit "
                                  f"({ratio:.2f} x the mean)\n")
                 sys.stdout.flush()
+
+
+class MindFormersRouterStats(RouterStats):
+    """RouterStats for MindFormers' MoELayer (models/expert_parallel.py): its counters, its per-step resets.
+
+    Semi-auto parallel computes one graph over the global batch, so its counters are already the global batch's
+    on every rank; StepRecorder's host all-reduce multiplies them by the ranks, which neither the max/mean ratio
+    nor the bias update's sign changes.
+    """
+
+    def __init__(self, network, collapse_factor: float):  # pylint: disable=super-init-not-called
+        from ascend_llm_recipes.models.expert_parallel import MindFormersMoE
+
+        self.layers = [(cell.router.weight.name.rsplit(".", 2)[0], cell) for _, cell in network.cells_and_names()
+                       if isinstance(cell, MindFormersMoE)]
+        self.collapse_factor = collapse_factor
+        self.collapsed: set = set()
+        config = self.layers[0][1].config
+        self.num_experts, self.top_k = config.num_moe_experts, config.moe_router_topk
+        self.counted = config.moe_router_enable_expert_bias   # router.expert_load exists (router.py:163-178)
+        self.bias_update_rate = config.moe_router_bias_update_rate if self.counted else 0.0
+        self.gbs = config.moe_router_load_balancing_type == "gbs_aux_loss"
+
+    def values(self) -> np.ndarray:
+        """[loads (L x E)] of this step, each the fraction of the routing slots per expert summed over the step's
+        forward passes (router.py:371-377), or nothing when not counted; zeroes them and fi_accu."""
+        loads = []
+        for _, cell in self.layers:
+            router = cell.router
+            if self.gbs:
+                router.fi_accu.set_data(ms.Tensor(np.zeros(router.fi_accu.shape, np.float32)))
+            if self.counted:
+                loads.append(router.expert_load.asnumpy().copy())
+                router.expert_load.set_data(ms.Tensor(np.zeros_like(loads[-1])))
+        return np.concatenate(loads).astype(np.float32) if loads else np.zeros(0, np.float32)
+
+    def from_sums(self, sums: np.ndarray, ranks: int, tokens: int, step: int) -> RouterRecord:
+        if not self.counted:
+            return RouterRecord(load_balancing_loss=None, router_z_loss=None, expert_load=[], dropped_tokens=0.0)
+        loads = np.asarray(sums, np.float64).reshape(len(self.layers), self.num_experts)
+        ratios = loads.max(1) / np.maximum(loads.mean(1), 1e-12)
+        self.warn_collapse(step, ratios)
+        self.update_expert_bias(loads)
+        return RouterRecord(load_balancing_loss=None, router_z_loss=None,
+                            expert_load=[round(float(r), 4) for r in ratios], dropped_tokens=0.0)
+
+    def update_expert_bias(self, loads: np.ndarray) -> None:
+        """router.expert_bias += rate x sign(mean load - load), as GPTModel.update_topk_bias (gpt_model.py:623-641)."""
+        if not self.bias_update_rate:
+            return
+        for (_, cell), load in zip(self.layers, loads):
+            bias = cell.router.expert_bias
+            step = (self.bias_update_rate * np.sign(load.mean() - load)).astype(np.float32)
+            bias.set_data(ms.Tensor(bias.asnumpy() + step))
