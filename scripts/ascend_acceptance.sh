@@ -5,7 +5,8 @@
 # FlashAttention and fused RmsNorm against the math path at seq 2048, resume at another layout through
 # MindFormers' auto_trans_ckpt, --to-hf of a TP/PP run merged with its strategy files, checkpoint size
 # against the bytes resume needs, the pipeline run's logged loss, peak device memory next to --plan,
-# throughput against the published figures) and writes OUT/acceptance.json + OUT/acceptance.md with
+# throughput against the published figures, Mixture of Experts through MindFormers' MoELayer at expert parallel
+# 1, 2 and 8 against each other and against the CPU math) and writes OUT/acceptance.json + OUT/acceptance.md with
 # PASS / FAIL per check (training/tools/acceptance.py).
 #   bash scripts/ascend_acceptance.sh [OUT_DIR]
 #   DRY_RUN=1 bash scripts/ascend_acceptance.sh [OUT_DIR]     # print every command, run nothing

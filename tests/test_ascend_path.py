@@ -242,7 +242,9 @@ def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
                    "[fused_kernels_vs_math] train 20 steps bf16 seq 2048 fused",
                    "[fused_kernels_vs_math] train 20 steps bf16 seq 2048 math",
                    "[checkpoint_size_dp8_opt] reads", "[checkpoint_size_startup_llama2_7b_8dev] reads",
-                   "[pipeline_logged_loss] reads rank 0's logged loss in dp2_tp2_pp2/"])
+                   "[pipeline_logged_loss] reads rank 0's logged loss in dp2_tp2_pp2/",
+                   "[moe_ep1] train 20 steps, MindFormers' MoELayer", "[moe_ep2] train 20 steps",
+                   "[moe_ep8] train 20 steps", "[moe_cpu_math] train 20 steps on the node's CPUs"])
     for line in expected:
         assert line in result.stdout, line
     assert "--check --dry-run" in result.stdout and "tiny_ascend.yaml" in result.stdout
@@ -258,6 +260,9 @@ def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
     assert "use_flash_attention=True" in fused and "fused_rms_norm=True" in fused and "compute_dtype=bfloat16" in fused
     convert = next(line for line in lines if line.startswith("[to_hf_tp_pp]"))
     assert f"--to-hf {out}/dp2_tp2_pp2 --output {out}/hf_dp2_tp2_pp2" in convert
+    cpu = next(line for line in lines if line.startswith("[moe_cpu_math]"))
+    assert "tiny_moe_ascend.yaml" in cpu and "context.device_target=CPU" in cpu and "parallel.parallel_mode=0" in cpu
+    assert "parallel_config.expert_parallel=8" in next(line for line in lines if line.startswith("[moe_ep8]"))
     assert not out.exists()
 
 

@@ -78,6 +78,17 @@ PIPELINE_LAYOUT, PIPELINE_RTOL = "dp2_tp2_pp2", 1e-6
 # then the same run directory at each target through MindFormers' auto_trans_ckpt (training/tools/relayout.py).
 RELAYOUT_FROM, RELAYOUT_TARGETS, RELAYOUT_AT = "dp2_tp2_pp2", ("dp8", "dp2_tp4"), 10
 HF_EXPORT = "hf_dp2_tp2_pp2"  # --to-hf of the DP2 x TP2 x PP2 layout run (merged with its strategy files)
+# Mixture of Experts: recipes/tiny_moe_ascend.yaml, whose MoE layers are MindFormers' MoELayer on Ascend
+# (models/expert_parallel.py), at expert-parallel degrees 2 and 8 against 1 (the same math, another dispatch:
+# LAYOUT_RTOL), and at EP 1 against models/moe.py's CPU math on the node's CPUs, 8 data-parallel processes of the
+# same global batch (MOE_CPU_RTOL: other kernels, and a token whose top-2 scores tie within rounding may pick
+# another expert).
+TINY_MOE = os.path.join(REPO_ROOT, "recipes", "tiny_moe_ascend.yaml")
+MOE_LAYOUTS = {"moe_ep1": [], "moe_ep2": ["parallel_config.expert_parallel=2"],
+               "moe_ep8": ["parallel_config.expert_parallel=8"]}
+MOE_CPU = ["context.device_target=CPU", "parallel.parallel_mode=0", "parallel.full_batch=False",
+           "parallel.gradients_mean=True"]
+MOE_CPU_RTOL = 5e-3
 
 
 def launch_argv(recipe: str, out: str, *overrides) -> list:
@@ -128,6 +139,11 @@ def plan_commands(out: str) -> list:
         steps.append((check, f"resume at {target} (auto_trans_ckpt, --amend)",
                       launch_argv(TINY, run, *LAYOUTS[target], *schedule, f"runner_config.stop_step={RESUME_STEPS}",
                                   "auto_trans_ckpt=True") + ["--amend"]))
+    for layout, overrides in MOE_LAYOUTS.items():
+        steps.append((layout, "train 20 steps, MindFormers' MoELayer", launch_argv(TINY_MOE, f"{out}/{layout}",
+                                                                                  *overrides)))
+    steps.append(("moe_cpu_math", "train 20 steps on the node's CPUs, models/moe.py",
+                  launch_argv(TINY_MOE, f"{out}/moe_cpu", *MOE_CPU)))
     steps.append(("to_hf_tp_pp", "--to-hf of the dp2_tp2_pp2 run",
                   [sys.executable, os.path.join(REPO_ROOT, "scripts", "convert_checkpoint.py"), "--to-hf",
                    f"{out}/{RELAYOUT_FROM}", "--output", f"{out}/{HF_EXPORT}", "--quiet"]))
@@ -361,6 +377,13 @@ def evaluate(out: str, returncodes: dict) -> dict:
         check = f"resume_{target}_from_{RELAYOUT_FROM}"
         results[check] = relayout_result(os.path.join(out, f"relayout_{target}"), uninterrupted,
                                          returncodes.get(check))
+    moe_reference = logged_losses(os.path.join(out, "moe_ep1"))
+    for layout in MOE_LAYOUTS:
+        if layout != "moe_ep1":
+            results[f"{layout}_vs_moe_ep1"] = compare(logged_losses(os.path.join(out, layout)), moe_reference,
+                                                      LAYOUT_RTOL)
+    results["moe_ep1_vs_cpu_math"] = compare(moe_reference, logged_losses(os.path.join(out, "moe_cpu")),
+                                             MOE_CPU_RTOL)
     export = hf_export_result(os.path.join(out, HF_EXPORT), returncodes.get("to_hf_tp_pp"))
     if not export.get("merged_from_shards"):
         export["status"] = "FAIL"  # a TP/PP run must have been merged with its strategy files
