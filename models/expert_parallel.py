@@ -32,6 +32,7 @@ import numpy as np
 from mindspore import ops
 
 from mindformers.parallel_core.training_graph.base_models.gpt.moe_module_specs import get_moe_module_spec
+from mindformers.parallel_core.training_graph.device_matrix import layout
 from mindformers.parallel_core.training_graph.transformer.moe.moe_layer import MoELayer
 
 
@@ -47,6 +48,9 @@ class MindFormersMoE(MoELayer):
         config = transformer_config
         spec = get_moe_module_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
                                    use_interleaved_weight_layout_mlp=config.use_interleaved_weight_layout_mlp)
+        # MindFormers' GPTModel initialises the dp/cp/tp layout its MoE layers' shard() reads (gpt_model.py:229); ours
+        # has no GPTModel, so the block does it (MoELayer itself only initialises the expert layout, moe_layer.py:107)
+        layout.init_layout(config)
         super().__init__(config, submodules=spec.submodules)
         self.to_sequence_first = ops.Transpose()
         self.to_batch_first = ops.Transpose()
