@@ -22,8 +22,11 @@ the same half-split layout as ours (rotary_interleaved False), so nothing is per
 
 Mixture of Experts (megatron-core transformer/moe): the router, expert_bias, SequentialMLP's local experts
 (legacy files number them per expert-parallel rank, torch_dist puts all experts on one axis) and the shared
-experts map to models/moe.py's tensors; moe_fields translates the routing arguments and refuses by name what
-megatron-core computes differently (grouped GEMM experts, token dropping, group-limited routing, sinkhorn).
+experts map to models/moe.py's tensors; so do GroupedMLP's (--moe-grouped-gemm without TransformerEngine: legacy
+files stack a layer's local experts in weight1/weight2, tables.GROUPED_EXPERTS; its torch_dist keys are
+SequentialMLP's, as are TEGroupedMLP's, whose legacy linear_fc1.weight<e> files are refused by name).
+moe_fields translates the routing arguments and refuses by name what megatron-core computes differently (token
+dropping, group-limited routing, sinkhorn).
 
 Legacy files are pickles of argparse namespaces (Megatron loads them with weights_only=False, and so
 must this reader): convert only checkpoints you trust.
@@ -72,8 +75,6 @@ MEGATRON_NOT_YET = (
 )
 # MoE arguments whose other values route or compute differently from models/moe.py (Megatron-LM's names).
 UNSUPPORTED_MOE_ARGS = (
-    ("moe_grouped_gemm", False, "grouped-GEMM experts (TEGroupedMLP's linear_fc1.weight<e>, GroupedMLP's stacked "
-                                "weight1/weight2) are not read yet: convert a checkpoint saved with SequentialMLP"),
     ("moe_expert_capacity_factor", None, "token dropping: the model's routing is dropless"),
     ("moe_router_num_groups", 1, "group-limited routing scores a group by its top topk/group_topk experts, the "
                                     "model by its top 2"),
