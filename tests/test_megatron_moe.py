@@ -7,8 +7,8 @@ split over 2 expert-parallel ranks (mp_rank_00_000, mp_rank_00_001; sigmoid rout
 without gate), and `moe_tp2ep2` (TP2 x EP2: mp_rank_TT_EEE; pre-softmax top k, every other layer dense, no shared
 expert), saved as legacy files and torch_dist, each with megatron-core's own logits on fixed tokens; and each again
 as megatron-core's GroupedMLP (--moe-grouped-gemm: weight1/weight2) holding the same weights, whose forward needs
-CUDA kernels: the SequentialMLP's logits are its reference. Written back (to_megatron, --ep), they are
-megatron-core's files again.
+CUDA kernels: the SequentialMLP's logits are its reference. Written back (to_megatron, --ep, --grouped-gemm), they
+are megatron-core's files again.
 """
 
 import os
@@ -26,6 +26,7 @@ from ascend_llm_recipes.models.conversion.megatron import from_megatron, model_c
 from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, MODEL_SECTION_FILE
 from ascend_llm_recipes.models.conversion.verify import verify_against
 from ascend_llm_recipes.training.tools.export import to_megatron
+from conftest import load_script
 from test_convert import assert_nothing_written
 
 MOE_LAYOUTS = ("moe", "moe_ep2", "moe_tp2ep2")
@@ -172,6 +173,31 @@ def test_grouped_gemm_experts_convert_to_the_sequential_ones(megatron_dir, conve
         assert sorted(grouped) == sorted(sequential) and all(torch.equal(grouped[k], sequential[k]) for k in grouped)
     assert manifest["source"]["megatron_args"]["moe_grouped_gemm"] is True
     against_megatron_cores_logits(megatron_dir, layout, tmp_path / "legacy")
+
+
+@pytest.mark.parametrize("layout", ("moe", "moe_tp2ep2"))
+def test_grouped_gemm_round_trip_to_megatron_legacy_is_exact(megatron_dir, converted, tmp_path, layout):
+    """ours -> Megatron legacy files with --grouped-gemm equal megatron-core's GroupedMLP files, rank file by rank file
+    (weight1/weight2 of every TP x EP rank)."""
+    source = megatron_dir / layout / "grouped" / "legacy" / "iter_0000040"
+    tp, ep = PARALLEL[layout]
+    convert = load_script("convert_checkpoint").main
+    assert convert(["--to-megatron", str(converted[layout][1]), "--output", str(tmp_path / "back"), "--tp", str(tp),
+                    "--ep", str(ep), "--grouped-gemm", "--quiet"]) == 0
+    back_dir = tmp_path / "back" / "iter_0000040"
+    assert sorted(os.listdir(back_dir)) == sorted(os.listdir(source))
+    for rank in sorted(os.listdir(source)):
+        original = torch.load(source / rank / "model_optim_rng.pt", weights_only=False)
+        back = torch.load(back_dir / rank / "model_optim_rng.pt", weights_only=False)
+        weights = {k: v for k, v in original["model"].items() if not k.endswith("_extra_state")}
+        assert sorted(back["model"]) == sorted(weights), rank
+        for name, tensor in weights.items():
+            rows = 512 - 576 // tp * int(rank[8:10]) if name.startswith(("embedding.", "output_layer.")) else None
+            assert torch.equal(back["model"][name][:rows], tensor[:rows]), f"{rank}: {name}"
+        assert back["args"].moe_grouped_gemm is True
+    with pytest.raises(SystemExit):  # GroupedMLP files are read as they are: the flag only writes
+        convert(["--from-megatron", str(source), "--output", str(tmp_path / "in"), "--grouped-gemm"])
+    assert_nothing_written(tmp_path / "in")
 
 
 def test_transformer_engine_grouped_experts_in_legacy_files_are_refused_by_name(megatron_dir):

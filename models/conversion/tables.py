@@ -304,6 +304,24 @@ def stack_experts(weights: list, hidden_axis: int) -> np.ndarray:
     return stacked.reshape(stacked.shape[1], -1) if hidden_axis == 0 else stacked.reshape(-1, stacked.shape[2])
 
 
+def grouped_state(state: dict, layers: int, experts: int) -> dict:
+    """A legacy rank file's model state with SequentialMLP's local experts (`experts` in each of `layers` layers)
+    stacked into GroupedMLP's weight1/weight2, each in its first expert's place."""
+    members = {}  # a per-expert name -> (GroupedMLP's name, the per-expert names it stacks, its hidden axis)
+    for kind, stacked in GROUPED_EXPERTS.items():
+        for local in range(layers):
+            names = [layer_names(kind, local, e)[0] for e in range(experts)]
+            members.update({name: (stacked.name.format(n=local), names, stacked.hidden_axis) for name in names})
+    out = {}
+    for name, tensor in state.items():
+        if name not in members:
+            out[name] = tensor
+        elif name == members[name][1][0]:
+            target, names, axis = members[name]
+            out[target] = stack_experts([state[n] for n in names], axis)
+    return out
+
+
 META_TABLE = table(
     Row("model.embed_tokens.weight", ("tok_embeddings.weight",), split=(1, 0)),
     Row("model.layers.{n}.input_layernorm.weight", ("layers.{n}.attention_norm.weight",)),
