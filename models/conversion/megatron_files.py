@@ -164,9 +164,9 @@ class LegacyCheckpoint(MegatronCheckpoint):
                 f"{found}: TransformerEngine's grouped-GEMM experts (TEGroupedMLP: --moe-grouped-gemm with "
                 "--transformer-impl transformer_engine) are not read from legacy files: TransformerEngine does not run "
                 "on this converter's CPU test machines, so no real file of this layout has been checked",
-                hint="save the checkpoint again in the torch_dist format (Megatron-LM: load it with --ckpt-format "
-                     "torch --ckpt-convert-format torch_dist --ckpt-convert-save DIR), where TEGroupedMLP writes "
-                     "SequentialMLP's per-expert keys, and convert that")
+                hint="save it again as torch_dist, where TEGroupedMLP writes SequentialMLP's per-expert keys, and "
+                     "convert that: start Megatron-LM's training script as for this run with --load pointing here, "
+                     "--ckpt-format torch --ckpt-convert-format torch_dist --ckpt-convert-save NEW_DIR")
 
     def _state(self, path: str):
         """A rank file's torch.load result (memory-mapped), loaded on first use and kept until close()."""
@@ -321,7 +321,8 @@ class TorchDistCheckpoint(MegatronCheckpoint):
     Each saved chunk is a small torch.save stream inside a .distcp file (torch.distributed.checkpoint's
     FileSystemWriter); reading only the chunks of one layer keeps memory at one layer's tensor. A model whose
     layers differ (MoE with dense layers) is saved layer by layer (decoder.layers.N.*, no layer axis); routed
-    experts are one tensor per layer with the global expert number on the next axis (mlp.experts.experts.*).
+    experts are one tensor per layer with the global expert number on the next axis (mlp.experts.experts.*), as
+    SequentialMLP, GroupedMLP and TEGroupedMLP all save them (megatron-core transformer/moe/experts.py).
     """
 
     format = "megatron-torch_dist"
