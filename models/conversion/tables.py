@@ -13,6 +13,7 @@ weights with {e} in their names) is its tensors in models/shapes.py plus rows he
     DEEPSEEK_TABLE  HuggingFace DeepSeek-V3, rotary rows interleaved (rope_interleave: true, the released layout)
     DEEPSEEK_HALF_TABLE  the same with rope_interleave: false (rotary rows already in our half-split order)
     MEGATRON_TABLE  Megatron-core GPT, local and TransformerEngine specs (read and written)
+    GROUPED_EXPERTS Megatron-core's GroupedMLP (--moe-grouped-gemm): a layer's experts stacked (read and written)
     META_TABLE      Meta's consolidated.NN.pth shards (read)
 """
 
@@ -268,8 +269,6 @@ MEGATRON_TABLE = table(
     Row("lm_head.weight", ("output_layer.weight",), "strip_vocab_rows", (0,), stage="last"),
 )
 
-# Meta's llama/model.py (consolidated.NN.pth): q/k rows in interleaved rotary order; model-parallel shards split
-# tok_embeddings on the hidden dimension (Llama 1/2) or the vocabulary (Llama 3), so both are candidates.
 # --moe-grouped-gemm without TransformerEngine: megatron-core's GroupedMLP (transformer/moe/experts.py) holds a rank's
 # local experts of one layer in two tensors laid out for grouped_gemm's gmm, which reads weight1 (hidden, experts x
 # 2 x ffn/TP) as (experts, hidden, [gate; up]) and weight2 (experts x ffn/TP, hidden) as (experts, ffn/TP, hidden):
@@ -322,6 +321,8 @@ def grouped_state(state: dict, layers: int, experts: int) -> dict:
     return out
 
 
+# Meta's llama/model.py (consolidated.NN.pth): q/k rows in interleaved rotary order; model-parallel shards split
+# tok_embeddings on the hidden dimension (Llama 1/2) or the vocabulary (Llama 3), so both are candidates.
 META_TABLE = table(
     Row("model.embed_tokens.weight", ("tok_embeddings.weight",), split=(1, 0)),
     Row("model.layers.{n}.input_layernorm.weight", ("layers.{n}.attention_norm.weight",)),
