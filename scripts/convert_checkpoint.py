@@ -72,6 +72,9 @@ def main(argv=None) -> int:
     parser.add_argument("--pp", type=count(1), default=1, help="--to-megatron: pipeline stages")
     parser.add_argument("--ep", type=count(1), default=1,
                         help="--to-megatron: expert-parallel degree (a MoE model's experts split over EP files)")
+    parser.add_argument("--grouped-gemm", action="store_true",
+                        help="--to-megatron: write the experts as megatron-core's GroupedMLP (weight1/weight2), for "
+                             "Megatron-LM's --moe-grouped-gemm without TransformerEngine")
     parser.add_argument("--iteration", type=count(0),
                         help="--from-megatron: iteration to read (default: the latest); --to-megatron: iteration "
                              "to write")
@@ -85,6 +88,8 @@ def main(argv=None) -> int:
         parser.error("--model-config applies to --to-hf")
     if args.to_hf and (args.verify or args.seq_length):
         parser.error("--verify and --seq-length do not apply to --to-hf")
+    if args.grouped_gemm and not args.to_megatron:
+        parser.error("--grouped-gemm applies to --to-megatron (GroupedMLP files are read as they are)")
     try:
         if megatron:
             from ascend_llm_recipes.training.tools.export import run_cli

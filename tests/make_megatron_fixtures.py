@@ -23,6 +23,8 @@ does, for each LAYOUT:
     OUT_DIR/LAYOUT/torch_dist/latest_checkpointed_iteration.txt, iter_NNNNNNN/ (*.distcp, metadata.json, common.pt)
     OUT_DIR/LAYOUT/tokens.npy, logits.npy  (megatron-core's forward, real vocabulary columns only)
     (MoE layouts: untrained, no optimizer state; legacy files mp_rank_TT[_EEE])
+    OUT_DIR/MOE_LAYOUT/grouped/legacy, grouped/torch_dist  the same model with --moe-grouped-gemm (GroupedMLP's
+        weight1/weight2), its weights loaded by megatron-core from the torch_dist save: the logits are its own
     OUT_DIR/LAYOUT/moments_TT_PPP.pt  {parameter name: (exp_avg, exp_avg_sq, step)} read from the live
         optimizer by parameter identity: the ground truth for the converter's index -> name mapping
 
@@ -147,7 +149,7 @@ def build_model(args):
                moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
                moe_token_dispatcher_type=args.moe_token_dispatcher_type,
                moe_router_load_balancing_type="none", expert_model_parallel_size=args.expert_model_parallel_size,
-               qk_layernorm=args.qk_layernorm) if args.num_experts else {}
+               moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm) if args.num_experts else {}
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
@@ -366,8 +368,39 @@ def make_moe_layout(out_dir: str, tp: int, ep: int, tied: bool, options: dict) -
                  (lambda save: save_legacy(model, args, save, tp_rank, 0, ep_rank=ep_rank)) if writes_legacy else None)
     if dist.get_rank() == 0:
         save_reference(out_dir, tokens, logits, args.vocab_size)
+    save_grouped(os.path.join(out_dir, "grouped"), os.path.join(out_dir, "torch_dist", f"iter_{ITERATION:07d}"), args,
+                 tp_rank, ep_rank, writes_legacy)
     dist.barrier()
     parallel_state.destroy_model_parallel()
+
+
+def save_grouped(out_dir: str, sequential_dir: str, args, tp_rank: int, ep_rank: int, writes_legacy: bool) -> None:
+    """The same model with --moe-grouped-gemm (megatron-core's GroupedMLP: weight1/weight2 per layer), its weights
+    loaded by megatron-core from the SequentialMLP torch_dist save `sequential_dir` as Megatron-LM's load_checkpoint
+    does (GroupedMLP.sharded_state_dict's merge functions build weight1/weight2), saved in both formats to out_dir.
+
+    Its forward is not run (grouped_gemm's kernels are CUDA-only): the SequentialMLP's logits are its reference.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.moe import grouped_gemm_util
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    args = argparse.Namespace(**{**vars(args), "moe_grouped_gemm": True})
+    # CPU: the grouped_gemm package is a CUDA extension (its setup.py asks the GPU for its capability) and is not
+    # installed. GroupedMLP.__init__ asserts that it imports and calls it only in forward (gg.ops.gmm), which is not
+    # run: the check is skipped while the model is built; gg.ops stays None, so a forward would fail.
+    check = grouped_gemm_util.assert_grouped_gemm_is_available
+    grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
+    try:
+        model = build_model(args).eval()
+    finally:
+        grouped_gemm_util.assert_grouped_gemm_is_available = check
+    assert not any(isinstance(m, SequentialMLP) for m in model.modules()), "the spec did not pick GroupedMLP"
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, sequential_dir,
+                                     sharded_strategy=("torch_dist", 1))
+    model.load_state_dict(loaded["model"])
+    save_formats(out_dir, model, args,
+                 (lambda save: save_legacy(model, args, save, tp_rank, 0, ep_rank=ep_rank)) if writes_legacy else None)
 
 
 def run_rank(out_dir: str, layouts: list) -> None:

@@ -5,8 +5,10 @@ MoELayer (SequentialMLP local experts, allgather dispatcher) run on CPU: `moe` a
 router, shared expert with gate, qk_layernorm, kv_channels 24 != hidden / heads) and `moe_ep2` with the experts
 split over 2 expert-parallel ranks (mp_rank_00_000, mp_rank_00_001; sigmoid router with expert_bias, shared expert
 without gate), and `moe_tp2ep2` (TP2 x EP2: mp_rank_TT_EEE; pre-softmax top k, every other layer dense, no shared
-expert), saved as legacy files and torch_dist, each with megatron-core's own logits on fixed tokens.
-Written back (to_megatron, --ep), they are megatron-core's files again.
+expert), saved as legacy files and torch_dist, each with megatron-core's own logits on fixed tokens; and each again
+as megatron-core's GroupedMLP (--moe-grouped-gemm: weight1/weight2) holding the same weights, whose forward needs
+CUDA kernels: the SequentialMLP's logits are its reference. Written back (to_megatron, --ep, --grouped-gemm), they
+are megatron-core's files again.
 """
 
 import os
@@ -24,6 +26,7 @@ from ascend_llm_recipes.models.conversion.megatron import from_megatron, model_c
 from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, MODEL_SECTION_FILE
 from ascend_llm_recipes.models.conversion.verify import verify_against
 from ascend_llm_recipes.training.tools.export import to_megatron
+from conftest import load_script
 from test_convert import assert_nothing_written
 
 MOE_LAYOUTS = ("moe", "moe_ep2", "moe_tp2ep2")
@@ -105,10 +108,10 @@ def test_expert_parallel_ranks_are_read_by_global_expert(megatron_dir, tmp_path,
 def test_moe_arguments_megatron_computes_differently_are_refused_by_name(megatron_dir):
     with megatron_files.open_megatron(str(megatron_dir / "moe" / "legacy")) as ckpt:
         args = dict(ckpt.args)
-    refused = dict(moe_grouped_gemm=True, moe_expert_capacity_factor=1.25, moe_router_num_groups=2,
+    refused = dict(moe_expert_capacity_factor=1.25, moe_router_num_groups=2,
                    moe_router_load_balancing_type="sinkhorn", moe_router_enable_expert_bias=True,
                    expert_tensor_parallel_size=2, moe_layer_freq="([0]*1+[1]*3)")
-    with pytest.raises(ConversionError, match="7 problem") as error:
+    with pytest.raises(ConversionError, match="6 problem") as error:
         model_config_from_args({**args, **refused}, "moe (args)")
     for key in refused:
         assert f"  - {key}: " in error.value.message, key
@@ -153,3 +156,57 @@ def test_moe_round_trip_to_megatron_legacy_is_exact(megatron_dir, converted, tmp
     with pytest.raises(ConversionError, match=r"--ep 3 does not divide num_experts \(4\)"):
         to_megatron(str(converted[layout][1]), str(tmp_path / "bad"), ep=3, show_progress=False)
     assert_nothing_written(tmp_path / "bad")
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_grouped_gemm_experts_convert_to_the_sequential_ones(megatron_dir, converted, tmp_path, layout):
+    """megatron-core's GroupedMLP save of each MoE fixture (legacy files: a layer's local experts in weight1/weight2 of
+    each TP x EP rank; torch_dist: SequentialMLP's per-expert keys) converts to the tensors of its SequentialMLP save,
+    and gives megatron-core's logits (of the SequentialMLP holding the same weights)."""
+    sequential = load_file(str(converted[layout][1] / CHECKPOINT_FILE))
+    with megatron_files.open_megatron(str(megatron_dir / layout / "grouped" / "legacy")) as ckpt:
+        assert ckpt.args["moe_grouped_gemm"] and any(n.endswith(".mlp.experts.weight1") for n in ckpt.index[0, 0, 0])
+    for fmt in ("legacy", "torch_dist"):
+        manifest = from_megatron(str(megatron_dir / layout / "grouped" / fmt), str(tmp_path / fmt),
+                                 verify=fmt == "legacy", show_progress=False)
+        grouped = load_file(str(tmp_path / fmt / CHECKPOINT_FILE))
+        assert sorted(grouped) == sorted(sequential) and all(torch.equal(grouped[k], sequential[k]) for k in grouped)
+    assert manifest["source"]["megatron_args"]["moe_grouped_gemm"] is True
+    against_megatron_cores_logits(megatron_dir, layout, tmp_path / "legacy")
+
+
+@pytest.mark.parametrize("layout", ("moe", "moe_tp2ep2"))
+def test_grouped_gemm_round_trip_to_megatron_legacy_is_exact(megatron_dir, converted, tmp_path, layout):
+    """ours -> Megatron legacy files with --grouped-gemm equal megatron-core's GroupedMLP files, rank file by rank file
+    (weight1/weight2 of every TP x EP rank)."""
+    source = megatron_dir / layout / "grouped" / "legacy" / "iter_0000040"
+    tp, ep = PARALLEL[layout]
+    convert = load_script("convert_checkpoint").main
+    assert convert(["--to-megatron", str(converted[layout][1]), "--output", str(tmp_path / "back"), "--tp", str(tp),
+                    "--ep", str(ep), "--grouped-gemm", "--quiet"]) == 0
+    back_dir = tmp_path / "back" / "iter_0000040"
+    assert sorted(os.listdir(back_dir)) == sorted(os.listdir(source))
+    for rank in sorted(os.listdir(source)):
+        original = torch.load(source / rank / "model_optim_rng.pt", weights_only=False)
+        back = torch.load(back_dir / rank / "model_optim_rng.pt", weights_only=False)
+        weights = {k: v for k, v in original["model"].items() if not k.endswith("_extra_state")}
+        assert sorted(back["model"]) == sorted(weights), rank
+        for name, tensor in weights.items():
+            rows = 512 - 576 // tp * int(rank[8:10]) if name.startswith(("embedding.", "output_layer.")) else None
+            assert torch.equal(back["model"][name][:rows], tensor[:rows]), f"{rank}: {name}"
+        assert back["args"].moe_grouped_gemm is True
+    with pytest.raises(SystemExit):  # GroupedMLP files are read as they are: the flag only writes
+        convert(["--from-megatron", str(source), "--output", str(tmp_path / "in"), "--grouped-gemm"])
+    assert_nothing_written(tmp_path / "in")
+
+
+def test_transformer_engine_grouped_experts_in_legacy_files_are_refused_by_name(megatron_dir):
+    """TEGroupedMLP's legacy names (linear_fc1.weight0..N) cannot be written here (no TransformerEngine): a rank
+    file index holding one is refused, naming the layout and the torch_dist route."""
+    with megatron_files.open_megatron(str(megatron_dir / "moe" / "grouped" / "legacy")) as ckpt:
+        ckpt.index[0, 0, 0]["decoder.layers.1.mlp.experts.linear_fc1.weight3"] = (64, 64)
+        with pytest.raises(ConversionError, match=r"mp_rank_00/model_optim_rng.pt: decoder.layers.1.mlp.experts."
+                                                  r"linear_fc1.weight3: TransformerEngine's grouped-GEMM experts "
+                                                  r"\(TEGroupedMLP") as error:
+            ckpt._refuse_te_grouped_experts()
+    assert "--ckpt-convert-format torch_dist" in error.value.hint

@@ -2,7 +2,9 @@
 
     from_megatron(CKPT_DIR, OUT_DIR)  a Megatron save directory (latest_checkpointed_iteration.txt)
                                       or one iter_NNNNNNN directory, legacy or torch_dist
-    to_megatron(CKPT, cfg, OUT_DIR, tp, pp, ep=1)  legacy mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt files
+    to_megatron(CKPT, cfg, OUT_DIR, tp, pp, ep=1, grouped_gemm=False)
+                                      legacy mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt files (grouped_gemm:
+                                      the experts as GroupedMLP's weight1/weight2, --moe-grouped-gemm)
 
 training/tools/export.py resolves what a user names (a run directory, a recipe as --model-config) into
 these functions' arguments and writes the recipe continuing a converted run (--write-recipe).
@@ -22,8 +24,11 @@ the same half-split layout as ours (rotary_interleaved False), so nothing is per
 
 Mixture of Experts (megatron-core transformer/moe): the router, expert_bias, SequentialMLP's local experts
 (legacy files number them per expert-parallel rank, torch_dist puts all experts on one axis) and the shared
-experts map to models/moe.py's tensors; moe_fields translates the routing arguments and refuses by name what
-megatron-core computes differently (grouped GEMM experts, token dropping, group-limited routing, sinkhorn).
+experts map to models/moe.py's tensors; so do GroupedMLP's (--moe-grouped-gemm without TransformerEngine: legacy
+files stack a layer's local experts in weight1/weight2, tables.GROUPED_EXPERTS; its torch_dist keys are
+SequentialMLP's, as are TEGroupedMLP's, whose legacy linear_fc1.weight<e> files are refused by name).
+moe_fields translates the routing arguments and refuses by name what megatron-core computes differently (token
+dropping, group-limited routing, sinkhorn).
 
 Legacy files are pickles of argparse namespaces (Megatron loads them with weights_only=False, and so
 must this reader): convert only checkpoints you trust.
@@ -45,8 +50,8 @@ from ascend_llm_recipes.models.conversion.megatron_files import (LATEST_FILE, Le
                                                                  open_megatron)
 from ascend_llm_recipes.models.conversion.ours import FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES, OPTIMIZER_DIR
 from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TABLE, MEGATRON_TENSORS, TRANSFORMS,
-                                                         is_expert, layer_names, megatron_name, present_tensors,
-                                                         rank_share, row_for, tensor_plan)
+                                                         grouped_state, is_expert, layer_names, megatron_name,
+                                                         present_tensors, rank_share, row_for, tensor_plan)
 from ascend_llm_recipes.models.conversion.verify import verify_against
 from ascend_llm_recipes.models.conversion.write import progress_bar, write_conversion, write_ours
 from ascend_llm_recipes.models.shapes import dimensions, tensor_dimensions
@@ -72,8 +77,6 @@ MEGATRON_NOT_YET = (
 )
 # MoE arguments whose other values route or compute differently from models/moe.py (Megatron-LM's names).
 UNSUPPORTED_MOE_ARGS = (
-    ("moe_grouped_gemm", False, "grouped-GEMM experts (TEGroupedMLP's linear_fc1.weight<e>, GroupedMLP's stacked "
-                                "weight1/weight2) are not read yet: convert a checkpoint saved with SequentialMLP"),
     ("moe_expert_capacity_factor", None, "token dropping: the model's routing is dropless"),
     ("moe_router_num_groups", 1, "group-limited routing scores a group by its top topk/group_topk experts, the "
                                     "model by its top 2"),
@@ -410,9 +413,11 @@ def verify_against_megatron(ckpt, cfg: ModelConfig, converted_dir: str) -> dict:
 
 
 def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp: int = 1, iteration: int = None,
-                source: str = None, section_path: str = None, show_progress: bool = True, ep: int = 1) -> dict:
+                source: str = None, section_path: str = None, show_progress: bool = True, ep: int = 1,
+                grouped_gemm: bool = False) -> dict:
     """Write Megatron-LM legacy files (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt) for TP x PP (x EP: a MoE
-    model's experts split over `ep` expert-parallel ranks), one rank file at a time.
+    model's experts split over `ep` expert-parallel ranks), one rank file at a time; grouped_gemm: the experts in
+    GroupedMLP's weight1/weight2 (for --moe-grouped-gemm without TransformerEngine) instead of SequentialMLP's.
 
     `source`: the converted directory whose conversion.json may hold the original Megatron arguments;
     `section_path`: where cfg was read, for the manifest. training/tools/export.py's to_megatron finds both.
@@ -438,6 +443,8 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
             problems.append(f"--tp {tp} does not divide {what} ({value})")
     if ep > 1 and (not cfg.moe or cfg.num_experts % ep):
         problems.append(f"--ep {ep} does not divide num_experts ({cfg.num_experts})")
+    if grouped_gemm and not cfg.moe:
+        problems.append("--grouped-gemm: the model has no experts (num_experts 0)")
     problems += moe_args_for(cfg)[1]
     if cfg.num_layers % pp:
         problems.append(f"--pp {pp} does not divide num_layers ({cfg.num_layers})")
@@ -446,7 +453,7 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
     if problems:
         raise ConversionError(f"{ckpt_path}: cannot write TP {tp} x PP {pp}:\n" +
                               "\n".join(f"  - {p}" for p in problems))
-    args = _megatron_args_for(cfg, tp, pp, source or os.path.dirname(ckpt_path), iteration, ep)
+    args = _megatron_args_for(cfg, tp, pp, source or os.path.dirname(ckpt_path), iteration, ep, grouped_gemm)
     iteration = args["iteration"]
     padded = args["padded_vocab_size"]
     if os.path.exists(out_dir) and os.listdir(out_dir):
@@ -494,6 +501,7 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
         with progress_bar(tp * pp * ep, "write rank files", show_progress) as bar:
             for p, e, t in ((p, e, t) for p in range(pp) for e in range(ep) for t in range(tp)):
                 state = rank_state(p, t, e)
+                state = grouped_state(state, cfg.num_layers // pp, per_rank) if grouped_gemm else state
                 # Megatron-LM's get_checkpoint_name: _PPP with pipeline stages, _EEE with expert parallelism
                 name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
                 os.makedirs(os.path.join(work_dir, iter_name, name))
@@ -514,7 +522,8 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
     return write_conversion(out_dir, write_files, start=start)
 
 
-def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteration: int = None, ep: int = 1) -> dict:
+def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteration: int = None, ep: int = 1,
+                       grouped_gemm: bool = False) -> dict:
     """Megatron-LM arguments for cfg at TP x PP, starting from the original run's when it came from Megatron."""
     original = source_manifest(source).get("source", {})
     args = dict(original.get("megatron_args") or {})
@@ -533,11 +542,11 @@ def _megatron_args_for(cfg: ModelConfig, tp: int, pp: int, source: str, iteratio
                 padded_vocab_size=round_up(cfg.vocab_size, divisible * tp),
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                 iteration=iteration if iteration is not None else original.get("iteration", 0),
-                init_method_std=cfg.initializer_range, **moe_args_for(cfg, ep, tp)[0])
+                init_method_std=cfg.initializer_range, **moe_args_for(cfg, ep, tp, grouped_gemm)[0])
     return args
 
 
-def moe_args_for(cfg: ModelConfig, ep: int = 1, tp: int = 1) -> tuple:
+def moe_args_for(cfg: ModelConfig, ep: int = 1, tp: int = 1, grouped_gemm: bool = False) -> tuple:
     """(Megatron-LM's MoE arguments for cfg, what megatron-core cannot compute as the model does).
 
     moe_fields' inverse."""
@@ -559,7 +568,7 @@ def moe_args_for(cfg: ModelConfig, ep: int = 1, tp: int = 1) -> tuple:
                 moe_router_pre_softmax=not sigmoid and not cfg.norm_topk_prob,
                 moe_router_enable_expert_bias=cfg.expert_bias, moe_router_bias_update_rate=cfg.expert_bias_update_rate,
                 moe_router_topk_scaling_factor=None if cfg.routed_scaling_factor == 1.0 else cfg.routed_scaling_factor,
-                moe_grouped_gemm=False, moe_router_load_balancing_type="aux_loss",
+                moe_grouped_gemm=grouped_gemm, moe_router_load_balancing_type="aux_loss",
                 moe_aux_loss_coeff=cfg.router_aux_loss_coef, moe_z_loss_coeff=cfg.router_z_loss_coef or None,
                 expert_model_parallel_size=ep, expert_tensor_parallel_size=tp), problems
 

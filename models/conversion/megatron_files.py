@@ -16,7 +16,8 @@ import numpy as np
 
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.models.conversion.formats import read_mapped, torch_to_float32
-from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TENSORS, is_expert, join_ranks, layer_names,
+from ascend_llm_recipes.models.conversion.tables import (FUSE, GROUPED_EXPERTS, MEGATRON_TENSORS, TE_GROUPED_EXPERTS,
+                                                         is_expert, join_ranks, layer_names, one_expert,
                                                          present_tensors, rank_share)
 
 
@@ -109,7 +110,9 @@ class LegacyCheckpoint(MegatronCheckpoint):
     Megatron-LM (training/checkpointing.py get_checkpoint_name) appends _PPP when pipeline_model_parallel_size
     > 1 and _EEE when expert_model_parallel_size > 1. Each expert-parallel rank's file holds the whole model
     but only its E / EP routed experts, numbered locally: global expert g is local expert g % (E / EP) of
-    rank g // (E / EP). Everything else is read from expert-parallel rank 0.
+    rank g // (E / EP). Everything else is read from expert-parallel rank 0. GroupedMLP's files (--moe-grouped-gemm
+    without TransformerEngine) hold a layer's local experts in weight1/weight2 (tables.GROUPED_EXPERTS): each
+    expert is cut out of them as SequentialMLP holds it.
 
     Each rank file is loaded (torch.load, memory-mapped) once and kept until close(): a conversion reads
     every tensor several times (the index, the weights, the --verify forward, the optimizer's step and
@@ -150,6 +153,20 @@ class LegacyCheckpoint(MegatronCheckpoint):
                             for m in [re.match(r"decoder\.layers\.(\d+)\.", name)] if m})
             offset = sum(len(s) for s in self.stage_layers)
             self.stage_layers.append([offset + n for n in local])
+        self._refuse_te_grouped_experts()
+
+    def _refuse_te_grouped_experts(self) -> None:
+        """TEGroupedMLP's per-expert linear_fc1.weight0..N: refused by name (no test checkpoint can be made here)."""
+        found = next((f"{os.path.relpath(self._file(*rank), self.path)}: {name}" for rank, names in self.index.items()
+                      for name in names if re.fullmatch(TE_GROUPED_EXPERTS, name)), None)
+        if found:
+            raise ConversionError(
+                f"{found}: TransformerEngine's grouped-GEMM experts (TEGroupedMLP: --moe-grouped-gemm with "
+                "--transformer-impl transformer_engine) are not read from legacy files: TransformerEngine does not run "
+                "on this converter's CPU test machines, so no real file of this layout has been checked",
+                hint="save it again as torch_dist, where TEGroupedMLP writes SequentialMLP's per-expert keys, and "
+                     "convert that: start Megatron-LM's training script as for this run with --load pointing here, "
+                     "--ckpt-format torch --ckpt-convert-format torch_dist --ckpt-convert-save NEW_DIR")
 
     def _state(self, path: str):
         """A rank file's torch.load result (memory-mapped), loaded on first use and kept until close()."""
@@ -219,13 +236,26 @@ class LegacyCheckpoint(MegatronCheckpoint):
 
         `expert`: the global number of a routed expert's tensor, read from the expert-parallel rank holding it."""
         stage, name = self.find(kind, layer, expert)
-        ep_rank = self.expert_location(expert)[0]
+        ep_rank, local_expert = self.expert_location(expert)
         path = self._file(tp_rank, stage, ep_rank)
+        stacked = self._stacked(kind, layer) if name is None else None
+        name = stacked.name.format(n=self.layer_location(layer)[1]) if stacked else name
         if name is None or name not in self.index[tp_rank, stage, ep_rank]:
             raise ConversionError(f"{path}: {' or '.join(self.names(kind, layer, expert)[1])}: missing")
         state = self._state(path)
         tensors = self._model(state, path) if self.source == "model" else optimizer_moments(state, path, self.source)
+        if stacked:  # GroupedMLP: this expert's part only is copied out
+            return read_mapped(one_expert(tensors[name], self.args["num_experts"] // self.ep, local_expert,
+                                          stacked.hidden_axis))
         return read_mapped(tensors[name])
+
+    def _stacked(self, kind: str, layer: int):
+        """GroupedMLP's tensor holding `kind` (a routed expert's) at `layer`, if the files hold it (else None)."""
+        stacked = GROUPED_EXPERTS.get(kind)
+        if stacked is None:
+            return None
+        stage, local = self.layer_location(layer)
+        return stacked if stacked.name.format(n=local) in self.index[0, stage, 0] else None
 
     def moments(self, key: str) -> "LegacyCheckpoint":
         """This checkpoint with `key` (exp_avg or exp_avg_sq) in place of each weight: merged as the weights are.
@@ -280,6 +310,7 @@ class LegacyCheckpoint(MegatronCheckpoint):
             for local in range(len(self.stage_layers[p])):
                 known |= {n for kind in kinds if MEGATRON_TENSORS[kind].stage is None
                           for e in (local_experts if is_expert(kind) else (None,)) for n in layer_names(kind, local, e)}
+                known |= {GROUPED_EXPERTS[kind].name.format(n=local) for kind in kinds if kind in GROUPED_EXPERTS}
         return [f"{os.path.relpath(self._file(t, p, e), self.path)}: {name}" for (t, p, e), names in self.index.items()
                 for name in names if name not in known]
 
@@ -290,7 +321,8 @@ class TorchDistCheckpoint(MegatronCheckpoint):
     Each saved chunk is a small torch.save stream inside a .distcp file (torch.distributed.checkpoint's
     FileSystemWriter); reading only the chunks of one layer keeps memory at one layer's tensor. A model whose
     layers differ (MoE with dense layers) is saved layer by layer (decoder.layers.N.*, no layer axis); routed
-    experts are one tensor per layer with the global expert number on the next axis (mlp.experts.experts.*).
+    experts are one tensor per layer with the global expert number on the next axis (mlp.experts.experts.*), as
+    SequentialMLP, GroupedMLP and TEGroupedMLP all save them (megatron-core transformer/moe/experts.py).
     """
 
     format = "megatron-torch_dist"

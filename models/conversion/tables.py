@@ -13,6 +13,7 @@ weights with {e} in their names) is its tensors in models/shapes.py plus rows he
     DEEPSEEK_TABLE  HuggingFace DeepSeek-V3, rotary rows interleaved (rope_interleave: true, the released layout)
     DEEPSEEK_HALF_TABLE  the same with rope_interleave: false (rotary rows already in our half-split order)
     MEGATRON_TABLE  Megatron-core GPT, local and TransformerEngine specs (read and written)
+    GROUPED_EXPERTS Megatron-core's GroupedMLP (--moe-grouped-gemm): a layer's experts stacked (read and written)
     META_TABLE      Meta's consolidated.NN.pth shards (read)
 """
 
@@ -216,6 +217,8 @@ QKV_BIAS = "decoder.layers.{n}.self_attention.linear_qkv.bias"
 # routed experts: SequentialMLP's local experts in legacy files, all experts on one axis in torch_dist
 EXPERT_FC1 = ("decoder.layers.{n}.mlp.experts.local_experts.{e}.linear_fc1.weight",
               "decoder.layers.{n}.mlp.experts.experts.linear_fc1.weight")
+EXPERT_FC2 = ("decoder.layers.{n}.mlp.experts.local_experts.{e}.linear_fc2.weight",
+              "decoder.layers.{n}.mlp.experts.experts.linear_fc2.weight")
 SHARED_FC1 = "decoder.layers.{n}.mlp.shared_experts.linear_fc1.weight"
 MEGATRON_TABLE = table(
     Row("model.embed_tokens.weight", ("embedding.word_embeddings.weight",), "strip_vocab_rows", (0,), stage="first"),
@@ -255,9 +258,7 @@ MEGATRON_TABLE = table(
     Row("model.layers.{n}.mlp.router.expert_bias", ("decoder.layers.{n}.mlp.router.expert_bias",)),
     Row("model.layers.{n}.mlp.experts.{e}.gate_proj.weight", EXPERT_FC1, split=(0,), fuse="gate_up", part="gate"),
     Row("model.layers.{n}.mlp.experts.{e}.up_proj.weight", EXPERT_FC1, split=(0,), fuse="gate_up", part="up"),
-    Row("model.layers.{n}.mlp.experts.{e}.down_proj.weight",
-        ("decoder.layers.{n}.mlp.experts.local_experts.{e}.linear_fc2.weight",
-         "decoder.layers.{n}.mlp.experts.experts.linear_fc2.weight"), split=(1,)),
+    Row("model.layers.{n}.mlp.experts.{e}.down_proj.weight", EXPERT_FC2, split=(1,)),
     Row("model.layers.{n}.mlp.shared_expert.gate_proj.weight", (SHARED_FC1,), split=(0,), fuse="gate_up",
         part="gate"),
     Row("model.layers.{n}.mlp.shared_expert.up_proj.weight", (SHARED_FC1,), split=(0,), fuse="gate_up", part="up"),
@@ -267,6 +268,58 @@ MEGATRON_TABLE = table(
     Row("model.norm.weight", ("decoder.final_layernorm.weight",), stage="last"),
     Row("lm_head.weight", ("output_layer.weight",), "strip_vocab_rows", (0,), stage="last"),
 )
+
+# --moe-grouped-gemm without TransformerEngine: megatron-core's GroupedMLP (transformer/moe/experts.py) holds a rank's
+# local experts of one layer in two tensors laid out for grouped_gemm's gmm, which reads weight1 (hidden, experts x
+# 2 x ffn/TP) as (experts, hidden, [gate; up]) and weight2 (experts x ffn/TP, hidden) as (experts, ffn/TP, hidden):
+# each expert's SequentialMLP weight transposed. Legacy files only: its sharded_state_dict writes SequentialMLP's
+# per-expert torch_dist keys. TransformerEngine's TEGroupedMLP (linear_fc1.weight0..N) is refused in legacy files.
+@dataclass(frozen=True)
+class StackedExperts:
+    """One tensor holding every local expert's weight of one SequentialMLP tensor (GroupedMLP's weight1/weight2)."""
+
+    name: str         # its name template ({n}: the layer)
+    hidden_axis: int  # the axis of size hidden: 0 in weight1, 1 in weight2
+
+
+GROUPED_EXPERTS = {  # SequentialMLP's per-expert tensor (a MEGATRON_TENSORS key): GroupedMLP's tensor holding it
+    EXPERT_FC1[0]: StackedExperts("decoder.layers.{n}.mlp.experts.weight1", 0),
+    EXPERT_FC2[0]: StackedExperts("decoder.layers.{n}.mlp.experts.weight2", 1),
+}
+TE_GROUPED_EXPERTS = r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc[12]\.weight\d+"  # TEGroupedMLP's names
+
+
+def one_expert(stacked, experts: int, e: int, hidden_axis: int):
+    """Local expert e's weight, as SequentialMLP holds it (out, in), from GroupedMLP's `stacked` of `experts` local
+    experts (a numpy array, or a torch tensor: then a view, so that only that expert is copied out)."""
+    # as gmm views them: (hidden, E x out) -> (E, hidden, out); (E x in, hidden) -> (E, in, hidden)
+    shape = (experts, stacked.shape[0], -1) if hidden_axis == 0 else (experts, -1, stacked.shape[1])
+    return stacked.reshape(shape)[e].T
+
+
+def stack_experts(weights: list, hidden_axis: int) -> np.ndarray:
+    """GroupedMLP's tensor from its local experts' SequentialMLP weights, in order: one_expert's inverse."""
+    stacked = np.stack([w.T for w in weights])  # (experts, hidden, out) or (experts, in, hidden)
+    return stacked.reshape(stacked.shape[1], -1) if hidden_axis == 0 else stacked.reshape(-1, stacked.shape[2])
+
+
+def grouped_state(state: dict, layers: int, experts: int) -> dict:
+    """A legacy rank file's model state with SequentialMLP's local experts (`experts` in each of `layers` layers)
+    stacked into GroupedMLP's weight1/weight2, each in its first expert's place."""
+    members = {}  # a per-expert name -> (GroupedMLP's name, the per-expert names it stacks, its hidden axis)
+    for kind, stacked in GROUPED_EXPERTS.items():
+        for local in range(layers):
+            names = [layer_names(kind, local, e)[0] for e in range(experts)]
+            members.update({name: (stacked.name.format(n=local), names, stacked.hidden_axis) for name in names})
+    out = {}
+    for name, tensor in state.items():
+        if name not in members:
+            out[name] = tensor
+        elif name == members[name][1][0]:
+            target, names, axis = members[name]
+            out[target] = stack_experts([state[n] for n in names], axis)
+    return out
+
 
 # Meta's llama/model.py (consolidated.NN.pth): q/k rows in interleaved rotary order; model-parallel shards split
 # tok_embeddings on the hidden dimension (Llama 1/2) or the vocabulary (Llama 3), so both are candidates.

@@ -177,12 +177,13 @@ def from_torch(path: str, out_dir: str, model_config: str, key_map: str = None, 
 
 
 def to_megatron(source: str, out_dir: str, tp: int = 1, pp: int = 1, iteration: int = None,
-                model_config: str = None, show_progress: bool = True, ep: int = 1) -> dict:
-    """Megatron-LM legacy files for TP x PP (x EP for a MoE model) from a converted directory, a run directory or a
-    checkpoint file."""
+                model_config: str = None, show_progress: bool = True, ep: int = 1, grouped_gemm: bool = False) -> dict:
+    """Megatron-LM legacy files for TP x PP (x EP for a MoE model; grouped_gemm: its experts as GroupedMLP's) from a
+    converted directory, a run directory or a checkpoint file."""
     ckpt_path, section_path, _ = find_our_checkpoint(source, model_config)
     cfg, _ = read_model_section(section_path)
-    return _to_megatron(ckpt_path, cfg, out_dir, tp, pp, iteration, source, section_path, show_progress, ep)
+    return _to_megatron(ckpt_path, cfg, out_dir, tp, pp, iteration, source, section_path, show_progress, ep,
+                        grouped_gemm)
 
 
 # --- A recipe continuing a converted run --------------------------------------------------------
@@ -339,8 +340,10 @@ def run_cli(parser, args) -> int:
                                   args.verify, show_progress=not args.quiet)
         elif args.to_megatron:
             manifest = to_megatron(args.to_megatron, args.output, args.tp, args.pp, args.iteration,
-                                   args.model_config, show_progress=not args.quiet, ep=args.ep)
-            layout = f"TP {args.tp} x PP {args.pp}" + (f" x EP {args.ep}" if args.ep > 1 else "")
+                                   args.model_config, show_progress=not args.quiet, ep=args.ep,
+                                   grouped_gemm=args.grouped_gemm)
+            layout = f"TP {args.tp} x PP {args.pp}" + (f" x EP {args.ep}" if args.ep > 1 else "") + \
+                (", GroupedMLP experts: --moe-grouped-gemm" if args.grouped_gemm else "")
             print(f"wrote Megatron-LM legacy files ({layout}, {manifest['checkpoint']}) into "
                   f"{os.path.abspath(args.output)} in {manifest['seconds']:.1f} s; load them with Megatron-LM's "
                   "--load and --ckpt-format torch")
