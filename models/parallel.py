@@ -66,8 +66,9 @@ def balanced_stages(num_layers: int, stages: int) -> list:
 
 
 def layout_problems(cfg, dp: int, tp: int, pp: int, micro_batches: int = 1, stage_layers=None,
-                    recompute: str = "none") -> list:
-    """Every reason the degrees do not fit the model, each naming the recipe keys involved."""
+                    recompute: str = "none", ep: int = 1, cpu: bool = False) -> list:
+    """Every reason the degrees do not fit the model, each naming the recipe keys involved (`cpu`: the recipe runs
+    on CPU, where expert parallel has no backend)."""
     problems = []
     kv_heads = cfg.kv_heads
     vocab = dimensions(cfg, tp)["padded_vocab"]
@@ -96,6 +97,40 @@ def layout_problems(cfg, dp: int, tp: int, pp: int, micro_batches: int = 1, stag
         problems.append(f"model.model_config.tie_word_embeddings: True with parallel_config.pipeline_stage {pp} "
                         "leaves the output projection without a pipeline stage (the table is on stage 0, the "
                         "logits on the last); untie the embeddings or use pipeline_stage 1")
+    return problems + expert_problems(cfg, dp, tp, ep, cpu)
+
+
+def expert_problems(cfg, dp: int, tp: int, ep: int, cpu: bool = False) -> list:
+    """Every reason parallel_config.expert_parallel does not fit the model or the layout, each naming its keys.
+
+    Expert parallel is MindFormers 1.9's: the routed experts are split over `ep` devices carved out of the
+    data x model parallel ones (no devices of its own), tokens reach them by AllToAll.
+    """
+    p, m = "parallel_config", "model.model_config"
+    problems = []
+    if ep > 1 and not cfg.moe:
+        problems.append(f"{p}.expert_parallel: {ep} on a dense model ({m}.num_experts 0): there are no experts to "
+                        "split; set it to 1")
+    if ep > 1 and cpu:
+        # No CPU backend: the CPU path (models/moe.py) computes every expert on the local device, no AllToAll.
+        problems.append(f"{p}.expert_parallel: {ep} needs Ascend; expert parallel has no CPU backend (the CPU path "
+                        "computes every expert locally). Use 1 on CPU")
+    if not cfg.moe:
+        return problems
+    # mindformers/parallel_core/training_graph/transformer/moe/moe_layer.py:60-63 (BaseMoELayer.__init__)
+    if cfg.num_experts % ep:
+        problems.append(f"{p}.expert_parallel: {ep} does not divide {m}.num_experts ({cfg.num_experts})")
+    # mindformers/parallel_core/training_graph/transformer/moe/ffn.py:189-195 (FFNGroupedGEMM.shard)
+    if (dp * tp) % ep:
+        problems.append(f"{p}.expert_parallel: {ep} does not divide {p}.data_parallel x model_parallel "
+                        f"({dp} x {tp} = {dp * tp}): the experts are split over devices of those groups")
+    # mindformers/parallel_core/training_graph/transformer/moe/moe_layer.py:143-147 (MoELayer.__init__) raises for
+    # tensor parallel without sequence parallel, and use_seq_parallel is refused here (ParallelDegreesConfig).
+    if tp > 1:
+        problems.append(f"{p}.model_parallel: {tp} with {m}.num_experts {cfg.num_experts}: MindFormers' MoE layer "
+                        "needs sequence parallel with tensor parallel (moe_layer.py:143-147), which ours does not "
+                        f"implement ({p}.use_seq_parallel is refused); use model_parallel 1 and split the experts "
+                        f"with {p}.expert_parallel")
     return problems
 
 

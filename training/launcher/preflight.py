@@ -2,8 +2,9 @@
 
 `run_checks(recipe, ...)` returns Findings: "ok", "warn" (the launch goes ahead) or "error" (the
 launcher refuses to start). Checks: software versions against training/launcher/supported_versions.yaml,
-the device the recipe asks for, the HCCL settings every rank will get, locked-memory and mmap
-limits, the master port, leftover training workers, a writable output_dir, and free disk for the checkpoints.
+the device the recipe asks for, model parts not built for that device yet, the HCCL settings every rank will get,
+locked-memory and mmap limits, the master port, leftover training workers, a writable output_dir, and free disk
+for the checkpoints.
 
 Nothing here imports MindSpore or MindFormers: importing MindSpore sets HCCL_CONNECT_TIMEOUT=600
 when it is unset and importing MindFormers creates ./output, so versions are read from the
@@ -170,6 +171,24 @@ def check_device(recipe, env: dict = None) -> list:
                         "for the missing ranks. Lower the parallel degrees or use more devices", {"npus": npus})]
     return [Finding("ok", "device", f"device_target Ascend: {count} NPU(s) visible ({where}), {needed} needed",
                     {"npus": npus})]
+
+
+def check_model(recipe) -> list:
+    """Model parts that exist only as CPU math so far: a recipe may name them on Ascend (and --plan it), not run it."""
+    cfg, m = recipe.model.model_config, "model.model_config"
+    if recipe.context.device_target == "CPU":
+        return []
+    findings = []
+    if cfg.moe:
+        findings.append(Finding("error", "model", f"{m}.num_experts: Mixture-of-Experts layers run on CPU only so far "
+                                "(the dropless math of models/moe.py): expert parallel on Ascend (MindFormers 1.9's "
+                                "grouped matmul and AllToAll dispatch) is not built yet; set num_experts: 0 or train "
+                                "on CPU", {}))
+    if cfg.mla:
+        findings.append(Finding("error", "model", f"{m}.kv_lora_rank: multi-head latent attention runs on CPU only so "
+                                "far (the reference math); MindFormers 1.9's MLA kernels and layouts are not mirrored "
+                                "yet", {}))
+    return findings
 
 
 def hccl_env(recipe) -> dict:
@@ -406,6 +425,7 @@ def run_checks(recipe, run_dir: Optional[str] = None, master_port: Optional[int]
     target = recipe.context.device_target
     findings = check_versions(installed_versions(env), load_table(), target)
     findings += check_device(recipe, env)
+    findings += check_model(recipe)
     findings += check_hccl(recipe, env)
     findings += check_memlock(target)
     findings += check_max_map_count()

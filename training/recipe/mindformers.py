@@ -96,7 +96,7 @@ MF_DEFAULTS = {
     "CheckpointMonitor": dict(prefix="CKP", save_checkpoint_steps=1, keep_checkpoint_max=5, integrated_save=True,
                               async_save=False),
     # modules/transformer/transformer.py:558 (TransformerOpParallelConfig.__init__)
-    "parallel_config": dict(data_parallel=1, model_parallel=1, pipeline_stage=1, micro_batch_num=1,
+    "parallel_config": dict(data_parallel=1, model_parallel=1, pipeline_stage=1, expert_parallel=1, micro_batch_num=1,
                             use_seq_parallel=False, vocab_emb_dp=True, gradient_aggregation_group=4),
 }
 

@@ -458,8 +458,9 @@ class Importer:
                       "MindFormers resets it to 1 without pipeline stages (trainer/base_trainer.py:215-218)")
         else:
             self.carry(c + "micro_batch_num", default=d["micro_batch_num"])
-        for key in ("context_parallel", "expert_parallel", "seq_split_num", "ulysses_degree_in_cp"):
-            self.require(c + key, 1, "ours has data, tensor and pipeline parallelism only", default=1)
+        self.carry(c + "expert_parallel", default=d["expert_parallel"])  # the recipe check holds MindFormers' rules
+        for key in ("context_parallel", "seq_split_num", "ulysses_degree_in_cp"):
+            self.require(c + key, 1, "ours has data, tensor, pipeline and expert parallelism only", default=1)
         self.drop(c + "optimizer_shard", "deprecated in MindFormers; optimizer parallel is "
                                          "parallel.enable_parallel_optimizer")
         r = "recompute_config."

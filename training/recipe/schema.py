@@ -42,8 +42,7 @@ class RunnerConfig:
         if self.stop_step < 0:
             problems.append(f"runner_config.stop_step: must be >= 0 (0 = run all epochs), got {self.stop_step}")
         if self.sink_mode and recipe.runs_on_cpu:
-            problems.append("runner_config.sink_mode: True on CPU silently multiplies the number of steps; "
-                            "set it to False")
+            problems.append("runner_config.sink_mode: True on CPU silently multiplies the number of steps; use False")
         if self.gradient_accumulation_steps > 1 and recipe.parallel.parallel_mode not in (1, 2):
             problems.append("runner_config.gradient_accumulation_steps: > 1 is silently reset to 1 by "
                             "MindFormers outside semi-auto/auto parallel (parallel.parallel_mode 1 or 2); "
@@ -86,9 +85,8 @@ class RunnerWrapperConfig:
                                 "{type: DynamicLossScaleUpdateCell, loss_scale_value: 65536, scale_factor: 2, "
                                 "scale_window: 1000} (or bfloat16 where the device has it)")
         if self.type == "MFTrainOneStepCell" and recipe.runs_on_cpu:
-            problems.append("runner_wrapper.type: MFTrainOneStepCell checks overflow with an Ascend-only kernel "
-                            "and does not compile on CPU; use PortableTrainOneStepCell (same behaviour, portable "
-                            "check)")
+            problems.append("runner_wrapper.type: MFTrainOneStepCell checks overflow with an Ascend-only kernel and "
+                            "does not compile on CPU; use PortableTrainOneStepCell (same behaviour, portable check)")
         return problems
 
 
@@ -264,6 +262,7 @@ class ParallelDegreesConfig:
     data_parallel: int = 1
     model_parallel: int = 1
     pipeline_stage: int = 1
+    expert_parallel: int = 1  # MindFormers' key: routed experts split over devices of data x model parallel
     micro_batch_num: int = 1
     use_seq_parallel: bool = False
     vocab_emb_dp: bool = True
@@ -272,15 +271,16 @@ class ParallelDegreesConfig:
 
     def check(self, recipe: "Recipe") -> list:
         p = "parallel_config"
-        problems = at_least(p, self, 1, "data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num",
-                            "gradient_aggregation_group")
+        problems = at_least(p, self, 1, "data_parallel", "model_parallel", "pipeline_stage", "expert_parallel",
+                            "micro_batch_num", "gradient_aggregation_group")
         if self.use_seq_parallel:
             problems.append(f"{p}.use_seq_parallel: sequence parallelism is not implemented by models/parallel.py "
                             "(MindFormers applies it inside its own layers); set it to False")
         if problems:
             return problems
         problems.extend(layout_problems(recipe.model.model_config, self.data_parallel, self.model_parallel,
-                                        self.pipeline_stage, self.micro_batch_num, self.stage_layers))
+                                        self.pipeline_stage, self.micro_batch_num, self.stage_layers,
+                                        ep=self.expert_parallel, cpu=recipe.runs_on_cpu))
         if recipe.world_size > 1 and not recipe.use_parallel:
             problems.append(f"use_parallel: must be True when {p}.data_parallel x model_parallel x "
                             f"pipeline_stage = {recipe.world_size} devices")
