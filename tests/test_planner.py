@@ -107,7 +107,7 @@ def test_planner_terms_match_the_real_tensors_on_cpu():
     import mindspore as ms
     import numpy as np
     from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
-    from ascend_llm_recipes.training.tools.planner import activation_terms, logits_bytes
+    from ascend_llm_recipes.training.tools.activations import activation_terms, logits_bytes
 
     r = recipe(*SMALL)
     c = r.model.model_config

@@ -174,12 +174,35 @@ def test_mixture_of_experts_and_qwen3_keys_are_checked_naming_each():
         load_recipe(TINY_RECIPE, (mc + "num_experts=4", mc + "dense_layers=[0, 2]"))
     with pytest.raises(RecipeError, match=rf"{mc}dense_layers: is set, but {mc}num_experts is 0 \(a dense model\)"):
         load_recipe(TINY_RECIPE, (mc + "dense_layers=[0]",))
-    with pytest.raises(RecipeError, match=rf"{mc}num_experts: Mixture-of-Experts layers run on CPU only so far"):
-        load_recipe(TINY_RECIPE, ("context.device_target=Ascend", mc + "num_experts=4"), planning=True)
     recipe = load_recipe(TINY_RECIPE, (mc + "num_experts=4", mc + "dense_layers=[0]", mc + "qk_norm=True",
                                        mc + "head_dim=32", mc + "moe_intermediate_size=32"))
     cfg = recipe.model.model_config
     assert (cfg.head_size, cfg.is_moe_layer(0), cfg.is_moe_layer(1), cfg.expert_size) == (32, False, True, 32)
+
+
+def test_expert_parallel_follows_mindformers_layout_rules_naming_the_keys():
+    moe = os.path.join(REPO_ROOT, "recipes", "tiny_moe_cpu.yaml")
+    ascend = ("context.device_target=Ascend", "use_parallel=True", "parallel.parallel_mode=1",
+              "parallel.full_batch=True")
+    pc = "parallel_config."
+    assert load_recipe(moe, (*ascend, pc + "data_parallel=4", pc + "expert_parallel=4")).parallel_config.expert_parallel \
+        == 4
+    cases = [  # (overrides, the problem named)
+        ((pc + "data_parallel=8", pc + "expert_parallel=8"),
+         f"{pc}expert_parallel: 8 does not divide model.model_config.num_experts (4)"),
+        ((pc + "data_parallel=2", pc + "expert_parallel=4"),
+         f"{pc}expert_parallel: 4 does not divide {pc}data_parallel x model_parallel (2 x 1 = 2)"),
+        ((pc + "data_parallel=2", pc + "model_parallel=2"),
+         f"{pc}model_parallel: 2 with model.model_config.num_experts 4: MindFormers' MoE layer needs sequence parallel"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(RecipeError, match=re.escape(message)):
+            load_recipe(moe, (*ascend, *overrides))
+    with pytest.raises(RecipeError, match=re.escape(f"{pc}expert_parallel: 2 on a dense model")):
+        load_recipe(TINY_RECIPE, (*ascend, pc + "data_parallel=2", pc + "expert_parallel=2"))
+    with pytest.raises(RecipeError, match=re.escape(f"{pc}expert_parallel: 2 needs Ascend; expert parallel has no CPU "
+                                                    "backend (the CPU path computes every expert locally)")):
+        load_recipe(moe, ("use_parallel=True", pc + "data_parallel=2", pc + "expert_parallel=2"))
 
 
 def test_silent_mindformers_traps_are_refused():

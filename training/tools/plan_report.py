@@ -9,6 +9,7 @@ the rules the shipped Ascend recipes are held to.
 from typing import Optional
 
 from ascend_llm_recipes.training.tools.devices import GB
+from ascend_llm_recipes.training.tools.activations import ALLTOALL_FORMULA
 from ascend_llm_recipes.training.tools.planner import SOURCES, Plan, plan
 
 # Published Llama 2 7B pretraining speeds, seq 4096 on 8 x 910B, tokens/s per device: MindFormers' README
@@ -82,6 +83,7 @@ def format_plan(plan: Plan) -> str:
     row("total", plan.total_bytes)
     if pp > 1:
         lines.append("  per stage: " + ", ".join(_gb(t) for t in plan.stage_total_bytes) + " GB")
+    lines.extend(expert_lines(plan))
     lines.append("")
     lines.append(verdict(plan))
     peak = "unknown" if plan.peak_flops is None else f"{plan.peak_flops / 1e12:.0f} TFLOP/s peak"
@@ -110,6 +112,20 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  [{category}] {SOURCES[category]}")
     lines.extend(f"note: {n}" for n in plan.notes)
     return "\n".join(lines)
+
+
+def expert_lines(plan: Plan) -> list:
+    """Expert parallel's figures: the AllToAll per step and the memory of the routed experts at each EP degree."""
+    if not plan.expert_memory:
+        return []
+    layers = f"{plan.moe_layers} MoE layer{'s' if plan.moe_layers != 1 else ''}"
+    lines = [f"expert parallel {plan.expert_parallel}: {_gb(plan.alltoall_bytes)} GB sent per step per device through "
+             f"AllToAll ({layers} on it)", f"  = {ALLTOALL_FORMULA}",
+             "routed experts per device (weights and their states) by parallel_config.expert_parallel:"]
+    for ep, experts, total in plan.expert_memory:
+        mark = "  <- this recipe" if ep == plan.expert_parallel else ""
+        lines.append(f"  EP {ep:<4} experts {_gb(experts):>8} GB, total {_gb(total):>8} GB{mark}")
+    return lines
 
 
 def verdict(plan: Plan) -> str:

@@ -8,8 +8,11 @@ moments, the gradients, loss-scale and step state, the activations of the micro-
 and the logits of the last stage; it compares the total with the device's memory. The parameter
 terms are read from the same table models/llama.py builds its Parameters from, and a CPU test checks
 them against the real train-step cell. It also estimates the step time term by term and the
-checkpoint size. The devices and their figures are training/tools/devices.py's (GB = 2**30 bytes);
-training/tools/plan_report.py `format_plan` prints a plan for `bash scripts/run_distributed.sh RECIPE --plan`.
+checkpoint size. In a Mixture-of-Experts model the routed experts are split over expert parallel, the bytes
+AllToAll sends per step are counted (training/tools/activations.py alltoall_bytes) and the experts' memory is
+tabled for each expert-parallel degree the layout allows (expert_memory). The devices and their figures are
+training/tools/devices.py's (GB = 2**30 bytes); training/tools/plan_report.py `format_plan` prints a plan for
+`bash scripts/run_distributed.sh RECIPE --plan`.
 Import-light: no MindSpore.
 
 Counted as a bound: tensors of operators without a shard strategy are whole on every TP
@@ -29,10 +32,11 @@ from typing import Optional
 from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.models.arithmetic import active_param_count, flops_per_token, param_count
 from ascend_llm_recipes.models.parallel import RECOMPUTE_MODES, balanced_stages
-from ascend_llm_recipes.models.shapes import dimensions, parameter_dtype, parameter_shapes
+from ascend_llm_recipes.models.shapes import parameter_dtype, parameter_shapes
+from ascend_llm_recipes.training.tools.activations import (DTYPE_BYTES, alltoall_bytes, layer_activation_bytes,
+                                                           logits_bytes, recompute_working_bytes)
 from ascend_llm_recipes.training.tools.devices import DEFAULT_DEVICE, DEVICES, GB, DeviceSpec
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MINDSPORE_OPTIMIZER_PARALLEL = "https://www.mindspore.cn/docs/en/r2.9.0/features/parallel/optimizer_parallel.html"
 
 
@@ -45,6 +49,7 @@ class StageMemory:
     parameters: int
     in_flight: int
     terms: dict  # recompute mode -> [Term]
+    first_layer: int = 0
 
     def total(self, recompute: str) -> int:
         return sum(t.bytes for t in self.terms[recompute])
@@ -96,126 +101,58 @@ class Plan:
     notes: list = field(default_factory=list)
     attention: str = ""                 # which attention kernel the recipe runs
     sharding: str = ""                  # which operators tensor parallelism splits
+    expert_parallel: int = 1
+    moe_layers: int = 0                 # MoE layers of the reported stage
+    alltoall_bytes: int = 0             # what one device sends per step through expert parallel's AllToAll
+    expert_memory: list = field(default_factory=list)  # [(EP, routed experts' bytes, total bytes)] per device
 
     def bytes_of(self, category: str) -> int:
         """Bytes of one category of Term (weights, accu_grads, moments, ...) on the reported stage."""
         return sum(t.bytes for t in self.terms if t.category == category)
 
 
-def activation_terms(cfg, micro_batch: int, tensor_parallel: int = 1) -> dict:
-    """Bytes of each tensor one decoder layer of models/llama.py holds, per micro-batch on one TP rank.
-
-    name -> (bytes, kind). kind "kept": saved for backward; "score": saved for backward and
-    recomputed under selective recompute (the S x S terms); "working": alive only while the
-    layer computes (one layer at a time). e = bytes of the compute dtype, f = intermediate_size,
-    a = heads, kv = KV width (kv heads x head_dim), t = tensor parallel.
-
-    models/parallel.py gives every operator a strategy, as MindFormers' Llama does: from q/k/v to
-    the attention output the heads are split by TP, the MLP width by TP; without sequence
-    parallelism the hidden states at the norms stay whole on every TP rank. With FlashAttention
-    (use_flash_attention) no S x S tensor exists: the kernel keeps two fp32 (B, heads, S, 8)
-    softmax statistics instead. Korthikanti et al. 2022 (sec. 4) count the same kinds of tensors.
-    """
-    e = DTYPE_BYTES[getattr(cfg, "compute_dtype", "float32")]
-    s, b, h, t, a = cfg.seq_length, micro_batch, cfg.hidden_size, tensor_parallel, cfg.num_heads
-    kv = cfg.kv_heads * (h // a)
-    sb, sbf, scores = s * b, s * b * cfg.intermediate_size, a * s * s * b
-    flash = getattr(cfg, "use_flash_attention", False)
-    terms = {
-        "norm_inputs_fp32": (2 * 4 * sb * h, "kept"),             # RMSNorm computes in fp32 (both norms)
-        "norm_outputs": (2 * e * sb * h, "kept"),                 # inputs of q/k/v and of gate/up
-        "qkv_projections": (e * sb * (h + 2 * kv) // t, "kept"),   # column-split matmul outputs
-        "rotary_fp32": (4 * sb * (h + kv) // t, "kept"),          # q and k rotated in fp32, split by heads
-        "kv_broadcast": (2 * e * sb * h // t if kv < h and not flash else 0, "kept"),  # K, V tiled to every head
-        "attention_qkv": (3 * e * sb * h // t, "kept"),           # Q, K, V at the attention
-        "attention_output": (2 * e * sb * h // t, "kept"),        # attention output, then merged heads
-        "swiglu_split": (2 * e * sbf // t, "kept"),               # gate and up (column-split)
-        "swiglu_activation": (2 * e * sbf // t, "kept"),          # silu(gate) and silu x up, split by TP
-    }
-    if flash:
-        terms["flash_softmax_stats"] = (2 * 4 * a * s * b * 8 // t, "score")  # softmax max and sum, fp32
-    else:
-        terms["softmax_fp32"] = (4 * scores // t, "score")
-        terms["probs_cast"] = ((e * scores // t) if e != 4 else 0, "score")   # cast for the PV matmul
-        terms["scores_at_mask_add"] = (4 * scores // t + e * scores // t, "working")  # QK^T, then + mask (fp32)
-    return terms
-
-
-def layer_activation_bytes(cfg, micro_batch: int, tensor_parallel: int = 1, recompute: str = "none") -> int:
-    """Activation bytes one decoder layer keeps for backward, per micro-batch, on one TP rank.
-
-    none: every "kept" and "score" term of activation_terms; selective (core attention
-    recomputed, as models/parallel.py marks it): without the "score" terms; full: only the
-    layer input, e sbh, whole on every TP rank (no sequence parallelism). What a layer holds
-    while it computes or is recomputed is recompute_working_bytes.
-    """
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute: {recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
-    if recompute == "full":
-        return DTYPE_BYTES[getattr(cfg, "compute_dtype", "float32")] * cfg.seq_length * micro_batch * cfg.hidden_size
-    kinds = ("kept",) if recompute == "selective" else ("kept", "score")
-    return sum(n for n, kind in activation_terms(cfg, micro_batch, tensor_parallel).values() if kind in kinds)
-
-
-def recompute_working_bytes(cfg, micro_batch: int, tensor_parallel: int = 1, recompute: str = "none") -> int:
-    """Bytes one layer adds on top of what every layer keeps, at the peak of its forward or backward.
-
-    Always the transient S x S scores; under full recompute also the layer's own activations,
-    rebuilt for its backward; under selective recompute its core attention's.
-    """
-    terms = activation_terms(cfg, micro_batch, tensor_parallel)
-    working = sum(n for n, kind in terms.values() if kind == "working")
-    if recompute == "full":
-        return working + layer_activation_bytes(cfg, micro_batch, tensor_parallel, "none")
-    if recompute == "selective":
-        return working + sum(n for n, kind in terms.values() if kind == "score")
-    return working
-
-
-def logits_bytes(cfg, micro_batch: int, tensor_parallel: int = 1) -> int:
-    """What the last stage holds for the loss of one micro-batch (1F1B: one at a time there).
-
-    The output projection's vocabulary-split output (compute dtype), then the vocabulary-parallel
-    cross-entropy's fp32 tensors, each split by TP like the projection (models/parallel.py, as
-    MindFormers' core/loss/loss.py): the fp32 logits, their log_softmax (kept for backward), the
-    one-hot labels and, in backward, the gradient of the logits: four (B, S, vocab / TP) fp32 tensors.
-    """
-    e = DTYPE_BYTES[getattr(cfg, "compute_dtype", "float32")]
-    sb, t = cfg.seq_length * micro_batch, tensor_parallel
-    padded = dimensions(cfg, t)["padded_vocab"]
-    return e * sb * padded // t + 4 * 4 * sb * padded // t
-
-
 def stage_parameters(cfg, stage: int, layers: int, pipeline_stages: int, tensor_parallel: int = 1,
-                     vocab_emb_dp: bool = True) -> int:
-    """Parameters one device of pipeline stage `stage` holds (layers 0..layers-1 stand for the stage's layers).
+                     vocab_emb_dp: bool = True, expert_parallel: int = 1, first_layer: int = 0) -> int:
+    """Parameters one device of pipeline stage `stage` holds: its `layers` layers from `first_layer` on.
 
     Layer matmul weights are split by TP (Megatron column/row split, models/parallel.py);
     norms are replicated. The embedding table sits on the first stage, replicated across TP when
     vocab_emb_dp (the recipe's default), else split by vocabulary; the last stage holds the final
     norm and the output projection (split by vocabulary). Tied embeddings with pipelining are
-    refused (models/parallel.py layout_problems).
+    refused (models/parallel.py layout_problems). Routed experts are split over expert parallel instead.
     """
-    return sum(n for _, n, _ in stage_tensors(cfg, stage, layers, pipeline_stages, tensor_parallel, vocab_emb_dp))
+    return sum(n for _, n, _ in stage_tensors(cfg, stage, layers, pipeline_stages, tensor_parallel, vocab_emb_dp,
+                                              expert_parallel, first_layer))
+
+
+def is_expert(name: str) -> bool:
+    """Whether parameter `name` is a routed expert's (split over expert parallel, models/shapes.py names)."""
+    return ".mlp.experts." in name
 
 
 def stage_tensors(cfg, stage: int, layers: int, pipeline_stages: int, tensor_parallel: int = 1,
-                  vocab_emb_dp: bool = True) -> list:
-    """[(name, elements on one TP rank, dtype)] of the weights one device of `stage` holds.
+                  vocab_emb_dp: bool = True, expert_parallel: int = 1, first_layer: int = 0) -> list:
+    """[(name, elements on one device, dtype)] of the weights one device of `stage` (layers first_layer ..
+    first_layer + layers - 1) holds.
 
     Read from models/shapes.py's table (names, shapes, parameter_dtype), the one models/llama.py
     builds its Parameters from. What TP splits: every 2-D layer weight and q/k/v bias (heads or
-    MLP width), the output projection and, unless vocab_emb_dp, the embedding (vocabulary).
+    MLP width), the output projection and, unless vocab_emb_dp, the embedding (vocabulary). The routed
+    experts are split over expert parallel, not TP (MindFormers' FFNGroupedGEMM.shard lays its stacked expert
+    weights out as ("ep", None): transformer/moe/ffn.py:185-219).
     """
     t = tensor_parallel
     last = pipeline_stages - 1
     out = []
-    for name, shape in parameter_shapes(cfg, t, layers=range(layers)).items():
+    for name, shape in parameter_shapes(cfg, t, layers=range(first_layer, first_layer + layers)).items():
         if name.startswith("model.embed_tokens") and stage != 0:
             continue
         if name.startswith(("model.norm", "lm_head")) and stage != last:
             continue
         n = math.prod(shape)
+        if is_expert(name):
+            out.append((name, n // expert_parallel, parameter_dtype(cfg, name)))
+            continue
         split = (".layers." in name and (len(shape) == 2 or name.endswith("_proj.bias"))) or \
             name.startswith("lm_head") or (name.startswith("model.embed_tokens") and not vocab_emb_dp)
         out.append((name, n // t if split else n, parameter_dtype(cfg, name)))
@@ -258,8 +195,8 @@ SOURCES = {
                       "lr_schedule, a Cell without Parameters (also the wrapper's deepcopy of it, "
                       "mindformers/wrapper/wrapper.py:253, 883); training/worker/optim.py master_filled (float32) with "
                       "16-bit weights",
-    "activations": "planner.activation_terms (models/llama.py's tensors kept for backward)",
-    "logits": "planner.logits_bytes (the last stage's output projection and fp32 loss tensors)",
+    "activations": "training/tools/activations.py activation_terms (models/llama.py's tensors kept for backward)",
+    "logits": "training/tools/activations.py logits_bytes (the last stage's output projection and fp32 loss tensors)",
 }
 
 
@@ -267,24 +204,33 @@ def _threshold_bytes(recipe) -> int:
     return recipe.parallel.parallel_optimizer_config.parallel_optimizer_threshold * 1024
 
 
-def stage_terms(recipe, stage: int, layers: int, recompute: str, in_flight: int) -> list:
-    """Every buffer one device of pipeline stage `stage` holds at its peak, as Terms."""
-    cfg = recipe.model.model_config
+def parameter_terms(recipe, tensors: list, layers: int) -> list:
+    """The Terms of the parameters `tensors` (stage_tensors' rows) on one device: the weights, their gathered
+    copies, the float32 masters of 16-bit ones, accu_grads or the gradients, the AdamW moments.
+
+    Optimizer parallel slices a parameter over the devices holding the same copy of it (MindSpore's optimizer
+    shard group): the data-parallel ones for every weight but the routed experts, which expert parallel has
+    split already, leaving DP x TP / EP devices with each slice (models/parallel.py expert_problems).
+    """
     p = recipe.parallel_config
-    dp, tp, pp = p.data_parallel, p.model_parallel, p.pipeline_stage
+    dp, tp, ep = p.data_parallel, p.model_parallel, p.expert_parallel
     shard = optimizer_sharded(recipe)
     level = recipe.parallel.parallel_optimizer_config.optimizer_level if shard else None
     threshold = _threshold_bytes(recipe)
-    tensors = stage_tensors(cfg, stage, layers, pp, tp, p.vocab_emb_dp)
 
-    def local(n: int, dtype: str) -> int:
-        """Bytes of a parameter (or a clone of it) this rank stores: a 1/DP slice when optimizer parallel slices it."""
+    def copies(name: str) -> int:
+        return dp * tp // ep if is_expert(name) else dp
+
+    def local(name: str, n: int, dtype: str, sliced: bool = True) -> int:
+        """Bytes of a parameter (or a clone of it) this rank stores: a slice when optimizer parallel slices it."""
         size = n * DTYPE_BYTES[dtype]
-        return _ceil_div(size, dp) if shard and size >= threshold else size
+        return _ceil_div(size, copies(name)) if sliced and shard and copies(name) > 1 and size >= threshold else size
 
-    weights = sum(local(n, d) for _, n, d in tensors)
-    sliced_whole = sum(n * DTYPE_BYTES[d] for _, n, d in tensors if shard and n * DTYPE_BYTES[d] >= threshold)
-    terms = [Term("weights", f"weights ({_dtypes(tensors)}{', split by TP' if tp > 1 else ''}"
+    whole = sum(n * DTYPE_BYTES[d] for _, n, d in tensors)
+    weights = sum(local(name, n, d) for name, n, d in tensors)
+    sliced_whole = sum(n * DTYPE_BYTES[d] for name, n, d in tensors if local(name, n, d) < n * DTYPE_BYTES[d])
+    experts = f", experts 1/EP {ep}" if ep > 1 and any(is_expert(name) for name, _, _ in tensors) else ""
+    terms = [Term("weights", f"weights ({_dtypes(tensors)}{', split by TP' if tp > 1 else ''}{experts}"
                              f"{f', 1/DP {dp} slices' if shard else ''})", weights, SOURCES["weights"])]
     if shard:
         if level == "level3":
@@ -294,35 +240,49 @@ def stage_terms(recipe, stage: int, layers: int, recompute: str, in_flight: int)
         else:
             terms.append(Term("gathered_weights", f"gathered weights ({level}: alive from forward to backward)",
                               sliced_whole, SOURCES["gathered_weights"], persistent=False))
-    masters = [(n, d) for _, n, d in tensors if d != "float32"]
+    masters = [(name, n) for name, n, d in tensors if d != "float32"]
     if masters:
         terms.append(Term("master", "float32 master copies of the 16-bit weights (in the optimizer)",
-                          sum(local(n, "float32") for n, _ in masters), SOURCES["master"]))
-    accumulating = uses_accu_grads(recipe)
-    if accumulating:
+                          sum(local(name, n, "float32") for name, n in masters), SOURCES["master"]))
+    if uses_accu_grads(recipe):
         accu_shard = shard and level == "level2"
-        accu = sum(_ceil_div(n * DTYPE_BYTES[d], dp) if accu_shard and n * DTYPE_BYTES[d] >= threshold
-                   else n * DTYPE_BYTES[d] for _, n, d in tensors)
+        accu = sum(local(name, n, d, accu_shard) for name, n, d in tensors) if accu_shard else whole
         how = "sliced over DP: level2" if accu_shard else "whole: no gradient_accumulation_shard"
         terms.append(Term("accu_grads", f"accu_grads ({_dtypes(tensors)}, {how})", accu, SOURCES["accu_grads"]))
     terms.append(Term("moments", "AdamW m, v (float32" + (f", 1/DP {dp} slices)" if shard else ")"),
-                      sum(2 * local(n, "float32") for _, n, _ in tensors), SOURCES["moments"]))
-    if not accumulating:
-        grads = sum(_ceil_div(n * DTYPE_BYTES[d], dp) if shard and level in ("level2", "level3")
-                    and n * DTYPE_BYTES[d] >= threshold else n * DTYPE_BYTES[d] for _, n, d in tensors)
-        terms.append(Term("gradients", f"gradients ({_dtypes(tensors)})", grads, SOURCES["gradients"],
+                      sum(2 * local(name, n, "float32") for name, n, _ in tensors), SOURCES["moments"]))
+    if not uses_accu_grads(recipe):
+        scattered = level in ("level2", "level3")
+        terms.append(Term("gradients", f"gradients ({_dtypes(tensors)})",
+                          sum(local(name, n, d, scattered) for name, n, d in tensors), SOURCES["gradients"],
                           persistent=False))
+    return terms
+
+
+def stage_terms(recipe, stage: int, layers: int, recompute: str, in_flight: int, first_layer: int = 0,
+                tensors: list = None) -> list:
+    """Every buffer one device of pipeline stage `stage` (layers first_layer ..) holds at its peak, as Terms."""
+    cfg = recipe.model.model_config
+    p = recipe.parallel_config
+    tp, pp = p.model_parallel, p.pipeline_stage
+    if tensors is None:
+        tensors = stage_tensors(cfg, stage, layers, pp, tp, p.vocab_emb_dp, p.expert_parallel, first_layer)
+    terms = parameter_terms(recipe, tensors, layers)
     dynamic = not isinstance(recipe.runner_wrapper.scale_sense, (int, float))  # DynamicLossScaleConfig
     terms.append(Term("loss_scale", "loss scale" + (" and its update counters" if dynamic else ""),
                       4 + (8 if dynamic else 0), SOURCES["loss_scale"]))
+    masters = any(d != "float32" for _, _, d in tensors)
     terms.append(Term("optimizer_step", "optimizer step", 4 + (4 if masters else 0),
                       SOURCES["optimizer_step"]))
     b = recipe.runner_config.batch_size
-    activation = layers * layer_activation_bytes(cfg, b, tp, recompute) * in_flight + \
-        recompute_working_bytes(cfg, b, tp, recompute)
+    moe = [cfg.is_moe_layer(i) for i in range(first_layer, first_layer + layers)]
+    activation = sum(moe.count(kind) * layer_activation_bytes(cfg, b, tp, recompute, kind) * in_flight
+                     for kind in set(moe))
+    activation += max((recompute_working_bytes(cfg, b, tp, recompute, kind) for kind in set(moe)), default=0)
     how = "no" if recompute == "none" else recompute
     terms.append(Term("activations", f"activations ({how} recompute, {in_flight} micro-batch"
-                                     f"{'es' if in_flight > 1 else ''} in flight)", activation,
+                                     f"{'es' if in_flight > 1 else ''} in flight"
+                                     f"{f', {sum(moe)} of them MoE' if any(moe) else ''})", activation,
                       SOURCES["activations"], persistent=False))
     if stage == pp - 1:
         terms.append(Term("logits", "logits and loss (vocabulary split by TP, fp32)", logits_bytes(cfg, b, tp),
@@ -346,17 +306,26 @@ def stage_memory(recipe) -> list:
     cfg = recipe.model.model_config
     p = recipe.parallel_config
     pp = p.pipeline_stage
-    counts = list(p.stage_layers) if p.stage_layers else balanced_stages(cfg.num_layers, pp)
+    counts = stage_layer_counts(recipe)
     stages = []
     for stage, layers in enumerate(counts):
         # 1F1B: stage i holds the activations of pp - i micro-batches at its peak.
         in_flight = min(pp - stage, p.micro_batch_num) if pp > 1 else 1
+        first = sum(counts[:stage])
+        tensors = stage_tensors(cfg, stage, layers, pp, p.model_parallel, p.vocab_emb_dp, p.expert_parallel, first)
         stages.append(StageMemory(
-            stage=stage, layers=layers,
-            parameters=stage_parameters(cfg, stage, layers, pp, p.model_parallel, p.vocab_emb_dp),
-            in_flight=in_flight,
-            terms={mode: stage_terms(recipe, stage, layers, mode, in_flight) for mode in RECOMPUTE_MODES}))
+            stage=stage, layers=layers, parameters=sum(n for _, n, _ in tensors), in_flight=in_flight,
+            terms={mode: stage_terms(recipe, stage, layers, mode, in_flight, first, tensors)
+                   for mode in RECOMPUTE_MODES},
+            first_layer=first))
     return stages
+
+
+def stage_layer_counts(recipe) -> list:
+    """Layers of each pipeline stage: parallel_config.stage_layers, else balanced."""
+    p = recipe.parallel_config
+    return list(p.stage_layers) if p.stage_layers else balanced_stages(recipe.model.model_config.num_layers,
+                                                                       p.pipeline_stage)
 
 
 def checkpoint_bytes(recipe) -> tuple:
@@ -441,6 +410,7 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
                      "no float32 master copy (MindFormers' AdamW updates 16-bit weights in place)")
     fpt = flops_per_token(cfg)
     tokens = recipe.tokens_per_step
+    checkpoint = checkpoint_bytes(recipe)
     step_time = tokens * fpt / (recipe.world_size * peak * mfu) if peak else None
 
     return Plan(
@@ -460,7 +430,7 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
         fits=None if budget is None else total <= budget,
         headroom_bytes=None if budget is None else budget - total,
         flops_per_token=fpt, tokens_per_step=tokens, step_time_s=step_time,
-        checkpoint_rank_bytes=checkpoint_bytes(recipe)[0], checkpoint_total_bytes=checkpoint_bytes(recipe)[1],
+        checkpoint_rank_bytes=checkpoint[0], checkpoint_total_bytes=checkpoint[1],
         speed=speed_estimate(recipe, spec, mfu) if peak else None,
         levers=_unused_levers(recipe, mode, shard, total), notes=notes,
         attention=("FlashAttention (FlashAttentionScore; no S x S scores kept)" if cfg.use_flash_attention
@@ -468,7 +438,41 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
         sharding=(f"every operator split by DP {p.data_parallel}; TP {p.model_parallel} splits heads from q/k/v to "
                   "the attention output, the MLP width and the vocabulary through the loss; norms and residual "
                   "adds stay whole on each TP rank (no sequence parallelism)" if p.model_parallel > 1
-                  else f"every operator split by DP {p.data_parallel}; no tensor parallelism"))
+                  else f"every operator split by DP {p.data_parallel}; no tensor parallelism"),
+        expert_parallel=p.expert_parallel, moe_layers=moe_layers(recipe, worst),
+        alltoall_bytes=step_alltoall_bytes(recipe, worst), expert_memory=expert_memory(recipe))
+
+
+def moe_layers(recipe, stage: StageMemory) -> int:
+    cfg = recipe.model.model_config
+    return sum(cfg.is_moe_layer(i) for i in range(stage.first_layer, stage.first_layer + stage.layers))
+
+
+def step_alltoall_bytes(recipe, stage: StageMemory) -> int:
+    """Bytes one device of `stage` sends per step through expert parallel's AllToAll (activations.ALLTOALL_FORMULA)."""
+    cfg, p, b = recipe.model.model_config, recipe.parallel_config, recipe.runner_config.batch_size
+    micro_batches = recipe.tokens_per_step // (p.data_parallel * b * cfg.seq_length)
+    return alltoall_bytes(cfg, b, micro_batches, moe_layers(recipe, stage), p.expert_parallel,
+                          recipe.recompute_config.mode)
+
+
+def expert_memory(recipe) -> list:
+    """[(EP, bytes of the routed experts' parameters and their states, total bytes)] on one device of the heaviest
+    stage, for every power of two the layout rules allow as expert_parallel (dividing num_experts and DP x TP) and
+    the recipe's own: expert parallel's lever on memory."""
+    cfg, p = recipe.model.model_config, recipe.parallel_config
+    if not cfg.moe:
+        return []
+    devices = p.data_parallel * p.model_parallel
+    degrees = {2 ** i for i in range(devices.bit_length()) if not cfg.num_experts % 2 ** i and not devices % 2 ** i}
+    rows, mode = [], recipe.recompute_config.mode
+    for ep in sorted(degrees | {p.expert_parallel}):
+        trial = _with(recipe, expert_parallel=ep)
+        worst = max(stage_memory(trial), key=lambda s: s.total(mode))
+        tensors = [t for t in stage_tensors(cfg, worst.stage, worst.layers, p.pipeline_stage, p.model_parallel,
+                                            p.vocab_emb_dp, ep, worst.first_layer) if is_expert(t[0])]
+        rows.append((ep, sum(t.bytes for t in parameter_terms(trial, tensors, worst.layers)), worst.total(mode)))
+    return rows
 
 
 # Assumptions for the non-matmul terms (no Huawei datasheet figure): 910B HBM ~1.6 TB/s; intra-node HCCL
@@ -507,7 +511,7 @@ def speed_estimate(recipe, spec: DeviceSpec, mfu: float) -> Optional[SpeedEstima
                       compute * (pp - 1) / micro_batches))
     stage = max(stage_memory(recipe), key=lambda s: s.total(mode))
     whole = sum(n * DTYPE_BYTES[d] for _, n, d in stage_tensors(cfg, stage.stage, stage.layers, pp, tp,
-                                                                p.vocab_emb_dp))
+                                                                p.vocab_emb_dp, p.expert_parallel, stage.first_layer))
     elements = stage.parameters
     if cfg.param_dtype == "float32" and cfg.compute_dtype != "float32":
         # every Linear casts its float32 weight per use: read 4 B, write 2 B, per micro-batch (and in backward)
@@ -531,6 +535,9 @@ def speed_estimate(recipe, spec: DeviceSpec, mfu: float) -> Optional[SpeedEstima
         sbh = recipe.runner_config.batch_size * cfg.seq_length * cfg.hidden_size * e
         terms.append((f"TP {tp}: 4 all-reduces of the hidden states per layer per micro-batch",
                       4 * stage.layers * micro_batches * 2 * (tp - 1) / tp * sbh / LINK_BYTES_PER_S))
+    if p.expert_parallel > 1:
+        terms.append((f"expert parallel {p.expert_parallel}: AllToAll dispatch and combine, forward and backward",
+                      step_alltoall_bytes(recipe, stage) / LINK_BYTES_PER_S))
     # AdamW reads and writes m, v, the weight (and its master) and reads the gradient: memory-bound.
     local = elements / (dp if optimizer_sharded(recipe) else 1)
     per_element = 8 * 2 + (4 + 2 * 2 if cfg.param_dtype != "float32" else 4 * 2) + DTYPE_BYTES[cfg.param_dtype]
@@ -549,6 +556,9 @@ def _with(recipe, **changes):
                                                               select_recompute=False))
     if "shard" in changes:
         recipe = copy_with(recipe, parallel=copy_with(recipe.parallel, enable_parallel_optimizer=True))
+    if "expert_parallel" in changes:
+        recipe = copy_with(recipe, parallel_config=copy_with(recipe.parallel_config,
+                                                             expert_parallel=changes["expert_parallel"]))
     return recipe
 
 
