@@ -308,7 +308,7 @@ def test_planner_terms_equal_the_real_train_step_parameters(dtype):
 
 
 ASCEND_RECIPES = ["llama2_7b_8dev", "llama2_13b_8dev", "llama2_70b_32dev", "dense_100b_64dev", "tiny_ascend",
-                  "llama2_7b_910a_16dev"]
+                  "llama2_7b_910a_16dev", "qwen3_30b_a3b_16dev", "mixtral_8x7b_64dev", "deepseek_v3_256dev"]
 
 
 @pytest.mark.parametrize("name", ASCEND_RECIPES)
@@ -316,17 +316,21 @@ def test_every_ascend_recipe_fits_with_ten_percent_headroom(name):
     import glob
     import os
     from ascend_llm_recipes.training.tools.plan_report import HEADROOM, has_headroom
+    from ascend_llm_recipes.training.tools.planner import uses_accu_grads
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ascend = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(root, "recipes", "*.yaml"))
                     if load_recipe(p, planning=True).context.device_target == "Ascend")
     assert ascend == sorted(ASCEND_RECIPES), "every Ascend recipe in recipes/ is planned here"
-    p = plan(load_recipe(os.path.join(root, "recipes", f"{name}.yaml"), planning=True))
+    r = load_recipe(os.path.join(root, "recipes", f"{name}.yaml"), planning=True)
+    p = plan(r)
     assert has_headroom(p), f"{name}: {p.total_bytes / GB:.2f} of {p.device_memory_bytes / GB:.2f} GB, < {HEADROOM:.0%}"
     text = format_plan(p)
     assert "checkpoint per save:" in text and "sources:" in text
-    if name != "tiny_ascend":  # every other one accumulates micro-batches: MFPipelineWithLossScaleCell's accu_grads
+    if uses_accu_grads(r):  # micro-batches accumulated: MFPipelineWithLossScaleCell's accu_grads
         assert "[accu_grads] mindformers/wrapper/wrapper.py:849" in text
+    if r.model.model_config.moe:  # the expert-parallel figures, the recipe's degree among them
+        assert f"expert parallel {r.parallel_config.expert_parallel}: " in text and "<- this recipe" in text
 
 
 def test_checkpoint_size_leaves_accu_grads_out_and_speed_has_terms():
@@ -341,3 +345,59 @@ def test_checkpoint_size_leaves_accu_grads_out_and_speed_has_terms():
     assert any("AdamW" in x for x in labels) and any("TP 2" in x for x in labels)
     assert p.speed.step_time_s == pytest.approx(sum(s for _, s in p.speed.terms))
     assert "MindFormers 4,160, MindSpeed-LLM 4,672" in format_plan(p)
+
+
+MOE_DP4 = ASCEND + ("parallel_config.data_parallel=4", "parallel.parallel_optimizer_config.parallel_optimizer_threshold=0")
+
+
+def moe_recipe(*overrides):
+    import os
+
+    return recipe(*MOE_DP4, *overrides, path=os.path.join(os.path.dirname(TINY_RECIPE), "tiny_moe_cpu.yaml"))
+
+
+def test_expert_parallel_splits_the_routed_experts_and_optimizer_parallel_slices_what_it_leaves():
+    # tiny_moe_cpu.yaml: one MoE layer of 4 experts, each gate/up/down 48 x 64 float32: 147,456 bytes of experts
+    experts = 4 * 3 * 48 * 64 * 4
+    whole = {ep: plan(moe_recipe(f"parallel_config.expert_parallel={ep}"), device="Ascend910B2") for ep in (1, 2, 4)}
+    assert whole[1].bytes_of("weights") - whole[2].bytes_of("weights") == experts // 2  # no optimizer parallel
+    assert whole[1].bytes_of("weights") - whole[4].bytes_of("weights") == experts * 3 // 4
+    assert whole[1].bytes_of("gradients") - whole[4].bytes_of("gradients") == experts * 3 // 4
+    sharded = {ep: plan(moe_recipe(f"parallel_config.expert_parallel={ep}", "parallel.enable_parallel_optimizer=True"),
+                        device="Ascend910B2") for ep in (1, 2, 4)}
+    # Optimizer parallel slices each expert over the DP x TP / EP devices holding it: the moments and the sliced
+    # weights are 1/DP of the experts at any EP, the gathered copy (what forward and backward use) 1/EP; at EP 4
+    # no other device holds the same experts, so they are neither sliced nor gathered.
+    assert sharded[1].bytes_of("moments") == sharded[2].bytes_of("moments") == sharded[4].bytes_of("moments")
+    assert sharded[1].bytes_of("weights") == sharded[2].bytes_of("weights") == sharded[4].bytes_of("weights")
+    assert sharded[1].bytes_of("gathered_weights") - sharded[2].bytes_of("gathered_weights") == experts // 2
+    assert sharded[1].bytes_of("gathered_weights") - sharded[4].bytes_of("gathered_weights") == experts
+    rows = sharded[2].expert_memory
+    assert [ep for ep, _, _ in rows] == [1, 2, 4] and rows[1][2] == sharded[2].total_bytes
+    assert [total for _, _, total in rows] == [p.total_bytes for p in sharded.values()]
+    # the experts' own bytes at EP 4: weights 1/4 (no copy left to slice over) + their gradients + AdamW m and v
+    assert rows[2][1] == experts // 4 * (1 + 1 + 2)
+    text = format_plan(sharded[2])
+    assert "expert parallel 2: " in text and "  EP 2    experts" in text and "tokens x top_k x hidden" in text
+
+
+def test_alltoall_bytes_per_step_and_moe_activations_by_hand():
+    from ascend_llm_recipes.training.tools.activations import activation_terms
+
+    p = plan(moe_recipe("parallel_config.expert_parallel=2"), device="Ascend910B2")
+    # 1 micro-batch of 4 x 64 tokens, top 2, hidden 64, float32, 1 MoE layer; dispatch + combine, forward and
+    # backward; half the copies leave the device at EP 2.
+    assert p.alltoall_bytes == 1 * 1 * 4 * (4 * 64 * 2 * 64 * 4) // 2 == 262_144 and p.moe_layers == 1
+    full = plan(moe_recipe("parallel_config.expert_parallel=2", "recompute_config.recompute=True"), device="Ascend910B2")
+    assert full.alltoall_bytes == p.alltoall_bytes * 6 // 4  # the recomputed forward dispatches again
+    assert plan(moe_recipe(), device="Ascend910B2").alltoall_bytes == 0
+    cfg = moe_recipe().model.model_config
+    dense, moe = activation_terms(cfg, 4), activation_terms(cfg, 4, moe=True)
+    sb = 4 * 64
+    # the MLP of an MoE layer: 2 x 48-wide experts per token instead of the 176-wide dense MLP
+    assert moe["swiglu_split"][0] == 2 * 4 * sb * 2 * 48 and dense["swiglu_split"][0] == 2 * 4 * sb * 176
+    assert moe["router_fp32"][0] == 2 * 4 * sb * 4 and moe["dispatched_tokens"][0] == 2 * 4 * sb * 2 * 64
+    # the dense first layer and the MoE second one each counted as what they are
+    assert p.activation_bytes_none == sum(n for n, kind in dense.values() if kind != "working") + \
+        sum(n for n, kind in moe.values() if kind != "working") + max(
+            sum(n for n, kind in terms.values() if kind == "working") for terms in (dense, moe))

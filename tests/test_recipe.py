@@ -183,7 +183,7 @@ def test_mixture_of_experts_and_qwen3_keys_are_checked_naming_each():
 def test_expert_parallel_follows_mindformers_layout_rules_naming_the_keys():
     moe = os.path.join(REPO_ROOT, "recipes", "tiny_moe_cpu.yaml")
     ascend = ("context.device_target=Ascend", "use_parallel=True", "parallel.parallel_mode=1",
-              "parallel.full_batch=True")
+              "parallel.full_batch=True", "parallel.gradients_mean=False")
     pc = "parallel_config."
     assert load_recipe(moe, (*ascend, pc + "data_parallel=4", pc + "expert_parallel=4")).parallel_config.expert_parallel \
         == 4

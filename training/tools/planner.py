@@ -26,6 +26,7 @@ update step's own peak (scaled and clipped gradient copies while the activations
 
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -50,6 +51,7 @@ class StageMemory:
     in_flight: int
     terms: dict  # recompute mode -> [Term]
     first_layer: int = 0
+    tensors: list = field(default_factory=list)  # stage_tensors
 
     def total(self, recompute: str) -> int:
         return sum(t.bytes for t in self.terms[recompute])
@@ -217,19 +219,21 @@ def parameter_terms(recipe, tensors: list, layers: int) -> list:
     shard = optimizer_sharded(recipe)
     level = recipe.parallel.parallel_optimizer_config.optimizer_level if shard else None
     threshold = _threshold_bytes(recipe)
+    # (routed expert?, elements, dtype) -> how many such tensors: the bytes depend on nothing else
+    tensors = Counter((is_expert(name), n, d) for name, n, d in tensors)
 
-    def copies(name: str) -> int:
-        return dp * tp // ep if is_expert(name) else dp
-
-    def local(name: str, n: int, dtype: str, sliced: bool = True) -> int:
+    def local(expert: bool, n: int, dtype: str, sliced: bool = True) -> int:
         """Bytes of a parameter (or a clone of it) this rank stores: a slice when optimizer parallel slices it."""
-        size = n * DTYPE_BYTES[dtype]
-        return _ceil_div(size, copies(name)) if sliced and shard and copies(name) > 1 and size >= threshold else size
+        size, copies = n * DTYPE_BYTES[dtype], dp * tp // ep if expert else dp
+        return _ceil_div(size, copies) if sliced and shard and copies > 1 and size >= threshold else size
 
-    whole = sum(n * DTYPE_BYTES[d] for _, n, d in tensors)
-    weights = sum(local(name, n, d) for name, n, d in tensors)
-    sliced_whole = sum(n * DTYPE_BYTES[d] for name, n, d in tensors if local(name, n, d) < n * DTYPE_BYTES[d])
-    experts = f", experts 1/EP {ep}" if ep > 1 and any(is_expert(name) for name, _, _ in tensors) else ""
+    def total(bytes_of) -> int:
+        return sum(count * bytes_of(*key) for key, count in tensors.items())
+
+    whole = total(lambda _, n, d: n * DTYPE_BYTES[d])
+    weights = total(local)
+    sliced_whole = total(lambda x, n, d: n * DTYPE_BYTES[d] if local(x, n, d) < n * DTYPE_BYTES[d] else 0)
+    experts = f", experts 1/EP {ep}" if ep > 1 and any(expert for expert, _, _ in tensors) else ""
     terms = [Term("weights", f"weights ({_dtypes(tensors)}{', split by TP' if tp > 1 else ''}{experts}"
                              f"{f', 1/DP {dp} slices' if shard else ''})", weights, SOURCES["weights"])]
     if shard:
@@ -240,22 +244,20 @@ def parameter_terms(recipe, tensors: list, layers: int) -> list:
         else:
             terms.append(Term("gathered_weights", f"gathered weights ({level}: alive from forward to backward)",
                               sliced_whole, SOURCES["gathered_weights"], persistent=False))
-    masters = [(name, n) for name, n, d in tensors if d != "float32"]
-    if masters:
+    if any(d != "float32" for _, _, d in tensors):
         terms.append(Term("master", "float32 master copies of the 16-bit weights (in the optimizer)",
-                          sum(local(name, n, "float32") for name, n in masters), SOURCES["master"]))
+                          total(lambda x, n, d: local(x, n, "float32") if d != "float32" else 0), SOURCES["master"]))
     if uses_accu_grads(recipe):
         accu_shard = shard and level == "level2"
-        accu = sum(local(name, n, d, accu_shard) for name, n, d in tensors) if accu_shard else whole
+        accu = total(local) if accu_shard else whole
         how = "sliced over DP: level2" if accu_shard else "whole: no gradient_accumulation_shard"
         terms.append(Term("accu_grads", f"accu_grads ({_dtypes(tensors)}, {how})", accu, SOURCES["accu_grads"]))
     terms.append(Term("moments", "AdamW m, v (float32" + (f", 1/DP {dp} slices)" if shard else ")"),
-                      sum(2 * local(name, n, "float32") for name, n, _ in tensors), SOURCES["moments"]))
+                      total(lambda x, n, _: 2 * local(x, n, "float32")), SOURCES["moments"]))
     if not uses_accu_grads(recipe):
         scattered = level in ("level2", "level3")
         terms.append(Term("gradients", f"gradients ({_dtypes(tensors)})",
-                          sum(local(name, n, d, scattered) for name, n, d in tensors), SOURCES["gradients"],
-                          persistent=False))
+                          total(lambda x, n, d: local(x, n, d, scattered)), SOURCES["gradients"], persistent=False))
     return terms
 
 
@@ -317,7 +319,7 @@ def stage_memory(recipe) -> list:
             stage=stage, layers=layers, parameters=sum(n for _, n, _ in tensors), in_flight=in_flight,
             terms={mode: stage_terms(recipe, stage, layers, mode, in_flight, first, tensors)
                    for mode in RECOMPUTE_MODES},
-            first_layer=first))
+            first_layer=first, tensors=tensors))
     return stages
 
 
@@ -328,7 +330,7 @@ def stage_layer_counts(recipe) -> list:
                                                                        p.pipeline_stage)
 
 
-def checkpoint_bytes(recipe) -> tuple:
+def checkpoint_bytes(recipe, stages: list = None) -> tuple:
     """(bytes the largest rank saves, bytes all ranks save) per checkpoint: the persistent terms but accu_grads.
 
     training/checkpoint.py NOT_SAVED leaves accu_grads out (zeros at every save); each rank saves
@@ -336,7 +338,7 @@ def checkpoint_bytes(recipe) -> tuple:
     """
     p = recipe.parallel_config
     per_stage = [sum(t.bytes for t in s.terms["none"] if t.persistent and t.category != "accu_grads")
-                 for s in stage_memory(recipe)]
+                 for s in stages or stage_memory(recipe)]
     return max(per_stage), sum(per_stage) * p.data_parallel * p.model_parallel
 
 
@@ -410,7 +412,7 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
                      "no float32 master copy (MindFormers' AdamW updates 16-bit weights in place)")
     fpt = flops_per_token(cfg)
     tokens = recipe.tokens_per_step
-    checkpoint = checkpoint_bytes(recipe)
+    checkpoint = checkpoint_bytes(recipe, stages)
     step_time = tokens * fpt / (recipe.world_size * peak * mfu) if peak else None
 
     return Plan(
@@ -431,7 +433,7 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
         headroom_bytes=None if budget is None else budget - total,
         flops_per_token=fpt, tokens_per_step=tokens, step_time_s=step_time,
         checkpoint_rank_bytes=checkpoint[0], checkpoint_total_bytes=checkpoint[1],
-        speed=speed_estimate(recipe, spec, mfu) if peak else None,
+        speed=speed_estimate(recipe, spec, mfu, stages) if peak else None,
         levers=_unused_levers(recipe, mode, shard, total), notes=notes,
         attention=("FlashAttention (FlashAttentionScore; no S x S scores kept)" if cfg.use_flash_attention
                    else "math path (fp32 S x S scores per layer)"),
@@ -440,7 +442,7 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
                   "adds stay whole on each TP rank (no sequence parallelism)" if p.model_parallel > 1
                   else f"every operator split by DP {p.data_parallel}; no tensor parallelism"),
         expert_parallel=p.expert_parallel, moe_layers=moe_layers(recipe, worst),
-        alltoall_bytes=step_alltoall_bytes(recipe, worst), expert_memory=expert_memory(recipe))
+        alltoall_bytes=step_alltoall_bytes(recipe, worst), expert_memory=expert_memory(recipe, stages))
 
 
 def moe_layers(recipe, stage: StageMemory) -> int:
@@ -456,22 +458,30 @@ def step_alltoall_bytes(recipe, stage: StageMemory) -> int:
                           recipe.recompute_config.mode)
 
 
-def expert_memory(recipe) -> list:
+def expert_memory(recipe, stages: list = None) -> list:
     """[(EP, bytes of the routed experts' parameters and their states, total bytes)] on one device of the heaviest
     stage, for every power of two the layout rules allow as expert_parallel (dividing num_experts and DP x TP) and
     the recipe's own: expert parallel's lever on memory."""
     cfg, p = recipe.model.model_config, recipe.parallel_config
     if not cfg.moe:
         return []
+    stages = stages or stage_memory(recipe)
     devices = p.data_parallel * p.model_parallel
     degrees = {2 ** i for i in range(devices.bit_length()) if not cfg.num_experts % 2 ** i and not devices % 2 ** i}
     rows, mode = [], recipe.recompute_config.mode
     for ep in sorted(degrees | {p.expert_parallel}):
         trial = _with(recipe, expert_parallel=ep)
-        worst = max(stage_memory(trial), key=lambda s: s.total(mode))
-        tensors = [t for t in stage_tensors(cfg, worst.stage, worst.layers, p.pipeline_stage, p.model_parallel,
-                                            p.vocab_emb_dp, ep, worst.first_layer) if is_expert(t[0])]
-        rows.append((ep, sum(t.bytes for t in parameter_terms(trial, tensors, worst.layers)), worst.total(mode)))
+        worst = None
+        for s in stages:
+            # the stage's tensors at this degree: an expert's elements x the recipe's EP / this one
+            tensors = [(name, n * p.expert_parallel // ep if is_expert(name) else n, d) for name, n, d in s.tensors]
+            total = sum(t.bytes for t in stage_terms(trial, s.stage, s.layers, mode, s.in_flight, s.first_layer,
+                                                     tensors))
+            if worst is None or total > worst[1]:
+                worst = (tensors, total, s.layers)
+        tensors, total, layers = worst
+        experts = sum(t.bytes for t in parameter_terms(trial, [t for t in tensors if is_expert(t[0])], layers))
+        rows.append((ep, experts, total))
     return rows
 
 
@@ -491,7 +501,7 @@ class SpeedEstimate:
     notes: list = field(default_factory=list)
 
 
-def speed_estimate(recipe, spec: DeviceSpec, mfu: float) -> Optional[SpeedEstimate]:
+def speed_estimate(recipe, spec: DeviceSpec, mfu: float, stages: list = None) -> Optional[SpeedEstimate]:
     """Step time as the sum of its terms (the issue's "Speed" list), without overlap between them."""
     cfg = recipe.model.model_config
     p = recipe.parallel_config
@@ -509,9 +519,8 @@ def speed_estimate(recipe, spec: DeviceSpec, mfu: float) -> Optional[SpeedEstima
     if pp > 1:
         terms.append((f"pipeline bubble: (PP - 1) / micro-batches = {pp - 1}/{micro_batches}",
                       compute * (pp - 1) / micro_batches))
-    stage = max(stage_memory(recipe), key=lambda s: s.total(mode))
-    whole = sum(n * DTYPE_BYTES[d] for _, n, d in stage_tensors(cfg, stage.stage, stage.layers, pp, tp,
-                                                                p.vocab_emb_dp, p.expert_parallel, stage.first_layer))
+    stage = max(stages or stage_memory(recipe), key=lambda s: s.total(mode))
+    whole = sum(n * DTYPE_BYTES[d] for _, n, d in stage.tensors)
     elements = stage.parameters
     if cfg.param_dtype == "float32" and cfg.compute_dtype != "float32":
         # every Linear casts its float32 weight per use: read 4 B, write 2 B, per micro-batch (and in backward)
