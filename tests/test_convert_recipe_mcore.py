@@ -16,6 +16,7 @@ import yaml
 from conftest import REPO_ROOT
 from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.models.arithmetic import param_count
+from ascend_llm_recipes.training.launcher.preflight import check_model
 from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.recipe.mindformers import _leaves, from_mindformers
 from ascend_llm_recipes.training.recipe.mindformers_mcore import DEFAULTS, TC_DEFAULTS
@@ -178,7 +179,7 @@ def qwen3_moe_as_the_error_says(device: str) -> dict:
     return source
 
 
-def test_qwen3_moe_imports_on_cpu_and_is_refused_on_ascend_by_the_recipe_check(tmp_path):
+def test_qwen3_moe_imports_on_cpu_and_on_ascend_where_a_run_is_refused_at_launch(tmp_path):
     source = qwen3_moe_as_the_error_says("CPU")
     recipe, report = import_to(write_config(source, tmp_path, "a3b_cpu"), tmp_path, "a3b_cpu")
     tc, tie = mindformers_transformer_config(source)
@@ -192,8 +193,10 @@ def test_qwen3_moe_imports_on_cpu_and_is_refused_on_ascend_by_the_recipe_check(t
     assert by_key["model.model_config.router_aux_loss_coef"].status == "dropped"  # Qwen3MoeConfig deletes it
     assert "expert" in by_key["parallel.enable_alltoall"].reason
     assert by_key["model.model_config.moe_aux_loss_coeff"].ours == "model.model_config.router_aux_loss_coef"
-    with pytest.raises(RecipeError, match="Mixture-of-Experts layers run on CPU only so far"):
-        from_mindformers(write_config(qwen3_moe_as_the_error_says("Ascend"), tmp_path, "a3b"), str(tmp_path / "o"))
+    ascend, _ = import_to(write_config(qwen3_moe_as_the_error_says("Ascend"), tmp_path, "a3b"), tmp_path, "a3b")
+    assert ascend.model.model_config.num_experts == 128
+    assert [f.message.split(":")[0] for f in check_model(ascend) if f.level == "error"] == \
+        ["model.model_config.num_experts"]
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -288,7 +291,7 @@ def deepseek_parameters(tc) -> int:
     return tc.num_layers * (attention + 2 * h) + mlps + h + 2 * tc.vocab_size * h
 
 
-def test_deepseek_v3_imports_on_cpu_and_is_refused_on_ascend_by_the_recipe_check(tmp_path):
+def test_deepseek_v3_imports_on_cpu_and_on_ascend_where_a_run_is_refused_at_launch(tmp_path):
     source = deepseek_as_the_errors_say("CPU")
     recipe, report = import_to(write_config(source, tmp_path, "ds_cpu"), tmp_path, "ds_cpu")
     tc, tie = mindformers_transformer_config(source)
@@ -307,10 +310,10 @@ def test_deepseek_v3_imports_on_cpu_and_is_refused_on_ascend_by_the_recipe_check
          tc.moe_aux_loss_coeff)
     assert cfg.dense_layers == [i for i, moe in enumerate(tc.moe_layer_freq) if not moe] == [0]
     assert not tie and set(_leaves(source)) <= {e.key for e in report.entries}
-    with pytest.raises(RecipeError) as err:
-        from_mindformers(write_config(deepseek_as_the_errors_say("Ascend"), tmp_path, "ds"), str(tmp_path / "o"))
-    assert "Mixture-of-Experts layers run on CPU only so far" in str(err.value)
-    assert "multi-head latent attention runs on CPU only so far" in str(err.value)
+    ascend, _ = import_to(write_config(deepseek_as_the_errors_say("Ascend"), tmp_path, "ds"), tmp_path, "ds")
+    refused = " ".join(f.message for f in check_model(ascend) if f.level == "error")
+    assert "Mixture-of-Experts layers run on CPU only so far" in refused
+    assert "multi-head latent attention runs on CPU only so far" in refused
 
 
 def test_deepseek_bias_target_without_pipeline_stages_is_refused(tmp_path):
@@ -322,11 +325,28 @@ def test_deepseek_bias_target_without_pipeline_stages_is_refused(tmp_path):
         from_mindformers(write_config(source, tmp_path, "ds"), str(tmp_path / "out.yaml"))
 
 
-def test_expert_parallel_is_refused_by_name(tmp_path):
+def test_expert_parallel_is_carried_both_ways_and_its_layout_rules_hold(tmp_path):
+    from ascend_llm_recipes.training.recipe.mindformers import to_mindformers
+
     source = qwen3_moe_as_the_error_says("Ascend")
-    source["parallel_config"]["expert_parallel"] = 4
-    with pytest.raises(RecipeError, match="parallel_config.expert_parallel: 4 is not supported"):
-        from_mindformers(write_config(source, tmp_path, "a3b"), str(tmp_path / "out.yaml"))
+    source["parallel_config"].update(data_parallel=4, expert_parallel=4)
+    source["model"]["model_config"]["moe_aux_loss_coeff"] = 0.0  # its gbs_aux_loss differs from ours under DP 4
+    recipe, report = import_to(write_config(source, tmp_path, "a3b"), tmp_path, "a3b")
+    assert recipe.parallel_config.expert_parallel == 4
+    assert {e.key: e.status for e in report.entries}["parallel_config.expert_parallel"] == "carried"
+    exported = yaml.safe_load(to_mindformers(str(tmp_path / "recipes" / "a3b.yaml"))[0])
+    assert exported["parallel_config"]["expert_parallel"] == 4
+    # MindFormers reads it as expert_model_parallel_size (parallel_core/transformer_config_utils.py:213)
+    from mindformers.modules.transformer.transformer import TransformerOpParallelConfig
+
+    parallel = TransformerOpParallelConfig(**exported["parallel_config"])
+    model = {**exported["model"]["model_config"], "parallel_config": parallel}
+    tc, _ = mindformers_transformer_config({"model": {"model_config": model}})
+    assert (tc.expert_model_parallel_size, tc.data_parallel_size) == (4, 4)
+    source["parallel_config"]["expert_parallel"] = 3  # MindFormers' own rules, refused by name at import
+    with pytest.raises(RecipeError, match=r"parallel_config.expert_parallel: 3 does not divide "
+                                          r"model.model_config.num_experts \(128\)"):
+        from_mindformers(write_config(source, tmp_path, "a3b_3"), str(tmp_path / "out.yaml"))
 
 
 def test_load_balancing_per_parallel_block_is_refused_with_data_parallel(tmp_path):

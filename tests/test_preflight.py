@@ -15,7 +15,8 @@ import yaml
 from conftest import DEMO_RECIPE, REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.training.launcher.preflight import (MIN_MAX_MAP_COUNT, check_device, check_disk, check_hccl,
                                                             check_leftover_processes, check_master_port,
-                                                            check_max_map_count, check_memlock, check_versions,
+                                                            check_max_map_count, check_memlock, check_model,
+                                                            check_versions,
                                                             check_writable_dir, checkpoint_bytes, format_findings,
                                                             has_errors, hccl_env, run_checks, training_processes,
                                                             visible_npus, write_findings)
@@ -114,6 +115,26 @@ def test_ascend_without_npu_is_refused():
     assert [f.level for f in findings] == ["error"]
     assert "no NPU is visible" in findings[0].message and "recipes/tiny_cpu.yaml trains on CPU" in findings[0].message
     assert [f.level for f in check_device(load_recipe(TINY_RECIPE))] == ["ok"]
+
+
+@pytest.mark.parametrize("name, refused", [("qwen3_30b_a3b_16dev", ["num_experts"]),
+                                           ("deepseek_v3_256dev", ["num_experts", "kv_lora_rank"])])
+def test_ascend_moe_recipes_plan_but_the_launch_refuses_to_run_them(name, refused, tmp_path, capsys):
+    from ascend_llm_recipes.training.launcher.cli import launch
+    from ascend_llm_recipes.training.tools.planner import plan
+
+    path = os.path.join(REPO_ROOT, "recipes", f"{name}.yaml")
+    recipe = load_recipe(path, planning=True)
+    assert plan(recipe).fits
+    errors = [f for f in check_model(recipe) if f.level == "error"]
+    assert [f.message.split(":")[0] for f in errors] == [f"model.model_config.{key}" for key in refused]
+    assert "CPU only so far" in errors[0].message and "expert parallel on Ascend" in errors[0].message
+    # the launcher's preflight (every launch runs it) names them: a dry run exits 2, nothing started
+    nodes = recipe.world_size // recipe.hardware.devices_per_node
+    assert launch(path, (f"output_dir={tmp_path}",), nodes=nodes, node_rank=0, master_addr="127.0.0.1",
+                  dry_run=True) == 2
+    assert "ERROR model" in capsys.readouterr().out
+    assert check_model(load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_moe_cpu.yaml"))) == []
 
 
 def test_hccl_values_from_recipe_and_defaults():
