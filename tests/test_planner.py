@@ -347,7 +347,8 @@ def test_checkpoint_size_leaves_accu_grads_out_and_speed_has_terms():
     assert "MindFormers 4,160, MindSpeed-LLM 4,672" in format_plan(p)
 
 
-MOE_DP4 = ASCEND + ("parallel_config.data_parallel=4", "parallel.parallel_optimizer_config.parallel_optimizer_threshold=0")
+MOE_DP4 = ASCEND + ("parallel_config.data_parallel=4",
+                    "parallel.parallel_optimizer_config.parallel_optimizer_threshold=0")
 
 
 def moe_recipe(*overrides):
@@ -388,7 +389,8 @@ def test_alltoall_bytes_per_step_and_moe_activations_by_hand():
     # 1 micro-batch of 4 x 64 tokens, top 2, hidden 64, float32, 1 MoE layer; dispatch + combine, forward and
     # backward; half the copies leave the device at EP 2.
     assert p.alltoall_bytes == 1 * 1 * 4 * (4 * 64 * 2 * 64 * 4) // 2 == 262_144 and p.moe_layers == 1
-    full = plan(moe_recipe("parallel_config.expert_parallel=2", "recompute_config.recompute=True"), device="Ascend910B2")
+    full = plan(moe_recipe("parallel_config.expert_parallel=2", "recompute_config.recompute=True"),
+                device="Ascend910B2")
     assert full.alltoall_bytes == p.alltoall_bytes * 6 // 4  # the recomputed forward dispatches again
     assert plan(moe_recipe(), device="Ascend910B2").alltoall_bytes == 0
     cfg = moe_recipe().model.model_config

@@ -185,15 +185,16 @@ def test_expert_parallel_follows_mindformers_layout_rules_naming_the_keys():
     ascend = ("context.device_target=Ascend", "use_parallel=True", "parallel.parallel_mode=1",
               "parallel.full_batch=True", "parallel.gradients_mean=False")
     pc = "parallel_config."
-    assert load_recipe(moe, (*ascend, pc + "data_parallel=4", pc + "expert_parallel=4")).parallel_config.expert_parallel \
-        == 4
+    ep4 = load_recipe(moe, (*ascend, pc + "data_parallel=4", pc + "expert_parallel=4"))
+    assert ep4.parallel_config.expert_parallel == 4
     cases = [  # (overrides, the problem named)
         ((pc + "data_parallel=8", pc + "expert_parallel=8"),
          f"{pc}expert_parallel: 8 does not divide model.model_config.num_experts (4)"),
         ((pc + "data_parallel=2", pc + "expert_parallel=4"),
          f"{pc}expert_parallel: 4 does not divide {pc}data_parallel x model_parallel (2 x 1 = 2)"),
         ((pc + "data_parallel=2", pc + "model_parallel=2"),
-         f"{pc}model_parallel: 2 with model.model_config.num_experts 4: MindFormers' MoE layer needs sequence parallel"),
+         f"{pc}model_parallel: 2 with model.model_config.num_experts 4: MindFormers' MoE layer needs sequence "
+         "parallel"),
     ]
     for overrides, message in cases:
         with pytest.raises(RecipeError, match=re.escape(message)):
