@@ -134,19 +134,19 @@ def _linear_gemms(name: str, tokens: int, out_features: int, in_features: int, c
             Gemm(f"{name} dW", out_features, in_features, tokens, True, False, count)]
 
 
-def _attention_gemms(batch: tuple, seq_length: int, head_dim: int, count: int) -> list:
-    """scores = q k^T and out = p v per (batch, head), and their gradients.
+def _attention_gemms(batch: tuple, seq_length: int, qk_dim: int, v_dim: int, count: int) -> list:
+    """scores = q k^T (heads of qk_dim) and out = p v (values of v_dim) per (batch, head), and their gradients.
 
     MindSpore's BatchMatMul bprop (REG_BPROP_BUILDER("BatchMatMul")): for q k^T, dq = dS k and
     dk = dS^T q; for p v, dp = dO v^T and dv = p^T dO. PyTorch's bmm backward is the same math.
     """
-    s, d = seq_length, head_dim
+    s, d, v = seq_length, qk_dim, v_dim
     return [Gemm("attention q k^T forward", s, s, d, False, True, count, batch),
             Gemm("attention q k^T dq", s, d, s, False, False, count, batch),
             Gemm("attention q k^T dk", s, d, s, True, False, count, batch),
-            Gemm("attention p v forward", s, d, s, False, False, count, batch),
-            Gemm("attention p v dp", s, s, d, False, True, count, batch),
-            Gemm("attention p v dv", s, d, s, True, False, count, batch)]
+            Gemm("attention p v forward", s, v, s, False, False, count, batch),
+            Gemm("attention p v dp", s, s, v, False, True, count, batch),
+            Gemm("attention p v dv", s, v, s, True, False, count, batch)]
 
 
 def step_gemms(cfg, batch_size: int, seq_length: int = None) -> list:
@@ -155,7 +155,8 @@ def step_gemms(cfg, batch_size: int, seq_length: int = None) -> list:
     One device (no tensor parallel). Derived from models/shapes.py's weights: each 2-D weight of a
     layer is a Linear (weights of equal shape share a row), the output projection (lm_head, or the
     embedding table when tied) has the padded vocabulary's rows. Attention runs over all query heads
-    (grouped KV heads are tiled to them first, models/llama.py repeat_kv). An MoE layer's experts each
+    (grouped KV heads are tiled to them first, models/llama.py repeat_kv), scores over query/key heads of
+    qk_head_dim and values of value_head_dim (multi-head latent attention's differ). An MoE layer's experts each
     compute every token (models/moe.py's "loop" and "stacked" dispatch; the default "sorted" runs the routed
     tokens' GEMMs as BatchMatMuls over blocks of about 1.25 x the routed rows instead).
     Their total FLOPs are flops_per_token(cfg, seq_length, padded=True) x batch_size x seq_length, plus, in a
@@ -180,5 +181,5 @@ def step_gemms(cfg, batch_size: int, seq_length: int = None) -> list:
         gemms += _linear_gemms(",".join(names), tokens, out_features, in_features, counts[(out_features, in_features)])
     head = shapes["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
     gemms += _linear_gemms("lm_head (tied)" if cfg.tie_word_embeddings else "lm_head", tokens, *head, 1)
-    return gemms + _attention_gemms((batch_size, cfg.num_heads), seq_length, cfg.head_size,
+    return gemms + _attention_gemms((batch_size, cfg.num_heads), seq_length, cfg.qk_head_dim, cfg.value_head_dim,
                                     cfg.num_layers)

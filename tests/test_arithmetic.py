@@ -144,3 +144,15 @@ def test_step_gemms_are_the_real_models_matmuls_and_its_training_flops(fields):
     assert total == (flops_per_token(cfg, padded=True) + 6 * idle_experts) * tokens
     padding = padded_vocab_size(cfg.vocab_size) - cfg.vocab_size
     assert total - flops_per_token(cfg) * tokens == 6 * (padding * cfg.hidden_size + idle_experts) * tokens
+
+
+def test_step_gemms_of_multi_head_latent_attention_use_its_query_key_and_value_head_widths():
+    from ascend_llm_recipes.models.arithmetic import step_gemms
+
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96, seq_length=32,
+                      q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+    gemms = step_gemms(cfg, 3)
+    by_name = {g.name: g for g in gemms if g.batch}
+    assert (by_name["attention q k^T forward"].k, by_name["attention p v forward"].n) == (32, 16)  # not 64 / 4
+    total = sum(g.count * g.flops for g in gemms)
+    assert total == flops_per_token(cfg, padded=True) * 3 * cfg.seq_length
