@@ -207,7 +207,8 @@ class ModelConfig:
         return problems + self.moe_problems(recipe) + self.mla_problems(recipe) + self.kernel_problems(recipe)
 
     def mla_problems(self, recipe) -> list:
-        """Problems of the multi-head latent attention keys, each named."""
+        """Problems of the multi-head latent attention keys, each named. That it does not run on Ascend yet is
+        refused where a run starts (training/launcher/preflight.py check_model), so such recipes can be planned."""
         p = "model.model_config"
         names = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         if not self.mla:
@@ -235,8 +236,7 @@ class ModelConfig:
         return problems
 
     def moe_problems(self, recipe) -> list:
-        """Problems of the Mixture-of-Experts keys, each named. That MoE and MLA layers do not run on Ascend yet is
-        refused where a run starts (training/launcher/preflight.py check_model), so such recipes can be planned."""
+        """Problems of the Mixture-of-Experts keys, each named."""
         p = "model.model_config"
         problems = [f"{p}.{name}: must be >= {low}, got {getattr(self, name)}"
                     for name, low in (("num_experts", 0), ("num_experts_per_tok", 1), ("router_aux_loss_coef", 0),

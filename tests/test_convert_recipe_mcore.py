@@ -179,7 +179,7 @@ def qwen3_moe_as_the_error_says(device: str) -> dict:
     return source
 
 
-def test_qwen3_moe_imports_on_cpu_and_on_ascend_where_a_run_is_refused_at_launch(tmp_path):
+def test_qwen3_moe_imports_on_cpu_and_on_ascend(tmp_path):
     source = qwen3_moe_as_the_error_says("CPU")
     recipe, report = import_to(write_config(source, tmp_path, "a3b_cpu"), tmp_path, "a3b_cpu")
     tc, tie = mindformers_transformer_config(source)
@@ -194,9 +194,7 @@ def test_qwen3_moe_imports_on_cpu_and_on_ascend_where_a_run_is_refused_at_launch
     assert "expert" in by_key["parallel.enable_alltoall"].reason
     assert by_key["model.model_config.moe_aux_loss_coeff"].ours == "model.model_config.router_aux_loss_coef"
     ascend, _ = import_to(write_config(qwen3_moe_as_the_error_says("Ascend"), tmp_path, "a3b"), tmp_path, "a3b")
-    assert ascend.model.model_config.num_experts == 128
-    assert [f.message.split(":")[0] for f in check_model(ascend) if f.level == "error"] == \
-        ["model.model_config.num_experts"]
+    assert ascend.model.model_config.num_experts == 128 and check_model(ascend) == []  # MindFormers' MoELayer
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -311,9 +309,8 @@ def test_deepseek_v3_imports_on_cpu_and_on_ascend_where_a_run_is_refused_at_laun
     assert cfg.dense_layers == [i for i, moe in enumerate(tc.moe_layer_freq) if not moe] == [0]
     assert not tie and set(_leaves(source)) <= {e.key for e in report.entries}
     ascend, _ = import_to(write_config(deepseek_as_the_errors_say("Ascend"), tmp_path, "ds"), tmp_path, "ds")
-    refused = " ".join(f.message for f in check_model(ascend) if f.level == "error")
-    assert "Mixture-of-Experts layers run on CPU only so far" in refused
-    assert "multi-head latent attention runs on CPU only so far" in refused
+    refused = [f.message for f in check_model(ascend) if f.level == "error"]
+    assert len(refused) == 1 and "multi-head latent attention runs on CPU only so far" in refused[0]
 
 
 def test_deepseek_bias_target_without_pipeline_stages_is_refused(tmp_path):

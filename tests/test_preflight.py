@@ -117,24 +117,37 @@ def test_ascend_without_npu_is_refused():
     assert [f.level for f in check_device(load_recipe(TINY_RECIPE))] == ["ok"]
 
 
-@pytest.mark.parametrize("name, refused", [("qwen3_30b_a3b_16dev", ["num_experts"]),
-                                           ("deepseek_v3_256dev", ["num_experts", "kv_lora_rank"])])
-def test_ascend_moe_recipes_plan_but_the_launch_refuses_to_run_them(name, refused, tmp_path, capsys):
-    from ascend_llm_recipes.training.launcher.cli import launch
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b_16dev", "mixtral_8x7b_64dev"])
+def test_ascend_moe_recipes_plan_and_are_what_mindformers_moe_layer_is_built_from(name):
+    from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_transformer_config
     from ascend_llm_recipes.training.tools.planner import plan
 
     path = os.path.join(REPO_ROOT, "recipes", f"{name}.yaml")
     recipe = load_recipe(path, planning=True)
+    assert plan(recipe).fits and check_model(recipe) == []
+    # what the worker builds on Ascend (training/recipe/mindformers.py model_layout): no key refused
+    tc = moe_transformer_config(recipe, path)
+    p = recipe.parallel_config
+    assert (tc.expert_model_parallel_size, tc.data_parallel_size, tc.tensor_model_parallel_size) == (
+        p.expert_parallel, p.data_parallel, 1)
+
+
+def test_deepseek_v3_recipe_plans_but_the_launch_refuses_to_run_it(tmp_path, capsys):
+    from ascend_llm_recipes.training.launcher.cli import launch
+    from ascend_llm_recipes.training.tools.planner import plan
+
+    path = os.path.join(REPO_ROOT, "recipes", "deepseek_v3_256dev.yaml")
+    recipe = load_recipe(path, planning=True)
     assert plan(recipe).fits
     errors = [f for f in check_model(recipe) if f.level == "error"]
-    assert [f.message.split(":")[0] for f in errors] == [f"model.model_config.{key}" for key in refused]
-    assert "CPU only so far" in errors[0].message and "expert parallel on Ascend" in errors[0].message
-    # the launcher's preflight (every launch runs it) names them: a dry run exits 2, nothing started
+    assert [f.message.split(":")[0] for f in errors] == ["model.model_config.kv_lora_rank"]
+    assert "multi-head latent attention runs on CPU only so far" in errors[0].message
+    # the launcher's preflight (every launch runs it) names it: a dry run exits 2, nothing started
     nodes = recipe.world_size // recipe.hardware.devices_per_node
     assert launch(path, (f"output_dir={tmp_path}",), nodes=nodes, node_rank=0, master_addr="127.0.0.1",
                   dry_run=True) == 2
     assert "ERROR model" in capsys.readouterr().out
-    assert check_model(load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_moe_cpu.yaml"))) == []
+    assert check_model(load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_deepseek_cpu.yaml"))) == []
 
 
 def test_hccl_values_from_recipe_and_defaults():

@@ -174,21 +174,12 @@ def check_device(recipe, env: dict = None) -> list:
 
 
 def check_model(recipe) -> list:
-    """Model parts that exist only as CPU math so far: a recipe may name them on Ascend (and --plan it), not run it."""
-    cfg, m = recipe.model.model_config, "model.model_config"
-    if recipe.context.device_target == "CPU":
+    """Model parts that exist only as CPU math so far: a recipe may name them on Ascend (and --plan it), not run it.
+    (MoE layers run on Ascend as MindFormers' MoELayer: models/expert_parallel.py.)"""
+    if recipe.context.device_target == "CPU" or not recipe.model.model_config.mla:
         return []
-    findings = []
-    if cfg.moe:
-        findings.append(Finding("error", "model", f"{m}.num_experts: Mixture-of-Experts layers run on CPU only so far "
-                                "(the dropless math of models/moe.py): expert parallel on Ascend (MindFormers 1.9's "
-                                "grouped matmul and AllToAll dispatch) is not built yet; set num_experts: 0 or train "
-                                "on CPU", {}))
-    if cfg.mla:
-        findings.append(Finding("error", "model", f"{m}.kv_lora_rank: multi-head latent attention runs on CPU only so "
-                                "far (the reference math); MindFormers 1.9's MLA kernels and layouts are not mirrored "
-                                "yet", {}))
-    return findings
+    return [Finding("error", "model", "model.model_config.kv_lora_rank: multi-head latent attention runs on CPU only "
+                    "so far (the reference math); MindFormers 1.9's MLA kernels and layouts are not mirrored yet", {})]
 
 
 def hccl_env(recipe) -> dict:

@@ -10,8 +10,8 @@ YAML winning (models/build_config.py:99-132). `McoreImporter` reads the model se
 classes read it and reuses the legacy importer (mindformers_import.py) for the sections both formats
 share (runner, optimizer, schedule, parallel, callbacks, context). Every key is reported carried,
 translated or dropped with the reason; anything our model would compute differently is refused by name.
-An Ascend MoE or MLA config that passes all this imports (and plans with --plan), but a run of it is refused where
-runs start (training/launcher/preflight.py check_model: both run on CPU only so far).
+An Ascend MLA config that passes all this imports (and plans with --plan), but a run of it is refused where runs
+start (training/launcher/preflight.py check_model: MLA runs on CPU only so far).
 File:line references are to the installed MindFormers 1.9 (site-packages `mindformers/`).
 """
 
