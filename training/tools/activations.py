@@ -140,3 +140,16 @@ def alltoall_bytes(cfg, micro_batch: int, micro_batches: int, moe_layers: int, e
     passes = 4 + (2 if recompute == "full" else 0)
     copies = micro_batch * cfg.seq_length * cfg.num_experts_per_tok
     return micro_batches * moe_layers * passes * copies * cfg.hidden_size * e * (expert_parallel - 1) // expert_parallel
+
+
+def moe_layer_count(cfg, first_layer: int, layers: int) -> int:
+    """MoE layers among layers first_layer .. first_layer + layers - 1 (a pipeline stage's)."""
+    return sum(cfg.is_moe_layer(i) for i in range(first_layer, first_layer + layers))
+
+
+def step_alltoall_bytes(recipe, first_layer: int, layers: int) -> int:
+    """Bytes one device of the stage holding those layers sends per step through AllToAll (ALLTOALL_FORMULA)."""
+    cfg, p, b = recipe.model.model_config, recipe.parallel_config, recipe.runner_config.batch_size
+    micro_batches = recipe.tokens_per_step // (p.data_parallel * b * cfg.seq_length)
+    return alltoall_bytes(cfg, b, micro_batches, moe_layer_count(cfg, first_layer, layers), p.expert_parallel,
+                          recipe.recompute_config.mode)

@@ -34,8 +34,9 @@ from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.models.arithmetic import active_param_count, flops_per_token, param_count
 from ascend_llm_recipes.models.parallel import RECOMPUTE_MODES, balanced_stages
 from ascend_llm_recipes.models.shapes import parameter_dtype, parameter_shapes
-from ascend_llm_recipes.training.tools.activations import (DTYPE_BYTES, alltoall_bytes, layer_activation_bytes,
-                                                           logits_bytes, recompute_working_bytes)
+from ascend_llm_recipes.training.tools.activations import (DTYPE_BYTES, layer_activation_bytes, logits_bytes,
+                                                           moe_layer_count, recompute_working_bytes,
+                                                           step_alltoall_bytes)
 from ascend_llm_recipes.training.tools.devices import DEFAULT_DEVICE, DEVICES, GB, DeviceSpec
 
 MINDSPORE_OPTIMIZER_PARALLEL = "https://www.mindspore.cn/docs/en/r2.9.0/features/parallel/optimizer_parallel.html"
@@ -440,22 +441,21 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
         sharding=(f"every operator split by DP {p.data_parallel}; TP {p.model_parallel} splits heads from q/k/v to "
                   "the attention output, the MLP width and the vocabulary through the loss; norms and residual "
                   "adds stay whole on each TP rank (no sequence parallelism)" if p.model_parallel > 1
-                  else f"every operator split by DP {p.data_parallel}; no tensor parallelism"),
-        expert_parallel=p.expert_parallel, moe_layers=moe_layers(recipe, worst),
-        alltoall_bytes=step_alltoall_bytes(recipe, worst), expert_memory=expert_memory(recipe, stages))
+                  else f"every operator split by DP {p.data_parallel}; no tensor parallelism")
+        + (f"; the routed experts split over EP {p.expert_parallel} (AllToAll dispatch)" if p.expert_parallel > 1
+           else ""),
+        expert_parallel=p.expert_parallel, moe_layers=moe_layer_count(cfg, worst.first_layer, worst.layers),
+        alltoall_bytes=step_alltoall_bytes(recipe, worst.first_layer, worst.layers),
+        expert_memory=expert_memory(recipe, stages))
 
 
-def moe_layers(recipe, stage: StageMemory) -> int:
-    cfg = recipe.model.model_config
-    return sum(cfg.is_moe_layer(i) for i in range(stage.first_layer, stage.first_layer + stage.layers))
-
-
-def step_alltoall_bytes(recipe, stage: StageMemory) -> int:
-    """Bytes one device of `stage` sends per step through expert parallel's AllToAll (activations.ALLTOALL_FORMULA)."""
-    cfg, p, b = recipe.model.model_config, recipe.parallel_config, recipe.runner_config.batch_size
-    micro_batches = recipe.tokens_per_step // (p.data_parallel * b * cfg.seq_length)
-    return alltoall_bytes(cfg, b, micro_batches, moe_layers(recipe, stage), p.expert_parallel,
-                          recipe.recompute_config.mode)
+def expert_parallel_degrees(recipe) -> list:
+    """The powers of two models/parallel.py allows as expert_parallel (dividing num_experts and DP x TP), and the
+    recipe's own."""
+    cfg, p = recipe.model.model_config, recipe.parallel_config
+    devices = p.data_parallel * p.model_parallel
+    return sorted({2 ** i for i in range(devices.bit_length()) if not cfg.num_experts % 2 ** i
+                   and not devices % 2 ** i} | {p.expert_parallel})
 
 
 def expert_memory(recipe, stages: list = None) -> list:
@@ -466,10 +466,8 @@ def expert_memory(recipe, stages: list = None) -> list:
     if not cfg.moe:
         return []
     stages = stages or stage_memory(recipe)
-    devices = p.data_parallel * p.model_parallel
-    degrees = {2 ** i for i in range(devices.bit_length()) if not cfg.num_experts % 2 ** i and not devices % 2 ** i}
     rows, mode = [], recipe.recompute_config.mode
-    for ep in sorted(degrees | {p.expert_parallel}):
+    for ep in expert_parallel_degrees(recipe):
         trial = _with(recipe, expert_parallel=ep)
         worst = None
         for s in stages:
@@ -546,7 +544,7 @@ def speed_estimate(recipe, spec: DeviceSpec, mfu: float, stages: list = None) ->
                       4 * stage.layers * micro_batches * 2 * (tp - 1) / tp * sbh / LINK_BYTES_PER_S))
     if p.expert_parallel > 1:
         terms.append((f"expert parallel {p.expert_parallel}: AllToAll dispatch and combine, forward and backward",
-                      step_alltoall_bytes(recipe, stage) / LINK_BYTES_PER_S))
+                      step_alltoall_bytes(recipe, stage.first_layer, stage.layers) / LINK_BYTES_PER_S))
     # AdamW reads and writes m, v, the weight (and its master) and reads the gradient: memory-bound.
     local = elements / (dp if optimizer_sharded(recipe) else 1)
     per_element = 8 * 2 + (4 + 2 * 2 if cfg.param_dtype != "float32" else 4 * 2) + DTYPE_BYTES[cfg.param_dtype]
@@ -591,6 +589,9 @@ def _unused_levers(recipe, mode, shard, total) -> list:
             levers.append("optimizer-state sharding (needs data_parallel > 1)")
     if p.pipeline_stage == 1:
         levers.append("pipeline")
-    if p.model_parallel == 1:
+    moe = recipe.model.model_config.moe
+    if moe and p.expert_parallel < expert_parallel_degrees(recipe)[-1]:
+        levers.append(f"expert parallel (up to {expert_parallel_degrees(recipe)[-1]}: the table by degree above)")
+    if p.model_parallel == 1 and not moe:  # MoE with tensor parallel needs sequence parallel (expert_problems)
         levers.append("tensor parallel")
     return levers
