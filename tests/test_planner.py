@@ -251,16 +251,21 @@ def test_the_report_says_which_attention_runs_and_which_operators_are_sharded():
     assert math.activation_bytes_none - p.activation_bytes_none > 32 * 6 * 32 * 4096 ** 2 // 2 // 2
 
 
+def _categories_of(name: str) -> str:
+    """What a train-step cell's Parameter is, by its name."""
+    name = name.split("optimizer.", 1)[-1]
+    return ("moments" if name.startswith(("adam_m.", "adam_v.")) else
+            "master" if name.startswith("master.") else
+            "accu_grads" if name.startswith("accu_grads.") else
+            "loss_scale" if name in ("scale_sense", "current_iterator_step", "last_overflow_iterator_step") else
+            "optimizer_step" if name in ("global_step", "learning_rate", "master_filled") else "weights")
+
+
 def _categories(cell) -> dict:
     """nbytes of the real Parameters of a train-step cell, grouped by what their names say they are."""
     groups = {}
     for p in cell.get_parameters():
-        name = p.name.split("optimizer.", 1)[-1]
-        category = ("moments" if name.startswith(("adam_m.", "adam_v.")) else
-                    "master" if name.startswith("master.") else
-                    "accu_grads" if name.startswith("accu_grads.") else
-                    "loss_scale" if name in ("scale_sense", "current_iterator_step", "last_overflow_iterator_step") else
-                    "optimizer_step" if name in ("global_step", "learning_rate", "master_filled") else "weights")
+        category = _categories_of(p.name)
         groups[category] = groups.get(category, 0) + p.nbytes
     return groups
 
@@ -305,6 +310,38 @@ def test_planner_terms_equal_the_real_train_step_parameters(dtype):
     assert sum(p.nbytes for p in accu) == accu_planned > 0
     assert {p.dtype for p in accu} == ({ms.float32} if dtype == "float32" else {ms.float16, ms.float32})
     assert RECOMPUTE_MODES
+
+
+def test_moe_planner_terms_equal_the_real_train_step_parameters():
+    """The same for tiny_moe_cpu.yaml's model (a dense layer, an MoE one with q/k norms): the experts, router and
+    norms the planner reads from models/shapes.py are the real Parameters (its per-step routing counters aside)."""
+    import os
+    from mindformers.core import build_lr
+    from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
+    from ascend_llm_recipes.models.shapes import STATISTICS
+    from ascend_llm_recipes.training.worker.optim import FoldedAdamW
+    from ascend_llm_recipes.training.tools.planner import is_expert, stage_tensors, stage_terms
+    from ascend_llm_recipes.training.worker.train_step import PortableTrainOneStepCell
+
+    r = recipe(path=os.path.join(os.path.dirname(TINY_RECIPE), "tiny_moe_cpu.yaml"))
+    c = r.model.model_config
+    net = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in vars(c).items() if k not in ("type", "compute_dtype")}))
+    schedule = build_lr({"type": "CosineWithWarmUpLR", "learning_rate": 1e-3, "warmup_steps": 2, "total_steps": 8})
+    step = PortableTrainOneStepCell(net, FoldedAdamW(net.trainable_params(), learning_rate=schedule), scale_sense=1.0)
+    real = {}
+    for p in step.get_parameters():
+        if not p.name.endswith(STATISTICS):
+            category = _categories_of(p.name)
+            real[category] = real.get(category, 0) + p.nbytes
+    planned = {}
+    for t in stage_terms(r, 0, c.num_layers, "none", 1):
+        planned[t.category] = planned.get(t.category, 0) + t.bytes
+    # the routed experts the planner splits over expert parallel (planner.is_expert) are the real ones
+    experts = sum(p.nbytes for p in net.get_parameters() if is_expert(p.name))
+    assert experts == sum(4 * n for name, n, _ in stage_tensors(c, 0, c.num_layers, 1) if is_expert(name)) == \
+        4 * 4 * 3 * 48 * 64
+    for category in ("weights", "moments", "loss_scale", "optimizer_step"):
+        assert real.get(category, 0) == planned.get(category, 0), category
 
 
 ASCEND_RECIPES = ["llama2_7b_8dev", "llama2_13b_8dev", "llama2_70b_32dev", "dense_100b_64dev", "tiny_ascend",
