@@ -419,7 +419,8 @@ def test_expert_parallel_splits_the_routed_experts_and_optimizer_parallel_slices
     # the levers: expert parallel up to the largest degree allowed, no tensor parallel (MoE needs sequence parallel)
     assert "expert parallel (up to 4" in ", ".join(sharded[1].levers) and "tensor parallel" not in sharded[1].levers
     text = format_plan(sharded[2])
-    assert "the routed experts split over EP 2" in text and "expert parallel 2: " in text and "  EP 2    experts" in text and "tokens x top_k x hidden" in text
+    assert "the routed experts split over EP 2" in text and "expert parallel 2: " in text
+    assert "  EP 2    experts" in text and "tokens x top_k x hidden" in text
 
 
 def test_alltoall_bytes_per_step_and_moe_activations_by_hand():
