@@ -132,6 +132,16 @@ def test_ascend_moe_recipes_plan_and_are_what_mindformers_moe_layer_is_built_fro
         p.expert_parallel, p.data_parallel, 1)
 
 
+def test_what_mindformers_moe_layer_would_compute_otherwise_is_an_error_before_launch(tmp_path):
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_moe_ascend.yaml"),
+                         [f"output_dir={tmp_path}", "model.model_config.router_z_loss_coef=0.001",
+                          "model.model_config.shared_expert_intermediate_size=32"], planning=True)
+    errors = [f.message for f in check_model(recipe) if f.level == "error"]
+    assert [m.split(":")[0] for m in errors] == ["model.model_config.router_z_loss_coef",
+                                                  "model.model_config.shared_expert_intermediate_size"]
+    assert all(m.endswith("(on Ascend the MoE layers are MindFormers 1.9's MoELayer)") for m in errors)
+
+
 def test_deepseek_v3_recipe_plans_but_the_launch_refuses_to_run_it(tmp_path, capsys):
     from ascend_llm_recipes.training.launcher.cli import launch
     from ascend_llm_recipes.training.tools.planner import plan

@@ -175,11 +175,24 @@ def check_device(recipe, env: dict = None) -> list:
 
 def check_model(recipe) -> list:
     """Model parts that exist only as CPU math so far: a recipe may name them on Ascend (and --plan it), not run it.
-    (MoE layers run on Ascend as MindFormers' MoELayer: models/expert_parallel.py.)"""
-    if recipe.context.device_target == "CPU" or not recipe.model.model_config.mla:
+    MoE layers run on Ascend as MindFormers' MoELayer (models/expert_parallel.py): what it would compute otherwise
+    than the recipe says is found here, before a cluster is booked, not when the worker builds the model."""
+    cfg = recipe.model.model_config
+    if recipe.context.device_target == "CPU" or not (cfg.mla or cfg.moe):
         return []
-    return [Finding("error", "model", "model.model_config.kv_lora_rank: multi-head latent attention runs on CPU only "
-                    "so far (the reference math); MindFormers 1.9's MLA kernels and layouts are not mirrored yet", {})]
+    if cfg.mla:
+        return [Finding("error", "model", "model.model_config.kv_lora_rank: multi-head latent attention runs on CPU "
+                        "only so far (the reference math); MindFormers 1.9's MLA kernels and layouts are not mirrored "
+                        "yet", {})]
+    from ascend_llm_recipes.common.errors import RecipeError
+    from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_transformer_config
+
+    try:
+        moe_transformer_config(recipe, "the recipe")
+    except RecipeError as err:
+        return [Finding("error", "model", f"{problem} (on Ascend the MoE layers are MindFormers 1.9's MoELayer)", {})
+                for problem in err.problems]
+    return []
 
 
 def hccl_env(recipe) -> dict:
