@@ -156,3 +156,62 @@ def test_router_stats_zero_mindformers_counters_and_move_its_correction_bias(tmp
     record = stats.from_sums(values * 2, ranks=2, tokens=128, step=3)   # the host all-reduce of two ranks
     assert record.expert_load == [2.0] and record.load_balancing_loss is None
     np.testing.assert_allclose(router.expert_bias.asnumpy(), [-0.01, -0.01, 0.01, 0.01])
+
+
+SEMI_AUTO_WORKER = """
+import json, os
+import mindspore as ms
+from mindspore.communication import get_rank, init
+ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+init()
+ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=2, full_batch=True)
+from ascend_llm_recipes.common.schema import to_plain
+from ascend_llm_recipes.models.expert_parallel import MindFormersMoE
+from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
+from ascend_llm_recipes.training.recipe.loading import load_recipe
+from ascend_llm_recipes.training.recipe.mindformers import model_layout
+recipe = load_recipe(os.environ["RECIPE"], ["output_dir=" + os.getcwd(), "parallel_config.data_parallel=2",
+                                            "parallel_config.expert_parallel=2", "hardware.devices_per_node=2"],
+                     planning=True)
+net = LlamaForCausalLM(LlamaConfig(**to_plain(recipe.model.model_config)), model_layout(recipe))
+moe = [layer.mlp for layer in net.model.layers if isinstance(layer.mlp, MindFormersMoE)]
+print("RESULT", json.dumps({
+    "rank": get_rank(), "moe_layers": len(moe), "ep": [m.config.expert_model_parallel_size for m in moe],
+    "experts_sharded": all("in_layout" in m.experts.morphed_forward.attrs for m in moe),
+    "transposes": [list(map(list, m.to_sequence_first.in_strategy)) for m in moe],
+    "q_proj": list(map(list, net.model.layers[0].self_attn.q_proj.matmul.in_strategy)),
+    "weights": sorted(p.name for p in moe[0].get_parameters())}), flush=True)
+"""
+
+
+def test_mindformers_moe_layer_is_built_with_expert_parallel_in_two_real_processes(tmp_path):
+    """Under semi-auto parallel with communication initialised (msrun, 2 CPU processes: DP 2, EP 2), MindFormers'
+    MoELayer creates its expert-parallel groups and sets its shard layouts, inside our model with its strategies.
+    (Its compile and forward need Ascend; this is everything before them.)"""
+    import glob
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(SEMI_AUTO_WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logs = tmp_path / "logs"
+    msrun = [sys.executable, "-c", "import sys; from mindspore.parallel.cluster.run import main; sys.exit(main())"]
+    result = subprocess.run([*msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={port}",
+                             f"--log_dir={logs}", "--join=True", str(script)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300,
+                            env=dict(os.environ, RECIPE=os.path.join(REPO_ROOT, "recipes", "tiny_moe_ascend.yaml")))
+    worker_logs = "".join(open(p).read()[-2000:] for p in glob.glob(str(logs / "worker_*.log")))
+    assert result.returncode == 0, result.stdout[-2000:] + worker_logs
+    results = sorted((json.loads(line.split(" ", 1)[1]) for path in glob.glob(str(logs / "worker_*.log"))
+                      for line in open(path, encoding="utf-8") if line.startswith("RESULT")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1]
+    for r in results:
+        assert r["moe_layers"] == 3 and r["ep"] == [2, 2, 2] and r["experts_sharded"]
+        assert r["transposes"] == [[[2, 1, 1]]] * 3 and r["q_proj"] == [[2, 1], [1, 1]]
+        assert r["weights"] == ["model.layers.1.mlp.experts.weight1", "model.layers.1.mlp.experts.weight2",
+                                "model.layers.1.mlp.router.fi_accu", "model.layers.1.mlp.router.weight"]
