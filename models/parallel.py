@@ -204,7 +204,7 @@ def operator_strategies(net, layout: LlamaLayout) -> list:
         norm(layer.input_layernorm)
         norm(layer.post_attention_layernorm)
         add(layer.add, hidden3, hidden3)
-        if not cfg.mla:  # multi-head latent attention runs on CPU only so far (models/config.py mla_problems)
+        if not cfg.mla:  # multi-head latent attention runs on CPU only so far (launcher/preflight.py check_model)
             for cell in (attn.q_proj, attn.k_proj, attn.v_proj):
                 linear(cell, s["column"], ((dp, tp), (tp,)))
             linear(attn.o_proj, s["row"], ((dp, 1), (1,)))
