@@ -18,7 +18,8 @@ batch axis as the rest of our layer is. Its parameters, under the decoder layer'
     router.expert_bias (E,)                    our mlp.router.expert_bias (only with the correction bias)
     experts.weight1 (E*hidden, 2*F)            per expert e, rows e*hidden..: [gate_proj.T | up_proj.T]
     experts.weight2 (E*F, hidden)              per expert e, rows e*F..: down_proj.T
-    shared_experts.linear_fc1.weight, linear_fc2.weight, shared_experts_gate.weight: the shared expert
+    shared_experts.linear_fc1.weight (2F', hidden)  our shared_expert gate_proj and up_proj, rows interleaved
+    shared_experts.linear_fc2.weight, shared_experts.shared_experts_gate.weight   down_proj, shared_expert_gate
 and counters (router.fi_accu, router.expert_load), not weights. models/conversion/tables.py EXPERT_STACKS turns
 our per-expert tensors into the stacked ones and back, as MindFormers' ExpertsConvertOp does for Hugging Face
 checkpoints (mindformers/checkpoint/converter/convert_op.py:259-283).
@@ -66,27 +67,41 @@ class MindFormersMoE(MoELayer):
 
 
 # Our per-expert tensors (models/shapes.py names) -> MindFormers' stacked ones, by layer {n}; the same layout as
-# its ExpertsConvertOp writes from Hugging Face's (checkpoint/converter/convert_op.py:259-283, which
-# tests/test_expert_parallel.py runs as the reference).
+# its ExpertsConvertOp writes from Hugging Face's (checkpoint/converter/convert_op.py:259-283) and, for the shared
+# expert, its ConcatConvertOp (convert_op.py:186-225: gate and up rows interleaved, as SharedExpertMLPInterleaved
+# reads them, transformer/mlp.py:210-225; one tensor-parallel rank, which MoE recipes have). tests/
+# test_expert_parallel.py runs both converters as the reference.
 ROUTER = ("model.layers.{n}.mlp.gate.weight", "model.layers.{n}.mlp.router.weight")
 EXPERT = "model.layers.{n}.mlp.experts.{e}.{proj}.weight"
 WEIGHT1, WEIGHT2 = "model.layers.{n}.mlp.experts.weight1", "model.layers.{n}.mlp.experts.weight2"
+SHARED = "model.layers.{n}.mlp.shared_expert.{proj}.weight"
+SHARED_FC1 = "model.layers.{n}.mlp.shared_experts.linear_fc1.weight"
+RENAMED = (ROUTER,
+           (SHARED.format(n="{n}", proj="down_proj"), "model.layers.{n}.mlp.shared_experts.linear_fc2.weight"),
+           ("model.layers.{n}.mlp.shared_expert_gate.weight",
+            "model.layers.{n}.mlp.shared_experts.shared_experts_gate.weight"))
 
 
 def stack_experts(tensors: dict, cfg) -> dict:
-    """Our checkpoint's tensors (numpy, by name) with every MoE layer's experts and router in MindFormers' MoELayer
-    names: weight1 (E*hidden, 2F) rows e*hidden.. = [gate_proj.T | up_proj.T], weight2 (E*F, hidden) = down_proj.T."""
+    """Our checkpoint's tensors (numpy, by name) with every MoE layer in MindFormers' MoELayer names and layout:
+    experts.weight1 (E*hidden, 2F) rows e*hidden.. = [gate_proj.T | up_proj.T], weight2 (E*F, hidden) = down_proj.T,
+    the shared expert's linear_fc1 (2F', hidden) = gate and up rows interleaved."""
     out = dict(tensors)
     for n in range(cfg.num_layers):
         if not cfg.is_moe_layer(n):
             continue
-        out[ROUTER[1].format(n=n)] = out.pop(ROUTER[0].format(n=n))
+        for ours, theirs in RENAMED:
+            if ours.format(n=n) in out:
+                out[theirs.format(n=n)] = out.pop(ours.format(n=n))
 
         def take(proj):
             return [out.pop(EXPERT.format(n=n, e=e, proj=proj)) for e in range(cfg.num_experts)]
         gate, up, down = take("gate_proj"), take("up_proj"), take("down_proj")
         out[WEIGHT1.format(n=n)] = np.concatenate([np.concatenate([g.T, u.T], 1) for g, u in zip(gate, up)])
         out[WEIGHT2.format(n=n)] = np.concatenate([d.T for d in down])
+        if cfg.shared_expert_intermediate_size:
+            gate, up = (out.pop(SHARED.format(n=n, proj=p)) for p in ("gate_proj", "up_proj"))
+            out[SHARED_FC1.format(n=n)] = np.stack([gate, up], 1).reshape(2 * gate.shape[0], gate.shape[1])
     return out
 
 
@@ -96,11 +111,18 @@ def unstack_experts(tensors: dict, cfg) -> dict:
     for n in range(cfg.num_layers):
         if not cfg.is_moe_layer(n):
             continue
-        out[ROUTER[0].format(n=n)] = out.pop(ROUTER[1].format(n=n))
+        for ours, theirs in RENAMED:
+            if theirs.format(n=n) in out:
+                out[ours.format(n=n)] = out.pop(theirs.format(n=n))
         w1 = out.pop(WEIGHT1.format(n=n)).reshape(cfg.num_experts, hidden, 2 * width)
         w2 = out.pop(WEIGHT2.format(n=n)).reshape(cfg.num_experts, width, hidden)
         for e in range(cfg.num_experts):
             out[EXPERT.format(n=n, e=e, proj="gate_proj")] = np.ascontiguousarray(w1[e, :, :width].T)
             out[EXPERT.format(n=n, e=e, proj="up_proj")] = np.ascontiguousarray(w1[e, :, width:].T)
             out[EXPERT.format(n=n, e=e, proj="down_proj")] = np.ascontiguousarray(w2[e].T)
+        if cfg.shared_expert_intermediate_size:
+            fc1 = out.pop(SHARED_FC1.format(n=n))
+            pairs = fc1.reshape(fc1.shape[0] // 2, 2, fc1.shape[1])
+            out[SHARED.format(n=n, proj="gate_proj")] = np.ascontiguousarray(pairs[:, 0])
+            out[SHARED.format(n=n, proj="up_proj")] = np.ascontiguousarray(pairs[:, 1])
     return out

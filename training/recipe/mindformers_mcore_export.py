@@ -176,11 +176,6 @@ def moe_transformer_config(recipe, source: str):
     cfg, p, problems = recipe.model.model_config, recipe.parallel_config, []
     family = "deepseek_v3" if cfg.mla else "qwen3_moe"
     keys, _ = experts(recipe, family, problems, layers_ours=True)
-    if cfg.shared_expert_intermediate_size:
-        problems.append(f"{M}shared_expert_intermediate_size: {cfg.shared_expert_intermediate_size}: the shared "
-                        "expert of MindFormers' MoELayer is its MLP with gate and up rows interleaved "
-                        "(checkpoint/converter/convert_op.py:186-225), for which models/expert_parallel.py has no "
-                        "table yet; Ascend runs MoE models without shared experts (Qwen3-MoE, Mixtral) so far")
     if problems:
         raise RecipeError(source, problems, hint="on Ascend the MoE layers are MindFormers 1.9's MoELayer, which "
                                                  "computes these differently; change them in the recipe")
