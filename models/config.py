@@ -34,7 +34,8 @@ class ModelConfig:
     # router over num_experts SwiGLU experts of width moe_intermediate_size (+ an always-on shared expert of width
     # shared_expert_intermediate_size, optionally scaled by its own sigmoid gate: Qwen2-MoE); layers listed in
     # dense_layers keep the dense MLP of width intermediate_size (Qwen's mlp_only_layers / decoder_sparse_step,
-    # DeepSeek's first_k_dense_replace). Routing is dropless: every token reaches its top-k experts.
+    # DeepSeek's first_k_dense_replace). Routing is dropless (every token reaches its top-k experts) unless
+    # capacity_factor is set.
     num_experts: int = 0
     num_experts_per_tok: int = 2
     moe_intermediate_size: Optional[int] = None
@@ -56,6 +57,14 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     expert_bias: bool = False
     expert_bias_update_rate: float = 0.0
+    # Expert capacity (megatron-core's moe_expert_capacity_factor and moe_token_drop_policy, models/moe.py
+    # ExpertCapacity): each expert takes at most ceil(T * num_experts_per_tok / num_experts * capacity_factor) of a
+    # forward pass's T tokens' routing assignments; the assignments past that are dropped: that expert's output is
+    # not added for the token (its other experts' still are, unrenormalised, and the residual carries it on). 0 is
+    # dropless. token_drop_policy picks, per expert, which assignments are dropped: "probs" those with the lowest
+    # combine weight, "position" those latest in Megatron's token order (sequence position, then batch row).
+    capacity_factor: float = 0.0
+    token_drop_policy: Literal["probs", "position"] = "probs"
     # Multi-head latent attention (DeepSeek-V2/V3, models/mla.py) when kv_lora_rank is set: keys and values from a
     # kv_lora_rank-wide latent, queries through a q_lora_rank-wide one (or a full projection when None), heads of
     # qk_nope_head_dim + qk_rope_head_dim (the rotary part's key shared by all heads) and values of v_head_dim.
@@ -241,7 +250,8 @@ class ModelConfig:
         problems = [f"{p}.{name}: must be >= {low}, got {getattr(self, name)}"
                     for name, low in (("num_experts", 0), ("num_experts_per_tok", 1), ("router_aux_loss_coef", 0),
                                       ("router_z_loss_coef", 0), ("shared_expert_intermediate_size", 0),
-                                      ("n_group", 1), ("topk_group", 1), ("expert_bias_update_rate", 0))
+                                      ("n_group", 1), ("topk_group", 1), ("expert_bias_update_rate", 0),
+                                      ("capacity_factor", 0))
                     if not getattr(self, name) >= low]
         if not self.routed_scaling_factor > 0:
             problems.append(f"{p}.routed_scaling_factor: must be > 0, got {self.routed_scaling_factor}")
@@ -256,7 +266,7 @@ class ModelConfig:
         if not self.moe:
             return [f"{p}.{name}: is set, but {p}.num_experts is 0 (a dense model)" for name in
                     ("moe_intermediate_size", "shared_expert_intermediate_size", "dense_layers", "shared_expert_gate",
-                     "expert_bias", "expert_bias_update_rate") if getattr(self, name)]
+                     "expert_bias", "expert_bias_update_rate", "capacity_factor") if getattr(self, name)]
         if self.num_experts_per_tok > self.num_experts:
             problems.append(f"{p}.num_experts_per_tok: {self.num_experts_per_tok} exceeds num_experts "
                             f"{self.num_experts}")
@@ -281,6 +291,9 @@ class ModelConfig:
         if self.expert_bias and self.router_score != "sigmoid":
             problems.append(f"{p}.expert_bias: the correction bias applies to sigmoid scores (DeepSeek-V3); set "
                             f"{p}.router_score: sigmoid")
+        if self.token_drop_policy != "probs" and not self.capacity_factor:
+            problems.append(f"{p}.token_drop_policy: {self.token_drop_policy!r} picks the assignments an expert "
+                            f"capacity drops, but {p}.capacity_factor is 0 (dropless): set both, or neither")
         if len(self.dense_layers) == self.num_layers:
             problems.append(f"{p}.dense_layers: lists every layer, so no layer has experts; set num_experts: 0")
         return problems

@@ -14,9 +14,11 @@ optional shared expert sees every token, scaled by its own sigmoid gate in Qwen2
         (sum_e = k) over all layers' tokens at once, so for one layer it is k times this.
     router z-loss (ST-MoE, Zoph et al. 2022)  mean over tokens of logsumexp(router logits)^2.
 
-Routing is dropless: every token reaches its top k experts. Static shapes (graph mode) cannot size a buffer
-per expert by its token count, so MoE.dispatch picks how the tokens meet their experts, each giving the same
-numbers (tests/test_moe.py):
+Routing is dropless, every token reaching its top k experts, unless the config sets a capacity_factor: then each
+expert takes at most ceil(T*k / E * capacity_factor) of a forward pass's T*k routing slots and the others are
+dropped, as megatron-core's apply_router_token_dropping drops them (ExpertCapacity). Static shapes (graph mode)
+cannot size a buffer per expert by its token count, so MoE.dispatch picks how the tokens meet their experts, each
+giving the same numbers (tests/test_moe.py):
     "sorted" (the default)  the T*k routing slots sorted by expert into blocks of `block` rows, each expert's
         run padded to whole blocks (MegaBlocks, Gale et al. 2022): at most T*k + E*block rows, a static bound, so
         one BatchMatMul over the blocks with each block's expert weights computes only the routed tokens
@@ -26,6 +28,8 @@ scripts/benchmark_training.py --shapes moe measures them. Parameters are named a
 checkpoints name them (mlp.gate, mlp.experts.{e}.gate_proj, mlp.shared_expert, mlp.shared_expert_gate), so
 conversion is a table.
 """
+
+import math
 
 import mindspore as ms
 from mindspore import Parameter, nn, ops
@@ -110,6 +114,55 @@ class Router(nn.Cell):
         return weights, probs, selected, chosen
 
 
+def expert_capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """Routing slots one expert takes of `tokens` tokens' top_k each: megatron-core's get_capacity(num_tokens *
+    topk, num_experts, capacity_factor) in apply_router_token_dropping (megatron/core/transformer/moe/moe_utils.py
+    :208, :832-836 in 0.16.1), the same float expression."""
+    return math.ceil(tokens * top_k / num_experts * factor)
+
+
+class ExpertCapacity(nn.Cell):
+    """(combine weights (T, E), top-k selection (T, E), batch, seq) -> (the weights and selection of the slots each
+    expert has room for: at most expert_capacity per expert, the others 0).
+
+    megatron-core 0.16.1's apply_router_token_dropping (moe_utils.py:800-863), called by TopKRouter.routing after
+    the top k (router.py:586-595): per expert, "probs" keeps the slots of the largest combine weights, "position"
+    the earliest in megatron's token order, its hidden states being (S, B, hidden): sequence position first, then
+    batch row. (megatron-core picks the earliest by torch.topk over the 0/1 map, whose order among equal values torch
+    leaves unspecified: on CPU it is not the earliest; the number kept per expert is the same.) The kept slots keep
+    their weights, not renormalised (final_probs = routing_probs * final_map); a dropped slot weighs 0, so its
+    expert's output is not added and no gradient reaches that expert or the router through it. Without
+    moe_pad_expert_input_to_capacity's padding, which changes megatron's dispatch shapes, not its numbers.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.factor, self.by_probs = config.capacity_factor, config.token_drop_policy == "probs"
+        self.topk = ops.TopK(sorted=False)
+        self.scatter = ops.TensorScatterElements(axis=1)
+        self.cumsum = ops.CumSum()
+        self.mul = ops.Mul()
+
+    def construct(self, weights, selected, batch: int, seq: int):
+        t, e = weights.shape
+        capacity = expert_capacity(t, self.top_k, self.num_experts, self.factor)
+        if capacity >= t:
+            return weights, selected  # every expert has room for every token
+        if self.by_probs:
+            # (T, E) -> (E, T): each expert's `capacity` tokens of the largest weights (E, capacity)
+            _, tokens = self.topk(ops.transpose(ops.stop_gradient(weights), (1, 0)), capacity)
+            room = self.scatter(ops.zeros((e, t), ms.float32), tokens, ops.ones((e, capacity), ms.float32))
+            room = ops.transpose(room, (1, 0))                                           # (T, E)
+        else:
+            # (B*S, E) -> (S*B, E) megatron's order; the running count of each expert's slots; back to (B*S, E)
+            order = ops.transpose(selected.reshape(batch, seq, e), (1, 0, 2)).reshape(t, e)
+            room = (self.cumsum(order, 0) <= capacity).astype(ms.float32)
+            room = ops.transpose(room.reshape(seq, batch, e), (1, 0, 2)).reshape(t, e)
+        kept = self.mul(selected, room)
+        return self.mul(weights, kept), kept
+
+
 class LoadBalancingLoss(nn.Cell):
     """E * sum_e f_e * P_e of one layer (see the module docstring) from its probabilities and top-k selection.
 
@@ -181,7 +234,8 @@ class SortedExperts(nn.Cell):
 
     The T*k slots are sorted by expert and laid out in blocks of `block` rows, each expert's run starting a new
     block; the rows past a run's end read a zero token and carry weight 0. T*k + E*block rows bound the layout
-    whatever the routing, so every shape is static and no token is dropped.
+    whatever the routing, so every shape is static and no token is dropped (a slot an expert capacity dropped keeps
+    its row, with weight 0).
     """
 
     def __init__(self, num_experts: int):
@@ -245,6 +299,7 @@ class MoE(nn.Cell):
         self.experts = nn.CellList([MLP(config, config.expert_size) for _ in range(config.num_experts)])
         self.dispatch = "sorted"  # or "stacked", "loop": the same numbers (the module docstring); read at compile
         self.sorted_experts = SortedExperts(config.num_experts)
+        self.capacity = ExpertCapacity(config) if config.capacity_factor else None
         self.take = ops.GatherD()
         self.expert_matmul = ops.BatchMatMul(transpose_b=True)
         self.silu = SiLU()
@@ -261,7 +316,9 @@ class MoE(nn.Cell):
         self.load_balancing = LoadBalancingLoss(config.num_experts, config.num_experts_per_tok)
         self.z_loss = ZLoss()
         # What the training loop reads (and zeroes) after every step (training/worker/router_stats.py), summed over the
-        # step's forward passes: the routing slots each expert got, and [load-balancing loss, z-loss] unweighted.
+        # step's forward passes: the routing slots each expert took (after the capacity's drops: the slots it
+        # computed, as megatron-core counts them for its expert bias, router.py:629), and [load-balancing loss,
+        # z-loss] unweighted.
         # Not trained; added in place and never recomputed, as MindFormers' router keeps its expert_load
         # (mindformers/parallel_core/training_graph/transformer/moe/router.py:173-178, 379-386).
         self.expert_load = Parameter(initializer("zeros", (config.num_experts,), ms.float32), name="expert_load",
@@ -280,6 +337,9 @@ class MoE(nn.Cell):
         tokens = x.reshape(b * s, h)
         logits = self.gate(tokens.astype(ms.float32))                                # (T, E)
         weights, probs, selected, chosen = self.router(logits)
+        kept = selected
+        if self.capacity is not None:
+            weights, kept = self.capacity(weights, selected, b, s)
         weights = weights.astype(self.compute_dtype)
         if self.dispatch == "sorted":
             out = self.sorted_experts(tokens, chosen, self.take(weights, 1, chosen), *self.stacked_weights())
@@ -292,8 +352,9 @@ class MoE(nn.Cell):
             if self.shared_expert_gate is not None:
                 shared = self.shared_mul(shared, self.sigmoid(self.shared_expert_gate(tokens)).astype(shared.dtype))
             out = self.add(out, shared)
+        # the balancing loss reads the top k before any drop, as megatron-core's (router.py:598-626)
         balance, z = self.load_balancing(probs, selected), self.z_loss(logits)
-        self.add_load(self.expert_load, ops.stop_gradient(self.count_slots(selected, 0)))          # (E,)
+        self.add_load(self.expert_load, ops.stop_gradient(self.count_slots(kept, 0)))              # (E,)
         self.add_losses(self.router_losses, ops.stop_gradient(self.stack((balance, z))))
         return out.reshape(b, s, h), balance * self.aux_coef + z * self.z_coef
 

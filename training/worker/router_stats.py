@@ -1,7 +1,7 @@
 """What a Mixture-of-Experts model's routers did in a step: read from the model after the step, for the step record.
 
-Each MoE layer (models/moe.py) adds, during the step's forward passes, the routing slots each expert got to its
-`expert_load` and its unweighted [load-balancing loss, z-loss] to `router_losses`; after the step this reads and
+Each MoE layer (models/moe.py) adds, during the step's forward passes, the routing slots each expert took (after an
+expert capacity's drops, model_config.capacity_factor) to its `expert_load` and its unweighted [load-balancing loss, z-loss] to `router_losses`; after the step this reads and
 zeroes them (as MindFormers' TopkBiasBalanceCallback does with its routers' expert_load,
 mindformers/core/callback/callback.py:2934-2950). Under data parallel the ranks' counts are summed in StepRecorder's
 one host all-reduce (`values` / `from_sums`), so every rank records and acts on the same numbers.
@@ -10,7 +10,8 @@ Per step it records, averaged over the MoE layers unless named per layer:
     load_balancing_loss  E * sum_e f_e * P_e (1.0 when the load is even; see models/moe.py)
     router_z_loss        mean logsumexp(router logits)^2
     expert_load          per layer, the busiest expert's slots over the mean (1.0 = even, E/k = every token)
-    dropped_tokens       the fraction of the step's routing slots no expert took (0 when routing is dropless)
+    dropped_tokens       the fraction of the step's routing slots (token, expert) dropped by the experts' capacity
+                         (0 when routing is dropless)
 moves DeepSeek-V3's expert_bias towards an even load (when model_config.expert_bias_update_rate > 0), and warns of
 a collapse: a layer whose busiest expert takes more than `collapse_factor` x its mean share (once,
 until the layer is back halfway to an even load).
@@ -91,7 +92,8 @@ class RouterStats:
         """DeepSeek-V3's auxiliary-loss-free balancing: each layer's expert_bias += rate x sign(mean load - load).
 
         From the loads summed over every data-parallel rank, so every rank moves its copy the same way (Megatron-core
-        _update_router_expert_bias and MindFormers' GPTModel.update_topk_bias, gpt_model.py:632-641, do the same).
+        _update_router_expert_bias and MindFormers' GPTModel.update_topk_bias, gpt_model.py:632-641, do the same);
+        the slots taken after a capacity's drops, as megatron-core counts them (router.py:586-595, 629).
         """
         for (_, cell), load in zip(self.layers, loads):
             router = cell.router
