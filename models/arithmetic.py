@@ -23,6 +23,13 @@ def padded_vocab_size(vocab_size: int, pad_multiple: int = ALIGN, tensor_paralle
     return round_up(vocab_size, pad_multiple * tensor_parallel)
 
 
+def expert_capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """Routing slots one expert takes of `tokens` tokens' top_k each (model_config.capacity_factor): megatron-core's
+    get_capacity(num_tokens * topk, num_experts, capacity_factor) in apply_router_token_dropping
+    (megatron/core/transformer/moe/moe_utils.py:208, :832-836 in 0.16.1), the same float expression."""
+    return math.ceil(tokens * top_k / num_experts * factor)
+
+
 def _layer_shapes(cfg, layer: int = 0) -> dict:
     """{name: shape} of decoder layer `layer`'s parameters (layers differ in a model with dense_layers)."""
     from ascend_llm_recipes.models.shapes import parameter_shapes  # shapes.py uses padded_vocab_size above

@@ -29,14 +29,13 @@ checkpoints name them (mlp.gate, mlp.experts.{e}.gate_proj, mlp.shared_expert, m
 conversion is a table.
 """
 
-import math
-
 import mindspore as ms
 from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import initializer
 
 from mindspore.ops.auto_generate.gen_ops_prim import SiLU
 
+from ascend_llm_recipes.models.arithmetic import expert_capacity
 from ascend_llm_recipes.models.layers import DTYPES, MLP, Linear
 # the MoE layer's counters, not weights (re-exported for models/conversion/verify.py and the tests)
 from ascend_llm_recipes.models.shapes import STATISTICS  # noqa: F401
@@ -112,13 +111,6 @@ class Router(nn.Cell):
         if self.scaling != 1.0:
             weights = weights * self.scaling
         return weights, probs, selected, chosen
-
-
-def expert_capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
-    """Routing slots one expert takes of `tokens` tokens' top_k each: megatron-core's get_capacity(num_tokens *
-    topk, num_experts, capacity_factor) in apply_router_token_dropping (megatron/core/transformer/moe/moe_utils.py
-    :208, :832-836 in 0.16.1), the same float expression."""
-    return math.ceil(tokens * top_k / num_experts * factor)
 
 
 class ExpertCapacity(nn.Cell):

@@ -3,7 +3,8 @@
     python tests/make_megatron_fixtures.py OUT_DIR [LAYOUT ...] [--processes N]
 
 LAYOUT is tp1 (tied embeddings), tp2 (q/k/v bias), tp2pp2, moe (Mixture of Experts at TP1: megatron-core's
-SequentialMLP, first layer dense, shared expert with gate, qk_layernorm, kv_channels != hidden / heads) or moe_ep2
+SequentialMLP, first layer dense, shared expert with gate, qk_layernorm, kv_channels != hidden / heads, an expert
+capacity of 0.75 dropping the assignments of lowest probability) or moe_ep2
 (the experts split over 2 expert-parallel ranks, sigmoid router with expert_bias, shared expert without gate) or
 moe_tp2ep2 (TP2 x EP2, moe_router_pre_softmax, every other layer dense, no shared expert) (default: all six, in
 one launch; ranks beyond TP x PP are data-parallel replicas), or tp2_large (hidden 512, 8 layers, vocabulary 32000;
@@ -51,7 +52,8 @@ LAYOUTS = {"tp1": (1, 1, True, False), "tp2": (2, 1, False, True), "tp2pp2": (2,
 # the MoE/attention arguments, under Megatron-LM's argument names.
 MOE_LAYOUTS = {
     "moe": (1, 1, True, dict(moe_layer_freq=[0, 1, 1, 1], moe_shared_expert_intermediate_size=48,
-                             moe_shared_expert_gate=True, qk_layernorm=True, kv_channels=24)),
+                             moe_shared_expert_gate=True, qk_layernorm=True, kv_channels=24,
+                             moe_expert_capacity_factor=0.75)),
     "moe_ep2": (1, 2, False, dict(moe_layer_freq=1, moe_shared_expert_intermediate_size=48,
                                   moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)),
     "moe_tp2ep2": (2, 2, False, dict(moe_layer_freq=2, moe_router_pre_softmax=True, qk_layernorm=True)),
@@ -92,6 +94,8 @@ def moe_args(tp: int, ep: int, tied: bool, options: dict) -> argparse.Namespace:
                               moe_router_enable_expert_bias=False, moe_router_topk_scaling_factor=None,
                               moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
                               moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
+                              moe_expert_capacity_factor=None, moe_token_drop_policy="probs",
+                              moe_pad_expert_input_to_capacity=False,
                               expert_model_parallel_size=ep, expert_tensor_parallel_size=tp), **options})
     return args
 
@@ -148,6 +152,9 @@ def build_model(args):
                moe_router_pre_softmax=args.moe_router_pre_softmax,
                moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
                moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+               moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+               moe_token_drop_policy=args.moe_token_drop_policy,
+               moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
                moe_router_load_balancing_type="none", expert_model_parallel_size=args.expert_model_parallel_size,
                moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm) if args.num_experts else {}
     config = TransformerConfig(

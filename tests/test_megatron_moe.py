@@ -2,7 +2,7 @@
 
 The fixtures (conftest.py megatron_dir, tests/make_megatron_fixtures.py) are megatron-core's GPTModel with its
 MoELayer (SequentialMLP local experts, allgather dispatcher) run on CPU: `moe` at TP1 (first layer dense, softmax
-router, shared expert with gate, qk_layernorm, kv_channels 24 != hidden / heads) and `moe_ep2` with the experts
+router, shared expert with gate, qk_layernorm, kv_channels 24 != hidden / heads, expert capacity 0.75) and `moe_ep2` with the experts
 split over 2 expert-parallel ranks (mp_rank_00_000, mp_rank_00_001; sigmoid router with expert_bias, shared expert
 without gate), and `moe_tp2ep2` (TP2 x EP2: mp_rank_TT_EEE; pre-softmax top k, every other layer dense, no shared
 expert), saved as legacy files and torch_dist, each with megatron-core's own logits on fixed tokens; and each again
@@ -34,7 +34,8 @@ PARALLEL = {"moe": (1, 1), "moe_ep2": (1, 2), "moe_tp2ep2": (2, 2)}  # (TP, EP)
 EXPECTED = {  # what each fixture's Megatron-LM arguments become in our model_config
     "moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, dense_layers=[0], head_dim=24,
                 qk_norm=True, shared_expert_intermediate_size=48, shared_expert_gate=True, router_score="softmax",
-                norm_topk_prob=True, expert_bias=False, tie_word_embeddings=True),
+                norm_topk_prob=True, expert_bias=False, tie_word_embeddings=True, capacity_factor=0.75,
+                token_drop_policy="probs"),
     "moe_ep2": dict(num_experts=4, dense_layers=[], head_dim=None, qk_norm=False, shared_expert_intermediate_size=48,
                     shared_expert_gate=False, router_score="sigmoid", norm_topk_prob=True, expert_bias=True,
                     tie_word_embeddings=False),
@@ -108,16 +109,43 @@ def test_expert_parallel_ranks_are_read_by_global_expert(megatron_dir, tmp_path,
 def test_moe_arguments_megatron_computes_differently_are_refused_by_name(megatron_dir):
     with megatron_files.open_megatron(str(megatron_dir / "moe" / "legacy")) as ckpt:
         args = dict(ckpt.args)
-    refused = dict(moe_expert_capacity_factor=1.25, moe_router_num_groups=2,
-                   moe_router_load_balancing_type="sinkhorn", moe_router_enable_expert_bias=True,
-                   expert_tensor_parallel_size=2, moe_layer_freq="([0]*1+[1]*3)")
-    with pytest.raises(ConversionError, match="6 problem") as error:
+    refused = dict(moe_router_num_groups=2, moe_token_drop_policy="tokens", moe_router_load_balancing_type="sinkhorn",
+                   moe_router_enable_expert_bias=True, expert_tensor_parallel_size=2, moe_layer_freq="([0]*1+[1]*3)",
+                   moe_pad_expert_input_to_capacity=True)
+    with pytest.raises(ConversionError, match="7 problem") as error:
         model_config_from_args({**args, **refused}, "moe (args)")
     for key in refused:
         assert f"  - {key}: " in error.value.message, key
     assert "softmax score function" in error.value.message  # expert_bias without sigmoid scores
     # moe_router_pre_softmax: the top k of the softmax, not renormalised
     assert not model_config_from_args({**args, "moe_router_pre_softmax": True}, "moe").norm_topk_prob
+
+
+@pytest.mark.parametrize("capacity, policy, pad, expected", [
+    (1.25, "position", True, (1.25, "position")),  # padding with weight-0 tokens: the same numbers
+    (None, "position", False, (0.0, "probs")),      # no capacity: the policy picks nothing
+    (-1.0, "probs", False, (0.0, "probs")),         # megatron-core reads a negative capacity as none
+])
+def test_expert_capacity_arguments_are_carried(megatron_dir, capacity, policy, pad, expected):
+    with megatron_files.open_megatron(str(megatron_dir / "moe" / "legacy")) as ckpt:
+        args = dict(ckpt.args)
+    cfg = model_config_from_args({**args, "moe_expert_capacity_factor": capacity, "moe_token_drop_policy": policy,
+                                  "moe_pad_expert_input_to_capacity": pad}, "moe")
+    assert (cfg.capacity_factor, cfg.token_drop_policy) == expected
+    with pytest.raises(ConversionError, match="moe_expert_capacity_factor: 0 makes megatron-core drop every "
+                                              "assignment; ours is dropless"):
+        model_config_from_args({**args, "moe_expert_capacity_factor": 0.0}, "moe")
+
+
+def test_the_expert_capacity_changes_the_moe_fixtures_logits(megatron_dir, converted, tmp_path):
+    """The `moe` fixture drops assignments: its conversion read as dropless misses megatron-core's logits."""
+    dropless = tmp_path / "dropless"
+    shutil.copytree(converted["moe"][1], dropless)
+    section = yaml.safe_load((dropless / MODEL_SECTION_FILE).read_text())
+    assert section["model"]["model_config"].pop("capacity_factor") == 0.75
+    (dropless / MODEL_SECTION_FILE).write_text(yaml.safe_dump(section))
+    with pytest.raises(ConversionError, match="differ from megatron-core"):
+        against_megatron_cores_logits(megatron_dir, "moe", dropless)
 
 
 def test_a_missing_expert_parallel_rank_is_refused(megatron_dir, tmp_path):
@@ -151,7 +179,8 @@ def test_moe_round_trip_to_megatron_legacy_is_exact(megatron_dir, converted, tmp
         assert layer_pattern(back["args"].moe_layer_freq) == layer_pattern(original["args"].moe_layer_freq)
         for key in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "kv_channels", "moe_router_pre_softmax",
                     "qk_layernorm", "moe_shared_expert_gate", "moe_router_score_function",
-                    "moe_router_enable_expert_bias", "expert_model_parallel_size"):
+                    "moe_router_enable_expert_bias", "expert_model_parallel_size", "moe_expert_capacity_factor",
+                    "moe_token_drop_policy"):
             assert getattr(back["args"], key) == getattr(original["args"], key), key
     with pytest.raises(ConversionError, match=r"--ep 3 does not divide num_experts \(4\)"):
         to_megatron(str(converted[layout][1]), str(tmp_path / "bad"), ep=3, show_progress=False)

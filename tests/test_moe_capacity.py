@@ -8,7 +8,8 @@ import pytest
 import torch
 import mindspore as ms
 
-from ascend_llm_recipes.models.moe import ExpertCapacity, MoE, Router, expert_capacity
+from ascend_llm_recipes.models.arithmetic import expert_capacity
+from ascend_llm_recipes.models.moe import ExpertCapacity, MoE, Router
 from ascend_llm_recipes.training.worker.router_stats import RouterStats
 from test_moe import EXPERTS, HIDDEN, TOKENS, TOP_K, copy_weights, megatron_moe_utils, moe_config, reference_block
 

@@ -27,8 +27,8 @@ Mixture of Experts (megatron-core transformer/moe): the router, expert_bias, Seq
 experts map to models/moe.py's tensors; so do GroupedMLP's (--moe-grouped-gemm without TransformerEngine: legacy
 files stack a layer's local experts in weight1/weight2, tables.GROUPED_EXPERTS; its torch_dist keys are
 SequentialMLP's, as are TEGroupedMLP's, whose legacy linear_fc1.weight<e> files are refused by name).
-moe_fields translates the routing arguments and refuses by name what megatron-core computes differently (token
-dropping, group-limited routing, sinkhorn).
+moe_fields translates the routing arguments (the expert capacity and its drop policy too) and refuses by name what
+megatron-core computes differently (group-limited routing, sinkhorn).
 
 Legacy files are pickles of argparse namespaces (Megatron loads them with weights_only=False, and so
 must this reader): convert only checkpoints you trust.
@@ -43,7 +43,7 @@ import time
 import numpy as np
 
 from ascend_llm_recipes.common.errors import ConversionError
-from ascend_llm_recipes.models.arithmetic import round_up
+from ascend_llm_recipes.models.arithmetic import expert_capacity, round_up
 from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.conversion.formats import CkptFile, HFWeights, SafetensorsFile
 from ascend_llm_recipes.models.conversion.megatron_files import (LATEST_FILE, LegacyCheckpoint, RANK_FILE, kv_groups,
@@ -77,7 +77,6 @@ MEGATRON_NOT_YET = (
 )
 # MoE arguments whose other values route or compute differently from models/moe.py (Megatron-LM's names).
 UNSUPPORTED_MOE_ARGS = (
-    ("moe_expert_capacity_factor", None, "token dropping: the model's routing is dropless"),
     ("moe_router_num_groups", 1, "group-limited routing scores a group by its top topk/group_topk experts, the "
                                     "model by its top 2"),
     ("moe_latent_size", None, "MoE latent projections are not in the model"),
@@ -177,6 +176,17 @@ def moe_fields(args: dict, problems: list) -> tuple:
     else:
         problems.append(f"moe_layer_freq: {freq!r} is neither a positive integer nor a list of {layers} 0/1 entries")
         dense = []
+    # megatron-core reads a negative capacity factor as none (transformer_config.py:1105-1107)
+    capacity = args.get("moe_expert_capacity_factor")
+    capacity = None if capacity is not None and capacity < 0 else capacity
+    policy = args.get("moe_token_drop_policy") or "probs"
+    if capacity == 0:
+        problems.append("moe_expert_capacity_factor: 0 makes megatron-core drop every assignment; ours is dropless")
+    if capacity is not None and policy not in ("probs", "position"):
+        problems.append(f"moe_token_drop_policy: {policy!r} (probs or position only)")
+    if capacity is not None and args.get("moe_pad_expert_input_to_capacity") and bias:
+        problems.append("moe_pad_expert_input_to_capacity: True with moe_router_enable_expert_bias: megatron-core moves "
+                        "the bias by the padded map (router.py:629, moe_utils.py:855-857), the model by the slots taken")
     normalize = (not args.get("moe_router_pre_softmax", False)) if score == "softmax" else top_k > 1
     coefficient = args.get("moe_aux_loss_coeff") or 0.0
     balancing = args.get("moe_router_load_balancing_type", "aux_loss")
@@ -192,7 +202,9 @@ def moe_fields(args: dict, problems: list) -> tuple:
                 # global-batch variants are training terms the model does not compute
                 router_aux_loss_coef=float(coefficient) if balancing == "aux_loss" and
                 not isinstance(coefficient, list) else 0.0,
-                router_z_loss_coef=float(args.get("moe_z_loss_coeff") or 0.0)), problems
+                router_z_loss_coef=float(args.get("moe_z_loss_coeff") or 0.0),
+                # moe_pad_expert_input_to_capacity pads each expert's input with weight-0 tokens: the same numbers
+                capacity_factor=float(capacity or 0.0), token_drop_policy=policy if capacity else "probs"), problems
 
 
 def json_args(args: dict) -> dict:
@@ -299,9 +311,10 @@ SHARED_FC2 = megatron_name("model.layers.{n}.mlp.shared_expert.down_proj.weight"
 SHARED_GATE = megatron_name("model.layers.{n}.mlp.shared_expert_gate.weight")
 
 
-def megatron_routing(logits, args: dict):
-    """(T, E) router logits -> (T, E) combine weights, zero outside each token's top k, as megatron-core's
-    topk_routing_with_score_function computes them from Megatron-LM's arguments (`bias`: expert_bias or None)."""
+def megatron_routing(logits, args: dict, batch: int = 1):
+    """(T, E) router logits of `batch` sequences -> (T, E) combine weights, zero outside each token's top k, as
+    megatron-core's topk_routing_with_score_function computes them from Megatron-LM's arguments (`bias`: expert_bias
+    or None), then its apply_router_token_dropping's expert capacity (moe_utils.py:800-863)."""
     import torch
 
     top_k, bias = args.get("moe_router_topk", 2), args.get("_expert_bias")
@@ -316,7 +329,16 @@ def megatron_routing(logits, args: dict):
         top, chosen = torch.topk(logits, top_k, dim=1)
         probs = torch.softmax(top, -1)
     probs = probs * (args.get("moe_router_topk_scaling_factor") or 1.0)
-    return torch.zeros_like(logits).scatter(1, chosen, probs)
+    weights = torch.zeros_like(logits).scatter(1, chosen, probs)
+    factor, (tokens, experts) = args.get("moe_expert_capacity_factor"), logits.shape
+    capacity = expert_capacity(tokens, top_k, experts, factor) if factor is not None and factor >= 0 else tokens
+    if capacity >= tokens:
+        return weights
+    if args.get("moe_token_drop_policy") == "position":  # the earliest in megatron's (S, B) token order
+        taken = torch.zeros_like(logits).scatter(1, chosen, 1.0).reshape(batch, -1, experts).transpose(0, 1)
+        room = (taken.cumsum(0).reshape(-1, experts) <= capacity).float()
+        return weights * room.reshape(-1, batch, experts).transpose(0, 1).reshape(tokens, experts)
+    return weights * torch.zeros_like(logits).scatter(0, torch.topk(weights, capacity, dim=0).indices, 1.0)
 
 
 def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.ndarray:
@@ -389,7 +411,7 @@ def megatron_reference_logits(ckpt, cfg: ModelConfig, tokens: np.ndarray) -> np.
         # MoE layer (megatron-core moe_layer.py): routed experts weighted by the router, plus the shared expert
         logits = h @ t(ckpt.merged(ROUTER, layer)).T                                    # (B, S, E)
         bias = t(ckpt.merged(EXPERT_BIAS, layer)) if ckpt.args.get("moe_router_enable_expert_bias") else None
-        weights = megatron_routing(logits.reshape(batch * seq, -1), {**ckpt.args, "_expert_bias": bias})
+        weights = megatron_routing(logits.reshape(batch * seq, -1), {**ckpt.args, "_expert_bias": bias}, batch)
         weights = weights.reshape(batch, seq, -1)
         for e in range(ckpt.args["num_experts"]):
             x = x + swiglu(h, EXPERT_FC1, EXPERT_FC2, layer, e) * weights[..., e:e + 1]
@@ -570,6 +592,8 @@ def moe_args_for(cfg: ModelConfig, ep: int = 1, tp: int = 1, grouped_gemm: bool 
                 moe_router_topk_scaling_factor=None if cfg.routed_scaling_factor == 1.0 else cfg.routed_scaling_factor,
                 moe_grouped_gemm=grouped_gemm, moe_router_load_balancing_type="aux_loss",
                 moe_aux_loss_coeff=cfg.router_aux_loss_coef, moe_z_loss_coeff=cfg.router_z_loss_coef or None,
+                moe_expert_capacity_factor=cfg.capacity_factor or None, moe_token_drop_policy=cfg.token_drop_policy,
+                moe_pad_expert_input_to_capacity=False,
                 expert_model_parallel_size=ep, expert_tensor_parallel_size=tp), problems
 
 
