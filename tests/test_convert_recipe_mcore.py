@@ -203,7 +203,9 @@ def test_qwen3_moe_imports_on_cpu_and_on_ascend(tmp_path):
     ("moe_router_enable_expert_bias", True, "moe_router_enable_expert_bias: True: an expert bias on softmax scores"),
     ("moe_router_num_groups", 8, "moe_router_group_topk: None (MindFormers default): MindFormers scores each group"),
     ("moe_router_group_topk", 2, None),  # no groups: unread
-    ("moe_expert_capacity_factor", 1.25, "moe_expert_capacity_factor: 1.25 is not supported"),
+    ("moe_expert_capacity_factor", 1.25, "moe_expert_capacity_factor: 1.25 is not supported (None only): "
+                                         "MindFormers 1.9's training graph never reads it"),
+    ("moe_expert_capacity_factor", -1.0, None),  # TransformerConfig reads a negative capacity as none: dropless
     ("moe_router_load_balancing_type", "seq_aux_loss", None),
     ("multi_latent_attention", True, "multi_latent_attention: True is not supported for qwen3_moe"),
     ("routed_scaling_factor", 1.0, None),
@@ -463,10 +465,12 @@ def test_export_refuses_what_mindformers_own_classes_compute_differently(tmp_pat
     from ascend_llm_recipes.training.recipe.mindformers import to_mindformers
 
     path = tiny_recipe(tmp_path, "moe", **{**EXPORTED["qwen3_moe"], "router_z_loss_coef": 0.001,
-                                           "dense_layers": [0], "n_group": 2, "topk_group": 2})
+                                           "dense_layers": [0], "n_group": 2, "topk_group": 2,
+                                           "capacity_factor": 1.25})
     with pytest.raises(RecipeError) as err:
         to_mindformers(path)
     for fragment in ("router_z_loss_coef: 0.001: MindFormers 1.9's training graph has no router z-loss",
                      "dense_layers: [0]: MindFormers' Qwen3-MoE gives every layer experts",
-                     "topk_group: 2: MindFormers scores a group by its best num_experts_per_tok // topk_group = 1"):
+                     "topk_group: 2: MindFormers scores a group by its best num_experts_per_tok // topk_group = 1",
+                     "capacity_factor: 1.25: MindFormers 1.9's training graph never drops"):
         assert fragment in str(err.value)

@@ -92,9 +92,13 @@ ONLY = {
                                 "would give these layers experts, unlike the checkpoint; set them by hand"),
     "decoder_sparse_step": (1, 1, "Qwen3MoeConfig deletes it (configuration_qwen3_moe.py:175): every layer "
                                   "has experts in MindFormers, unlike the checkpoint"),
-    "moe_expert_capacity_factor": (None, None, "dropless routing (every token reaches its top-k experts); a "
-                                               "capacity asks for dropping, which ours never does (MindFormers "
-                                               "1.9's training graph does not read it either: remove it)"),
+    "moe_expert_capacity_factor": (None, None, "MindFormers 1.9's training graph never reads it, so its run is "
+                                               "dropless: TopKRouter.routing keeps every token's top k "
+                                               "(parallel_core/training_graph/transformer/moe/router.py:259-296), "
+                                               "no dispatcher drops (token_dispatcher.py), only "
+                                               "parallel_core/transformer_config.py:2123-2131 validates it. Remove "
+                                               "it for what MindFormers trains, or set ours "
+                                               "model.model_config.capacity_factor for what it asks"),
 }
 # Keys of ONLY that apply to one family: Qwen3-MoE builds every layer with experts, DeepSeek-V3 honours them.
 QWEN3_MOE_ONLY = ("first_k_dense_replace", "moe_layer_freq", "mlp_only_layers", "decoder_sparse_step")
@@ -138,7 +142,8 @@ INERT = {
     "router_aux_loss_coef": "Qwen3MoeConfig deletes it (configuration_qwen3_moe.py:179); the coefficient "
                             "MindFormers uses is moe_aux_loss_coeff",
     "moe_token_drop_policy": "which tokens an expert capacity would drop; moe_expert_capacity_factor is unset "
-                             "(dropless) and MindFormers' training graph does not read it",
+                             "(dropless) and MindFormers 1.9's training graph reads neither (transformer/moe/"
+                             "router.py:259-296)",
 }
 
 

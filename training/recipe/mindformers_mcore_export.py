@@ -87,6 +87,11 @@ def experts(recipe, family: str, problems: list, layers_ours: bool = False) -> t
     if cfg.norm_topk_prob and cfg.num_experts_per_tok == 1:
         problems.append(f"{M}norm_topk_prob: True with one expert per token: MindFormers renormalises only when k > 1 "
                         "(transformer/moe/router.py:290-294), ours makes the weight 1; set it False")
+    if cfg.capacity_factor:
+        problems.append(f"{M}capacity_factor: {cfg.capacity_factor}: MindFormers 1.9's training graph never drops: "
+                        "TopKRouter.routing keeps every token's top k (transformer/moe/router.py:259-296) and no "
+                        "dispatcher reads a capacity (moe_expert_capacity_factor is only validated, "
+                        "parallel_core/transformer_config.py:2123-2131); set it 0")
     if cfg.n_group > 1 and cfg.num_experts_per_tok // cfg.topk_group != 2:
         problems.append(f"{M}topk_group: {cfg.topk_group}: MindFormers scores a group by its best num_experts_per_tok "
                         f"// topk_group = {cfg.num_experts_per_tok // cfg.topk_group} scores (router.py:336-338), ours "
