@@ -147,3 +147,15 @@ def test_capacity_keys_are_checked_naming_each():
         load_recipe(TINY_RECIPE, moe + (mc + "token_drop_policy=tokens",))
     cfg = load_recipe(TINY_RECIPE, moe + (mc + "capacity_factor=1.25", mc + "token_drop_policy=position"))
     assert (cfg.model.model_config.capacity_factor, cfg.model.model_config.token_drop_policy) == (1.25, "position")
+
+
+def test_hugging_face_export_notes_the_capacity_it_cannot_write():
+    from ascend_llm_recipes.models.conversion.hf_families import export_notes, family_for
+
+    config = moe_config(qk_norm=True, capacity_factor=1.25)
+    assert family_for(config).model_type == "qwen3_moe"
+    assert export_notes(family_for(config), config) == [
+        "capacity_factor: 1.25 is not exported (config.json has no key for it): transformers' MoE blocks route every "
+        "token to its top k, so their outputs differ from the trained model's wherever an expert was over capacity"]
+    config.capacity_factor = 0.0
+    assert export_notes(family_for(config), config) == []

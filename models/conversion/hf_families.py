@@ -458,11 +458,15 @@ def mtp_layers(hf: dict) -> range:
 
 
 def export_notes(family: Family, cfg: ModelConfig) -> list:
-    """What write_hf's config.json and weights cannot say (DeepSeek-V3's)."""
+    """What write_hf's config.json and weights cannot say (an expert capacity, DeepSeek-V3's)."""
+    notes = [f"capacity_factor: {cfg.capacity_factor:g} is not exported (config.json has no key for it): "
+             "transformers' MoE blocks route every token to its top k, so their outputs differ from the trained "
+             "model's wherever an expert was over capacity"] if cfg.capacity_factor else []
     if not family.mla:
-        return []
-    return [f"{ROPE_INTERLEAVE}: true: the rotary rows of {'q_proj' if cfg.q_lora_rank is None else 'q_b_proj'} "
-            "and kv_a_proj_with_mqa were permuted back to interleaved order, the released checkpoints' layout",
-            f"{MTP_LAYERS}: 0: our model has no multi-token-prediction module",
-            f"expert_bias_update_rate: {cfg.expert_bias_update_rate:g} is not exported (config.json has no key for "
-            "it); e_score_correction_bias holds the bias as trained"]
+        return notes
+    q = "q_proj" if cfg.q_lora_rank is None else "q_b_proj"
+    return notes + [f"{ROPE_INTERLEAVE}: true: the rotary rows of {q} and kv_a_proj_with_mqa were permuted back to "
+                    "interleaved order, the released checkpoints' layout",
+                    f"{MTP_LAYERS}: 0: our model has no multi-token-prediction module",
+                    f"expert_bias_update_rate: {cfg.expert_bias_update_rate:g} is not exported (config.json has no "
+                    "key for it); e_score_correction_bias holds the bias as trained"]
