@@ -159,3 +159,46 @@ def test_hugging_face_export_notes_the_capacity_it_cannot_write():
         "token to its top k, so their outputs differ from the trained model's wherever an expert was over capacity"]
     config.capacity_factor = 0.0
     assert export_notes(family_for(config), config) == []
+
+
+@pytest.mark.parametrize("dispatch", ["sorted", "stacked", "loop"])
+def test_gradients_through_the_capacity_are_torch_autograds_through_megatron_cores_drop(dispatch):
+    """Routing skewed to experts 0 and 1 (most of their slots dropped at capacity 1.0): the gradients of
+    sum(out^2) + router loss, for the input, the router and the experts, are torch autograd's through megatron-core's
+    topk_routing_with_score_function and apply_router_token_dropping with transformers' experts. No gradient
+    reaches an expert through a dropped slot."""
+    moe_utils = megatron_moe_utils()
+    block, config = reference_block("qwen3_moe")
+    config.capacity_factor, config.router_aux_loss_coef, config.router_z_loss_coef = 1.0, 0.01, 0.001
+    with torch.no_grad():
+        block.gate.weight[:2] += 0.5  # x is positive on average: experts 0 and 1 are most tokens' top 2
+    ms.set_seed(0)
+    cell = MoE(config)
+    cell.dispatch = dispatch
+    copy_weights(cell, block.state_dict())
+    x = np.random.default_rng(3).normal(1.0, 0.5, size=(BATCH, SEQ, HIDDEN)).astype(np.float32)
+    params = cell.trainable_params()
+
+    def loss(inputs):
+        out, router_loss = cell(inputs)
+        return (out * out).sum() + router_loss
+
+    value, (d_input, d_params) = ms.value_and_grad(loss, 0, params)(ms.Tensor(x))
+
+    tokens = torch.tensor(x.reshape(TOKENS, HIDDEN), requires_grad=True)
+    logits = block.gate(tokens)
+    probs, routing_map = moe_utils.topk_routing_with_score_function(logits, TOP_K)
+    weights, kept = moe_utils.apply_router_token_dropping(probs, routing_map, TOP_K, 1.0, "probs")
+    assert kept[:, :2].sum() < routing_map[:, :2].sum() / 2
+    out = sum(block.experts[e](tokens) * weights[:, e:e + 1] for e in range(EXPERTS))
+    aux_map, scores = moe_utils.compute_routing_scores_for_aux_loss(logits, TOP_K, "softmax")
+    expected = ((out * out).sum() + moe_utils.switch_load_balancing_loss_func(scores, aux_map.sum(0), TOKENS, TOP_K,
+                                                                              EXPERTS, 0.01)
+                + moe_utils.z_loss_func(logits, 0.001))
+    expected.backward()
+    assert float(value.asnumpy()) == pytest.approx(float(expected), rel=1e-5)
+    reference = dict(block.named_parameters())
+    pairs = [(d_input.asnumpy().reshape(TOKENS, HIDDEN), tokens.grad.numpy(), "input")]
+    pairs += [(g.asnumpy(), reference[p.name].grad.numpy(), p.name) for p, g in zip(params, d_params)]
+    for ours, theirs, name in pairs:
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5 * np.abs(theirs).max(), err_msg=name)
