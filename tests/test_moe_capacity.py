@@ -202,3 +202,17 @@ def test_gradients_through_the_capacity_are_torch_autograds_through_megatron_cor
     pairs += [(g.asnumpy(), reference[p.name].grad.numpy(), p.name) for p, g in zip(params, d_params)]
     for ours, theirs, name in pairs:
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5 * np.abs(theirs).max(), err_msg=name)
+
+
+def test_a_training_step_of_a_model_with_a_capacity_records_its_dropped_assignments():
+    from mindspore import nn
+    from test_moe import batch, tiny_moe
+
+    net = tiny_moe(capacity_factor=0.5, token_drop_policy="position", router_aux_loss_coef=0.01)
+    step = nn.TrainOneStepCell(net, nn.SGD(net.trainable_params(), learning_rate=0.1))
+    stats = RouterStats(step, collapse_factor=0.0)
+    assert [name for name, _ in stats.layers] == ["model.layers.1.mlp"]
+    loss = float(step(ms.Tensor(batch(0))).asnumpy())
+    record = stats.from_sums(stats.values(), ranks=1, tokens=2 * 32, step=1)
+    # 64 tokens x top 2 over 4 experts at 0.5: 16 slots per expert, 64 of the 128 kept at most
+    assert np.isfinite(loss) and record.dropped_tokens >= 0.5
