@@ -2,13 +2,13 @@
 
 The fixtures (conftest.py megatron_dir, tests/make_megatron_fixtures.py) are megatron-core's GPTModel with its
 MoELayer (SequentialMLP local experts, allgather dispatcher) run on CPU: `moe` at TP1 (first layer dense, softmax
-router, shared expert with gate, qk_layernorm, kv_channels 24 != hidden / heads, expert capacity 0.75) and `moe_ep2` with the experts
-split over 2 expert-parallel ranks (mp_rank_00_000, mp_rank_00_001; sigmoid router with expert_bias, shared expert
-without gate), and `moe_tp2ep2` (TP2 x EP2: mp_rank_TT_EEE; pre-softmax top k, every other layer dense, no shared
-expert), saved as legacy files and torch_dist, each with megatron-core's own logits on fixed tokens; and each again
-as megatron-core's GroupedMLP (--moe-grouped-gemm: weight1/weight2) holding the same weights, whose forward needs
-CUDA kernels: the SequentialMLP's logits are its reference. Written back (to_megatron, --ep, --grouped-gemm), they
-are megatron-core's files again.
+router, shared expert with gate, qk_layernorm, kv_channels 24 != hidden / heads, expert capacity 0.75) and
+`moe_ep2` with the experts split over 2 expert-parallel ranks (mp_rank_00_000, mp_rank_00_001; sigmoid router
+with expert_bias, shared expert without gate), and `moe_tp2ep2` (TP2 x EP2: mp_rank_TT_EEE; pre-softmax top k,
+every other layer dense, no shared expert), saved as legacy files and torch_dist, each with megatron-core's own
+logits on fixed tokens; and each again as megatron-core's GroupedMLP (--moe-grouped-gemm: weight1/weight2) holding
+the same weights, whose forward needs CUDA kernels: the SequentialMLP's logits are its reference. Written back
+(to_megatron, --ep, --grouped-gemm), they are megatron-core's files again.
 """
 
 import os

@@ -185,8 +185,8 @@ def moe_fields(args: dict, problems: list) -> tuple:
     if capacity is not None and policy not in ("probs", "position"):
         problems.append(f"moe_token_drop_policy: {policy!r} (probs or position only)")
     if capacity is not None and args.get("moe_pad_expert_input_to_capacity") and bias:
-        problems.append("moe_pad_expert_input_to_capacity: True with moe_router_enable_expert_bias: megatron-core moves "
-                        "the bias by the padded map (router.py:629, moe_utils.py:855-857), the model by the slots taken")
+        problems.append("moe_pad_expert_input_to_capacity: True with moe_router_enable_expert_bias: megatron-core "
+                        "moves the bias by the padded map (router.py:629, moe_utils.py:855-857), ours by slots taken")
     normalize = (not args.get("moe_router_pre_softmax", False)) if score == "softmax" else top_k > 1
     coefficient = args.get("moe_aux_loss_coeff") or 0.0
     balancing = args.get("moe_router_load_balancing_type", "aux_loss")

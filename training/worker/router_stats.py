@@ -1,10 +1,11 @@
 """What a Mixture-of-Experts model's routers did in a step: read from the model after the step, for the step record.
 
 Each MoE layer (models/moe.py) adds, during the step's forward passes, the routing slots each expert took (after an
-expert capacity's drops, model_config.capacity_factor) to its `expert_load` and its unweighted [load-balancing loss, z-loss] to `router_losses`; after the step this reads and
-zeroes them (as MindFormers' TopkBiasBalanceCallback does with its routers' expert_load,
-mindformers/core/callback/callback.py:2934-2950). Under data parallel the ranks' counts are summed in StepRecorder's
-one host all-reduce (`values` / `from_sums`), so every rank records and acts on the same numbers.
+expert capacity's drops, model_config.capacity_factor) to its `expert_load` and its unweighted [load-balancing
+loss, z-loss] to `router_losses`; after the step this reads and zeroes them (as MindFormers'
+TopkBiasBalanceCallback does with its routers' expert_load, mindformers/core/callback/callback.py:2934-2950).
+Under data parallel the ranks' counts are summed in StepRecorder's one host all-reduce (`values` / `from_sums`), so
+every rank records and acts on the same numbers.
 
 Per step it records, averaged over the MoE layers unless named per layer:
     load_balancing_loss  E * sum_e f_e * P_e (1.0 when the load is even; see models/moe.py)
