@@ -13,6 +13,7 @@
     hf.py              HuggingFace <-> ours (from_hf, write_hf; hf_config_from_model and transformers_config:
                        our model_config as HuggingFace's config)
     megatron.py        Megatron-LM <-> ours (from_megatron, to_megatron)
+    megatron_reference.py  the reader's --verify reference: a pure-torch Megatron forward from its own files
     torch_state.py     torch.save'd state dicts and Meta's consolidated shards -> ours (from_torch)
 
 A second model family is its tensors in models/shapes.py plus rows in tables.py, not a new code path.
