@@ -216,3 +216,22 @@ def test_a_training_step_of_a_model_with_a_capacity_records_its_dropped_assignme
     record = stats.from_sums(stats.values(), ranks=1, tokens=2 * 32, step=1)
     # 64 tokens x top 2 over 4 experts at 0.5: 16 slots per expert, 64 of the 128 kept at most
     assert np.isfinite(loss) and record.dropped_tokens >= 0.5
+
+
+@pytest.mark.parametrize("factor, policy", [(0.5, "probs"), (1.25, "probs"), (1.0, "position"), (4.0, "position")])
+def test_the_megatron_readers_verify_reference_drops_as_megatron_core_and_as_ours(factor, policy):
+    """models/conversion/megatron_reference.py's megatron_routing (the pure-torch forward --verify compares a
+    converted checkpoint with) keeps megatron-core's assignments ("probs"; "position": as many per expert) and
+    exactly ours."""
+    from ascend_llm_recipes.models.conversion.megatron_reference import megatron_routing
+
+    logits = logits_for(4)
+    args = dict(moe_router_topk=TOP_K, moe_expert_capacity_factor=factor, moe_token_drop_policy=policy)
+    reference = megatron_routing(torch.tensor(logits), args, BATCH).numpy()
+    routing_map, _, megatron_weights, megatron_kept = megatron_drop(logits, factor, policy)
+    weights, kept = our_drop(logits, factor, policy)
+    np.testing.assert_array_equal((reference > 0).sum(0), megatron_kept.sum(0))
+    if policy == "probs":
+        np.testing.assert_allclose(reference, megatron_weights, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(reference > 0, kept > 0)
+    np.testing.assert_allclose(reference, weights, rtol=1e-5, atol=1e-6)

@@ -61,8 +61,9 @@ def megatron_routing(logits, args: dict, batch: int = 1):
     if capacity >= tokens:
         return weights
     if args.get("moe_token_drop_policy") == "position":  # the earliest in megatron's (S, B) token order
+        # (B*S, E) -> (S*B, E): each expert's running count in that order; back to (B*S, E)
         taken = torch.zeros_like(logits).scatter(1, chosen, 1.0).reshape(batch, -1, experts).transpose(0, 1)
-        room = (taken.cumsum(0).reshape(-1, experts) <= capacity).float()
+        room = (taken.reshape(tokens, experts).cumsum(0) <= capacity).float()
         return weights * room.reshape(-1, batch, experts).transpose(0, 1).reshape(tokens, experts)
     return weights * torch.zeros_like(logits).scatter(0, torch.topk(weights, capacity, dim=0).indices, 1.0)
 
