@@ -135,11 +135,13 @@ def test_ascend_moe_recipes_plan_and_are_what_mindformers_moe_layer_is_built_fro
 def test_what_mindformers_moe_layer_would_compute_otherwise_is_an_error_before_launch(tmp_path):
     recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_moe_ascend.yaml"),
                          [f"output_dir={tmp_path}", "model.model_config.router_z_loss_coef=0.001",
-                          "runner_config.gradient_accumulation_steps=2"], planning=True)
+                          "runner_config.gradient_accumulation_steps=2", "model.model_config.capacity_factor=1.25"],
+                         planning=True)
     errors = [f.message for f in check_model(recipe) if f.level == "error"]
     assert [m.split(":")[0] for m in errors] == ["model.model_config.router_z_loss_coef",
+                                                  "model.model_config.capacity_factor",
                                                   "model.model_config.router_aux_loss_coef"]
-    assert "2 forward passes per step" in errors[1]
+    assert "2 forward passes per step" in errors[2]
     assert all(m.endswith("(on Ascend the MoE layers are MindFormers 1.9's MoELayer)") for m in errors)
 
 
