@@ -120,11 +120,12 @@ class ExpertCapacity(nn.Cell):
     megatron-core 0.16.1's apply_router_token_dropping (moe_utils.py:800-863), called by TopKRouter.routing after
     the top k (router.py:586-595): per expert, "probs" keeps the slots of the largest combine weights, "position"
     the earliest in megatron's token order, its hidden states being (S, B, hidden): sequence position first, then
-    batch row. (megatron-core picks the earliest by torch.topk over the 0/1 map, whose order among equal values torch
-    leaves unspecified: on CPU it is not the earliest; the number kept per expert is the same.) The kept slots keep
-    their weights, not renormalised (final_probs = routing_probs * final_map); a dropped slot weighs 0, so its
-    expert's output is not added and no gradient reaches that expert or the router through it. Without
-    moe_pad_expert_input_to_capacity's padding, which changes megatron's dispatch shapes, not its numbers.
+    batch row, as its TransformerConfig documents the policy (megatron-core itself picks them by torch.topk over the
+    0/1 map, whose order among equal values torch leaves unspecified: on CPU not the earliest, the number kept per
+    expert the same). The kept slots keep their weights, not renormalised (final_probs = routing_probs *
+    final_map); a dropped slot weighs 0, so its expert's output is not added and no gradient reaches that expert or
+    the router through it. Megatron's moe_pad_expert_input_to_capacity is left out: its weight-0 padding changes the
+    dispatch shapes, not the numbers (only its expert-bias count, which models/conversion/megatron.py refuses).
     """
 
     def __init__(self, config):
