@@ -20,13 +20,14 @@ batch axis as the rest of our layer is. Its parameters, under the decoder layer'
     experts.weight2 (E*F, hidden)              per expert e, rows e*F..: down_proj.T
     shared_experts.linear_fc1.weight (2F', hidden)  our shared_expert gate_proj and up_proj, rows interleaved
     shared_experts.linear_fc2.weight, shared_experts.shared_experts_gate.weight   down_proj, shared_expert_gate
-and counters (router.fi_accu, router.expert_load), not weights. models/conversion/tables.py EXPERT_STACKS turns
-our per-expert tensors into the stacked ones and back, as MindFormers' ExpertsConvertOp does for Hugging Face
-checkpoints (mindformers/checkpoint/converter/convert_op.py:259-283).
+and counters (router.fi_accu, router.expert_load), not weights. stack_experts / unstack_experts below turn our
+per-expert tensors into the stacked ones and back, as MindFormers' own converter does Hugging Face's.
 
-Executed here: building these cells on CPU (their names and shapes, tests/test_expert_parallel.py). Not executed
-here: their forward, whose TopkExt, GroupedMatmul and AllToAll have no CPU kernels; the acceptance kit
-(scripts/ascend_acceptance.sh) runs it on Ascend against the CPU reference.
+Executed here (tests/test_expert_parallel.py): these cells built on CPU inside our model (names, shapes), its
+training graph compiled up to the router's TopkExt (Ascend-only), and the model built under semi-auto parallel by
+two msrun CPU processes at DP 2 x EP 2 (expert-parallel groups, shard layouts). Not executed here: the forward,
+whose TopkExt, GroupedMatmul and AllToAll have no CPU kernels; the acceptance kit (scripts/ascend_acceptance.sh)
+runs it on Ascend against the CPU reference.
 """
 
 import numpy as np
