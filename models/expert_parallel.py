@@ -20,8 +20,11 @@ batch axis as the rest of our layer is. Its parameters, under the decoder layer'
     experts.weight2 (E*F, hidden)              per expert e, rows e*F..: down_proj.T
     shared_experts.linear_fc1.weight (2F', hidden)  our shared_expert gate_proj and up_proj, rows interleaved
     shared_experts.linear_fc2.weight, shared_experts.shared_experts_gate.weight   down_proj, shared_expert_gate
-and counters (router.fi_accu, router.expert_load), not weights. stack_experts / unstack_experts below turn our
-per-expert tensors into the stacked ones and back, as MindFormers' own converter does Hugging Face's.
+and counters (router.fi_accu, router.expert_load), not weights. models/conversion/tables.py EXPERT_STACKS turns
+our per-expert tensors into the stacked ones and back (stack_experts, unstack_experts), as MindFormers'
+ExpertsConvertOp does for Hugging Face checkpoints (mindformers/checkpoint/converter/convert_op.py:259-283); it lives
+there, beside the other layouts, so the converter and the load check read it without importing MindFormers.
+`scripts/convert_checkpoint.py --expert-layout stacked` writes a checkpoint in it.
 
 Executed here (tests/test_expert_parallel.py): these cells built on CPU inside our model (names, shapes), its
 training graph compiled up to the router's TopkExt (Ascend-only), and the model built under semi-auto parallel by
@@ -30,7 +33,6 @@ whose TopkExt, GroupedMatmul and AllToAll have no CPU kernels; the acceptance ki
 runs it on Ascend against the CPU reference.
 """
 
-import numpy as np
 from mindspore import ops
 
 from mindformers.parallel_core.training_graph.base_models.gpt.moe_module_specs import get_moe_module_spec
@@ -65,65 +67,3 @@ class MindFormersMoE(MoELayer):
     def construct(self, x, extra_loss=0., seq_chunk=None):
         out, _, router_loss = super().construct(self.to_sequence_first(x, (1, 0, 2)))
         return self.to_batch_first(out, (1, 0, 2)), router_loss
-
-
-# Our per-expert tensors (models/shapes.py names) -> MindFormers' stacked ones, by layer {n}; the same layout as
-# its ExpertsConvertOp writes from Hugging Face's (checkpoint/converter/convert_op.py:259-283) and, for the shared
-# expert, its ConcatConvertOp (convert_op.py:186-225: gate and up rows interleaved, as SharedExpertMLPInterleaved
-# reads them, transformer/mlp.py:210-225; one tensor-parallel rank, which MoE recipes have). tests/
-# test_expert_parallel.py runs both converters as the reference.
-ROUTER = ("model.layers.{n}.mlp.gate.weight", "model.layers.{n}.mlp.router.weight")
-EXPERT = "model.layers.{n}.mlp.experts.{e}.{proj}.weight"
-WEIGHT1, WEIGHT2 = "model.layers.{n}.mlp.experts.weight1", "model.layers.{n}.mlp.experts.weight2"
-SHARED = "model.layers.{n}.mlp.shared_expert.{proj}.weight"
-SHARED_FC1 = "model.layers.{n}.mlp.shared_experts.linear_fc1.weight"
-RENAMED = (ROUTER,
-           (SHARED.format(n="{n}", proj="down_proj"), "model.layers.{n}.mlp.shared_experts.linear_fc2.weight"),
-           ("model.layers.{n}.mlp.shared_expert_gate.weight",
-            "model.layers.{n}.mlp.shared_experts.shared_experts_gate.weight"))
-
-
-def stack_experts(tensors: dict, cfg) -> dict:
-    """Our checkpoint's tensors (numpy, by name) with every MoE layer in MindFormers' MoELayer names and layout:
-    experts.weight1 (E*hidden, 2F) rows e*hidden.. = [gate_proj.T | up_proj.T], weight2 (E*F, hidden) = down_proj.T,
-    the shared expert's linear_fc1 (2F', hidden) = gate and up rows interleaved."""
-    out = dict(tensors)
-    for n in range(cfg.num_layers):
-        if not cfg.is_moe_layer(n):
-            continue
-        for ours, theirs in RENAMED:
-            if ours.format(n=n) in out:
-                out[theirs.format(n=n)] = out.pop(ours.format(n=n))
-
-        def take(proj):
-            return [out.pop(EXPERT.format(n=n, e=e, proj=proj)) for e in range(cfg.num_experts)]
-        gate, up, down = take("gate_proj"), take("up_proj"), take("down_proj")
-        out[WEIGHT1.format(n=n)] = np.concatenate([np.concatenate([g.T, u.T], 1) for g, u in zip(gate, up)])
-        out[WEIGHT2.format(n=n)] = np.concatenate([d.T for d in down])
-        if cfg.shared_expert_intermediate_size:
-            gate, up = (out.pop(SHARED.format(n=n, proj=p)) for p in ("gate_proj", "up_proj"))
-            out[SHARED_FC1.format(n=n)] = np.stack([gate, up], 1).reshape(2 * gate.shape[0], gate.shape[1])
-    return out
-
-
-def unstack_experts(tensors: dict, cfg) -> dict:
-    """stack_experts backwards."""
-    out, hidden, width = dict(tensors), cfg.hidden_size, cfg.expert_size
-    for n in range(cfg.num_layers):
-        if not cfg.is_moe_layer(n):
-            continue
-        for ours, theirs in RENAMED:
-            if theirs.format(n=n) in out:
-                out[ours.format(n=n)] = out.pop(theirs.format(n=n))
-        w1 = out.pop(WEIGHT1.format(n=n)).reshape(cfg.num_experts, hidden, 2 * width)
-        w2 = out.pop(WEIGHT2.format(n=n)).reshape(cfg.num_experts, width, hidden)
-        for e in range(cfg.num_experts):
-            out[EXPERT.format(n=n, e=e, proj="gate_proj")] = np.ascontiguousarray(w1[e, :, :width].T)
-            out[EXPERT.format(n=n, e=e, proj="up_proj")] = np.ascontiguousarray(w1[e, :, width:].T)
-            out[EXPERT.format(n=n, e=e, proj="down_proj")] = np.ascontiguousarray(w2[e].T)
-        if cfg.shared_expert_intermediate_size:
-            fc1 = out.pop(SHARED_FC1.format(n=n))
-            pairs = fc1.reshape(fc1.shape[0] // 2, 2, fc1.shape[1])
-            out[SHARED.format(n=n, proj="gate_proj")] = np.ascontiguousarray(pairs[:, 0])
-            out[SHARED.format(n=n, proj="up_proj")] = np.ascontiguousarray(pairs[:, 1])
-    return out

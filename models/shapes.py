@@ -98,10 +98,11 @@ def parameter_shapes(cfg, tensor_parallel: int = 1, padded: bool = True, layers:
     return {name: tuple(dims[d] for d in names) for _, name, names in tensor_dimensions(cfg, layers)}
 
 
-# Parameters that are not weights: MoE layers' per-step counters (models/moe.py, zeroed after every step; never
-# converted or required at load), and DeepSeek's correction bias, a weight of the model that the training loop moves
+# Parameters that are not weights: MoE layers' per-step counters (models/moe.py's; and mlp.router.expert_load,
+# mlp.router.fi_accu of MindFormers' MoELayer, models/expert_parallel.py; zeroed after every step; never converted
+# or required at load), and DeepSeek's correction bias, a weight of the model that the training loop moves
 # (training/worker/router_stats.py), not the optimizer: it has no AdamW moments.
-STATISTICS = ("expert_load", "router_losses")
+STATISTICS = ("expert_load", "router_losses", "fi_accu")
 UNTRAINED_PARAMETERS = ("router.expert_bias",)
 
 

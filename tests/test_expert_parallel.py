@@ -14,9 +14,11 @@ import mindspore as ms
 
 from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.common.schema import to_plain
-from ascend_llm_recipes.models.expert_parallel import MindFormersMoE, stack_experts, unstack_experts
+from ascend_llm_recipes.models.conversion.tables import stack_experts, stacked_shapes, unstack_experts
+from ascend_llm_recipes.models.expert_parallel import MindFormersMoE
 from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 from ascend_llm_recipes.models.parallel import plan_layout
+from ascend_llm_recipes.models.shapes import STATISTICS, parameter_shapes
 from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_transformer_config
 
@@ -24,7 +26,6 @@ from conftest import REPO_ROOT
 
 ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
 MOE_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_moe_cpu.yaml")
-COUNTERS = ("router.fi_accu", "router.expert_load")  # MindFormers' router's, not weights (router.py:163-212)
 
 
 def moe_recipe(tmp_path, *overrides):
@@ -70,9 +71,11 @@ def test_its_parameters_are_ours_stacked_as_mindformers_converter_stacks_them(mo
     cfg = recipe.model.model_config
     ours_stacked = {name: value.shape for name, value in stack_experts(
         {p.name: np.zeros(p.shape, np.float32) for p in ours.get_parameters()}, cfg).items()
-        if not name.endswith(("expert_load", "router_losses"))}
-    their_weights = {name: shape for name, shape in shapes(theirs).items() if not name.endswith(COUNTERS)}
+        if not name.endswith(STATISTICS)}
+    their_weights = {name: shape for name, shape in shapes(theirs).items() if not name.endswith(STATISTICS)}
     assert their_weights == ours_stacked
+    # the shape-level variant (the converter's plan, the load check) from models/shapes.py's description
+    assert stacked_shapes(parameter_shapes(cfg), cfg) == their_weights
 
 
 def test_stacked_experts_equal_mindformers_experts_convert_op(models):

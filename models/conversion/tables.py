@@ -15,6 +15,10 @@ weights with {e} in their names) is its tensors in models/shapes.py plus rows he
     MEGATRON_TABLE  Megatron-core GPT, local and TransformerEngine specs (read and written)
     GROUPED_EXPERTS Megatron-core's GroupedMLP (--moe-grouped-gemm): a layer's experts stacked (read and written)
     META_TABLE      Meta's consolidated.NN.pth shards (read)
+
+One more layout is ours: EXPERT_STACKS, a MoE layer as MindFormers' MoELayer holds it (models/expert_parallel.py,
+what a MoE recipe runs on Ascend), its experts stacked into two tensors. Written into our format with
+`--expert-layout stacked` (write.py), read back expert by expert (ours.py OurCheckpoint, verify.py).
 """
 
 import re
@@ -339,6 +343,100 @@ META_TABLE = table(
 )
 
 
+# MindFormers 1.9's MoELayer names its router `router` and stacks the experts of a MoE layer into two tensors, as its
+# ExpertsConvertOp writes them from Hugging Face's (mindformers/checkpoint/converter/convert_op.py:259-283, which
+# tests/test_expert_parallel.py runs as the reference): {its tensor ({n} a layer): our tensors it holds, per expert}.
+# Expert e's block of rows holds its projections transposed to (in, out), side by side (all of one width):
+#   weight1 (E*hidden, 2F): rows e*hidden.. = [gate_proj.T | up_proj.T];  weight2 (E*F, hidden): rows e*F.. = down_proj.T
+EXPERT_STACKS = {
+    "model.layers.{n}.mlp.router.weight": ("model.layers.{n}.mlp.gate.weight",),
+    "model.layers.{n}.mlp.experts.weight1": ("model.layers.{n}.mlp.experts.{e}.gate_proj.weight",
+                                             "model.layers.{n}.mlp.experts.{e}.up_proj.weight"),
+    "model.layers.{n}.mlp.experts.weight2": ("model.layers.{n}.mlp.experts.{e}.down_proj.weight",),
+}
+PER_EXPERT, STACKED = "per-expert", "stacked"  # our CPU model's (Hugging Face's names), MindFormers' MoELayer's
+
+
+def stacked_names(cfg) -> dict:
+    """{stacked tensor: [our tensors it holds, expert by expert]} of every MoE layer of cfg."""
+    return {stack.format(n=n): [part.format(n=n, e=e) for e in experts(parts, cfg) for part in parts]
+            for n in range(cfg.num_layers) if cfg.is_moe_layer(n) for stack, parts in EXPERT_STACKS.items()}
+
+
+def experts(parts: tuple, cfg) -> range:
+    return range(cfg.num_experts) if "{e}" in parts[0] else range(1)
+
+
+def stacked_tensor(name: str, read, cfg) -> np.ndarray:
+    """The stacked tensor `name` from our tensors, read(our name) one at a time into it."""
+    template, numbers = template_of(name)
+    parts = EXPERT_STACKS[template]
+    if "{e}" not in parts[0]:  # the router: renamed
+        return read(parts[0].format(**numbers))
+    out = None
+    for e in experts(parts, cfg):
+        block = np.concatenate([read(part.format(e=e, **numbers)).T for part in parts], axis=1)  # (in, parts x out)
+        if out is None:
+            out = np.empty((cfg.num_experts * block.shape[0], block.shape[1]), block.dtype)
+        out[e * block.shape[0]:(e + 1) * block.shape[0]] = block
+    return out
+
+
+def unstacked_tensors(name: str, tensor: np.ndarray, cfg) -> dict:
+    """stacked_tensor backwards: {our name: a view of `tensor`}."""
+    template, numbers = template_of(name)
+    parts = EXPERT_STACKS[template]
+    if "{e}" not in parts[0]:
+        return {parts[0].format(**numbers): tensor}
+    blocks = tensor.reshape(cfg.num_experts, -1, tensor.shape[1])  # (E x in, parts x out) -> (E, in, parts x out)
+    return {part.format(e=e, **numbers): piece.T for e in experts(parts, cfg)
+            for part, piece in zip(parts, np.split(blocks[e], len(parts), axis=1))}
+
+
+def stacked_shape(name: str, part_shape: tuple, cfg) -> tuple:
+    """The shape of stacked tensor `name` whose parts each have `part_shape` (stacked_tensor's, without data)."""
+    parts = EXPERT_STACKS[template_of(name)[0]]
+    if "{e}" not in parts[0]:
+        return tuple(part_shape)
+    return cfg.num_experts * part_shape[1], len(parts) * part_shape[0]
+
+
+def stack_experts(tensors: dict, cfg) -> dict:
+    """`tensors` (numpy, by our name) with every MoE layer's router and experts stacked (EXPERT_STACKS)."""
+    out = dict(tensors)
+    for name in stacked_names(cfg):
+        out[name] = stacked_tensor(name, out.pop, cfg)
+    return out
+
+
+def unstack_experts(tensors: dict, cfg) -> dict:
+    """stack_experts backwards."""
+    out = dict(tensors)
+    for name in stacked_names(cfg):
+        out.update({part: np.ascontiguousarray(value)
+                    for part, value in unstacked_tensors(name, out.pop(name), cfg).items()})
+    return out
+
+
+def stacked_shapes(shapes: dict, cfg) -> dict:
+    """{name: shape} of our tensors (models/shapes.py parameter_shapes) in the stacked layout: each MoE layer's
+    stacked tensors where their first part stood (stack_experts's names and shapes, without data)."""
+    owner = {part: stack for stack, parts in stacked_names(cfg).items() for part in parts}
+    out = {}
+    for name, shape in shapes.items():
+        stack = owner.get(name)
+        if stack is None:
+            out[name] = tuple(shape)
+        elif stack not in out:
+            out[stack] = stacked_shape(stack, shape, cfg)
+    return out
+
+
+def expert_layout(names, cfg) -> str:
+    """The expert layout of a checkpoint holding tensors `names`: STACKED when any MoE layer is stacked."""
+    return STACKED if cfg.moe and not set(stacked_names(cfg)).isdisjoint(names) else PER_EXPERT
+
+
 INDEXED = re.compile(r"\.(layers|experts)\.(\d+)\.")
 PLACEHOLDERS = {"layers": "n", "experts": "e"}
 
@@ -372,7 +470,7 @@ IGNORED_OURS = (
     (r"adam_[mv]\..+", "AdamW moments"),
     (r"global_step|epoch_num|step_num|loss_scale|scale_sense|global_batch_size", "training counters"),
     (r"current_iterator_step|last_overflow_iterator_step", "training counters"),
-    (rf"model\.layers\.\d+\.mlp\.({'|'.join(STATISTICS)})", "MoE routing statistics"),
+    (rf"model\.layers\.\d+\.mlp\.(router\.)?({'|'.join(STATISTICS)})", "MoE routing statistics"),
 )
 TIED_HEAD = "lm_head.weight"  # in a tied HF checkpoint, a copy of the embedding when present at all
 TIED_COPY_KIND = "copy of the tied embedding"
