@@ -3,6 +3,7 @@
     python scripts/convert_checkpoint.py --from-hf HF_DIR --output OUT_DIR [--verify] [--seq-length N]
     python scripts/convert_checkpoint.py --to-hf OURS --output HF_DIR [--model-config YAML]
     python scripts/convert_checkpoint.py --from-torch consolidated.00.pth --model-config params.json --output OUT_DIR
+    python scripts/convert_checkpoint.py --from-hf HF_DIR --output OUT_DIR --expert-layout stacked   # MoE on Ascend
 
 --from-hf writes OUT_DIR/weights.safetensors, model_config.yaml (a recipe's model: section) and
 conversion.json; train from it with that model section and the recipe keys
@@ -13,6 +14,9 @@ resume would take) or a .ckpt / .safetensors file, and writes config.json + mode
 (plus the run's tokenizer when its dataset names one).
 --from-megatron and --from-torch write the same converted directory as --from-hf; --to-megatron writes
 Megatron-LM legacy files, mp_rank_TT[_PPP]/model_optim_rng.pt (models/conversion/megatron.py).
+A Mixture-of-Experts model trains on Ascend with MindFormers' MoELayer, which holds each MoE layer's experts stacked
+(mlp.router.weight, mlp.experts.weight1, mlp.experts.weight2): convert into our format with --expert-layout stacked
+for such a recipe (the default, per-expert, is our CPU model's). --to-hf and --to-megatron read either layout.
 Exit codes: 0 converted, 2 bad input (the message says what to fix), 1 internal error, 130 interrupted.
 """
 
@@ -21,6 +25,7 @@ import sys
 import traceback
 
 from ascend_llm_recipes.models.conversion.hf import from_hf
+from ascend_llm_recipes.models.conversion.tables import PER_EXPERT, STACKED
 from ascend_llm_recipes.models.conversion.write import summary
 from ascend_llm_recipes.training.tools.export import to_hf
 from ascend_llm_recipes.common.errors import PretrainError
@@ -57,6 +62,10 @@ def main(argv=None) -> int:
     parser.add_argument("--model-config", metavar="YAML",
                         help="--to-hf: recipe or model_config.yaml, when not found beside the checkpoint; "
                              "--from-torch: config.json, Meta's params.json, model_config.yaml or recipe")
+    parser.add_argument("--expert-layout", choices=(PER_EXPERT, STACKED),
+                        help="--from-hf, --from-megatron, --from-torch, MoE models: per-expert (our CPU model's, "
+                             "the default) or stacked (MindFormers' MoELayer's, for a recipe with "
+                             "context.device_target Ascend)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     # Megatron-LM and plain PyTorch files (models/conversion/megatron.py, torch_state.py; training/tools/export.py)
     direction.add_argument("--from-megatron", metavar="CKPT_DIR",
@@ -90,6 +99,10 @@ def main(argv=None) -> int:
         parser.error("--verify and --seq-length do not apply to --to-hf")
     if args.grouped_gemm and not args.to_megatron:
         parser.error("--grouped-gemm applies to --to-megatron (GroupedMLP files are read as they are)")
+    if args.expert_layout and (args.to_hf or args.to_megatron):
+        parser.error("--expert-layout applies to conversions into our format (--from-hf, --from-megatron, "
+                     "--from-torch); --to-hf and --to-megatron read either layout")
+    args.expert_layout = args.expert_layout or PER_EXPERT
     try:
         if megatron:
             from ascend_llm_recipes.training.tools.export import run_cli
@@ -98,7 +111,7 @@ def main(argv=None) -> int:
         check_writable_dir(args.output, "--output")
         if args.from_hf:
             manifest = from_hf(args.from_hf, args.output, seq_length=args.seq_length, verify=args.verify,
-                               show_progress=not args.quiet)
+                               show_progress=not args.quiet, expert_layout=args.expert_layout)
         else:
             # A semi-auto (TP/PP) run's shards are first merged into one unsliced checkpoint with the strategy
             # files the run saved, in RUN_DIR/merged_checkpoint/step_N/ (training/tools/relayout.py).

@@ -230,6 +230,17 @@ def itemsize(dtype: str) -> int:
     return ITEMSIZES.get(dtype) or np.dtype(dtype).itemsize
 
 
+def model_shapes(recipe) -> dict:
+    """{parameter: whole shape} of the recipe's model as it runs: MoE layers stacked where they are MindFormers'
+    MoELayer (training/recipe/mindformers.py runs_mindformers_moe), per expert where they are ours."""
+    from ascend_llm_recipes.models.conversion.tables import stacked_shapes
+    from ascend_llm_recipes.models.shapes import parameter_shapes
+    from ascend_llm_recipes.training.recipe.mindformers import runs_mindformers_moe
+
+    shapes = parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
+    return stacked_shapes(shapes, recipe.model.model_config) if runs_mindformers_moe(recipe) else shapes
+
+
 def rank_shapes(recipe):
     """What every rank's checkpoint must hold (RankShapes), or None where MindSpore alone knows a rank's part.
 
@@ -240,11 +251,10 @@ def rank_shapes(recipe):
     verified and MindSpore checks the slices against the strategy at load. Auto parallel (mode 2) searches strategies
     itself: None too.
     """
-    from ascend_llm_recipes.models.shapes import parameter_shapes
     from ascend_llm_recipes.training.recipe.mindformers import semi_auto
 
     p = recipe.parallel_config
-    whole = parameter_shapes(recipe.model.model_config, p.model_parallel)
+    whole = model_shapes(recipe)
     if not semi_auto(recipe):
         return RankShapes(whole)
     if p.model_parallel > 1 or p.pipeline_stage > 1 or recipe.parallel.parallel_mode != 1:

@@ -4,10 +4,11 @@
                               -> OUT_DIR/weights.safetensors (what the MindFormers Trainer loads
                                  through a recipe's `load_checkpoint: OUT_DIR`), model_config.yaml
                                  (the recipe's `model:` section) and conversion.json (the manifest)
-    write_hf(CKPT, cfg, OUT_DIR)  one of our .ckpt or .safetensors files -> OUT_DIR/config.json +
-                              model.safetensors for transformers (+ tokenizer.model and tokenizer_config.json
-                              when given one); training/tools/export.py's to_hf(OURS, OUT_DIR) takes a converted
-                              directory, a run directory (its newest verified step) or a file and calls it
+    write_hf(CKPT, cfg, OUT_DIR)  one of our .ckpt or .safetensors files (either expert layout, ours.OurCheckpoint)
+                              -> OUT_DIR/config.json + model.safetensors for transformers (+ tokenizer.model
+                              and tokenizer_config.json when given one); training/tools/export.py's
+                              to_hf(OURS, OUT_DIR) takes a converted directory, a run directory (its newest
+                              verified step) or a file and calls it
 
 How the Trainer reads OUT_DIR (recipe keys `load_checkpoint: OUT_DIR`, `load_ckpt_format:
 safetensors`): training/worker/train.py runs MindFormers 1.9 with `use_legacy_format: True`, whose
@@ -37,14 +38,15 @@ import time
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.common.files import file_sha256
 from ascend_llm_recipes.models.config import ModelConfig
-from ascend_llm_recipes.models.conversion.formats import (CkptFile, HFWeights, SafetensorsFile, SafetensorsWriter,
+from ascend_llm_recipes.models.conversion.formats import (HFWeights, SafetensorsFile, SafetensorsWriter,
                                                           TorchBinFile)
 from ascend_llm_recipes.models.conversion.hf_families import (ROPE_INTERLEAVE, conversion_notes, export_notes,
                                                               family_for, family_of, hf_config_from_model,
                                                               model_config_from_hf, mtp_layers)
-from ascend_llm_recipes.models.conversion.ours import FORMAT_VERSION, HF_WEIGHTS_FILE, existing_conversion, fingerprint
-from ascend_llm_recipes.models.conversion.tables import (IGNORED_HF, IGNORED_OURS, TIED_HEAD, TRANSFORMS, check_tensors,
-                                                         tensor_plan)
+from ascend_llm_recipes.models.conversion.ours import (FORMAT_VERSION, HF_WEIGHTS_FILE, OurCheckpoint,
+                                                       existing_conversion, fingerprint)
+from ascend_llm_recipes.models.conversion.tables import (IGNORED_HF, IGNORED_OURS, PER_EXPERT, TIED_HEAD, TRANSFORMS,
+                                                         check_tensors, tensor_plan)
 from ascend_llm_recipes.models.conversion.verify import verify_logits
 from ascend_llm_recipes.models.conversion.write import (non_finite_report, progress_bar, refuse_non_finite,
                                                         tensor_sha256, write_conversion, write_ours)
@@ -117,11 +119,12 @@ def read_hf_config(hf_dir: str) -> tuple:
 
 
 def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = False,
-            show_progress: bool = True) -> dict:
+            show_progress: bool = True, expert_layout: str = PER_EXPERT) -> dict:
     """Convert a HuggingFace directory into OUT_DIR (weights.safetensors, model_config.yaml, conversion.json).
 
     With verify, logits of transformers and of our model are compared before OUT_DIR is
-    published; a conversion outside tolerance leaves no output. Returns the manifest.
+    published; a conversion outside tolerance leaves no output. `expert_layout`: write.write_ours's.
+    Returns the manifest.
     """
     start = time.perf_counter()
     hf_dir = os.path.abspath(hf_dir)
@@ -153,7 +156,8 @@ def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = Fa
     return write_ours(weights, cfg, out_dir, "from-hf", source, f"Converted from {hf_dir} ({family.model_type})",
                       verify=check, ignored=[name for name in ignored if name not in not_converted],
                       show_progress=show_progress, more_files=tokenizer_entries, start=start, rows=table,
-                      notes=conversion_notes(family, hf_config), not_converted=not_converted)
+                      notes=conversion_notes(family, hf_config), not_converted=not_converted,
+                      expert_layout=expert_layout)
 
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
@@ -183,12 +187,12 @@ def write_hf(ckpt_path: str, cfg: ModelConfig, out_dir: str, tensor_parallel: in
     the weights. training/tools/export.py's to_hf finds these for a run or converted directory. Returns the manifest.
     """
     start = time.perf_counter()
-    ckpt = CkptFile(ckpt_path) if ckpt_path.endswith(".ckpt") else SafetensorsFile(ckpt_path)
+    ckpt = OurCheckpoint(ckpt_path, cfg)  # either expert layout, read expert by expert
     hf_config = hf_config_from_model(cfg)  # refuses a model no HF family has
     family = family_for(cfg)
     plan = tensor_plan(cfg, tensor_parallel, rows=family.table)
     found = {name: info[1] for name, info in ckpt.tensors.items()}
-    ignored = check_tensors(found, {p.ours: p.our_shape for p in plan}, IGNORED_OURS, ckpt_path)
+    ignored = check_tensors(found, ckpt.expected({p.ours: p.our_shape for p in plan}), IGNORED_OURS, ckpt_path)
     existing = existing_conversion(out_dir, hf_config)
 
     def write_files(work_dir: str) -> dict:

@@ -44,13 +44,14 @@ import numpy as np
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.models.arithmetic import round_up
 from ascend_llm_recipes.models.config import ModelConfig
-from ascend_llm_recipes.models.conversion.formats import CkptFile, HFWeights, SafetensorsFile
+from ascend_llm_recipes.models.conversion.formats import HFWeights
 from ascend_llm_recipes.models.conversion.megatron_files import (LATEST_FILE, LegacyCheckpoint, RANK_FILE, kv_groups,
                                                                  open_megatron)
-from ascend_llm_recipes.models.conversion.ours import FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES, OPTIMIZER_DIR
-from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TABLE, MEGATRON_TENSORS, TRANSFORMS,
-                                                         grouped_state, is_expert, layer_names, present_tensors,
-                                                         rank_share, row_for, tensor_plan)
+from ascend_llm_recipes.models.conversion.ours import (FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES, OPTIMIZER_DIR,
+                                                       OurCheckpoint)
+from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TABLE, MEGATRON_TENSORS, PER_EXPERT,
+                                                         TRANSFORMS, grouped_state, is_expert, layer_names,
+                                                         present_tensors, rank_share, row_for, tensor_plan)
 from ascend_llm_recipes.models.conversion.megatron_reference import verify_against_megatron
 from ascend_llm_recipes.models.conversion.write import progress_bar, write_conversion, write_ours
 from ascend_llm_recipes.models.shapes import dimensions, tensor_dimensions
@@ -242,11 +243,12 @@ class MegatronWeights(HFWeights):
 
 def from_megatron(ckpt_dir: str, out_dir: str, iteration: int = None, vocab_size: int = None,
                   verify: bool = False, show_progress: bool = True, qkv_layout: str = "grouped",
-                  fc1_merge: str = "per_rank") -> dict:
+                  fc1_merge: str = "per_rank", expert_layout: str = PER_EXPERT) -> dict:
     """Convert a Megatron-LM checkpoint (legacy or torch_dist, any TP/PP) into OUT_DIR. Returns the manifest.
 
     With verify, our logits are compared with a pure-torch forward of the Megatron tensors as each
-    tensor-parallel rank holds them (megatron_reference.py), before OUT_DIR is published.
+    tensor-parallel rank holds them (megatron_reference.py), before OUT_DIR is published. `expert_layout`:
+    write.write_ours's.
     """
     with open_megatron(ckpt_dir, iteration) as ckpt:  # each rank file loaded once, released on return
         cfg = model_config_from_args(ckpt.args, f"{ckpt.path} (args)", vocab_size)
@@ -266,7 +268,7 @@ def from_megatron(ckpt_dir: str, out_dir: str, iteration: int = None, vocab_size
         return write_ours(weights, cfg, out_dir, "from-megatron", source,
                           f"Converted from {ckpt.path} (Megatron {ckpt.format}, iteration {ckpt.iteration}, "
                           f"TP {ckpt.tp} x PP {ckpt.pp})", verify=check, show_progress=show_progress,
-                          moments=moments, optimizer=optimizer)
+                          moments=moments, optimizer=optimizer, expert_layout=expert_layout)
 
 
 def carried_moments(ckpt, cfg: ModelConfig, qkv_layout: str = "grouped", fc1_merge: str = "per_rank") -> tuple:
@@ -310,9 +312,9 @@ def to_megatron(ckpt_path: str, cfg: ModelConfig, out_dir: str, tp: int = 1, pp:
         numbers.append(f"--iteration {iteration}: must be 0 or more (Megatron names iter_NNNNNNN directories by it)")
     if numbers:
         raise ConversionError(f"{ckpt_path}: " + "; ".join(numbers))
-    ckpt = CkptFile(ckpt_path) if ckpt_path.endswith(".ckpt") else SafetensorsFile(ckpt_path)
+    ckpt = OurCheckpoint(ckpt_path, cfg)  # either expert layout, read expert by expert
     plan = {p.hf: p for p in tensor_plan(cfg)}
-    problems = [f"{p.ours}: missing" for p in plan.values() if p.ours not in ckpt.tensors]
+    problems = [f"{p.ours}: missing" for p in plan.values() if p.ours not in ckpt]
     groups = cfg.kv_heads
     for what, value in (("num_heads", cfg.num_heads), ("num_kv_heads", groups),
                         ("intermediate_size", cfg.intermediate_size),

@@ -1,4 +1,5 @@
-"""Our converted directory: its file names, its model section (model_config.yaml) and its manifest's identity.
+"""Our converted directory: its file names, its model section (model_config.yaml), its manifest's identity, and
+our checkpoint files read in either expert layout (OurCheckpoint).
 
 Every conversion into our format writes OUT_DIR/weights.safetensors, model_config.yaml (a recipe's `model:`
 section) and conversion.json (the manifest, written last: the completion marker); see hf.py for why
@@ -9,12 +10,16 @@ import hashlib
 import json
 import os
 
+import numpy as np
 import yaml
 
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.common.schema import load_dataclass, to_plain
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.models.config import ModelConfig, ModelSection
+from ascend_llm_recipes.models.conversion.formats import CkptFile, SafetensorsFile
+from ascend_llm_recipes.models.conversion.tables import (STACKED, expert_layout, stacked_names, stacked_shapes,
+                                                         unstacked_tensors)
 
 
 FORMAT_VERSION = 1
@@ -118,3 +123,38 @@ def architecture_differences(recorded: ModelConfig, wanted: ModelConfig) -> list
 
     return [f"model.model_config.{name}: checkpoint {value(recorded, name)!r}, recipe {value(wanted, name)!r}"
             for name in ARCHITECTURE_FIELDS if value(recorded, name) != value(wanted, name)]
+
+
+class OurCheckpoint:
+    """One of our checkpoint files (a run's .ckpt, a conversion's .safetensors) read under our per-expert names in
+    either expert layout: a MoE layer stacked as MindFormers' MoELayer holds it (tables.EXPERT_STACKS, a run on Ascend
+    or --expert-layout stacked) is split on read, one stacked tensor held at a time.
+
+    `tensors`: the file's own entries, {name: (dtype, shape, ...)}; `layout`: tables.PER_EXPERT or STACKED.
+    """
+
+    def __init__(self, path: str, cfg: ModelConfig):
+        self.path, self.cfg = path, cfg
+        self.file = CkptFile(path) if path.endswith(".ckpt") else SafetensorsFile(path)
+        self.tensors = self.file.tensors
+        self.layout = expert_layout(self.tensors, cfg)
+        self.stack_of = ({part: stack for stack, parts in stacked_names(cfg).items() for part in parts}
+                         if self.layout == STACKED else {})
+        self.held = (None, {})
+
+    def expected(self, shapes: dict) -> dict:
+        """Our {name: shape} (models/shapes.py parameter_shapes) under the names and shapes this file holds them."""
+        return stacked_shapes(shapes, self.cfg) if self.stack_of else shapes
+
+    def __contains__(self, name: str) -> bool:
+        return self.stack_of.get(name, name) in self.tensors
+
+    def read(self, name: str) -> np.ndarray:
+        """Our tensor `name` as float32."""
+        stack = self.stack_of.get(name)
+        if stack is None:
+            return self.file.read(name)
+        if self.held[0] != stack:
+            self.held = (None, {})  # the previous stacked tensor goes before the next is read
+            self.held = (stack, unstacked_tensors(stack, self.file.read(stack), self.cfg))
+        return np.ascontiguousarray(self.held[1][name])

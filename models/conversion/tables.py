@@ -347,7 +347,8 @@ META_TABLE = table(
 # ExpertsConvertOp writes them from Hugging Face's (mindformers/checkpoint/converter/convert_op.py:259-283, which
 # tests/test_expert_parallel.py runs as the reference): {its tensor ({n} a layer): our tensors it holds, per expert}.
 # Expert e's block of rows holds its projections transposed to (in, out), side by side (all of one width):
-#   weight1 (E*hidden, 2F): rows e*hidden.. = [gate_proj.T | up_proj.T];  weight2 (E*F, hidden): rows e*F.. = down_proj.T
+#   weight1 (E*hidden, 2F): rows e*hidden.. = [gate_proj.T | up_proj.T]
+#   weight2 (E*F, hidden):  rows e*F.. = down_proj.T
 EXPERT_STACKS = {
     "model.layers.{n}.mlp.router.weight": ("model.layers.{n}.mlp.gate.weight",),
     "model.layers.{n}.mlp.experts.weight1": ("model.layers.{n}.mlp.experts.{e}.gate_proj.weight",

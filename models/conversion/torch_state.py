@@ -34,8 +34,8 @@ from ascend_llm_recipes.models.conversion.formats import HFWeights, SafetensorsW
 from ascend_llm_recipes.models.conversion.hf_families import (DEFAULT_MAX_SEQ_LENGTH, NO_TOKEN, hf_config_from_model,
                                                               model_config_from_hf)
 from ascend_llm_recipes.models.conversion.ours import HF_WEIGHTS_FILE
-from ascend_llm_recipes.models.conversion.tables import (META_TABLE, TIED_HEAD, TRANSFORMS, check_tensors, tensor_plan,
-                                                         template_of)
+from ascend_llm_recipes.models.conversion.tables import (META_TABLE, PER_EXPERT, TIED_HEAD, TRANSFORMS, check_tensors,
+                                                         tensor_plan, template_of)
 from ascend_llm_recipes.models.conversion.verify import reference_logits, verify_against
 from ascend_llm_recipes.models.conversion.write import write_ours
 
@@ -322,13 +322,14 @@ def read_json_config(path: str) -> dict:
 
 
 def from_torch(path: str, out_dir: str, model_config: str, cfg: ModelConfig = None, key_map: str = None,
-               seq_length: int = None, verify: bool = False, show_progress: bool = True) -> dict:
+               seq_length: int = None, verify: bool = False, show_progress: bool = True,
+               expert_layout: str = PER_EXPERT) -> dict:
     """Convert a torch.save'd state dict (HF names, names a key map renames, or Meta's layout) into OUT_DIR.
 
     `model_config`: a config.json or Meta's params.json, read here when cfg is None; or the model
     section / recipe cfg was read from (training/tools/export.py), recorded in the manifest. With verify,
     our logits are compared before OUT_DIR is published: with transformers' on the source tensors
-    (HF names), or with meta_reference_logits (Meta's layout).
+    (HF names), or with meta_reference_logits (Meta's layout). `expert_layout`: write.write_ours's.
     """
     path = os.path.abspath(path)
     shards = [TorchStateFile(f) for f in shard_files(path)]
@@ -382,7 +383,7 @@ def from_torch(path: str, out_dir: str, model_config: str, cfg: ModelConfig = No
             lambda tokens: hf_reference_logits(weights, hf_config, kept, tokens, work_dir), work_dir, where))
     header = f"Converted from {path}" + (f" (Meta's layout, {len(shards)} model-parallel shard(s))" if meta else "")
     return write_ours(weights, cfg, out_dir, "from-torch", source, header, verify=check, ignored=ignored,
-                      show_progress=show_progress)
+                      show_progress=show_progress, expert_layout=expert_layout)
 
 
 class _Renamed:

@@ -12,6 +12,7 @@ import numpy as np
 
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, MODEL_SECTION_FILE, read_model_file
+from ascend_llm_recipes.models.conversion.tables import STACKED, expert_layout, unstack_experts
 
 
 # --verify bounds for float32 weights (bf16 sources are widened exactly). Rounding error grows with the
@@ -21,7 +22,8 @@ KL_TOLERANCE = 1e-6
 
 
 def load_our_model(converted_dir: str):
-    """Our LlamaForCausalLM with a converted checkpoint loaded strictly (every parameter, nothing else)."""
+    """Our LlamaForCausalLM with a converted checkpoint loaded strictly (every parameter, nothing else); MoE layers
+    stacked as MindFormers' MoELayer holds them (--expert-layout stacked) are split into our experts on load."""
     if "LOCAL_DEFAULT_PATH" not in os.environ:  # MindFormers logs to ./output from import time on otherwise
         os.environ["LOCAL_DEFAULT_PATH"] = tempfile.mkdtemp(prefix="mindformers-log-")
     import mindspore as ms
@@ -33,6 +35,9 @@ def load_our_model(converted_dir: str):
         ms.set_device("CPU")
     net = LlamaForCausalLM(LlamaConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "type"}))
     params = ms.load_checkpoint(os.path.join(converted_dir, CHECKPOINT_FILE), format="safetensors")
+    if expert_layout(params, cfg) == STACKED:
+        params = {name: ms.Parameter(ms.Tensor(value), name=name) for name, value in
+                  unstack_experts({name: param.asnumpy() for name, param in params.items()}, cfg).items()}
     not_loaded, unused = ms.load_param_into_net(net, params, strict_load=True)
     not_loaded = [name for name in not_loaded if not name.endswith(STATISTICS)]  # MoE counters, not weights
     if not_loaded or unused:

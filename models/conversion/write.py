@@ -23,7 +23,8 @@ from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, FORMAT_V
                                                        MODEL_SECTION_FILE, MOMENT_FILES, OPTIMIZER_DIR,
                                                        existing_conversion, fingerprint, model_section_yaml,
                                                        recipe_keys)
-from ascend_llm_recipes.models.conversion.tables import (TIED_HEAD, TRANSFORMS, ignored_kinds, pad_vocab_rows,
+from ascend_llm_recipes.models.conversion.tables import (PER_EXPERT, STACKED, TIED_HEAD, TRANSFORMS, ignored_kinds,
+                                                         pad_vocab_rows, stacked_names, stacked_shapes, stacked_tensor,
                                                          tensor_plan)
 from ascend_llm_recipes.models.conversion.verify import PARITY_RULE
 
@@ -77,7 +78,7 @@ def tensor_sha256(array: np.ndarray) -> str:
 
 def write_ours(weights: HFWeights, cfg: ModelConfig, out_dir: str, direction: str, source: dict, header: str,
                verify=None, ignored=(), show_progress: bool = True, moments=None, more_files=None, start=None,
-               rows: dict = None, notes=(), **extra) -> dict:
+               rows: dict = None, notes=(), expert_layout: str = PER_EXPERT, **extra) -> dict:
     """OUT_DIR in our format (weights.safetensors, model_config.yaml, conversion.json) from HF-named `weights`.
 
     from_hf, megatron.from_megatron and torch_state.from_torch all write through here (and so through
@@ -86,20 +87,27 @@ def write_ours(weights: HFWeights, cfg: ModelConfig, out_dir: str, direction: st
     their manifest entries (the tokenizer of from_hf); verify(work_dir) returns the parity result. `rows`: the
     HuggingFace family's table naming `weights` (tables.tensor_plan; HF_TABLE by default). `notes`: what the
     model section cannot say (DeepSeek-V3's rotary layout, ...), written into its header and the manifest.
+    `expert_layout`: a MoE model's experts per expert (PER_EXPERT, our CPU model's) or STACKED as MindFormers'
+    MoELayer holds them (tables.EXPERT_STACKS; what a MoE recipe runs on Ascend), recorded in the manifest.
     """
     plan = tensor_plan(cfg, rows=rows)
     model = to_plain(cfg)
+    notes = list(notes) + check_expert_layout(expert_layout, cfg, source["path"])
     existing = existing_conversion(out_dir, model)
+    if existing is not None and existing.get("expert_layout", PER_EXPERT) != expert_layout and cfg.moe:
+        raise ConversionError(f"output {out_dir} already holds this model with its experts "
+                              f"{existing.get('expert_layout', PER_EXPERT)}, not {expert_layout}",
+                              hint="choose another --output, or remove the old conversion first")
 
     def write_files(work_dir: str) -> dict:
         tensors = write_weights(weights, plan, cfg, os.path.join(work_dir, CHECKPOINT_FILE), show_progress,
-                                source["path"], direction)
+                                source["path"], direction, expert_layout)
         if TIED_HEAD in ignored:
             check_tied_copy(weights, tensors)
         for prefix, values in (moments or {}).items():
             os.makedirs(os.path.join(work_dir, OPTIMIZER_DIR), exist_ok=True)
             write_weights(values, plan, cfg, os.path.join(work_dir, OPTIMIZER_DIR, f"{prefix}.safetensors"),
-                          show_progress, f"{source['path']} ({MOMENT_FILES[prefix]})", direction)
+                          show_progress, f"{source['path']} ({MOMENT_FILES[prefix]})", direction, expert_layout)
         with open(os.path.join(work_dir, MODEL_SECTION_FILE), "w", encoding="utf-8") as f:
             f.write(model_section_yaml(cfg, f"{header} by scripts/convert_checkpoint.py.\n" +
                                        "".join(f"{note}.\n" for note in notes) + recipe_keys(out_dir)))
@@ -108,7 +116,7 @@ def write_ours(weights: HFWeights, cfg: ModelConfig, out_dir: str, direction: st
                     "checkpoint": CHECKPOINT_FILE, "dtype": "float32", "model": model,
                     "padded_vocab_size": dimensions(cfg)["padded_vocab"], "tensors": tensors,
                     "ignored": list(ignored), "notes": list(notes), "fingerprint": fingerprint(model, tensors),
-                    **extra}
+                    **({"expert_layout": expert_layout} if cfg.moe else {}), **extra}
         if more_files is not None:
             manifest.update(more_files(work_dir))
         return manifest
@@ -141,24 +149,57 @@ def write_conversion(out_dir: str, write_files, existing: dict = None, verify=No
 
 
 def write_weights(weights: HFWeights, plan: list, cfg: ModelConfig, path: str, show_progress: bool, where: str,
-                  direction: str) -> list:
-    """Our safetensors file of `weights` (HF-named) along `plan`, one tensor at a time; returns the records."""
+                  direction: str, expert_layout: str = PER_EXPERT) -> list:
+    """Our safetensors file of `weights` (HF-named) along `plan`, one tensor at a time; returns the records.
+
+    With expert_layout STACKED each MoE layer's stacked tensors stand where their first part did, each read part by
+    part into it (tables.stacked_tensor): one stacked tensor in memory at a time.
+    """
+    items = {p.ours: p for p in plan}
+    stacks = stacked_names(cfg) if expert_layout == STACKED else {}
+    shapes = {p.ours: p.our_shape for p in plan}
+    shapes = stacked_shapes(shapes, cfg) if stacks else shapes
+
+    def read(name: str) -> np.ndarray:
+        item = items[name]
+        return TRANSFORMS[item.transform][0](weights.read(item.hf), item.our_shape, cfg)
+
     # MindSpore's save_checkpoint(format="safetensors") marks its files the same way.
-    writer = SafetensorsWriter(path, {p.ours: p.our_shape for p in plan}, metadata={"format": "ms"})
+    writer = SafetensorsWriter(path, shapes, metadata={"format": "ms"})
     records, non_finite = [], []
-    with progress_bar(len(plan), "convert", show_progress) as bar:
-        for item in plan:
-            source = weights.read(item.hf)
-            tensor = TRANSFORMS[item.transform][0](source, item.our_shape, cfg)
-            non_finite += non_finite_report(item.hf, tensor)
-            writer.write(item.ours, tensor)
-            records.append({"name": item.ours, "source": item.hf, "source_dtype": weights.tensors[item.hf][1],
-                            "transform": item.transform, "shape": list(tensor.shape), "sha256": tensor_sha256(tensor)})
-            del source, tensor  # keep one tensor alive at a time
+    with progress_bar(len(shapes), "convert", show_progress) as bar:
+        for name in shapes:
+            sources = [items[part].hf for part in stacks.get(name, [name])]
+            tensor = stacked_tensor(name, read, cfg) if name in stacks else read(name)
+            non_finite += non_finite_report(sources[0] if len(sources) == 1 else f"{name} (stacked)", tensor)
+            writer.write(name, tensor)
+            records.append({"name": name, "source": sources[0] if name not in stacks else sources,
+                            "source_dtype": weights.tensors[sources[0]][1],
+                            "transform": items[name].transform if name not in stacks else "expert_stack",
+                            "shape": list(tensor.shape), "sha256": tensor_sha256(tensor)})
+            del tensor  # keep one tensor alive at a time
             bar.update()
     writer.close()
     refuse_non_finite(non_finite, where, direction)
     return records
+
+
+def check_expert_layout(expert_layout: str, cfg: ModelConfig, where: str) -> list:
+    """The notes of an expert layout, refused by name for a model it does not apply to."""
+    if expert_layout == PER_EXPERT:
+        return []
+    if expert_layout != STACKED:
+        raise ConversionError(f"--expert-layout {expert_layout}: unknown; use {PER_EXPERT} or {STACKED}")
+    if not cfg.moe:
+        raise ConversionError(f"--expert-layout {STACKED}: {where} is a dense model (num_experts 0); only "
+                              "Mixture-of-Experts layers are stacked", hint="leave out --expert-layout")
+    if cfg.shared_expert_intermediate_size:
+        raise ConversionError(f"--expert-layout {STACKED}: {where} has shared experts (shared_expert_intermediate_"
+                              f"size {cfg.shared_expert_intermediate_size}), which MindFormers' MoELayer path "
+                              "(models/expert_parallel.py) has no table for yet",
+                              hint="convert with the default --expert-layout per-expert and train on CPU")
+    return ["MoE layers stacked as MindFormers' MoELayer holds them (mlp.router.weight, mlp.experts.weight1, "
+            "weight2), for a recipe running them on Ascend; --to-hf and --to-megatron read them back"]
 
 
 def check_tied_copy(weights: HFWeights, records: list) -> None:

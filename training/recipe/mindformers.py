@@ -240,6 +240,12 @@ def semi_auto(recipe: Recipe) -> bool:
     return recipe.use_parallel and recipe.parallel.parallel_mode in (1, 2)
 
 
+def runs_mindformers_moe(recipe: Recipe) -> bool:
+    """Whether the recipe's MoE layers are MindFormers' own MoELayer (models/expert_parallel.py: expert parallel on
+    Ascend), whose parameters are its stacked experts (models/conversion/tables.py EXPERT_STACKS), or ours (CPU)."""
+    return recipe.model.model_config.moe and recipe.context.device_target != "CPU"
+
+
 def model_layout(recipe: Recipe, source: str = "the recipe") -> LlamaLayout:
     """The layout models/llama.py applies: the recipe's degrees, stages and recompute, as MindFormers would apply them.
 
@@ -255,8 +261,7 @@ def model_layout(recipe: Recipe, source: str = "the recipe") -> LlamaLayout:
         degrees = (1, 1, 1, 1, None)
     layout = plan_layout(recipe.model.model_config, *degrees, r.mode, p.vocab_emb_dp and p.pipeline_stage == 1,
                          options, p.gradient_aggregation_group)
-    if recipe.model.model_config.moe and recipe.context.device_target != "CPU":
-        # MoE layers with expert parallel: MindFormers' own MoELayer (models/expert_parallel.py)
+    if runs_mindformers_moe(recipe):
         from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_transformer_config
         layout.experts = moe_transformer_config(recipe, source)
     return layout

@@ -10,6 +10,7 @@ tokenizer) into those plain values, and writes recipes that continue a converted
 import json
 import math
 import os
+import shlex
 import sys
 
 import yaml
@@ -23,6 +24,7 @@ from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, MODEL_SE
 from ascend_llm_recipes.models.conversion.hf import write_hf
 from ascend_llm_recipes.models.conversion.megatron import from_megatron, source_manifest
 from ascend_llm_recipes.models.conversion.megatron import to_megatron as _to_megatron
+from ascend_llm_recipes.models.conversion.tables import PER_EXPERT
 from ascend_llm_recipes.models.conversion.torch_state import from_torch as _from_torch
 from ascend_llm_recipes.training.run_files import CHECKPOINTS
 from ascend_llm_recipes.training.recipe.loading import load_recipe
@@ -69,12 +71,14 @@ def run_recipe(run_dir: str):
 def _newest_valid_checkpoint(run_dir: str, model_config: str = None) -> tuple:
     """(rank 0's file, model section, notes) of a run's newest verified step, by the resume rule."""
     from ascend_llm_recipes.models.shapes import parameter_shapes
-    from ascend_llm_recipes.training.checkpoint import MANIFEST, newest_valid_step, read_json
+    from ascend_llm_recipes.training.checkpoint import MANIFEST, model_shapes, newest_valid_step, read_json
 
     section = model_config or os.path.join(run_dir, RUN_RECIPE)
     cfg, tensor_parallel = read_model_section(section)
+    # the run's own parameters: a MoE run on Ascend saved its experts stacked (MindFormers' MoELayer)
+    shapes = parameter_shapes(cfg, tensor_parallel) if model_config else model_shapes(run_recipe(run_dir))
     notes = []
-    step, directory = newest_valid_step(run_dir, parameter_shapes(cfg, tensor_parallel), log=notes.append)
+    step, directory = newest_valid_step(run_dir, shapes, log=notes.append)
     if step is None:
         others = sorted(e for e in os.listdir(os.path.join(run_dir, CHECKPOINTS)) if not e.startswith("step_"))
         raise ConversionError(f"{run_dir}: no complete, verified checkpoint step"
@@ -153,6 +157,24 @@ def run_tokenizer(section_path: str) -> tuple:
     return (path, entry), f"copied from {path}"
 
 
+def relayout_command(checkpoint: str, file: str, expert_layout: str) -> str:
+    """The command(s) writing `checkpoint` (its file `file`) again with its MoE layers in `expert_layout`: its
+    conversion again from the same source, or a run's weights through Hugging Face's format."""
+    script, layout = "python scripts/convert_checkpoint.py", f"--expert-layout {expert_layout}"
+    out = shlex.quote(f"{os.path.normpath(os.path.abspath(checkpoint))}-{expert_layout}")
+    manifest = source_manifest(checkpoint) if os.path.isdir(checkpoint) else {}
+    source, direction = manifest.get("source") or {}, manifest.get("direction")
+    if direction in ("from-hf", "from-megatron"):
+        return f"{script} --{direction} {shlex.quote(source['path'])} --output {out} {layout}"
+    if direction == "from-torch":
+        key_map = f" --key-map {shlex.quote(source['key_map'])}" if source.get("key_map") else ""
+        return (f"{script} --from-torch {shlex.quote(source['path'])} --model-config "
+                f"{shlex.quote(source['model_config'])}{key_map} --output {out} {layout}")
+    hf = shlex.quote(f"{os.path.normpath(os.path.abspath(checkpoint))}-hf")
+    return (f"{script} --to-hf {shlex.quote(file)} --output {hf} && {script} --from-hf {hf} --output {out} {layout} "
+            "(the weights: a run's optimizer state does not carry over)")
+
+
 def to_hf(source: str, out_dir: str, model_config: str = None, show_progress: bool = True) -> dict:
     """Convert one of our checkpoints (converted dir, run dir, file) to OUT_DIR/config.json + model.safetensors."""
     ckpt_path, section_path, notes = find_our_checkpoint(source, model_config)
@@ -163,7 +185,7 @@ def to_hf(source: str, out_dir: str, model_config: str = None, show_progress: bo
 
 
 def from_torch(path: str, out_dir: str, model_config: str, key_map: str = None, seq_length: int = None,
-               verify: bool = False, show_progress: bool = True) -> dict:
+               verify: bool = False, show_progress: bool = True, expert_layout: str = PER_EXPERT) -> dict:
     """A torch.save'd state dict -> OUT_DIR, for the model --model-config names (JSON, model section or recipe)."""
     path = os.path.abspath(path)
     if not os.path.isfile(path):
@@ -173,7 +195,7 @@ def from_torch(path: str, out_dir: str, model_config: str, key_map: str = None, 
                               hint="pass --model-config with a HuggingFace config.json, Meta's params.json, a "
                                    "model_config.yaml or a recipe")
     cfg = None if model_config.endswith(".json") else read_model_section(model_config)[0]
-    return _from_torch(path, out_dir, model_config, cfg, key_map, seq_length, verify, show_progress)
+    return _from_torch(path, out_dir, model_config, cfg, key_map, seq_length, verify, show_progress, expert_layout)
 
 
 def to_megatron(source: str, out_dir: str, tp: int = 1, pp: int = 1, iteration: int = None,
@@ -334,10 +356,11 @@ def run_cli(parser, args) -> int:
     try:
         if args.from_megatron:
             manifest = from_megatron(args.from_megatron, args.output, iteration=args.iteration,
-                                     vocab_size=args.vocab_size, verify=args.verify, show_progress=not args.quiet)
+                                     vocab_size=args.vocab_size, verify=args.verify, show_progress=not args.quiet,
+                                     expert_layout=args.expert_layout)
         elif args.from_torch:
             manifest = from_torch(args.from_torch, args.output, args.model_config, args.key_map, args.seq_length,
-                                  args.verify, show_progress=not args.quiet)
+                                  args.verify, show_progress=not args.quiet, expert_layout=args.expert_layout)
         elif args.to_megatron:
             manifest = to_megatron(args.to_megatron, args.output, args.tp, args.pp, args.iteration,
                                    args.model_config, show_progress=not args.quiet, ep=args.ep,
@@ -350,7 +373,7 @@ def run_cli(parser, args) -> int:
             return 0
         else:
             manifest = from_hf(args.from_hf, args.output, seq_length=args.seq_length, verify=args.verify,
-                               show_progress=not args.quiet)
+                               show_progress=not args.quiet, expert_layout=args.expert_layout)
         print(summary(manifest, args.output))
         if manifest["source"].get("iteration") is not None:
             print(f"Megatron iteration {manifest['source']['iteration']}; {manifest['optimizer']['note']}.")

@@ -111,12 +111,14 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
 
     MindFormers loads by name and only logs the parameters it did not find ("not loaded"), which
     then train from their random initialisation (e.g. lm_head of a tied-embedding checkpoint
-    loaded into an untied model); weights it does not use are dropped without a word.
+    loaded into an untied model); weights it does not use are dropped without a word. A MoE model's parameters
+    are its experts stacked where MindFormers' MoELayer runs them (Ascend), per expert where ours does (CPU): a
+    checkpoint in the other layout is named as such, with the command that converts it.
     """
     from ascend_llm_recipes.models.conversion.formats import tensor_layouts
-    from ascend_llm_recipes.models.shapes import STATISTICS, parameter_shapes
+    from ascend_llm_recipes.models.shapes import STATISTICS
     from ascend_llm_recipes.common.errors import ConversionError
-    from ascend_llm_recipes.training.checkpoint import RankShapes, held_note, rank_shapes
+    from ascend_llm_recipes.training.checkpoint import RankShapes, held_note, model_shapes, rank_shapes
     from ascend_llm_recipes.training.tools.relayout import pending_source_strategy
 
     if not recipe.load_checkpoint:
@@ -124,8 +126,7 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
     files, per_rank = loaded_checkpoint_files(recipe, rank)
     # A rank's own file holds what the rank keeps (its slices under optimizer parallel); a file of complete
     # weights (a conversion) is sliced by MindSpore at load and holds whole tensors.
-    model = rank_shapes(recipe) if per_rank else RankShapes(parameter_shapes(recipe.model.model_config,
-                                                                             recipe.parallel_config.model_parallel))
+    model = rank_shapes(recipe) if per_rank else RankShapes(model_shapes(recipe))
     if model is None or (per_rank and pending_source_strategy(recipe)):
         return  # TP/PP slices and stages, or re-sliced at load: MindSpore checks those against the strategy
     where = f"load_checkpoint {recipe.load_checkpoint}"
@@ -152,10 +153,40 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
                  for name in found if name not in model and name.startswith(("model.", "lm_head."))
                  and not name.endswith(STATISTICS)]  # MoE counters: saved with a run, not weights
     if problems:
+        check_expert_layout(recipe, found, files)
         raise LaunchError(f"{where} ({', '.join(os.path.basename(f) for f in files)}) does not fit the recipe's "
                           f"model: {len(problems)} parameter problem(s):\n" + "\n".join(f"  - {p}" for p in problems),
                           hint="use the model: section the checkpoint was made with (model_config.yaml of a "
                                "conversion, recipe.yaml of a run), e.g. the same tie_word_embeddings")
+
+
+def check_expert_layout(recipe: Recipe, found: dict, files: list) -> None:
+    """Refuse a MoE checkpoint holding the parameters of the other expert layout, saying so."""
+    from ascend_llm_recipes.models.conversion.tables import PER_EXPERT, STACKED, stacked_shapes
+    from ascend_llm_recipes.models.shapes import parameter_shapes
+    from ascend_llm_recipes.training.recipe.mindformers import runs_mindformers_moe
+    from ascend_llm_recipes.training.tools.export import relayout_command
+
+    cfg = recipe.model.model_config
+    if not cfg.moe:
+        return
+    stacked = runs_mindformers_moe(recipe)
+    whole = parameter_shapes(cfg, recipe.parallel_config.model_parallel)
+    other = whole if stacked else stacked_shapes(whole, cfg)
+    if any(name not in found for name in other):
+        return  # not merely the other layout: the list of problems says what differs
+    example = next(name for name in other if ".experts." in name)
+    held = (f"per expert ({example}, ...: our CPU model's layout)" if stacked else
+            f"stacked ({example}, ...: MindFormers' MoELayer's layout)")
+    runs = (f"as MindFormers' MoELayer (context.device_target {recipe.context.device_target}), which loads them "
+            "stacked (mlp.router.weight, mlp.experts.weight1, mlp.experts.weight2)" if stacked else
+            "as our MoE (context.device_target CPU), which loads them per expert (mlp.gate.weight, "
+            "mlp.experts.{e}.gate_proj.weight, ...)")
+    wanted = STACKED if stacked else PER_EXPERT
+    raise LaunchError(f"load_checkpoint {recipe.load_checkpoint} ({', '.join(os.path.basename(f) for f in files)}) "
+                      f"holds the Mixture-of-Experts layers {held}; the recipe runs them {runs}",
+                      hint=f"convert it into the {wanted} layout and load that: "
+                           f"{relayout_command(recipe.load_checkpoint, files[0], wanted)}")
 
 
 def resume_step(recipe: Recipe) -> int:
