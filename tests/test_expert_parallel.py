@@ -111,6 +111,33 @@ def test_stacked_experts_equal_mindformers_experts_convert_op(models):
         np.testing.assert_array_equal(back[name], value)
 
 
+def test_what_its_cells_save_loads_for_an_ascend_recipe_and_exports_to_hf_expert_by_expert(models, tmp_path):
+    """A checkpoint of the real cells (as a run on Ascend saves it: stacked experts, the router's counters) passes the
+    load check of the recipe run on Ascend, and --to-hf splits it into the experts our CPU model has."""
+    from safetensors.numpy import load_file
+
+    from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, MODEL_SECTION_FILE, model_section_yaml
+    from ascend_llm_recipes.training.tools.export import to_hf
+    from ascend_llm_recipes.training.worker.train import check_checkpoint_parameters
+
+    recipe, _, theirs = models
+    cfg = recipe.model.model_config
+    ms.save_checkpoint(theirs, str(tmp_path / CHECKPOINT_FILE), format="safetensors")
+    (tmp_path / MODEL_SECTION_FILE).write_text(model_section_yaml(cfg, "the cells' own checkpoint"))
+    recipe = moe_recipe(tmp_path, f"load_checkpoint={tmp_path}", "load_ckpt_format=safetensors")
+    recipe.context.device_target = "Ascend"  # (an Ascend MoE recipe is still refused when loaded: set here)
+    check_checkpoint_parameters(recipe, 0)
+    manifest = to_hf(str(tmp_path), str(tmp_path / "hf"), show_progress=False)
+    counters = sorted(p.name for p in theirs.get_parameters() if p.name.endswith(STATISTICS))
+    assert "model.layers.1.mlp.router.fi_accu" in counters and sorted(manifest["ignored"]) == counters
+    weights = unstack_experts({p.name: p.asnumpy() for p in theirs.get_parameters() if not p.name.endswith(STATISTICS)},
+                              cfg)
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert exported.keys() == weights.keys()
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value, weights[name][:value.shape[0]], err_msg=name)  # vocabulary padding
+
+
 def test_the_training_graph_compiles_on_cpu_up_to_the_first_ascend_only_kernel(models, tmp_path, monkeypatch):
     """Every shape and dtype through our decoder and MindFormers' MoELayer is inferred by MindSpore's compiler;
     the CPU backend then stops at the router's TopkExt, which only Ascend has (the acceptance kit runs it)."""
