@@ -21,7 +21,7 @@ batch axis as the rest of our layer is. Its parameters, under the decoder layer'
     shared_experts.linear_fc1.weight (2F', hidden)  our shared_expert gate_proj and up_proj, rows interleaved
     shared_experts.linear_fc2.weight, shared_experts.shared_experts_gate.weight   down_proj, shared_expert_gate
 and counters (router.fi_accu, router.expert_load), not weights. models/conversion/tables.py EXPERT_STACKS turns
-our per-expert tensors into the stacked ones and back (stack_experts, unstack_experts), as MindFormers'
+our per-expert tensors into the stacked ones and back (stack_moe_layers, unstack_moe_layers), as MindFormers'
 ExpertsConvertOp does for Hugging Face checkpoints (mindformers/checkpoint/converter/convert_op.py:259-283); it lives
 there, beside the other layouts, so the converter and the load check read it without importing MindFormers.
 `scripts/convert_checkpoint.py --expert-layout stacked` writes a checkpoint in it.

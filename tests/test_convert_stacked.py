@@ -18,7 +18,7 @@ from ascend_llm_recipes.common.errors import ConversionError, LaunchError
 from ascend_llm_recipes.models.conversion.hf import from_hf
 from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, HF_WEIGHTS_FILE, MANIFEST_FILE,
                                                        MODEL_SECTION_FILE, read_model_file)
-from ascend_llm_recipes.models.conversion.tables import stack_experts
+from ascend_llm_recipes.models.conversion.tables import stack_moe_layers
 from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.tools.export import to_hf, to_megatron
 from ascend_llm_recipes.training.worker.train import check_checkpoint_parameters
@@ -66,7 +66,7 @@ def test_a_stacked_conversion_is_the_per_expert_one_stacked_and_passes_verify(co
     assert any("MindFormers' MoELayer" in note for note in manifest["notes"])
     cfg = read_model_file(os.path.join(converted.stacked, MODEL_SECTION_FILE))
     stacked = load_file(os.path.join(converted.stacked, CHECKPOINT_FILE))
-    expected = stack_experts(load_file(os.path.join(converted.per_expert, CHECKPOINT_FILE)), cfg)
+    expected = stack_moe_layers(load_file(os.path.join(converted.per_expert, CHECKPOINT_FILE)), cfg)
     assert stacked.keys() == expected.keys()
     assert {"model.layers.1.mlp.experts.weight1", "model.layers.0.mlp.gate_proj.weight"} <= stacked.keys()
     for name, value in expected.items():

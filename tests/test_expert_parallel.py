@@ -14,7 +14,7 @@ import mindspore as ms
 
 from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.common.schema import to_plain
-from ascend_llm_recipes.models.conversion.tables import stack_experts, stacked_shapes, unstack_experts
+from ascend_llm_recipes.models.conversion.tables import stack_moe_layers, stacked_shapes, unstack_moe_layers
 from ascend_llm_recipes.models.expert_parallel import MindFormersMoE
 from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 from ascend_llm_recipes.models.parallel import plan_layout
@@ -69,7 +69,7 @@ def test_the_transformer_config_is_the_recipe_read_by_mindformers_own_classes(mo
 def test_its_parameters_are_ours_stacked_as_mindformers_converter_stacks_them(models):
     recipe, ours, theirs = models
     cfg = recipe.model.model_config
-    ours_stacked = {name: value.shape for name, value in stack_experts(
+    ours_stacked = {name: value.shape for name, value in stack_moe_layers(
         {p.name: np.zeros(p.shape, np.float32) for p in ours.get_parameters()}, cfg).items()
         if not name.endswith(STATISTICS)}
     their_weights = {name: shape for name, shape in shapes(theirs).items() if not name.endswith(STATISTICS)}
@@ -87,7 +87,7 @@ def test_stacked_experts_equal_mindformers_experts_convert_op(models):
     cfg, tc = recipe.model.model_config, theirs.model.layers[1].mlp.config
     rng = np.random.default_rng(0)
     tensors = {p.name: rng.normal(size=p.shape).astype(np.float32) for p in ours.get_parameters()}
-    stacked = stack_experts(tensors, cfg)
+    stacked = stack_moe_layers(tensors, cfg)
     expert = "model.layers.1.mlp.experts.{e}.{p}.weight"
     per_expert = {p: np.concatenate([tensors[expert.format(e=e, p=p)] for e in range(cfg.num_experts)])
                   for p in ("gate_proj", "up_proj", "down_proj")}
@@ -105,7 +105,7 @@ def test_stacked_experts_equal_mindformers_experts_convert_op(models):
         [tensors[f"model.layers.1.mlp.shared_expert.{p}.weight"] for p in ("gate_proj", "up_proj")])[0])
     np.testing.assert_array_equal(stacked["model.layers.1.mlp.router.weight"],
                                   tensors["model.layers.1.mlp.gate.weight"])
-    back = unstack_experts(stacked, cfg)
+    back = unstack_moe_layers(stacked, cfg)
     assert back.keys() == tensors.keys()
     for name, value in tensors.items():
         np.testing.assert_array_equal(back[name], value)
@@ -130,8 +130,8 @@ def test_what_its_cells_save_loads_for_an_ascend_recipe_and_exports_to_hf_expert
     manifest = to_hf(str(tmp_path), str(tmp_path / "hf"), show_progress=False)
     counters = sorted(p.name for p in theirs.get_parameters() if p.name.endswith(STATISTICS))
     assert "model.layers.1.mlp.router.fi_accu" in counters and sorted(manifest["ignored"]) == counters
-    weights = unstack_experts({p.name: p.asnumpy() for p in theirs.get_parameters() if not p.name.endswith(STATISTICS)},
-                              cfg)
+    weights = unstack_moe_layers({p.name: p.asnumpy() for p in theirs.get_parameters()
+                                  if not p.name.endswith(STATISTICS)}, cfg)
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert exported.keys() == weights.keys()
     for name, value in exported.items():

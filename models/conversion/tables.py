@@ -15,10 +15,7 @@ weights with {e} in their names) is its tensors in models/shapes.py plus rows he
     MEGATRON_TABLE  Megatron-core GPT, local and TransformerEngine specs (read and written)
     GROUPED_EXPERTS Megatron-core's GroupedMLP (--moe-grouped-gemm): a layer's experts stacked (read and written)
     META_TABLE      Meta's consolidated.NN.pth shards (read)
-
-One more layout is ours: EXPERT_STACKS, a MoE layer as MindFormers' MoELayer holds it (models/expert_parallel.py,
-what a MoE recipe runs on Ascend), its experts stacked into two tensors. Written into our format with
-`--expert-layout stacked` (write.py), read back expert by expert (ours.py OurCheckpoint, verify.py).
+    EXPERT_STACKS   ours with MoE layers as MindFormers' MoELayer holds them (Ascend; --expert-layout stacked)
 """
 
 import re
@@ -346,9 +343,9 @@ META_TABLE = table(
 # MindFormers 1.9's MoELayer names its router `router` and stacks the experts of a MoE layer into two tensors, as its
 # ExpertsConvertOp writes them from Hugging Face's (mindformers/checkpoint/converter/convert_op.py:259-283, which
 # tests/test_expert_parallel.py runs as the reference): {its tensor ({n} a layer): our tensors it holds, per expert}.
-# Expert e's block of rows holds its projections transposed to (in, out), side by side (all of one width):
-#   weight1 (E*hidden, 2F): rows e*hidden.. = [gate_proj.T | up_proj.T]
-#   weight2 (E*F, hidden):  rows e*F.. = down_proj.T
+# Both hold their experts as GroupedMLP holds weight2 (stack_experts, hidden axis last): expert e's weight, gate and
+# up fused as [gate; up], transposed to (in, out) in rows e*in..: weight1 (E*hidden, 2F) (GroupedMLP's weight1's
+# memory, shaped (E*hidden, 2F), not (hidden, E*2F)), weight2 (E*F, hidden) (GroupedMLP's weight2 itself).
 EXPERT_STACKS = {
     "model.layers.{n}.mlp.router.weight": ("model.layers.{n}.mlp.gate.weight",),
     "model.layers.{n}.mlp.experts.weight1": ("model.layers.{n}.mlp.experts.{e}.gate_proj.weight",
@@ -369,18 +366,13 @@ def experts(parts: tuple, cfg) -> range:
 
 
 def stacked_tensor(name: str, read, cfg) -> np.ndarray:
-    """The stacked tensor `name` from our tensors, read(our name) one at a time into it."""
+    """The stacked tensor `name` of one layer from our tensors, read(our name): that layer's experts in memory."""
     template, numbers = template_of(name)
     parts = EXPERT_STACKS[template]
     if "{e}" not in parts[0]:  # the router: renamed
         return read(parts[0].format(**numbers))
-    out = None
-    for e in experts(parts, cfg):
-        block = np.concatenate([read(part.format(e=e, **numbers)).T for part in parts], axis=1)  # (in, parts x out)
-        if out is None:
-            out = np.empty((cfg.num_experts * block.shape[0], block.shape[1]), block.dtype)
-        out[e * block.shape[0]:(e + 1) * block.shape[0]] = block
-    return out
+    return stack_experts([np.concatenate([read(part.format(e=e, **numbers)) for part in parts])
+                          for e in experts(parts, cfg)], hidden_axis=1)
 
 
 def unstacked_tensors(name: str, tensor: np.ndarray, cfg) -> dict:
@@ -389,20 +381,11 @@ def unstacked_tensors(name: str, tensor: np.ndarray, cfg) -> dict:
     parts = EXPERT_STACKS[template]
     if "{e}" not in parts[0]:
         return {parts[0].format(**numbers): tensor}
-    blocks = tensor.reshape(cfg.num_experts, -1, tensor.shape[1])  # (E x in, parts x out) -> (E, in, parts x out)
-    return {part.format(e=e, **numbers): piece.T for e in experts(parts, cfg)
-            for part, piece in zip(parts, np.split(blocks[e], len(parts), axis=1))}
+    return {part.format(e=e, **numbers): piece for e in experts(parts, cfg)
+            for part, piece in zip(parts, np.split(one_expert(tensor, cfg.num_experts, e, hidden_axis=1), len(parts)))}
 
 
-def stacked_shape(name: str, part_shape: tuple, cfg) -> tuple:
-    """The shape of stacked tensor `name` whose parts each have `part_shape` (stacked_tensor's, without data)."""
-    parts = EXPERT_STACKS[template_of(name)[0]]
-    if "{e}" not in parts[0]:
-        return tuple(part_shape)
-    return cfg.num_experts * part_shape[1], len(parts) * part_shape[0]
-
-
-def stack_experts(tensors: dict, cfg) -> dict:
+def stack_moe_layers(tensors: dict, cfg) -> dict:
     """`tensors` (numpy, by our name) with every MoE layer's router and experts stacked (EXPERT_STACKS)."""
     out = dict(tensors)
     for name in stacked_names(cfg):
@@ -410,8 +393,8 @@ def stack_experts(tensors: dict, cfg) -> dict:
     return out
 
 
-def unstack_experts(tensors: dict, cfg) -> dict:
-    """stack_experts backwards."""
+def unstack_moe_layers(tensors: dict, cfg) -> dict:
+    """stack_moe_layers backwards."""
     out = dict(tensors)
     for name in stacked_names(cfg):
         out.update({part: np.ascontiguousarray(value)
@@ -421,15 +404,16 @@ def unstack_experts(tensors: dict, cfg) -> dict:
 
 def stacked_shapes(shapes: dict, cfg) -> dict:
     """{name: shape} of our tensors (models/shapes.py parameter_shapes) in the stacked layout: each MoE layer's
-    stacked tensors where their first part stood (stack_experts's names and shapes, without data)."""
+    stacked tensors where their first part stood (stack_moe_layers's names and shapes, without data)."""
     owner = {part: stack for stack, parts in stacked_names(cfg).items() for part in parts}
     out = {}
     for name, shape in shapes.items():
         stack = owner.get(name)
         if stack is None:
             out[name] = tuple(shape)
-        elif stack not in out:
-            out[stack] = stacked_shape(stack, shape, cfg)
+        elif stack not in out:  # stacked_tensor's: (E x in, parts x out); the router's own
+            parts = EXPERT_STACKS[template_of(stack)[0]]
+            out[stack] = (cfg.num_experts * shape[1], len(parts) * shape[0]) if "{e}" in parts[0] else tuple(shape)
     return out
 
 

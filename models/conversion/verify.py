@@ -12,7 +12,7 @@ import numpy as np
 
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, MODEL_SECTION_FILE, read_model_file
-from ascend_llm_recipes.models.conversion.tables import STACKED, expert_layout, unstack_experts
+from ascend_llm_recipes.models.conversion.tables import STACKED, expert_layout, unstack_moe_layers
 
 
 # --verify bounds for float32 weights (bf16 sources are widened exactly). Rounding error grows with the
@@ -37,7 +37,7 @@ def load_our_model(converted_dir: str):
     params = ms.load_checkpoint(os.path.join(converted_dir, CHECKPOINT_FILE), format="safetensors")
     if expert_layout(params, cfg) == STACKED:
         params = {name: ms.Parameter(ms.Tensor(value), name=name) for name, value in
-                  unstack_experts({name: param.asnumpy() for name, param in params.items()}, cfg).items()}
+                  unstack_moe_layers({name: param.asnumpy() for name, param in params.items()}, cfg).items()}
     not_loaded, unused = ms.load_param_into_net(net, params, strict_load=True)
     not_loaded = [name for name in not_loaded if not name.endswith(STATISTICS)]  # MoE counters, not weights
     if not_loaded or unused:

@@ -152,8 +152,8 @@ def write_weights(weights: HFWeights, plan: list, cfg: ModelConfig, path: str, s
                   direction: str, expert_layout: str = PER_EXPERT) -> list:
     """Our safetensors file of `weights` (HF-named) along `plan`, one tensor at a time; returns the records.
 
-    With expert_layout STACKED each MoE layer's stacked tensors stand where their first part did, each read part by
-    part into it (tables.stacked_tensor): one stacked tensor in memory at a time.
+    With expert_layout STACKED each MoE layer's stacked tensors stand where their first part did, each made from its
+    parts as they are read (tables.stacked_tensor): one layer's experts in memory at a time.
     """
     items = {p.ours: p for p in plan}
     stacks = stacked_names(cfg) if expert_layout == STACKED else {}
