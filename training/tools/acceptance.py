@@ -226,9 +226,8 @@ def checkpoint_size_result(run_dir: str) -> dict:
     (16-bit weights, training/worker/optim.py) and AdamW moments at the shapes the rank holds (checkpoint.rank_shapes),
     in the dtypes saved, plus counters; anything else it holds (e.g. MindFormers' accu_grads) is listed by name prefix
     with its bytes."""
-    from ascend_llm_recipes.models.shapes import parameter_shapes
-    from ascend_llm_recipes.training.checkpoint import (MANIFEST, itemsize, rank_shapes, read_json, shape_problems,
-                                                        step_entries)
+    from ascend_llm_recipes.training.checkpoint import (MANIFEST, itemsize, model_shapes, rank_shapes, read_json,
+                                                        shape_problems, step_entries)
     from ascend_llm_recipes.training.worker.optim import MASTER_PREFIX
     from ascend_llm_recipes.training.launcher.resume import saved_recipe
 
@@ -241,7 +240,7 @@ def checkpoint_size_result(run_dir: str) -> dict:
                 "error": one_line(f"no checkpoint to measure in {run_dir} ({type(err).__name__}: {err})")}
     shapes = rank_shapes(recipe)
     tensors = manifest["tensors"]
-    model = parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
+    model = model_shapes(recipe)  # a MoE run on Ascend saves MindFormers' stacked experts
     needed, others = 0, {}
     for name, info in tensors.items():
         elements = math.prod(info["shape"])
