@@ -239,3 +239,14 @@ def test_transformer_engine_grouped_experts_in_legacy_files_are_refused_by_name(
                                                   r"\(TEGroupedMLP") as error:
             ckpt._refuse_te_grouped_experts()
     assert "--ckpt-convert-format torch_dist" in error.value.hint
+
+
+def test_a_stacked_conversion_verifies_against_the_megatron_forward(megatron_dir, tmp_path):
+    """--from-megatron --expert-layout stacked: our CPU model reads the stacked experts back for --verify."""
+    out = tmp_path / "stacked"
+    manifest = from_megatron(str(megatron_dir / "moe_tp2ep2" / "legacy"), str(out), verify=True, show_progress=False,
+                             expert_layout="stacked")
+    weights = load_file(str(out / CHECKPOINT_FILE))
+    assert manifest["expert_layout"] == "stacked" and manifest["verify"]["reference"] == "a pure-torch Megatron forward"
+    assert {"model.layers.0.mlp.experts.weight1", "model.layers.0.mlp.router.weight"} <= weights.keys()
+    assert not any(".experts.0." in name for name in weights)
