@@ -18,7 +18,7 @@ from ascend_llm_recipes.common.errors import ConversionError, LaunchError
 from ascend_llm_recipes.models.conversion.hf import from_hf
 from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, HF_WEIGHTS_FILE, MANIFEST_FILE,
                                                        MODEL_SECTION_FILE, read_model_file)
-from ascend_llm_recipes.models.conversion.tables import stack_moe_layers
+from ascend_llm_recipes.models.conversion.stacked import stack_moe_layers
 from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.tools.export import to_hf, to_megatron
 from ascend_llm_recipes.training.worker.train import check_checkpoint_parameters
@@ -44,6 +44,13 @@ def save_model(config, out_dir):
 def manifest_of(directory):
     with open(os.path.join(directory, MANIFEST_FILE), encoding="utf-8") as f:
         return json.load(f)
+
+
+def assert_same_hf_tensors(exported, original):
+    back, original = (load_file(os.path.join(d, HF_WEIGHTS_FILE)) for d in (exported, original))
+    assert back.keys() == original.keys()
+    for name, value in original.items():
+        np.testing.assert_array_equal(back[name], value, err_msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +82,7 @@ def test_a_stacked_conversion_is_the_per_expert_one_stacked_and_passes_verify(co
 
 def test_a_stacked_conversion_exports_to_hf_and_megatron_as_the_per_expert_one(converted, tmp_path):
     to_hf(converted.stacked, str(tmp_path / "hf"), show_progress=False)
-    back, original = (load_file(os.path.join(d, HF_WEIGHTS_FILE)) for d in (str(tmp_path / "hf"), converted.hf))
-    assert back.keys() == original.keys()
-    for name, value in original.items():
-        np.testing.assert_array_equal(back[name], value, err_msg=name)
+    assert_same_hf_tensors(str(tmp_path / "hf"), converted.hf)
     for source in ("stacked", "per_expert"):
         to_megatron(getattr(converted, source), str(tmp_path / source), ep=2, show_progress=False)
     for rank in ("mp_rank_00_000", "mp_rank_00_001"):
@@ -99,23 +103,30 @@ def test_the_option_is_refused_where_it_does_not_apply(converted, tmp_path, caps
     with pytest.raises(SystemExit):
         convert(["--to-hf", converted.stacked, "--output", str(tmp_path / "out"), "--expert-layout", "stacked"])
     assert "--expert-layout applies to conversions into our format" in capsys.readouterr().err
-    shared = save_model(transformers.Qwen2MoeConfig(**{**HF_CONFIG, "shared_expert_intermediate_size": 48}),
-                        tmp_path / "shared")
-    with pytest.raises(ConversionError, match="has shared experts .*no table for yet"):
-        from_hf(shared, str(tmp_path / "out"), show_progress=False, expert_layout="stacked")
+    with pytest.raises(ConversionError, match="--expert-layout sideways: unknown; use per-expert or stacked"):
+        from_hf(converted.hf, str(tmp_path / "out"), show_progress=False, expert_layout="sideways")
     assert not (tmp_path / "out").exists()
 
 
+def test_a_gated_shared_expert_is_stacked_too_and_round_trips(tmp_path):
+    """Qwen2-MoE's gated shared expert: MindFormers' SharedExpertMLPInterleaved tensors, --verify, back to HF."""
+    hf = save_model(transformers.Qwen2MoeConfig(**{**HF_CONFIG, "shared_expert_intermediate_size": 48}),
+                    tmp_path / "hf")
+    manifest = from_hf(hf, str(tmp_path / "stacked"), verify=True, show_progress=False, expert_layout="stacked")
+    assert {"model.layers.1.mlp.shared_experts.linear_fc1.weight",
+            "model.layers.1.mlp.shared_experts.shared_experts_gate.weight"} <= {t["name"] for t in manifest["tensors"]}
+    to_hf(str(tmp_path / "stacked"), str(tmp_path / "back"), show_progress=False)
+    assert_same_hf_tensors(str(tmp_path / "back"), hf)
+
+
 def recipe_for(converted_dir, device_target):
-    """tiny_moe_cpu.yaml loading a conversion, with its model section; an Ascend MoE recipe is still refused when
-    loaded (models/config.py moe_problems), so device_target is set on the loaded recipe."""
+    """tiny_moe_cpu.yaml loading a conversion, with its model section, on `device_target` (planning: no devices)."""
     with open(os.path.join(converted_dir, MODEL_SECTION_FILE), encoding="utf-8") as f:
         model = yaml.safe_load(f)["model"]["model_config"]
-    recipe = load_recipe(MOE_RECIPE, [f"load_checkpoint={converted_dir}", "load_ckpt_format=safetensors",
-                                      *(f"model.model_config.{k}={json.dumps(v)}" for k, v in model.items())],
-                         planning=True)
-    recipe.context.device_target = device_target
-    return recipe
+    return load_recipe(MOE_RECIPE, [f"load_checkpoint={converted_dir}", "load_ckpt_format=safetensors",
+                                    f"context.device_target={device_target}",
+                                    *(f"model.model_config.{k}={json.dumps(v)}" for k, v in model.items())],
+                       planning=True)
 
 
 def test_the_load_check_expects_the_layout_the_recipe_runs_and_names_the_other(converted):

@@ -14,7 +14,7 @@ import mindspore as ms
 
 from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.common.schema import to_plain
-from ascend_llm_recipes.models.conversion.tables import stack_moe_layers, stacked_shapes, unstack_moe_layers
+from ascend_llm_recipes.models.conversion.stacked import stack_moe_layers, stacked_shapes, unstack_moe_layers
 from ascend_llm_recipes.models.expert_parallel import MindFormersMoE
 from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 from ascend_llm_recipes.models.parallel import plan_layout
@@ -28,6 +28,10 @@ ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
 MOE_RECIPE = os.path.join(REPO_ROOT, "recipes", "tiny_moe_cpu.yaml")
 
 
+# Qwen2-MoE's gated shared expert, so that every kind of MoE tensor is in the tables
+SHARED_EXPERT = ("model.model_config.shared_expert_intermediate_size=32", "model.model_config.shared_expert_gate=True")
+
+
 def moe_recipe(tmp_path, *overrides):
     # tiny_moe_cpu.yaml without its router z-loss, which MindFormers' router does not have
     return load_recipe(MOE_RECIPE, [f"output_dir={tmp_path}", "model.model_config.router_z_loss_coef=0",
@@ -37,9 +41,7 @@ def moe_recipe(tmp_path, *overrides):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(recipe, our CPU model, the same model with MindFormers' MoELayer as its MoE layers)."""
-    # with Qwen2-MoE's gated shared expert, so that every kind of MoE tensor is in the tables
-    recipe = moe_recipe(tmp_path_factory.mktemp("ep"), "model.model_config.shared_expert_intermediate_size=32",
-                        "model.model_config.shared_expert_gate=True")
+    recipe = moe_recipe(tmp_path_factory.mktemp("ep"), *SHARED_EXPERT)
     cfg = recipe.model.model_config
     layout = plan_layout(cfg)
     layout.experts = moe_transformer_config(recipe, MOE_RECIPE)
@@ -111,31 +113,32 @@ def test_stacked_experts_equal_mindformers_experts_convert_op(models):
         np.testing.assert_array_equal(back[name], value)
 
 
-def test_what_its_cells_save_loads_for_an_ascend_recipe_and_exports_to_hf_expert_by_expert(models, tmp_path):
+def test_what_its_cells_save_loads_for_an_ascend_recipe_and_reads_back_expert_by_expert(models, tmp_path):
     """A checkpoint of the real cells (as a run on Ascend saves it: stacked experts, the router's counters) passes the
-    load check of the recipe run on Ascend, and --to-hf splits it into the experts our CPU model has."""
-    from safetensors.numpy import load_file
-
-    from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, MODEL_SECTION_FILE, model_section_yaml
-    from ascend_llm_recipes.training.tools.export import to_hf
+    load check of the recipe run on Ascend, and the exports' reader (--to-hf, --to-megatron) splits it into the
+    tensors our CPU model has, the counters set aside."""
+    from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, MODEL_SECTION_FILE, OurCheckpoint
+    from ascend_llm_recipes.models.conversion.ours import model_section_yaml
+    from ascend_llm_recipes.models.conversion.tables import IGNORED_OURS, check_tensors
     from ascend_llm_recipes.training.worker.train import check_checkpoint_parameters
 
     recipe, _, theirs = models
     cfg = recipe.model.model_config
     ms.save_checkpoint(theirs, str(tmp_path / CHECKPOINT_FILE), format="safetensors")
     (tmp_path / MODEL_SECTION_FILE).write_text(model_section_yaml(cfg, "the cells' own checkpoint"))
-    recipe = moe_recipe(tmp_path, f"load_checkpoint={tmp_path}", "load_ckpt_format=safetensors")
-    recipe.context.device_target = "Ascend"  # (an Ascend MoE recipe is still refused when loaded: set here)
+    recipe = moe_recipe(tmp_path, *SHARED_EXPERT, f"load_checkpoint={tmp_path}", "load_ckpt_format=safetensors",
+                        "context.device_target=Ascend")
     check_checkpoint_parameters(recipe, 0)
-    manifest = to_hf(str(tmp_path), str(tmp_path / "hf"), show_progress=False)
-    counters = sorted(p.name for p in theirs.get_parameters() if p.name.endswith(STATISTICS))
-    assert "model.layers.1.mlp.router.fi_accu" in counters and sorted(manifest["ignored"]) == counters
+    ckpt = OurCheckpoint(str(tmp_path / CHECKPOINT_FILE), cfg)
+    ignored = check_tensors({name: info[1] for name, info in ckpt.tensors.items()},
+                            ckpt.expected(parameter_shapes(cfg)), IGNORED_OURS, "the cells' checkpoint")
+    assert "model.layers.1.mlp.router.fi_accu" in ignored
+    assert sorted(ignored) == sorted(p.name for p in theirs.get_parameters() if p.name.endswith(STATISTICS))
     weights = unstack_moe_layers({p.name: p.asnumpy() for p in theirs.get_parameters()
                                   if not p.name.endswith(STATISTICS)}, cfg)
-    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    assert exported.keys() == weights.keys()
-    for name, value in exported.items():
-        np.testing.assert_array_equal(value, weights[name][:value.shape[0]], err_msg=name)  # vocabulary padding
+    assert weights.keys() == parameter_shapes(cfg).keys()
+    for name, value in weights.items():
+        np.testing.assert_array_equal(ckpt.read(name), value, err_msg=name)
 
 
 def test_the_training_graph_compiles_on_cpu_up_to_the_first_ascend_only_kernel(models, tmp_path, monkeypatch):

@@ -45,8 +45,9 @@ from ascend_llm_recipes.models.conversion.hf_families import (ROPE_INTERLEAVE, c
                                                               model_config_from_hf, mtp_layers)
 from ascend_llm_recipes.models.conversion.ours import (FORMAT_VERSION, HF_WEIGHTS_FILE, OurCheckpoint,
                                                        existing_conversion, fingerprint)
-from ascend_llm_recipes.models.conversion.tables import (IGNORED_HF, IGNORED_OURS, PER_EXPERT, TIED_HEAD, TRANSFORMS,
-                                                         check_tensors, tensor_plan)
+from ascend_llm_recipes.models.conversion.stacked import PER_EXPERT
+from ascend_llm_recipes.models.conversion.tables import (IGNORED_HF, IGNORED_OURS, TIED_HEAD, TRANSFORMS, check_tensors,
+                                                         tensor_plan)
 from ascend_llm_recipes.models.conversion.verify import verify_logits
 from ascend_llm_recipes.models.conversion.write import (non_finite_report, progress_bar, refuse_non_finite,
                                                         tensor_sha256, write_conversion, write_ours)

@@ -49,9 +49,10 @@ from ascend_llm_recipes.models.conversion.megatron_files import (LATEST_FILE, Le
                                                                  open_megatron)
 from ascend_llm_recipes.models.conversion.ours import (FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES, OPTIMIZER_DIR,
                                                        OurCheckpoint)
-from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TABLE, MEGATRON_TENSORS, PER_EXPERT,
-                                                         TRANSFORMS, grouped_state, is_expert, layer_names,
-                                                         present_tensors, rank_share, row_for, tensor_plan)
+from ascend_llm_recipes.models.conversion.stacked import PER_EXPERT
+from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TABLE, MEGATRON_TENSORS, TRANSFORMS,
+                                                         grouped_state, is_expert, layer_names, present_tensors,
+                                                         rank_share, row_for, tensor_plan)
 from ascend_llm_recipes.models.conversion.megatron_reference import verify_against_megatron
 from ascend_llm_recipes.models.conversion.write import progress_bar, write_conversion, write_ours
 from ascend_llm_recipes.models.shapes import dimensions, tensor_dimensions

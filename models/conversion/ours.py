@@ -18,8 +18,8 @@ from ascend_llm_recipes.common.schema import load_dataclass, to_plain
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.models.config import ModelConfig, ModelSection
 from ascend_llm_recipes.models.conversion.formats import CkptFile, SafetensorsFile
-from ascend_llm_recipes.models.conversion.tables import (STACKED, expert_layout, stacked_names, stacked_shapes,
-                                                         unstacked_tensors)
+from ascend_llm_recipes.models.conversion.stacked import (STACKED, expert_layout, stacked_names, stacked_shapes,
+                                                          unstacked_tensors)
 
 
 FORMAT_VERSION = 1
@@ -127,7 +127,7 @@ def architecture_differences(recorded: ModelConfig, wanted: ModelConfig) -> list
 
 class OurCheckpoint:
     """One of our checkpoint files (a run's .ckpt, a conversion's .safetensors) read under our per-expert names in
-    either expert layout: a MoE layer stacked as MindFormers' MoELayer holds it (tables.EXPERT_STACKS, a run on Ascend
+    either expert layout: a MoE layer stacked as MindFormers' MoELayer holds it (stacked.EXPERT_STACKS, a run on Ascend
     or --expert-layout stacked) is split on read, one stacked tensor held at a time.
 
     `tensors`: the file's own entries, {name: (dtype, shape, ...)}; `layout`: tables.PER_EXPERT or STACKED.

@@ -15,7 +15,7 @@ weights with {e} in their names) is its tensors in models/shapes.py plus rows he
     MEGATRON_TABLE  Megatron-core GPT, local and TransformerEngine specs (read and written)
     GROUPED_EXPERTS Megatron-core's GroupedMLP (--moe-grouped-gemm): a layer's experts stacked (read and written)
     META_TABLE      Meta's consolidated.NN.pth shards (read)
-    EXPERT_STACKS   ours with MoE layers as MindFormers' MoELayer holds them (Ascend; --expert-layout stacked)
+    (stacked.py: ours with MoE layers as MindFormers' MoELayer holds them, --expert-layout stacked)
 """
 
 import re
@@ -338,88 +338,6 @@ META_TABLE = table(
     Row("model.norm.weight", ("norm.weight",)),
     Row("lm_head.weight", ("output.weight",), split=(0,)),
 )
-
-
-# MindFormers 1.9's MoELayer names its router `router` and stacks the experts of a MoE layer into two tensors, as its
-# ExpertsConvertOp writes them from Hugging Face's (mindformers/checkpoint/converter/convert_op.py:259-283, which
-# tests/test_expert_parallel.py runs as the reference): {its tensor ({n} a layer): our tensors it holds, per expert}.
-# Both hold their experts as GroupedMLP holds weight2 (stack_experts, hidden axis last): expert e's weight, gate and
-# up fused as [gate; up], transposed to (in, out) in rows e*in..: weight1 (E*hidden, 2F) (GroupedMLP's weight1's
-# memory, shaped (E*hidden, 2F), not (hidden, E*2F)), weight2 (E*F, hidden) (GroupedMLP's weight2 itself).
-EXPERT_STACKS = {
-    "model.layers.{n}.mlp.router.weight": ("model.layers.{n}.mlp.gate.weight",),
-    "model.layers.{n}.mlp.experts.weight1": ("model.layers.{n}.mlp.experts.{e}.gate_proj.weight",
-                                             "model.layers.{n}.mlp.experts.{e}.up_proj.weight"),
-    "model.layers.{n}.mlp.experts.weight2": ("model.layers.{n}.mlp.experts.{e}.down_proj.weight",),
-}
-PER_EXPERT, STACKED = "per-expert", "stacked"  # our CPU model's (Hugging Face's names), MindFormers' MoELayer's
-
-
-def stacked_names(cfg) -> dict:
-    """{stacked tensor: [our tensors it holds, expert by expert]} of every MoE layer of cfg."""
-    return {stack.format(n=n): [part.format(n=n, e=e) for e in experts(parts, cfg) for part in parts]
-            for n in range(cfg.num_layers) if cfg.is_moe_layer(n) for stack, parts in EXPERT_STACKS.items()}
-
-
-def experts(parts: tuple, cfg) -> range:
-    return range(cfg.num_experts) if "{e}" in parts[0] else range(1)
-
-
-def stacked_tensor(name: str, read, cfg) -> np.ndarray:
-    """The stacked tensor `name` of one layer from our tensors, read(our name): that layer's experts in memory."""
-    template, numbers = template_of(name)
-    parts = EXPERT_STACKS[template]
-    if "{e}" not in parts[0]:  # the router: renamed
-        return read(parts[0].format(**numbers))
-    return stack_experts([np.concatenate([read(part.format(e=e, **numbers)) for part in parts])
-                          for e in experts(parts, cfg)], hidden_axis=1)
-
-
-def unstacked_tensors(name: str, tensor: np.ndarray, cfg) -> dict:
-    """stacked_tensor backwards: {our name: a view of `tensor`}."""
-    template, numbers = template_of(name)
-    parts = EXPERT_STACKS[template]
-    if "{e}" not in parts[0]:
-        return {parts[0].format(**numbers): tensor}
-    return {part.format(e=e, **numbers): piece for e in experts(parts, cfg)
-            for part, piece in zip(parts, np.split(one_expert(tensor, cfg.num_experts, e, hidden_axis=1), len(parts)))}
-
-
-def stack_moe_layers(tensors: dict, cfg) -> dict:
-    """`tensors` (numpy, by our name) with every MoE layer's router and experts stacked (EXPERT_STACKS)."""
-    out = dict(tensors)
-    for name in stacked_names(cfg):
-        out[name] = stacked_tensor(name, out.pop, cfg)
-    return out
-
-
-def unstack_moe_layers(tensors: dict, cfg) -> dict:
-    """stack_moe_layers backwards."""
-    out = dict(tensors)
-    for name in stacked_names(cfg):
-        out.update({part: np.ascontiguousarray(value)
-                    for part, value in unstacked_tensors(name, out.pop(name), cfg).items()})
-    return out
-
-
-def stacked_shapes(shapes: dict, cfg) -> dict:
-    """{name: shape} of our tensors (models/shapes.py parameter_shapes) in the stacked layout: each MoE layer's
-    stacked tensors where their first part stood (stack_moe_layers's names and shapes, without data)."""
-    owner = {part: stack for stack, parts in stacked_names(cfg).items() for part in parts}
-    out = {}
-    for name, shape in shapes.items():
-        stack = owner.get(name)
-        if stack is None:
-            out[name] = tuple(shape)
-        elif stack not in out:  # stacked_tensor's: (E x in, parts x out); the router's own
-            parts = EXPERT_STACKS[template_of(stack)[0]]
-            out[stack] = (cfg.num_experts * shape[1], len(parts) * shape[0]) if "{e}" in parts[0] else tuple(shape)
-    return out
-
-
-def expert_layout(names, cfg) -> str:
-    """The expert layout of a checkpoint holding tensors `names`: STACKED when any MoE layer is stacked."""
-    return STACKED if cfg.moe and not set(stacked_names(cfg)).isdisjoint(names) else PER_EXPERT
 
 
 INDEXED = re.compile(r"\.(layers|experts)\.(\d+)\.")

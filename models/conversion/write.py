@@ -23,8 +23,9 @@ from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, FORMAT_V
                                                        MODEL_SECTION_FILE, MOMENT_FILES, OPTIMIZER_DIR,
                                                        existing_conversion, fingerprint, model_section_yaml,
                                                        recipe_keys)
-from ascend_llm_recipes.models.conversion.tables import (PER_EXPERT, STACKED, TIED_HEAD, TRANSFORMS, ignored_kinds,
-                                                         pad_vocab_rows, stacked_names, stacked_shapes, stacked_tensor,
+from ascend_llm_recipes.models.conversion.stacked import (PER_EXPERT, STACKED, stacked_names, stacked_shapes,
+                                                          stacked_tensor)
+from ascend_llm_recipes.models.conversion.tables import (TIED_HEAD, TRANSFORMS, ignored_kinds, pad_vocab_rows,
                                                          tensor_plan)
 from ascend_llm_recipes.models.conversion.verify import PARITY_RULE
 
@@ -88,7 +89,7 @@ def write_ours(weights: HFWeights, cfg: ModelConfig, out_dir: str, direction: st
     HuggingFace family's table naming `weights` (tables.tensor_plan; HF_TABLE by default). `notes`: what the
     model section cannot say (DeepSeek-V3's rotary layout, ...), written into its header and the manifest.
     `expert_layout`: a MoE model's experts per expert (PER_EXPERT, our CPU model's) or STACKED as MindFormers'
-    MoELayer holds them (tables.EXPERT_STACKS; what a MoE recipe runs on Ascend), recorded in the manifest.
+    MoELayer holds them (stacked.EXPERT_STACKS; what a MoE recipe runs on Ascend), recorded in the manifest.
     """
     plan = tensor_plan(cfg, rows=rows)
     model = to_plain(cfg)
@@ -153,7 +154,7 @@ def write_weights(weights: HFWeights, plan: list, cfg: ModelConfig, path: str, s
     """Our safetensors file of `weights` (HF-named) along `plan`, one tensor at a time; returns the records.
 
     With expert_layout STACKED each MoE layer's stacked tensors stand where their first part did, each made from its
-    parts as they are read (tables.stacked_tensor): one layer's experts in memory at a time.
+    parts as they are read (stacked.stacked_tensor): one layer's experts in memory at a time.
     """
     items = {p.ours: p for p in plan}
     stacks = stacked_names(cfg) if expert_layout == STACKED else {}
@@ -193,11 +194,6 @@ def check_expert_layout(expert_layout: str, cfg: ModelConfig, where: str) -> lis
     if not cfg.moe:
         raise ConversionError(f"--expert-layout {STACKED}: {where} is a dense model (num_experts 0); only "
                               "Mixture-of-Experts layers are stacked", hint="leave out --expert-layout")
-    if cfg.shared_expert_intermediate_size:
-        raise ConversionError(f"--expert-layout {STACKED}: {where} has shared experts (shared_expert_intermediate_"
-                              f"size {cfg.shared_expert_intermediate_size}), which MindFormers' MoELayer path "
-                              "(models/expert_parallel.py) has no table for yet",
-                              hint="convert with the default --expert-layout per-expert and train on CPU")
     return ["MoE layers stacked as MindFormers' MoELayer holds them (mlp.router.weight, mlp.experts.weight1, "
             "weight2), for a recipe running them on Ascend; --to-hf and --to-megatron read them back"]
 

@@ -24,7 +24,7 @@ from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, MODEL_SE
 from ascend_llm_recipes.models.conversion.hf import write_hf
 from ascend_llm_recipes.models.conversion.megatron import from_megatron, source_manifest
 from ascend_llm_recipes.models.conversion.megatron import to_megatron as _to_megatron
-from ascend_llm_recipes.models.conversion.tables import PER_EXPERT
+from ascend_llm_recipes.models.conversion.stacked import PER_EXPERT
 from ascend_llm_recipes.models.conversion.torch_state import from_torch as _from_torch
 from ascend_llm_recipes.training.run_files import CHECKPOINTS
 from ascend_llm_recipes.training.recipe.loading import load_recipe
