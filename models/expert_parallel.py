@@ -20,7 +20,7 @@ batch axis as the rest of our layer is. Its parameters, under the decoder layer'
     experts.weight2 (E*F, hidden)              per expert e, rows e*F..: down_proj.T
     shared_experts.linear_fc1.weight (2F', hidden)  our shared_expert gate_proj and up_proj, rows interleaved
     shared_experts.linear_fc2.weight, shared_experts.shared_experts_gate.weight   down_proj, shared_expert_gate
-and counters (router.fi_accu, router.expert_load), not weights. models/conversion/stacked.py EXPERT_STACKS turns
+and counters (router.fi_accu, router.expert_load), not weights. models/conversion/ours.py EXPERT_STACKS turns
 our per-expert tensors into these and back (stack_moe_layers, unstack_moe_layers), as MindFormers' ExpertsConvertOp
 and ConcatConvertOp do for Hugging Face checkpoints (mindformers/checkpoint/converter/convert_op.py:186-225, 259-283);
 it lives with the converter, so that the converter and the load check read it without importing MindFormers.

@@ -25,7 +25,7 @@ import sys
 import traceback
 
 from ascend_llm_recipes.models.conversion.hf import from_hf
-from ascend_llm_recipes.models.conversion.stacked import PER_EXPERT, STACKED
+from ascend_llm_recipes.models.conversion.ours import PER_EXPERT, STACKED
 from ascend_llm_recipes.models.conversion.write import summary
 from ascend_llm_recipes.training.tools.export import to_hf
 from ascend_llm_recipes.common.errors import PretrainError

@@ -17,8 +17,7 @@ from conftest import MOE_RECIPE, load_script
 from ascend_llm_recipes.common.errors import ConversionError, LaunchError
 from ascend_llm_recipes.models.conversion.hf import from_hf
 from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, HF_WEIGHTS_FILE, MANIFEST_FILE,
-                                                       MODEL_SECTION_FILE, read_model_file)
-from ascend_llm_recipes.models.conversion.stacked import stack_moe_layers
+                                                       MODEL_SECTION_FILE, read_model_file, stack_moe_layers)
 from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.tools.export import to_hf, to_megatron
 from ascend_llm_recipes.training.worker.train import check_checkpoint_parameters

@@ -14,7 +14,7 @@ import mindspore as ms
 
 from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.common.schema import to_plain
-from ascend_llm_recipes.models.conversion.stacked import stack_moe_layers, stacked_shapes, unstack_moe_layers
+from ascend_llm_recipes.models.conversion.ours import stack_moe_layers, stacked_shapes, unstack_moe_layers
 from ascend_llm_recipes.models.expert_parallel import MindFormersMoE
 from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 from ascend_llm_recipes.models.parallel import plan_layout
@@ -117,8 +117,8 @@ def test_what_its_cells_save_loads_for_an_ascend_recipe_and_reads_back_expert_by
     """A checkpoint of the real cells (as a run on Ascend saves it: stacked experts, the router's counters) passes the
     load check of the recipe run on Ascend, and the exports' reader (--to-hf, --to-megatron) splits it into the
     tensors our CPU model has, the counters set aside."""
-    from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, MODEL_SECTION_FILE, OurCheckpoint
-    from ascend_llm_recipes.models.conversion.ours import model_section_yaml
+    from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, MODEL_SECTION_FILE, OurCheckpoint,
+                                                           model_section_yaml)
     from ascend_llm_recipes.models.conversion.tables import IGNORED_OURS, check_tensors
     from ascend_llm_recipes.training.worker.train import check_checkpoint_parameters
 

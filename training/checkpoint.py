@@ -233,7 +233,7 @@ def itemsize(dtype: str) -> int:
 def model_shapes(recipe) -> dict:
     """{parameter: whole shape} of the recipe's model as it runs: MoE layers stacked where they are MindFormers'
     MoELayer (training/recipe/mindformers.py runs_mindformers_moe), per expert where they are ours."""
-    from ascend_llm_recipes.models.conversion.stacked import stacked_shapes
+    from ascend_llm_recipes.models.conversion.ours import stacked_shapes
     from ascend_llm_recipes.models.shapes import parameter_shapes
     from ascend_llm_recipes.training.recipe.mindformers import runs_mindformers_moe
 

@@ -43,9 +43,8 @@ from ascend_llm_recipes.models.conversion.formats import (HFWeights, Safetensors
 from ascend_llm_recipes.models.conversion.hf_families import (ROPE_INTERLEAVE, conversion_notes, export_notes,
                                                               family_for, family_of, hf_config_from_model,
                                                               model_config_from_hf, mtp_layers)
-from ascend_llm_recipes.models.conversion.ours import (FORMAT_VERSION, HF_WEIGHTS_FILE, OurCheckpoint,
+from ascend_llm_recipes.models.conversion.ours import (FORMAT_VERSION, HF_WEIGHTS_FILE, PER_EXPERT, OurCheckpoint,
                                                        existing_conversion, fingerprint)
-from ascend_llm_recipes.models.conversion.stacked import PER_EXPERT
 from ascend_llm_recipes.models.conversion.tables import (IGNORED_HF, IGNORED_OURS, TIED_HEAD, TRANSFORMS, check_tensors,
                                                          tensor_plan)
 from ascend_llm_recipes.models.conversion.verify import verify_logits

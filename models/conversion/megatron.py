@@ -48,8 +48,7 @@ from ascend_llm_recipes.models.conversion.formats import HFWeights
 from ascend_llm_recipes.models.conversion.megatron_files import (LATEST_FILE, LegacyCheckpoint, RANK_FILE, kv_groups,
                                                                  open_megatron)
 from ascend_llm_recipes.models.conversion.ours import (FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES, OPTIMIZER_DIR,
-                                                       OurCheckpoint)
-from ascend_llm_recipes.models.conversion.stacked import PER_EXPERT
+                                                       PER_EXPERT, OurCheckpoint)
 from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TABLE, MEGATRON_TENSORS, TRANSFORMS,
                                                          grouped_state, is_expert, layer_names, present_tensors,
                                                          rank_share, row_for, tensor_plan)

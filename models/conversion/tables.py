@@ -15,7 +15,7 @@ weights with {e} in their names) is its tensors in models/shapes.py plus rows he
     MEGATRON_TABLE  Megatron-core GPT, local and TransformerEngine specs (read and written)
     GROUPED_EXPERTS Megatron-core's GroupedMLP (--moe-grouped-gemm): a layer's experts stacked (read and written)
     META_TABLE      Meta's consolidated.NN.pth shards (read)
-    (stacked.py: ours with MoE layers as MindFormers' MoELayer holds them, --expert-layout stacked)
+    (ours.py EXPERT_STACKS: ours with MoE layers as MindFormers' MoELayer holds them, --expert-layout stacked)
 """
 
 import re

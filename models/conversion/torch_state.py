@@ -33,8 +33,7 @@ from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.conversion.formats import HFWeights, SafetensorsWriter, TorchBinFile
 from ascend_llm_recipes.models.conversion.hf_families import (DEFAULT_MAX_SEQ_LENGTH, NO_TOKEN, hf_config_from_model,
                                                               model_config_from_hf)
-from ascend_llm_recipes.models.conversion.ours import HF_WEIGHTS_FILE
-from ascend_llm_recipes.models.conversion.stacked import PER_EXPERT
+from ascend_llm_recipes.models.conversion.ours import HF_WEIGHTS_FILE, PER_EXPERT
 from ascend_llm_recipes.models.conversion.tables import (META_TABLE, TIED_HEAD, TRANSFORMS, check_tensors, tensor_plan,
                                                          template_of)
 from ascend_llm_recipes.models.conversion.verify import reference_logits, verify_against

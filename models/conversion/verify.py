@@ -11,8 +11,8 @@ from dataclasses import fields
 import numpy as np
 
 from ascend_llm_recipes.common.errors import ConversionError
-from ascend_llm_recipes.models.conversion.ours import CHECKPOINT_FILE, MODEL_SECTION_FILE, read_model_file
-from ascend_llm_recipes.models.conversion.stacked import STACKED, expert_layout, unstack_moe_layers
+from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, MODEL_SECTION_FILE, STACKED, expert_layout,
+                                                       read_model_file, unstack_moe_layers)
 
 
 # --verify bounds for float32 weights (bf16 sources are widened exactly). Rounding error grows with the

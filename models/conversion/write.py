@@ -20,11 +20,9 @@ from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.shapes import dimensions
 from ascend_llm_recipes.models.conversion.formats import HFWeights, SafetensorsWriter
 from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, FORMAT_VERSION, MANIFEST_FILE,
-                                                       MODEL_SECTION_FILE, MOMENT_FILES, OPTIMIZER_DIR,
-                                                       existing_conversion, fingerprint, model_section_yaml,
-                                                       recipe_keys)
-from ascend_llm_recipes.models.conversion.stacked import (PER_EXPERT, STACKED, stacked_names, stacked_shapes,
-                                                          stacked_tensor)
+                                                       MODEL_SECTION_FILE, MOMENT_FILES, OPTIMIZER_DIR, PER_EXPERT,
+                                                       STACKED, existing_conversion, fingerprint, model_section_yaml,
+                                                       recipe_keys, stacked_names, stacked_shapes, stacked_tensor)
 from ascend_llm_recipes.models.conversion.tables import (TIED_HEAD, TRANSFORMS, ignored_kinds, pad_vocab_rows,
                                                          tensor_plan)
 from ascend_llm_recipes.models.conversion.verify import PARITY_RULE
@@ -89,7 +87,7 @@ def write_ours(weights: HFWeights, cfg: ModelConfig, out_dir: str, direction: st
     HuggingFace family's table naming `weights` (tables.tensor_plan; HF_TABLE by default). `notes`: what the
     model section cannot say (DeepSeek-V3's rotary layout, ...), written into its header and the manifest.
     `expert_layout`: a MoE model's experts per expert (PER_EXPERT, our CPU model's) or STACKED as MindFormers'
-    MoELayer holds them (stacked.EXPERT_STACKS; what a MoE recipe runs on Ascend), recorded in the manifest.
+    MoELayer holds them (ours.EXPERT_STACKS; what a MoE recipe runs on Ascend), recorded in the manifest.
     """
     plan = tensor_plan(cfg, rows=rows)
     model = to_plain(cfg)
@@ -154,7 +152,7 @@ def write_weights(weights: HFWeights, plan: list, cfg: ModelConfig, path: str, s
     """Our safetensors file of `weights` (HF-named) along `plan`, one tensor at a time; returns the records.
 
     With expert_layout STACKED each MoE layer's stacked tensors stand where their first part did, each made from its
-    parts as they are read (stacked.stacked_tensor): one layer's experts in memory at a time.
+    parts as they are read (ours.stacked_tensor): one layer's experts in memory at a time.
     """
     items = {p.ours: p for p in plan}
     stacks = stacked_names(cfg) if expert_layout == STACKED else {}

@@ -242,7 +242,7 @@ def semi_auto(recipe: Recipe) -> bool:
 
 def runs_mindformers_moe(recipe: Recipe) -> bool:
     """Whether the recipe's MoE layers are MindFormers' own MoELayer (models/expert_parallel.py: expert parallel on
-    Ascend), whose parameters are its stacked experts (models/conversion/stacked.py EXPERT_STACKS), or ours (CPU)."""
+    Ascend), whose parameters are its stacked experts (models/conversion/ours.py EXPERT_STACKS), or ours (CPU)."""
     return recipe.model.model_config.moe and recipe.context.device_target != "CPU"
 
 

@@ -20,11 +20,10 @@ from ascend_llm_recipes.common.files import file_sha256
 from ascend_llm_recipes.common.schema import to_plain
 from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, MODEL_SECTION_FILE, OPTIMIZER_DIR,
-                                                       model_section, read_model_yaml)
+                                                       PER_EXPERT, model_section, read_model_yaml)
 from ascend_llm_recipes.models.conversion.hf import write_hf
 from ascend_llm_recipes.models.conversion.megatron import from_megatron, source_manifest
 from ascend_llm_recipes.models.conversion.megatron import to_megatron as _to_megatron
-from ascend_llm_recipes.models.conversion.stacked import PER_EXPERT
 from ascend_llm_recipes.models.conversion.torch_state import from_torch as _from_torch
 from ascend_llm_recipes.training.run_files import CHECKPOINTS
 from ascend_llm_recipes.training.recipe.loading import load_recipe

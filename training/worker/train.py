@@ -162,7 +162,7 @@ def check_checkpoint_parameters(recipe: Recipe, rank: int) -> None:
 
 def check_expert_layout(recipe: Recipe, found: dict, files: list) -> None:
     """Refuse a MoE checkpoint holding the parameters of the other expert layout, saying so."""
-    from ascend_llm_recipes.models.conversion.stacked import PER_EXPERT, STACKED, stacked_shapes
+    from ascend_llm_recipes.models.conversion.ours import PER_EXPERT, STACKED, stacked_shapes
     from ascend_llm_recipes.models.shapes import parameter_shapes
     from ascend_llm_recipes.training.recipe.mindformers import runs_mindformers_moe
     from ascend_llm_recipes.training.tools.export import relayout_command
