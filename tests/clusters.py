@@ -29,6 +29,27 @@ def free_port():
         return s.getsockname()[1]
 
 
+def msrun_workers(tmp_path, script_text: str, env: dict = None, workers: int = 2) -> tuple:
+    """Run `script_text` as `workers` msrun CPU workers in tmp_path (msrun started by this Python, so its workers
+    import the package the tests run, not another install): (every "RESULT ..." line they printed, sorted, and the
+    tails of their logs). A non-zero exit fails the test with those tails."""
+    import glob
+
+    script = tmp_path / "worker.py"
+    script.write_text(script_text)
+    logs = tmp_path / "logs"
+    msrun = [sys.executable, "-c", "import sys; from mindspore.parallel.cluster.run import main; sys.exit(main())"]
+    result = subprocess.run([*msrun, f"--worker_num={workers}", f"--local_worker_num={workers}",
+                             f"--master_port={free_port()}", f"--log_dir={logs}", "--join=True", str(script)],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **(env or {})})
+    paths = sorted(glob.glob(str(logs / "worker_*.log")))
+    tails = "".join(open(p, encoding="utf-8").read()[-2000:] for p in paths)
+    assert result.returncode == 0, result.stdout[-2000:] + tails
+    lines = sorted(line for p in paths for line in open(p, encoding="utf-8") if line.startswith("RESULT"))
+    return lines, tails
+
+
 def _stat(pid):
     """(state, parent pid, start time) of a process; the start time (clock ticks since boot) with the pid is an
     identity that survives pid reuse."""

@@ -133,24 +133,9 @@ print("RESULT", got, ms.get_auto_parallel_context("parallel_mode"), ms.get_auto_
 
 def test_collective_self_test_runs_inside_a_semi_auto_context(tmp_path):
     """The all-reduce shared by the self-test, the CPU barrier and spike decisions compiles in its own DP context."""
-    import glob
-    import shutil
-    import socket
-    import subprocess
+    from clusters import msrun_workers
 
-    script = tmp_path / "worker.py"
-    script.write_text(SELF_TEST_WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    logs = tmp_path / "logs"
-    result = subprocess.run([shutil.which("msrun") or "msrun", "--worker_num=2", "--local_worker_num=2",
-                             f"--master_port={port}", f"--log_dir={logs}", "--join=True", "python", str(script)],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    lines = [line for path in sorted(glob.glob(str(logs / "worker_*.log")))
-             for line in open(path, encoding="utf-8") if line.startswith("RESULT")]
-    worker_logs = "".join(open(p).read()[-1500:] for p in glob.glob(str(logs / "worker_*.log")))
-    assert result.returncode == 0, result.stdout[-2000:] + worker_logs
+    lines, _ = msrun_workers(tmp_path, SELF_TEST_WORKER)
     assert lines == ["RESULT [2.0, 4.0] semi_auto_parallel True\n"] * 2  # summed, and the context restored
 
 
@@ -453,32 +438,15 @@ gc.freeze()  # as scripts/train.py: no last garbage collection over MindFormers'
 def test_stage_ranks_agree_on_the_last_stages_loss_and_nan_in_real_processes(tmp_path):
     """Two msrun CPU processes stand in for a 2-stage pipeline (rank 0: stage 0, rank 1: the last stage) and run
     StepRecorder.agreed over the real host all-reduce: both record the last stage's loss, both see its NaN."""
-    import glob
     import json
-    import socket
-    import subprocess
-    import sys
 
-    script = tmp_path / "worker.py"
-    script.write_text(PIPELINE_WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    logs = tmp_path / "logs"
-    # msrun started by this Python, so its workers import the package this test runs (not another install).
-    msrun = [sys.executable, "-c", "import sys; from mindspore.parallel.cluster.run import main; sys.exit(main())"]
-    result = subprocess.run([*msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={port}",
-                             f"--log_dir={logs}", "--join=True", str(script)],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, TINY_ASCEND=TINY_ASCEND))
-    worker_logs = "".join(open(p).read()[-1500:] for p in glob.glob(str(logs / "worker_*.log")))
-    assert result.returncode == 0, result.stdout[-2000:] + worker_logs
+    from clusters import msrun_workers
+
+    lines, worker_logs = msrun_workers(tmp_path, PIPELINE_WORKER, {"TINY_ASCEND": TINY_ASCEND})
     got = {}
-    for path in glob.glob(str(logs / "worker_*.log")):
-        for line in open(path, encoding="utf-8"):
-            if line.startswith("RESULT"):
-                _, rank, values = line.split(" ", 2)
-                got[int(rank)] = json.loads(values.replace("NaN", "null"))
+    for line in lines:
+        _, rank, values = line.split(" ", 2)
+        got[int(rank)] = json.loads(values.replace("NaN", "null"))
     # 5.0 summed over 2 micro-batches -> 2.5 on both; step 2's NaN is non-finite on both.
     assert got == {0: [[2.5, None, False, False], [None, None, True, False]],
                    1: [[2.5, 2.5, False, False], [None, None, True, False]]}, worker_logs

@@ -224,27 +224,13 @@ def test_mindformers_moe_layer_is_built_with_expert_parallel_in_two_real_process
     """Under semi-auto parallel with communication initialised (msrun, 2 CPU processes: DP 2, EP 2), MindFormers'
     MoELayer creates its expert-parallel groups and sets its shard layouts, inside our model with its strategies.
     (Its compile and forward need Ascend; this is everything before them.)"""
-    import glob
     import json
-    import socket
-    import subprocess
-    import sys
 
-    script = tmp_path / "worker.py"
-    script.write_text(SEMI_AUTO_WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    logs = tmp_path / "logs"
-    msrun = [sys.executable, "-c", "import sys; from mindspore.parallel.cluster.run import main; sys.exit(main())"]
-    result = subprocess.run([*msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={port}",
-                             f"--log_dir={logs}", "--join=True", str(script)], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=300,
-                            env=dict(os.environ, RECIPE=os.path.join(REPO_ROOT, "recipes", "tiny_moe_ascend.yaml")))
-    worker_logs = "".join(open(p).read()[-2000:] for p in glob.glob(str(logs / "worker_*.log")))
-    assert result.returncode == 0, result.stdout[-2000:] + worker_logs
-    results = sorted((json.loads(line.split(" ", 1)[1]) for path in glob.glob(str(logs / "worker_*.log"))
-                      for line in open(path, encoding="utf-8") if line.startswith("RESULT")), key=lambda r: r["rank"])
+    from clusters import msrun_workers
+
+    lines, _ = msrun_workers(tmp_path, SEMI_AUTO_WORKER,
+                             {"RECIPE": os.path.join(REPO_ROOT, "recipes", "tiny_moe_ascend.yaml")})
+    results = sorted((json.loads(line.split(" ", 1)[1]) for line in lines), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:
         assert r["moe_layers"] == 3 and r["ep"] == [2, 2, 2] and r["experts_sharded"]

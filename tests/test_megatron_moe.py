@@ -158,6 +158,24 @@ def test_a_missing_expert_parallel_rank_is_refused(megatron_dir, tmp_path):
     assert_nothing_written(tmp_path / "out")
 
 
+def rank_files_equal(source, back_dir, tp: int) -> list:
+    """Every rank file written in back_dir holds the tensors of source's (megatron-core's own) file, none more; only
+    the vocabulary's padding rows may differ (576 padded rows split over TP: the real 512 written, the padding
+    ones zeros). [(original, written)] per rank, for the callers' own checks of the args."""
+    assert sorted(os.listdir(back_dir)) == sorted(os.listdir(source))
+    pairs = []
+    for rank in sorted(os.listdir(source)):
+        original = torch.load(source / rank / "model_optim_rng.pt", weights_only=False)
+        back = torch.load(back_dir / rank / "model_optim_rng.pt", weights_only=False)
+        weights = {k: v for k, v in original["model"].items() if not k.endswith("_extra_state")}
+        assert sorted(back["model"]) == sorted(weights), rank
+        for name, tensor in weights.items():
+            rows = 512 - 576 // tp * int(rank[8:10]) if name.startswith(("embedding.", "output_layer.")) else None
+            assert torch.equal(back["model"][name][:rows], tensor[:rows]), f"{rank}: {name}"
+        pairs.append((original, back))
+    return pairs
+
+
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)
 def test_moe_round_trip_to_megatron_legacy_is_exact(megatron_dir, converted, tmp_path, layout):
     """ours -> Megatron legacy files equal to megatron-core's own, rank file by rank file (experts, router,
@@ -165,17 +183,7 @@ def test_moe_round_trip_to_megatron_legacy_is_exact(megatron_dir, converted, tmp
     source = megatron_dir / layout / "legacy" / "iter_0000040"
     tp, ep = PARALLEL[layout]
     to_megatron(str(converted[layout][1]), str(tmp_path / "back"), tp=tp, ep=ep, show_progress=False)
-    back_dir = tmp_path / "back" / "iter_0000040"
-    assert sorted(os.listdir(back_dir)) == sorted(os.listdir(source))
-    for rank in sorted(os.listdir(source)):
-        original = torch.load(source / rank / "model_optim_rng.pt", weights_only=False)
-        back = torch.load(back_dir / rank / "model_optim_rng.pt", weights_only=False)
-        weights = {k: v for k, v in original["model"].items() if not k.endswith("_extra_state")}
-        assert sorted(back["model"]) == sorted(weights), rank
-        for name, tensor in weights.items():
-            # vocabulary rows: 576 padded, split over TP; the real ones (512) written, the padding ones zeros
-            rows = 512 - 576 // tp * int(rank[8:10]) if name.startswith(("embedding.", "output_layer.")) else None
-            assert torch.equal(back["model"][name][:rows], tensor[:rows]), f"{rank}: {name}"
+    for original, back in rank_files_equal(source, tmp_path / "back" / "iter_0000040", tp):
         assert layer_pattern(back["args"].moe_layer_freq) == layer_pattern(original["args"].moe_layer_freq)
         for key in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "kv_channels", "moe_router_pre_softmax",
                     "qk_layernorm", "moe_shared_expert_gate", "moe_router_score_function",
@@ -213,16 +221,7 @@ def test_grouped_gemm_round_trip_to_megatron_legacy_is_exact(megatron_dir, conve
     convert = load_script("convert_checkpoint").main
     assert convert(["--to-megatron", str(converted[layout][1]), "--output", str(tmp_path / "back"), "--tp", str(tp),
                     "--ep", str(ep), "--grouped-gemm", "--quiet"]) == 0
-    back_dir = tmp_path / "back" / "iter_0000040"
-    assert sorted(os.listdir(back_dir)) == sorted(os.listdir(source))
-    for rank in sorted(os.listdir(source)):
-        original = torch.load(source / rank / "model_optim_rng.pt", weights_only=False)
-        back = torch.load(back_dir / rank / "model_optim_rng.pt", weights_only=False)
-        weights = {k: v for k, v in original["model"].items() if not k.endswith("_extra_state")}
-        assert sorted(back["model"]) == sorted(weights), rank
-        for name, tensor in weights.items():
-            rows = 512 - 576 // tp * int(rank[8:10]) if name.startswith(("embedding.", "output_layer.")) else None
-            assert torch.equal(back["model"][name][:rows], tensor[:rows]), f"{rank}: {name}"
+    for _, back in rank_files_equal(source, tmp_path / "back" / "iter_0000040", tp):
         assert back["args"].moe_grouped_gemm is True
     with pytest.raises(SystemExit):  # GroupedMLP files are read as they are: the flag only writes
         convert(["--from-megatron", str(source), "--output", str(tmp_path / "in"), "--grouped-gemm"])
