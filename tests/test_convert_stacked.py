@@ -143,3 +143,17 @@ def test_the_load_check_expects_the_layout_the_recipe_runs_and_names_the_other(c
                                           r"runs them as our MoE \(context\.device_target CPU\)") as refused:
         check_checkpoint_parameters(recipe_for(converted.stacked, "CPU"), 0)
     assert f"--output {converted.stacked}-per-expert --expert-layout per-expert" in str(refused.value)
+
+
+def test_write_recipe_splits_the_experts_and_says_which_conversion_loads_on_ascend(converted, tmp_path):
+    """--write-recipe writes an Ascend recipe: a MoE model gets the largest expert-parallel degree the rules allow,
+    and a per-expert conversion is named as the one the Ascend MoE layer will not load."""
+    from ascend_llm_recipes.training.tools.export import write_recipe
+
+    for which, warned in (("per_expert", True), ("stacked", False)):
+        written = write_recipe(str(tmp_path / f"{which}.yaml"), getattr(converted, which), devices=8)
+        recipe = load_recipe(written["path"], planning=True)
+        assert recipe.parallel_config.expert_parallel == 4   # the 4 experts over DP 8
+        assert any("expert parallel 4: each device holds 1 of every MoE layer's 4 experts" in n
+                   for n in written["notes"])
+        assert any("convert again with --expert-layout stacked" in n for n in written["notes"]) == warned

@@ -259,6 +259,8 @@ def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir
         data["parallel_config"] = {"data_parallel": devices or 1}
         data["use_parallel"] = True
         notes.append("hyper-parameters: base/ascend.yaml's (the source records no training run)")
+    if cfg.moe:
+        notes += _expert_parallel(data, cfg, args, converted_dir)
     if not dataset_dir:
         notes.append(f"train_dataset.data_loader.dataset_dir is {DATASET_PLACEHOLDER}: point it at a dataset made "
                      "by scripts/prepare_data.py before launching")
@@ -277,6 +279,30 @@ def write_recipe(path: str, converted_dir: str, devices: int = None, dataset_dir
                               hint="pass --devices with a device count the run's parallel layout fits") from None
     os.replace(partial, path)
     return {"path": os.path.abspath(path), "notes": notes, "plan": verdict(result)}
+
+
+def _expert_parallel(data: dict, cfg: ModelConfig, args: dict, converted_dir: str) -> list:
+    """A MoE model trained on Ascend (MindFormers' MoELayer, models/expert_parallel.py): the largest expert-parallel
+    degree the rules allow (models/parallel.py expert_problems), and whether the conversion's experts are in the
+    layout that layer loads; notes."""
+    from ascend_llm_recipes.models.conversion.ours import STACKED, expert_layout
+    from ascend_llm_recipes.models.conversion.formats import tensor_shapes
+    from ascend_llm_recipes.models.parallel import expert_problems
+
+    p = data["parallel_config"]
+    dp, tp = p["data_parallel"], p.get("model_parallel", 1)
+    fits = [ep for ep in range(min(cfg.num_experts, dp * tp), 0, -1) if not expert_problems(cfg, dp, tp, ep)]
+    theirs = args.get("expert_model_parallel_size")
+    ep = theirs if theirs in fits else (fits[0] if fits else 1)
+    p["expert_parallel"] = ep
+    notes = [f"expert parallel {ep}" + (f" (Megatron ran EP {theirs})" if theirs else "") + ": each device holds "
+             f"{cfg.num_experts // ep} of every MoE layer's {cfg.num_experts} experts"]
+    names = tensor_shapes(os.path.join(converted_dir, CHECKPOINT_FILE))
+    if expert_layout(names, cfg) != STACKED:
+        notes.append(f"{converted_dir} holds the experts per expert (our CPU model's layout); on Ascend the MoE layers "
+                     "are MindFormers' MoELayer, which loads them stacked: convert again with --expert-layout "
+                     "stacked before launching (the launch's load check refuses this one)")
+    return notes
 
 
 def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int, cfg: ModelConfig,
