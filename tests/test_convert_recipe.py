@@ -185,10 +185,10 @@ def test_a_recipe_mindformers_llama_cannot_express_is_not_exported(tmp_path):
     recipe["model"]["model_config"].update(head_dim=32, num_experts=4, moe_intermediate_size=32)
     path = tmp_path / "moe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    with pytest.raises(RecipeError, match=r"model\.model_config\.head_dim: 32 has no MindFormers LlamaForCausalLM "
-                                          r"equivalent \(MindFormers 1\.9's own format is written for Qwen3") as err:
+    with pytest.raises(RecipeError, match=r"model\.model_config\.qk_norm: False with experts \(a Mixtral or "
+                                          r"Qwen2-MoE\): MindFormers 1\.9 has no model class") as err:
         to_mindformers(str(path))
-    assert len(err.value.problems) == 3  # head_dim, num_experts, moe_intermediate_size
+    assert len(err.value.problems) == 1 and "train it with this recipe instead" in str(err.value)
 
 
 def test_mindformers_defaults_and_width_rule_match_the_installed_package():

@@ -444,3 +444,23 @@ def test_alltoall_bytes_per_step_and_moe_activations_by_hand():
     assert p.activation_bytes_none == sum(n for n, kind in dense.values() if kind != "working") + \
         sum(n for n, kind in moe.values() if kind != "working") + max(
             sum(n for n, kind in terms.values() if kind == "working") for terms in (dense, moe))
+
+
+def test_an_ascend_moe_layout_the_launch_refuses_is_said_so_and_not_proposed(tmp_path):
+    """A pipeline gives a step several forward passes, which MindFormers' MoE layer balances otherwise than the
+    recipe asks (mindformers_mcore_export.py load_balancing): --plan says the launch refuses it, and does not
+    propose the pipeline as a memory lever for such a recipe."""
+    import os
+
+    from conftest import REPO_ROOT
+
+    path = os.path.join(REPO_ROOT, "recipes", "qwen3_30b_a3b_16dev.yaml")
+    piped = plan(load_recipe(path, [f"output_dir={tmp_path}", "parallel_config.pipeline_stage=2",
+                                    "parallel_config.data_parallel=8", "parallel_config.expert_parallel=8",
+                                    "parallel_config.micro_batch_num=4"], planning=True))
+    assert piped.fits and len(piped.refusals) == 1
+    assert "refused at launch" in piped.refusals[0] and "4 forward passes per step" in piped.refusals[0]
+    assert "but refused at launch" in format_plan(piped)
+    short = plan(load_recipe(path, [f"output_dir={tmp_path}", "parallel_config.expert_parallel=4"], planning=True))
+    assert not short.fits and not short.refusals and "pipeline" not in short.levers
+    assert plan(load_recipe(path, planning=True)).refusals == []

@@ -184,15 +184,10 @@ def check_model(recipe) -> list:
         return [Finding("error", "model", "model.model_config.kv_lora_rank: multi-head latent attention runs on CPU "
                         "only so far (the reference math); MindFormers 1.9's MLA kernels and layouts are not mirrored "
                         "yet", {})]
-    from ascend_llm_recipes.common.errors import RecipeError
-    from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_transformer_config
+    from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_layer_problems
 
-    try:
-        moe_transformer_config(recipe, "the recipe")
-    except RecipeError as err:
-        return [Finding("error", "model", f"{problem} (on Ascend the MoE layers are MindFormers 1.9's MoELayer)", {})
-                for problem in err.problems]
-    return []
+    return [Finding("error", "model", f"{problem} (on Ascend the MoE layers are MindFormers 1.9's MoELayer)", {})
+            for problem in moe_layer_problems(recipe)]
 
 
 def hccl_env(recipe) -> dict:

@@ -398,7 +398,13 @@ def to_mindformers(recipe_path: str) -> tuple:
     if cfg.document_attention:
         problems.append("model.model_config.document_attention: True has no MindFormers equivalent that "
                         "reads our packed data (MindFormers' EOD mask compression needs its own data columns)")
-    if family is None:
+    if family is None and cfg.moe:
+        problems.append("model.model_config.qk_norm: False with experts (a Mixtral or Qwen2-MoE): MindFormers 1.9 has "
+                        "no model class for a MoE model without q/k norms (its 1.9 format builds Qwen3-MoE and "
+                        "DeepSeek-V3), so no MindFormers config trains it; our recipe does, on Ascend with "
+                        "MindFormers' MoE layer inside our decoder (models/expert_parallel.py)")
+        model, extra_callbacks, model_notes = None, [], []
+    elif family is None:
         defaults = ModelConfig(**{name: getattr(cfg, name) for name in REQUIRED_MODEL_FIELDS})
         problems += [f"model.model_config.{name}: {getattr(cfg, name)!r} has no MindFormers LlamaForCausalLM "
                      "equivalent (MindFormers 1.9's own format is written for Qwen3 models (qk_norm: True, with "
@@ -412,7 +418,8 @@ def to_mindformers(recipe_path: str) -> tuple:
         problems.append(f"parallel_config.stage_layers: {stage_layers}: uneven stages; set MindFormers' "
                         "model_config.offset by hand")
     if problems:
-        hint = ("MindFormers' LlamaForCausalLM has no such option" if family is None else
+        hint = ("MindFormers' LlamaForCausalLM has no such option" if family is None and not cfg.moe else
+                "train it with this recipe instead" if family is None else
                 f"MindFormers 1.9's {family} computes these differently; change them in the recipe")
         raise RecipeError(recipe_path, problems, hint=hint)
     values = {**to_plain(cfg), "num_kv_heads": cfg.kv_heads}  # None in MindFormers means num_heads too

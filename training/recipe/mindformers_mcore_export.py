@@ -165,6 +165,34 @@ def mcore_model(recipe, family: str, problems: list) -> tuple:
     return {"model_config": model_config}, callbacks, notes
 
 
+def moe_layer_problems(recipe) -> list:
+    """What MindFormers' MoELayer (the MoE layers of a recipe on Ascend, models/expert_parallel.py) would compute
+    otherwise than the recipe says, each naming its key; [] when nothing. Imports nothing of MindFormers, so that
+    --plan and --check can ask it."""
+    problems = []
+    experts(recipe, "deepseek_v3" if recipe.model.model_config.mla else "qwen3_moe", problems, layers_ours=True)
+    return problems
+
+
+def moe_layer_refusals(recipe) -> list:
+    """--plan's notes of what the launch refuses for a MoE recipe on Ascend (its MoE layers MindFormers')."""
+    from ascend_llm_recipes.training.recipe.mindformers import runs_mindformers_moe
+
+    if not runs_mindformers_moe(recipe):
+        return []
+    return [f"refused at launch (on Ascend the MoE layers are MindFormers' MoELayer): {problem}"
+            for problem in moe_layer_problems(recipe)]
+
+
+def moe_pipeline_refused(recipe) -> bool:
+    """Whether pipeline stages would be refused for this recipe: a MoE model on Ascend with a load-balancing loss
+    under data parallel takes one forward pass per step (load_balancing), and a pipeline's micro-batches are more."""
+    from ascend_llm_recipes.training.recipe.mindformers import runs_mindformers_moe
+
+    return (runs_mindformers_moe(recipe) and bool(recipe.model.model_config.router_aux_loss_coef)
+            and recipe.parallel_config.data_parallel > 1)
+
+
 def moe_transformer_config(recipe, source: str):
     """MindFormers' TransformerConfig for the recipe's MoE layers run as its MoELayer (models/expert_parallel.py):
     the keys `--to-mindformers` writes, read by MindFormers' own config class and converter as its trainer reads

@@ -86,6 +86,7 @@ def format_plan(plan: Plan) -> str:
     lines.extend(expert_lines(plan))
     lines.append("")
     lines.append(verdict(plan))
+    lines.extend(f"but {refusal}" for refusal in plan.refusals)
     peak = "unknown" if plan.peak_flops is None else f"{plan.peak_flops / 1e12:.0f} TFLOP/s peak"
     dtype = "fp32" if plan.compute_dtype == "float32" else plan.compute_dtype
     step = (f"step time: not estimated (no {dtype} peak FLOP/s for {plan.device})" if plan.step_time_s is None else

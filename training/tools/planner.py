@@ -34,6 +34,7 @@ from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.models.arithmetic import active_param_count, flops_per_token, param_count
 from ascend_llm_recipes.models.parallel import RECOMPUTE_MODES, balanced_stages
 from ascend_llm_recipes.models.shapes import parameter_dtype, parameter_shapes
+from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_layer_refusals, moe_pipeline_refused
 from ascend_llm_recipes.training.tools.activations import (DTYPE_BYTES, layer_activation_bytes, logits_bytes,
                                                            moe_layer_count, recompute_working_bytes,
                                                            step_alltoall_bytes)
@@ -102,6 +103,7 @@ class Plan:
     speed: Optional["SpeedEstimate"] = None
     levers: list = field(default_factory=list)  # unused memory levers, in the order to try them
     notes: list = field(default_factory=list)
+    refusals: list = field(default_factory=list)  # what the launch refuses although the plan fits (MoE on Ascend)
     attention: str = ""                 # which attention kernel the recipe runs
     sharding: str = ""                  # which operators tensor parallelism splits
     expert_parallel: int = 1
@@ -435,7 +437,7 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
         flops_per_token=fpt, tokens_per_step=tokens, step_time_s=step_time,
         checkpoint_rank_bytes=checkpoint[0], checkpoint_total_bytes=checkpoint[1],
         speed=speed_estimate(recipe, spec, mfu, stages) if peak else None,
-        levers=_unused_levers(recipe, mode, shard, total), notes=notes,
+        levers=_unused_levers(recipe, mode, shard, total), notes=notes, refusals=moe_layer_refusals(recipe),
         attention=("FlashAttention (FlashAttentionScore; no S x S scores kept)" if cfg.use_flash_attention
                    else "math path (fp32 S x S scores per layer)"),
         sharding=(f"every operator split by DP {p.data_parallel}; TP {p.model_parallel} splits heads from q/k/v to "
@@ -587,7 +589,7 @@ def _unused_levers(recipe, mode, shard, total) -> list:
                 levers.append(f"optimizer-state sharding (at DP {p.data_parallel}{needs})")
         else:
             levers.append("optimizer-state sharding (needs data_parallel > 1)")
-    if p.pipeline_stage == 1:
+    if p.pipeline_stage == 1 and not moe_pipeline_refused(recipe):
         levers.append("pipeline")
     moe = recipe.model.model_config.moe
     if moe and p.expert_parallel < expert_parallel_degrees(recipe)[-1]:

@@ -234,6 +234,7 @@ class StepRecorder(Callback):
                          f"({record['data_wait']:.1%} wait) {record['tokens_per_s']:,.0f} tok/s MFU {mfu}"
                          + (f" aux {record['load_balancing_loss']:.3f}" if "load_balancing_loss" in record else "")
                          + (f" load max/mean {max(record['expert_load']):.2f}" if record.get("expert_load") else "")
+                         + (f" dropped {record['dropped_tokens']:.1%}" if record.get("dropped_tokens") else "")
                          + (" [includes graph compile]" if record["compile"] else "") + "\n")
         sys.stdout.flush()
         if self._writer is not None:
