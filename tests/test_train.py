@@ -252,3 +252,35 @@ def test_deepseek_recipe_resumes_bit_exact_with_its_correction_bias(tmp_path, ti
         return CkptFile(path).read("model.layers.1.mlp.router.expert_bias")
 
     assert bias(whole).tolist() == bias(halves).tolist() and any(bias(whole))  # it moved, and identically
+
+
+def test_a_moe_run_resumes_with_its_router_terms_amended_not_as_another_model(tiny_moe_run, tiny_dataset, tmp_path):
+    """The MoE loss coefficients and the capacity weigh training, not the model: changing them is a setting change
+    (--amend), while a change of the model itself still refuses the run."""
+    import shutil
+
+    from conftest import MOE_RECIPE
+    from ascend_llm_recipes.common.errors import LaunchError
+    from ascend_llm_recipes.training.launcher.resume import prepare_run_dir
+    from ascend_llm_recipes.training.recipe.loading import load_recipe
+
+    run_dir = str(tmp_path / "moe")
+    shutil.copytree(tiny_moe_run, run_dir)
+    settings = [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={tiny_dataset}",
+                "runner_config.stop_step=24"]
+
+    def recipe(*changes):
+        return load_recipe(MOE_RECIPE, (*settings, *changes))
+
+    terms = ("model.model_config.router_aux_loss_coef=0.05", "model.model_config.capacity_factor=1.5")
+    with pytest.raises(LaunchError, match=r"trained with other settings; this launch changes "
+                                          r"model\.model_config\.router_aux_loss_coef \(0\.01 -> 0\.05\)"):
+        prepare_run_dir(recipe(*terms), MOE_RECIPE)
+    with pytest.raises(LaunchError, match=r"another model \(changed: model\.model_config\.moe_intermediate_size\)"):
+        prepare_run_dir(recipe(*terms, "model.model_config.moe_intermediate_size=32"), MOE_RECIPE, amend=True)
+    amended = recipe(*terms)
+    prepare_run_dir(amended, MOE_RECIPE, amend=True)
+    assert amended.load_checkpoint.endswith("step_00000020")
+    with open(os.path.join(run_dir, "amendments.jsonl"), encoding="utf-8") as f:
+        keys = [json.loads(line)["key"] for line in f]
+    assert {"model.model_config.router_aux_loss_coef", "model.model_config.capacity_factor"} <= set(keys)

@@ -41,6 +41,10 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> st
 # Not training settings: where the run lives (a run directory may be moved) and the checkpoint
 # the launcher itself sets on resume.
 NOT_SETTINGS = ("output_dir", "load_checkpoint", "resume_training")
+# model_config keys that weigh the MoE training terms, not the model: a run resumes with them changed (--amend),
+# as with any other training setting
+TRAINING_TERMS = ("router_aux_loss_coef", "router_z_loss_coef", "capacity_factor", "token_drop_policy",
+                  "expert_bias_update_rate")
 
 
 def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
@@ -55,9 +59,9 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
     from ascend_llm_recipes.training.checkpoint import MANIFEST, rank_shapes, read_json, scan_steps, set_aside
 
     previous = saved_recipe(run_dir)
-    if previous.model != recipe.model:
-        changed = [k for k, v in vars(recipe.model.model_config).items()
-                   if getattr(previous.model.model_config, k) != v]
+    changed = [k for k, v in vars(recipe.model.model_config).items()
+               if getattr(previous.model.model_config, k) != v and k not in TRAINING_TERMS]
+    if previous.model.arch != recipe.model.arch or changed:
         raise LaunchError(f"output_dir {run_dir} holds a run of another model (changed: "
                           f"{', '.join('model.model_config.' + k for k in changed) or 'model'})",
                           hint="a changed model cannot resume these checkpoints; choose a new output_dir")
