@@ -14,6 +14,11 @@ from netns import netns_nodes  # noqa: F401 (a fixture: network-namespace "nodes
 
 # Importing MindFormers creates ./output/log unless told where to log; keep the checkout clean.
 os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers-log-"))
+# Under pytest-xdist (-n 2 on 2 cores) each worker gets one OpenMP thread, read by torch and oneDNN at import and
+# inherited by the training workers it launches (training/launcher/cluster.py keeps a value already set): two
+# workers with two threads each spin against each other on two cores (the suite took 1.6x its CPU time so).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
