@@ -157,3 +157,23 @@ def test_write_recipe_splits_the_experts_and_says_which_conversion_loads_on_asce
         assert any("expert parallel 4: each device holds 1 of every MoE layer's 4 experts" in n
                    for n in written["notes"])
         assert any("convert again with --expert-layout stacked" in n for n in written["notes"]) == warned
+
+
+def test_the_conversion_command_named_works_when_the_original_source_is_gone(tmp_path):
+    """A 60 GB source is often deleted after its conversion: the load check's command then goes through the
+    converted weights themselves (--to-hf, then --from-hf in the wanted layout), and that command works."""
+    import shlex
+    import shutil
+
+    hf = save_model(transformers.Qwen3MoeConfig(**HF_CONFIG), tmp_path / "hf")
+    stacked = str(tmp_path / "stacked")
+    from_hf(hf, stacked, show_progress=False, expert_layout="stacked")
+    shutil.rmtree(hf)
+    with pytest.raises(LaunchError) as refused:
+        check_checkpoint_parameters(recipe_for(stacked, "CPU"), 0)
+    command = str(refused.value).split("load that: ", 1)[1].split(" (the weights", 1)[0]
+    assert command.startswith(f"python scripts/convert_checkpoint.py --to-hf {stacked} --output {stacked}-hf && ")
+    convert = load_script("convert_checkpoint").main
+    for part in command.split(" && "):
+        assert convert(shlex.split(part)[2:] + ["--quiet"]) == 0
+    check_checkpoint_parameters(recipe_for(f"{stacked}-per-expert", "CPU"), 0)

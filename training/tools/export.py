@@ -163,15 +163,20 @@ def relayout_command(checkpoint: str, file: str, expert_layout: str) -> str:
     out = shlex.quote(f"{os.path.normpath(os.path.abspath(checkpoint))}-{expert_layout}")
     manifest = source_manifest(checkpoint) if os.path.isdir(checkpoint) else {}
     source, direction = manifest.get("source") or {}, manifest.get("direction")
-    if direction in ("from-hf", "from-megatron"):
+    # the source again, while it is still there and readable as given (a Megatron release/ folder is not: its
+    # parent is, with no iteration to name), else the converted weights themselves through Hugging Face's format
+    again = os.path.exists(source.get("path", "")) and not (
+        direction == "from-megatron" and not os.path.basename(os.path.normpath(source["path"])).startswith("iter_"))
+    if again and direction in ("from-hf", "from-megatron"):
         return f"{script} --{direction} {shlex.quote(source['path'])} --output {out} {layout}"
-    if direction == "from-torch":
+    if again and direction == "from-torch":
         key_map = f" --key-map {shlex.quote(source['key_map'])}" if source.get("key_map") else ""
         return (f"{script} --from-torch {shlex.quote(source['path'])} --model-config "
                 f"{shlex.quote(source['model_config'])}{key_map} --output {out} {layout}")
     hf = shlex.quote(f"{os.path.normpath(os.path.abspath(checkpoint))}-hf")
-    return (f"{script} --to-hf {shlex.quote(file)} --output {hf} && {script} --from-hf {hf} --output {out} {layout} "
-            "(the weights: a run's optimizer state does not carry over)")
+    ours = checkpoint if manifest else file  # a conversion directory, else the run's checkpoint file
+    return (f"{script} --to-hf {shlex.quote(ours)} --output {hf} && {script} --from-hf {hf} --output {out} {layout} "
+            "(the weights: optimizer state does not carry over)")
 
 
 def to_hf(source: str, out_dir: str, model_config: str = None, show_progress: bool = True) -> dict:
