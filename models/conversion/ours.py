@@ -217,8 +217,10 @@ def stacked_shapes(shapes: dict, cfg) -> dict:
     out = {}
     for name, shape in shapes.items():
         stack = owner.get(name)
-        if stack is None or stack in out:
-            out.update({} if stack else {name: tuple(shape)})
+        if stack is None:
+            out[name] = tuple(shape)
+            continue
+        if stack in out:  # a later part of a stack already placed
             continue
         how, parts = EXPERT_STACKS[template_of(stack)[0]]
         out[stack] = {"rename": tuple(shape), "interleave": (len(parts) * shape[0], shape[1]),
