@@ -37,8 +37,6 @@ from mindspore.ops.auto_generate.gen_ops_prim import SiLU
 
 from ascend_llm_recipes.models.arithmetic import expert_capacity
 from ascend_llm_recipes.models.layers import DTYPES, MLP, Linear
-# the MoE layer's counters, not weights (re-exported for models/conversion/verify.py and the tests)
-from ascend_llm_recipes.models.shapes import STATISTICS  # noqa: F401
 
 
 class Router(nn.Cell):

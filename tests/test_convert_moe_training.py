@@ -142,7 +142,7 @@ def our_logits(checkpoint, section, tokens):
     """Our model's (B, S, vocab) float64 logits with the weights of a run's checkpoint."""
     import mindspore as ms
     from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
-    from ascend_llm_recipes.models.moe import STATISTICS
+    from ascend_llm_recipes.models.shapes import STATISTICS
 
     cfg, _ = read_model_section(section)
     net = LlamaForCausalLM(LlamaConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "type"}))

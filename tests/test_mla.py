@@ -9,8 +9,7 @@ import mindspore as ms
 
 from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
-from ascend_llm_recipes.models.moe import STATISTICS
-from ascend_llm_recipes.models.shapes import parameter_dtype, parameter_shapes
+from ascend_llm_recipes.models.shapes import STATISTICS, parameter_dtype, parameter_shapes
 
 SIZES = dict(vocab_size=512, hidden_size=64, num_layers=3, num_heads=4, intermediate_size=128, seq_length=32)
 DEEPSEEK = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, dense_layers=[0],

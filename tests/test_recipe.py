@@ -270,7 +270,7 @@ def test_header_parameter_count_matches_the_model(path):
     cfg = load_recipe(path).model.model_config
     fields = {k: v for k, v in vars(cfg).items() if k not in ("type", "compute_dtype")}
     net = LlamaForCausalLM(LlamaConfig(**fields))
-    from ascend_llm_recipes.models.moe import STATISTICS
+    from ascend_llm_recipes.models.shapes import STATISTICS
     # every parameter (DeepSeek's correction bias is one, not trained) but MoE's routing statistics
     counted = sum(int(p.size) for p in net.get_parameters() if not p.name.endswith(STATISTICS))
     assert counted == _header_parameter_count(path)

@@ -28,7 +28,7 @@ def load_our_model(converted_dir: str):
         os.environ["LOCAL_DEFAULT_PATH"] = tempfile.mkdtemp(prefix="mindformers-log-")
     import mindspore as ms
     from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
-    from ascend_llm_recipes.models.moe import STATISTICS
+    from ascend_llm_recipes.models.shapes import STATISTICS
 
     cfg = read_model_file(os.path.join(converted_dir, MODEL_SECTION_FILE))
     if ms.get_context("device_target") != "CPU":  # compared with transformers on the CPU
