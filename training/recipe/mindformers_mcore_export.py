@@ -56,6 +56,17 @@ def attention(cfg, family: str) -> dict:
             "num_nextn_predict_layers": 0, "use_flash_attention": False}
 
 
+def balanced_over_data_parallel(recipe) -> bool:
+    """A load-balancing loss under data parallel: MindFormers' equals ours only with one forward pass per step."""
+    return bool(recipe.model.model_config.router_aux_loss_coef) and recipe.parallel_config.data_parallel > 1
+
+
+def moe_layer_family(cfg) -> str:
+    """The MindFormers family whose config class makes our MoE layers' TransformerConfig (models/expert_parallel.py):
+    any MoE model's, with or without q/k norms and dense layers (those layers are ours)."""
+    return "deepseek_v3" if cfg.mla else "qwen3_moe"
+
+
 def load_balancing(recipe, problems: list) -> str:
     """The moe_router_load_balancing_type whose token groups are ours (mindformers_mcore.py balancing).
 
@@ -64,7 +75,7 @@ def load_balancing(recipe, problems: list) -> str:
     micro-batch, ours, as long as its accumulator fi_accu holds one pass (zeroed every step: MFLossMonitor for
     MindFormers' own models, core/callback/callback.py:531-540; training/worker/router_stats.py for ours)."""
     cfg, p = recipe.model.model_config, recipe.parallel_config
-    if not cfg.router_aux_loss_coef or p.data_parallel == 1:
+    if not balanced_over_data_parallel(recipe):
         return "seq_aux_loss"  # one block of a micro-batch's tokens per model-parallel group: ours
     passes = (p.micro_batch_num if p.pipeline_stage > 1 else 1) * recipe.runner_config.gradient_accumulation_steps
     if passes == 1:
@@ -170,7 +181,7 @@ def moe_layer_problems(recipe) -> list:
     otherwise than the recipe says, each naming its key; [] when nothing. Imports nothing of MindFormers, so that
     --plan and --check can ask it."""
     problems = []
-    experts(recipe, "deepseek_v3" if recipe.model.model_config.mla else "qwen3_moe", problems, layers_ours=True)
+    experts(recipe, moe_layer_family(recipe.model.model_config), problems, layers_ours=True)
     return problems
 
 
@@ -189,8 +200,7 @@ def moe_pipeline_refused(recipe) -> bool:
     under data parallel takes one forward pass per step (load_balancing), and a pipeline's micro-batches are more."""
     from ascend_llm_recipes.training.recipe.mindformers import runs_mindformers_moe
 
-    return (runs_mindformers_moe(recipe) and bool(recipe.model.model_config.router_aux_loss_coef)
-            and recipe.parallel_config.data_parallel > 1)
+    return runs_mindformers_moe(recipe) and balanced_over_data_parallel(recipe)
 
 
 def moe_transformer_config(recipe, source: str):
@@ -207,7 +217,7 @@ def moe_transformer_config(recipe, source: str):
     from ascend_llm_recipes.training.recipe.mindformers import semi_auto
 
     cfg, p, problems = recipe.model.model_config, recipe.parallel_config, []
-    family = "deepseek_v3" if cfg.mla else "qwen3_moe"
+    family = moe_layer_family(cfg)
     keys, _ = experts(recipe, family, problems, layers_ours=True)
     if problems:
         raise RecipeError(source, problems, hint="on Ascend the MoE layers are MindFormers 1.9's MoELayer, which "
