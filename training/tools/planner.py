@@ -32,7 +32,7 @@ from typing import Optional
 
 from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.models.arithmetic import active_param_count, flops_per_token, param_count
-from ascend_llm_recipes.models.parallel import RECOMPUTE_MODES, balanced_stages
+from ascend_llm_recipes.models.parallel import RECOMPUTE_MODES, balanced_stages, expert_problems
 from ascend_llm_recipes.models.shapes import parameter_dtype, parameter_shapes
 from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_layer_refusals, moe_pipeline_refused
 from ascend_llm_recipes.training.tools.activations import (DTYPE_BYTES, layer_activation_bytes, logits_bytes,
@@ -452,12 +452,12 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
 
 
 def expert_parallel_degrees(recipe) -> list:
-    """The powers of two models/parallel.py allows as expert_parallel (dividing num_experts and DP x TP), and the
-    recipe's own."""
+    """The powers of two models/parallel.py expert_problems allows as expert_parallel (dividing num_experts and
+    DP x TP), and the recipe's own."""
     cfg, p = recipe.model.model_config, recipe.parallel_config
-    devices = p.data_parallel * p.model_parallel
-    return sorted({2 ** i for i in range(devices.bit_length()) if not cfg.num_experts % 2 ** i
-                   and not devices % 2 ** i} | {p.expert_parallel})
+    dp, tp = p.data_parallel, p.model_parallel
+    return sorted({2 ** i for i in range((dp * tp).bit_length()) if not expert_problems(cfg, dp, tp, 2 ** i)}
+                  | {p.expert_parallel})
 
 
 def expert_memory(recipe, stages: list = None) -> list:
