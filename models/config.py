@@ -216,8 +216,7 @@ class ModelConfig:
         return problems + self.moe_problems(recipe) + self.mla_problems(recipe) + self.kernel_problems(recipe)
 
     def mla_problems(self, recipe) -> list:
-        """Problems of the multi-head latent attention keys, each named. That it does not run on Ascend yet is
-        refused where a run starts (training/launcher/preflight.py check_model), so such recipes can be planned."""
+        """Problems of the multi-head latent attention keys, each named."""
         p = "model.model_config"
         names = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         if not self.mla:
@@ -236,9 +235,14 @@ class ModelConfig:
                                                      "qk_rope_head_dim", "v_head_dim")
                      if getattr(self, name) is not None and getattr(self, name) % ALIGN]
         problems += [f"{p}.{name}: {getattr(self, name)!r} does not apply to multi-head latent attention"
-                     for name, default in (("qk_norm", False), ("qkv_bias", False), ("head_dim", None),
-                                           ("use_flash_attention", False))
+                     for name, default in (("qk_norm", False), ("qkv_bias", False), ("head_dim", None))
                      if getattr(self, name) != default]
+        if self.use_flash_attention and self.v_head_dim > self.qk_head_dim:
+            # MindFormers 1.9's MLA refuses it (parallel_core/training_graph/transformer/multi_latent_attention.py:
+            # 133-135); its FlashAttention is called with values no wider than queries and keys
+            problems.append(f"{p}.v_head_dim: {self.v_head_dim} is wider than the query/key head (qk_nope_head_dim + "
+                            f"qk_rope_head_dim = {self.qk_head_dim}), which FlashAttention does not take as "
+                            f"MindFormers calls it; narrow it or set {p}.use_flash_attention: False")
         if self.num_kv_heads not in (None, self.num_heads):
             problems.append(f"{p}.num_kv_heads: multi-head latent attention has one key/value head per query head: "
                             f"set num_kv_heads to num_heads ({self.num_heads}) or leave it unset")

@@ -11,6 +11,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 from mindspore.ops.auto_generate.gen_ops_prim import SiLU
+from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
@@ -147,3 +148,45 @@ class CoreAttention(nn.Cell):
         out = self.pv_matmul(probs.astype(v.dtype), v)  # (B, heads, S, head_dim)
         # (B, heads, S, head_dim) -> (B, S, H)
         return self.merge_heads(out, (0, 2, 1, 3)).reshape(b, s, n * d)
+
+
+class FlashAttention(nn.Cell):
+    """The same attention on Ascend's FlashAttentionScore kernel: no S x S scores are stored.
+
+    Called as MindFormers 1.9 calls it (mindformers/modules/flash_attention.py:172-179, 337-346;
+    layout and sparse_mode chosen as in mindformers/models/llama/llama_transformer.py:429-452):
+    BNSD with a uint8 mask (1 = masked), sparse_mode 0 with the full (B, 1, S, S) mask, 2 with the
+    compressed 2048 x 2048 causal mask (use_attn_mask_compression); with document attention under
+    use_eod_attn_mask_compression, TND layout, sparse_mode 8 and the documents' end offsets as
+    actual sequence lengths. Grouped KV heads are read by the kernel without repeating them.
+    Scaled by 1/sqrt of the query/key head (config.qk_head_dim); the value head may be narrower, as
+    multi-head latent attention's is: MindFormers 1.9's MLA passes its 192-wide queries and keys and
+    128-wide values to the kernel unpadded (parallel_core/training_graph/transformer/
+    multi_latent_attention.py:284-295, its scale :137-138; flash_attention.py:139-148).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.eod = config.use_eod_attn_mask_compression
+        sparse_mode = 8 if self.eod else 2 if config.use_attn_mask_compression else 0
+        self.layout = "TND" if self.eod else "BNSD"
+        self.flash_attention = FlashAttentionScore(
+            head_num=config.num_heads, keep_prob=1.0, scale_value=1.0 / float(np.sqrt(config.qk_head_dim)),
+            pre_tokens=2147483647, next_tokens=0, inner_precise=0, input_layout=self.layout, sparse_mode=sparse_mode)
+        self.merge_heads = ops.Transpose()
+        self.to_tokens_q = ops.Transpose()
+        self.to_tokens_kv = ops.Transpose()
+
+    def construct(self, q, k, v, mask, seq_ends=None):
+        b, n, s, d = q.shape
+        dv = v.shape[-1]
+        if self.eod:
+            # (B, heads, S, head_dim) -> (B * S, heads, head_dim), MindFormers' _merge_seq_len
+            q = self.to_tokens_q(q, (0, 2, 1, 3)).reshape(b * s, n, d)
+            k = self.to_tokens_kv(k, (0, 2, 1, 3)).reshape(b * s, -1, d)
+            v = self.to_tokens_kv(v, (0, 2, 1, 3)).reshape(b * s, -1, dv)
+            out = self.flash_attention(q, k, v, None, None, None, mask, None, seq_ends, seq_ends)[3]
+            return out.reshape(b, s, n * dv)
+        out = self.flash_attention(q, k, v, None, None, None, mask, None, None, None)[3]
+        # (B, heads, S, value head) -> (B, S, heads x value head)
+        return self.merge_heads(out, (0, 2, 1, 3)).reshape(b, s, n * dv)

@@ -25,7 +25,6 @@ import functools
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
-from mindspore.ops.operations.nn_ops import FlashAttentionScore
 from mindformers.models.configuration_utils import PretrainedConfig
 from mindformers.models.modeling_utils import PreTrainedModel
 from mindformers.models.utils import lazy_inline
@@ -34,8 +33,8 @@ from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.models.arithmetic import padded_vocab_size
 from ascend_llm_recipes.models.config import ModelConfig
-from ascend_llm_recipes.models.layers import (DTYPES, MLP, CoreAttention, Embedding, Linear, RMSNorm, RotaryEmbedding,
-                                              rotary_tables)
+from ascend_llm_recipes.models.layers import (DTYPES, MLP, CoreAttention, Embedding, FlashAttention, Linear, RMSNorm,
+                                              RotaryEmbedding, rotary_tables)
 from ascend_llm_recipes.models.mla import MultiLatentAttention
 from ascend_llm_recipes.models.moe import MoE
 from ascend_llm_recipes.models.loss import CrossEntropy, WholeVocabularyCrossEntropy, loss_splits_vocabulary
@@ -97,43 +96,6 @@ def lazy_inline_where_supported(init):
             return lazy_inline(init)(self, *args, **kwargs)
         return init(self, *args, **kwargs)
     return wrapped
-
-
-class FlashAttention(nn.Cell):
-    """The same attention on Ascend's FlashAttentionScore kernel: no S x S scores are stored.
-
-    Called as MindFormers 1.9 calls it (mindformers/modules/flash_attention.py:172-179, 337-346;
-    layout and sparse_mode chosen as in mindformers/models/llama/llama_transformer.py:429-452):
-    BNSD with a uint8 mask (1 = masked), sparse_mode 0 with the full (B, 1, S, S) mask, 2 with the
-    compressed 2048 x 2048 causal mask (use_attn_mask_compression); with document attention under
-    use_eod_attn_mask_compression, TND layout, sparse_mode 8 and the documents' end offsets as
-    actual sequence lengths. Grouped KV heads are read by the kernel without repeating them.
-    """
-
-    def __init__(self, config: LlamaConfig):
-        super().__init__()
-        self.eod = config.use_eod_attn_mask_compression
-        sparse_mode = 8 if self.eod else 2 if config.use_attn_mask_compression else 0
-        self.layout = "TND" if self.eod else "BNSD"
-        self.flash_attention = FlashAttentionScore(
-            head_num=config.num_heads, keep_prob=1.0, scale_value=1.0 / float(np.sqrt(config.head_size)),
-            pre_tokens=2147483647, next_tokens=0, inner_precise=0, input_layout=self.layout, sparse_mode=sparse_mode)
-        self.merge_heads = ops.Transpose()
-        self.to_tokens_q = ops.Transpose()
-        self.to_tokens_kv = ops.Transpose()
-
-    def construct(self, q, k, v, mask, seq_ends=None):
-        b, n, s, d = q.shape
-        if self.eod:
-            # (B, heads, S, head_dim) -> (B * S, heads, head_dim), MindFormers' _merge_seq_len
-            q = self.to_tokens_q(q, (0, 2, 1, 3)).reshape(b * s, n, d)
-            k = self.to_tokens_kv(k, (0, 2, 1, 3)).reshape(b * s, -1, d)
-            v = self.to_tokens_kv(v, (0, 2, 1, 3)).reshape(b * s, -1, d)
-            out = self.flash_attention(q, k, v, None, None, None, mask, None, seq_ends, seq_ends)[3]
-            return out.reshape(b, s, n * d)
-        out = self.flash_attention(q, k, v, None, None, None, mask, None, None, None)[3]
-        # (B, heads, S, head_dim) -> (B, S, H)
-        return self.merge_heads(out, (0, 2, 1, 3)).reshape(b, s, n * d)
 
 
 class Attention(nn.Cell):

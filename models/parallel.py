@@ -199,12 +199,68 @@ def operator_strategies(net, layout: LlamaLayout) -> list:
     model = net.model
     add(model.embed_tokens.gather, *s["embedding"])
     freqs = (dp, 1, 1, 1) if documents else (1, 1, 1, 1)
+
+    def rotary(cell, x):
+        add(cell.slice, x)
+        add(cell.neg, x)
+        add(cell.concat, x, x)
+        add(cell.mul, x, freqs)
+        add(cell.add, x, x)
+
+    def attention_core(attn):
+        core = attn.core
+        if attn.flash:
+            add(core.flash_attention, *flash_attention_strategy(cfg, dp, tp))
+            add(core.merge_heads, heads)
+            add(core.to_tokens_q, heads)
+            add(core.to_tokens_kv, heads)
+        else:
+            mask = (dp, 1, 1, 1) if documents else (1, 1, 1, 1)
+            add(core.mul_scale, heads, ())
+            add(core.qk_matmul, *s["attention_scores"])
+            add(core.mask_add, heads, mask)
+            add(core.softmax, *s["attention_softmax"])
+            add(core.pv_matmul, *s["attention_values"])
+            add(core.merge_heads, heads)
+
+    def latent_attention(attn):
+        """models/mla.py as MindFormers 1.9 splits its MLASelfAttention (transformer/multi_latent_attention.py
+        shard_self_attn :713-727, gpt_layer_specs.py:147-157): the down projections to the latents and their
+        norms with replicated weights, the up projections by heads (column), the output projection by rows, every
+        per-head tensor by heads; the rotary key, one for all heads, whole on every TP rank (tile_kv :717). Theirs
+        splits the down projections' tokens over TP too (SequenceParallelLinear, layers.py:845-866): sequence
+        parallel, which ours does not implement, so each TP rank computes the latents whole."""
+        down, one_key = ((dp, 1), (1, 1)), (dp, 1, 1, 1)
+        if attn.q_proj is not None:
+            linear(attn.q_proj, s["column"], ((dp, tp), (tp,)))
+        else:
+            linear(attn.q_a_proj, down, ((dp, 1), (1,)))
+            norm(attn.q_a_layernorm)
+            linear(attn.q_b_proj, s["column"], ((dp, tp), (tp,)))
+        linear(attn.kv_a_proj_with_mqa, down, ((dp, 1), (1,)))
+        norm(attn.kv_a_layernorm)
+        linear(attn.kv_b_proj, s["column"], ((dp, tp), (tp,)))
+        linear(attn.o_proj, s["row"], ((dp, 1), (1,)))
+        add(attn.split_heads, (dp, 1, tp, 1))
+        add(attn.split_kv, (dp, 1, tp, 1))
+        for part in (attn.q_nope, attn.q_rope, attn.k_nope, attn.value):
+            add(part.slice, heads)
+        for part in (attn.latent, attn.k_rope):
+            add(part.slice, hidden3)
+        rotary(attn.rotary_q, heads)
+        rotary(attn.rotary_k, one_key)
+        add(attn.tile, one_key)
+        add(attn.concat_q, heads, heads)
+        add(attn.concat_k, heads, heads)
+
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         norm(layer.input_layernorm)
         norm(layer.post_attention_layernorm)
         add(layer.add, hidden3, hidden3)
-        if not cfg.mla:  # multi-head latent attention runs on CPU only so far (launcher/preflight.py check_model)
+        if cfg.mla:
+            latent_attention(attn)
+        else:
             for cell in (attn.q_proj, attn.k_proj, attn.v_proj):
                 linear(cell, s["column"], ((dp, tp), (tp,)))
             linear(attn.o_proj, s["row"], ((dp, 1), (1,)))
@@ -212,27 +268,9 @@ def operator_strategies(net, layout: LlamaLayout) -> list:
                 norm(attn.q_norm, (dp, 1, tp, 1))
                 norm(attn.k_norm, (dp, 1, tp, 1))
             add(attn.split_heads, (dp, 1, tp, 1))  # (B, S, heads, D) split by heads
-            rotary = attn.rotary
-            add(rotary.slice, heads)
-            add(rotary.neg, heads)
-            add(rotary.concat, heads, heads)
-            add(rotary.mul, heads, freqs)
-            add(rotary.add, heads, heads)
+            rotary(attn.rotary, heads)
             add(attn.tile_kv, heads)
-            core = attn.core
-            if attn.flash:
-                add(core.flash_attention, *flash_attention_strategy(cfg, dp, tp))
-                add(core.merge_heads, heads)
-                add(core.to_tokens_q, heads)
-                add(core.to_tokens_kv, heads)
-            else:
-                mask = (dp, 1, 1, 1) if documents else (1, 1, 1, 1)
-                add(core.mul_scale, heads, ())
-                add(core.qk_matmul, *s["attention_scores"])
-                add(core.mask_add, heads, mask)
-                add(core.softmax, *s["attention_softmax"])
-                add(core.pv_matmul, *s["attention_values"])
-                add(core.merge_heads, heads)
+        attention_core(attn)
         if layer.is_moe:
             continue  # models/moe.py's MoE runs on CPU only; MindFormers' MoELayer shards itself (expert_parallel.py)
         for cell in (mlp.gate_proj, mlp.up_proj):

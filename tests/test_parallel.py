@@ -141,8 +141,8 @@ import numpy as np, mindspore as ms
 ms.set_context(mode=0, device_target="CPU")
 from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 from ascend_llm_recipes.models.parallel import plan_layout
-config = LlamaConfig(vocab_size=100, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=96,
-                     seq_length=32, qkv_bias=True, document_attention=True)
+config = LlamaConfig(**{**dict(vocab_size=100, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                          intermediate_size=96, seq_length=32, qkv_bias=True, document_attention=True), **FIELDS})
 # Built as in semi-auto parallel (the loss then splits the vocabulary), compiled stand-alone (CPU).
 ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
 net = LlamaForCausalLM(config, plan_layout(config, dp=2, tp=2))
@@ -152,9 +152,16 @@ net.compile(ms.Tensor(np.ones((2, 33), np.int32)))
 """
 
 
-def test_every_operator_of_the_compiled_tp_graph_has_a_strategy(tmp_path):
+# multi-head latent attention (models/mla.py): one key/value head per query head, no q/k/v bias
+MLA_FIELDS = dict(num_kv_heads=4, qkv_bias=False, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                  qk_rope_head_dim=16, v_head_dim=16)
+
+
+@pytest.mark.parametrize("fields", [{}, MLA_FIELDS], ids=["gqa", "mla"])
+def test_every_operator_of_the_compiled_tp_graph_has_a_strategy(tmp_path, fields):
     """Compile a TP 2 model's forward and loss on CPU and read the compiled graph: every operator in it carries
-    an explicit in_strategy or is on the allow-list.
+    an explicit in_strategy or is on the allow-list (slices written as x[..., a:b] would not: they become
+    StridedSlice operators no cell holds).
 
     What this does not show: the compile runs in stand-alone mode (semi-auto parallel needs Ascend or GPU), so
     MindSpore's parallel pass never runs and never validates a strategy (divisibility, redistribution,
@@ -168,7 +175,7 @@ def test_every_operator_of_the_compiled_tp_graph_has_a_strategy(tmp_path):
     from ascend_llm_recipes.models.parallel import UNSHARDED_OPERATORS
 
     script = tmp_path / "compile.py"
-    script.write_text(COVERAGE_WORKER)
+    script.write_text(COVERAGE_WORKER.replace("FIELDS", repr(fields)))
     env = dict(os.environ, MS_DEV_SAVE_GRAPHS="1", MS_DEV_SAVE_GRAPHS_PATH=str(tmp_path / "ir"))
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=300)
@@ -183,9 +190,9 @@ def test_every_operator_of_the_compiled_tp_graph_has_a_strategy(tmp_path):
     assert {"Transpose", "Concat", "Neg", "SiLU", "Rsqrt", "ReduceMax", "OneHot", "Tile", "Cummax"} <= sharded
 
 
-def kernel_config(**kernels):
-    return LlamaConfig(vocab_size=100, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                       intermediate_size=96, seq_length=32, document_attention=True, **kernels)
+def kernel_config(**fields):
+    return LlamaConfig(**{**dict(vocab_size=100, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                 intermediate_size=96, seq_length=32, document_attention=True), **fields})
 
 
 ASCEND_KERNELS = dict(use_flash_attention=True, use_eod_attn_mask_compression=True, fused_rms_norm=True)
@@ -217,6 +224,37 @@ def test_every_primitive_of_every_cell_is_sharded_with_or_without_ascend_kernels
         assert flash.attrs["sparse_mode"] == mode and flash.attrs["next_tokens"] == 0
     if kernels.get("fused_rms_norm"):
         assert net.model.norm.norm.in_strategy == ((2, 1, 1), (1,))
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 32])
+def test_latent_attention_is_split_as_mindformers_splits_its_mla_with_or_without_ascend_kernels(q_lora_rank):
+    """DP 2 x TP 2: the up projections by heads, the output projection by rows, the down projections and the latent
+    norms with whole weights, the one rotary key whole on every TP rank; FlashAttention scaled by the query/key
+    head and reading the narrower value head, as MindFormers 1.9's MLA calls it."""
+    from ascend_llm_recipes.models.parallel import UNSHARDED_OPERATORS, flash_attention_strategy
+
+    for kernels in ({}, ASCEND_KERNELS):
+        config = kernel_config(**{**MLA_FIELDS, "q_lora_rank": q_lora_rank, **kernels})
+        net = semi_auto_model(config, plan_layout(config, dp=2, tp=2))
+        unsharded = [(cell_name, attr, prim.name) for cell_name, cell in net.cells_and_names()
+                     for attr, prim in cell._primitives.items()
+                     if prim is not None and getattr(prim, "in_strategy", None) is None
+                     and prim.name not in UNSHARDED_OPERATORS and (cell_name, attr) != ("", "gather")]
+        assert unsharded == []
+        attn = net.model.layers[0].self_attn
+        up = [attn.kv_b_proj] + ([attn.q_proj] if q_lora_rank is None else [attn.q_b_proj])
+        assert all(cell.matmul.in_strategy == ((2, 1), (2, 1)) for cell in up)
+        down = [attn.kv_a_proj_with_mqa] + ([] if q_lora_rank is None else [attn.q_a_proj])
+        assert all(cell.matmul.in_strategy == ((2, 1), (1, 1)) for cell in down)
+        assert attn.o_proj.matmul.in_strategy == ((2, 2), (1, 2))
+        assert attn.kv_a_layernorm.mul.in_strategy == ((2, 1, 1), (2, 1, 1))
+        assert attn.tile.in_strategy == ((2, 1, 1, 1),) and attn.rotary_k.neg.in_strategy == ((2, 1, 1, 1),)
+        assert attn.rotary_q.neg.in_strategy == ((2, 2, 1, 1),) and attn.value.slice.in_strategy == ((2, 2, 1, 1),)
+        if kernels:
+            flash = attn.core.flash_attention
+            assert flash.in_strategy == flash_attention_strategy(config, 2, 2)
+            assert flash.attrs["scale_value"] == pytest.approx(1 / (16 + 16) ** 0.5)
+            assert attn.kv_a_layernorm.norm.in_strategy == ((2, 1, 1), (1,))
 
 
 def test_parameter_names_and_shapes_do_not_depend_on_the_kernels():

@@ -174,16 +174,11 @@ def check_device(recipe, env: dict = None) -> list:
 
 
 def check_model(recipe) -> list:
-    """Model parts that exist only as CPU math so far: a recipe may name them on Ascend (and --plan it), not run it.
-    MoE layers run on Ascend as MindFormers' MoELayer (models/expert_parallel.py): what it would compute otherwise
-    than the recipe says is found here, before a cluster is booked, not when the worker builds the model."""
+    """What MindFormers' MoELayer (the MoE layers of a recipe on Ascend, models/expert_parallel.py) would compute
+    otherwise than the recipe says, found here, before a cluster is booked, not when the worker builds the model."""
     cfg = recipe.model.model_config
-    if recipe.context.device_target == "CPU" or not (cfg.mla or cfg.moe):
+    if recipe.context.device_target == "CPU" or not cfg.moe:
         return []
-    if cfg.mla:
-        return [Finding("error", "model", "model.model_config.kv_lora_rank: multi-head latent attention runs on CPU "
-                        "only so far (the reference math); MindFormers 1.9's MLA kernels and layouts are not mirrored "
-                        "yet", {})]
     from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_layer_problems
 
     return [Finding("error", "model", f"{problem} (on Ascend the MoE layers are MindFormers 1.9's MoELayer)", {})

@@ -10,8 +10,6 @@ YAML winning (models/build_config.py:99-132). `McoreImporter` reads the model se
 classes read it and reuses the legacy importer (mindformers_import.py) for the sections both formats
 share (runner, optimizer, schedule, parallel, callbacks, context). Every key is reported carried,
 translated or dropped with the reason; anything our model would compute differently is refused by name.
-An Ascend MLA config that passes all this imports (and plans with --plan), but a run of it is refused where runs
-start (training/launcher/preflight.py check_model: MLA runs on CPU only so far).
 File:line references are to the installed MindFormers 1.9 (site-packages `mindformers/`).
 """
 
@@ -237,6 +235,7 @@ class McoreImporter(MoEKeys, Importer):
             self.mla()
         else:
             self.qwen3_attention()
+        self.kernels()
         self.embeddings()
         self.dtypes()
         self.activation()
@@ -261,8 +260,14 @@ class McoreImporter(MoEKeys, Importer):
         self.put(M + "qk_norm", True)
         self.carry(M + "qk_layernorm", M + "qk_norm", default=True, convert=lambda _: True,
                    reason="MindFormers' Qwen3 builds q/k norms whatever this key says (modeling_qwen3_train.py:47)")
+
+    def kernels(self):
+        """FlashAttention and its compressed causal mask, for grouped-query and latent attention alike
+        (models/layers.py FlashAttention)."""
         self.carry(M + "use_flash_attention", default=None if self.on_cpu else TC_DEFAULTS["use_flash_attention"],
                    reason="Ascend kernel switch with MindFormers' name and meaning")
+        self.carry(M + "use_attn_mask_compression", reason="Ascend kernel switch with MindFormers' name and meaning "
+                                                           "(FlashAttention's 2048 x 2048 causal band)")
 
     def only_keys(self, moe: bool, mla: bool):
         """Keys with one value ours implements; multi_latent_attention: True for DeepSeek-V3 only."""

@@ -12,9 +12,8 @@ from ascend_llm_recipes.training.recipe.mindformers_moe import BIAS_UPDATED
 M = "model.model_config."
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM"}
-# Our kernel switches MindFormers 1.9's own classes set themselves (TransformerConfig fused_norm, the attention
-# mask it builds): not written.
-KERNELS = ("use_attn_mask_compression", "fused_rms_norm")
+# Our kernel switch MindFormers 1.9's own classes set themselves (TransformerConfig fused_norm): not written.
+KERNELS = ("fused_rms_norm",)
 
 
 def mcore_family(cfg):
@@ -47,13 +46,18 @@ def attention(cfg, family: str) -> dict:
         # both Qwen3 classes build q/k norms (modeling_qwen3_train.py:47); kv_channels is head_dim, whose default
         # is 128 in Qwen3Config (configuration_qwen3.py:163-185) and hidden_size / heads in Qwen3MoeConfig
         head = {"head_dim": cfg.head_size} if family == "qwen3" or cfg.head_dim is not None else {}
-        return {**head, "use_flash_attention": cfg.use_flash_attention}
+        return {**head, **flash_attention(cfg)}
     # mindformers_moe.py MoEKeys.mla: qk_layernorm builds the latent norms (gpt_layer_specs.py:154-155);
     # rotary_scaling_factor 1 keeps MLA's softmax scale at 1 / sqrt(d) (multi_latent_attention.py:137-138).
     return {"multi_latent_attention": True, "mla_qkv_concat": False, "q_lora_rank": cfg.q_lora_rank,
             "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
             "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim, "rotary_scaling_factor": 1.0,
-            "num_nextn_predict_layers": 0, "use_flash_attention": False}
+            "num_nextn_predict_layers": 0, **flash_attention(cfg)}
+
+
+def flash_attention(cfg) -> dict:
+    """FlashAttention and its compressed causal mask (TransformerConfig keys, transformer_config.py:2063-2081)."""
+    return {"use_flash_attention": cfg.use_flash_attention, "use_attn_mask_compression": cfg.use_attn_mask_compression}
 
 
 def balanced_over_data_parallel(recipe) -> bool:

@@ -268,6 +268,3 @@ class MoEKeys:
         self.drop(M + "mla_qkv_concat", "q/kv down-projections stored as one matrix: the same math")
         self.drop(M + "head_dim", "MLA: heads of qk_nope_head_dim + qk_rope_head_dim "
                                   "(multi_latent_attention.py:114-116)")
-        for key in ("use_flash_attention", "use_attn_mask_compression"):
-            self.put(R + key, False)
-            self.drop(M + key, "Ascend FlashAttention kernel: ours runs MLA's math path, the same numbers")
