@@ -229,7 +229,10 @@ def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
                    "[checkpoint_size_dp8_opt] reads", "[checkpoint_size_startup_llama2_7b_8dev] reads",
                    "[pipeline_logged_loss] reads rank 0's logged loss in dp2_tp2_pp2/",
                    "[moe_ep1] train 20 steps, MindFormers' MoELayer", "[moe_ep2] train 20 steps",
-                   "[moe_ep8] train 20 steps", "[moe_cpu_math] train 20 steps on the node's CPUs"])
+                   "[moe_ep8] train 20 steps", "[moe_cpu_math] train 20 steps on the node's CPUs",
+                   "[mla_ep8] train 20 steps, models/mla.py", "[mla_cpu_math] train 20 steps on the node's CPUs",
+                   "[mla_fused_kernels_vs_math] train 20 steps bf16 seq 2048 MLA fused",
+                   "[mla_fused_kernels_vs_math] train 20 steps bf16 seq 2048 MLA math"])
     for line in expected:
         assert line in result.stdout, line
     assert "--check --dry-run" in result.stdout and "tiny_ascend.yaml" in result.stdout
@@ -248,6 +251,11 @@ def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
     cpu = next(line for line in lines if line.startswith("[moe_cpu_math]"))
     assert "tiny_moe_ascend.yaml" in cpu and "context.device_target=CPU" in cpu and "parallel.parallel_mode=0" in cpu
     assert "parallel_config.expert_parallel=8" in next(line for line in lines if line.startswith("[moe_ep8]"))
+    cpu = next(line for line in lines if line.startswith("[mla_cpu_math]"))
+    assert "tiny_deepseek_ascend.yaml" in cpu and "context.device_target=CPU" in cpu and "expert_parallel=1" in cpu
+    fused = next(line for line in lines if line.startswith("[mla_fused_kernels_vs_math] train 20 steps bf16 seq 2048 "
+                                                           "MLA fused"))
+    assert "use_flash_attention=True" in fused and "num_heads" not in fused
     assert not out.exists()
 
 
@@ -260,8 +268,9 @@ def test_every_recipe_the_kit_launches_loads(tmp_path):
         recipe = load_recipe(argv[2], [argv[i + 1] for i, a in enumerate(argv) if a == "--set"], planning=True)
         assert recipe.world_size in (8, 32, 64)
     fused = [a for a in launched if "model.model_config.use_flash_attention=True" in a]
-    assert fused and load_recipe(fused[0][2], [fused[0][i + 1] for i, a in enumerate(fused[0]) if a == "--set"],
-                                 planning=True).model.model_config.head_size == 64
+    # FlashAttention at query/key heads of 64: grouped-query attention's and multi-head latent attention's
+    assert [load_recipe(a[2], [a[i + 1] for i, x in enumerate(a) if x == "--set"], planning=True)
+            .model.model_config.qk_head_dim for a in fused] == [64, 64]
 
 
 def test_a_dry_run_compile_reads_no_dataset():

@@ -206,34 +206,47 @@ from ascend_llm_recipes.models.expert_parallel import MindFormersMoE
 from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.recipe.mindformers import model_layout
-recipe = load_recipe(os.environ["RECIPE"], ["output_dir=" + os.getcwd(), "parallel_config.data_parallel=2",
-                                            "parallel_config.expert_parallel=2", "hardware.devices_per_node=2"],
-                     planning=True)
-net = LlamaForCausalLM(LlamaConfig(**to_plain(recipe.model.model_config)), model_layout(recipe))
-moe = [layer.mlp for layer in net.model.layers if isinstance(layer.mlp, MindFormersMoE)]
-print("RESULT", json.dumps({
-    "rank": get_rank(), "moe_layers": len(moe), "ep": [m.config.expert_model_parallel_size for m in moe],
-    "experts_sharded": all("in_layout" in m.experts.morphed_forward.attrs for m in moe),
-    "transposes": [list(map(list, m.to_sequence_first.in_strategy)) for m in moe],
-    "q_proj": list(map(list, net.model.layers[0].self_attn.q_proj.matmul.in_strategy)),
-    "weights": sorted(p.name for p in moe[0].get_parameters())}), flush=True)
+for path in os.environ["RECIPES"].split(os.pathsep):
+    recipe = load_recipe(path, ["output_dir=" + os.getcwd(), "parallel_config.data_parallel=2",
+                                "parallel_config.expert_parallel=2", "hardware.devices_per_node=2"], planning=True)
+    net = LlamaForCausalLM(LlamaConfig(**to_plain(recipe.model.model_config)), model_layout(recipe))
+    moe = [layer.mlp for layer in net.model.layers if isinstance(layer.mlp, MindFormersMoE)]
+    attn = net.model.layers[0].self_attn
+    print("RESULT", json.dumps({
+        "recipe": os.path.basename(path), "rank": get_rank(), "moe_layers": len(moe),
+        "ep": [m.config.expert_model_parallel_size for m in moe],
+        "experts_sharded": all("in_layout" in m.experts.morphed_forward.attrs for m in moe),
+        "transposes": [list(map(list, m.to_sequence_first.in_strategy)) for m in moe],
+        "attention": {name: list(map(list, getattr(attn, name).matmul.in_strategy))
+                      for name in ("q_proj", "q_a_proj", "kv_b_proj") if getattr(attn, name, None) is not None},
+        "weights": sorted(p.name for p in moe[0].get_parameters())}), flush=True)
 """
 
 
 def test_mindformers_moe_layer_is_built_with_expert_parallel_in_two_real_processes(tmp_path):
     """Under semi-auto parallel with communication initialised (msrun, 2 CPU processes: DP 2, EP 2), MindFormers'
-    MoELayer creates its expert-parallel groups and sets its shard layouts, inside our model with its strategies.
+    MoELayer (Qwen3-MoE's, and DeepSeek-V3's with our multi-head latent attention) creates its expert-parallel
+    groups and sets its shard layouts, inside our model with its strategies.
     (Its compile and forward need Ascend; this is everything before them.)"""
     import json
 
     from clusters import msrun_workers
 
-    lines, _ = msrun_workers(tmp_path, SEMI_AUTO_WORKER,
-                             {"RECIPE": os.path.join(REPO_ROOT, "recipes", "tiny_moe_ascend.yaml")})
-    results = sorted((json.loads(line.split(" ", 1)[1]) for line in lines), key=lambda r: r["rank"])
-    assert [r["rank"] for r in results] == [0, 1]
+    recipes = [os.path.join(REPO_ROOT, "recipes", f"{name}.yaml") for name in ("tiny_moe_ascend", "tiny_deepseek_ascend")]
+    lines, _ = msrun_workers(tmp_path, SEMI_AUTO_WORKER, {"RECIPES": os.pathsep.join(recipes)})
+    results = sorted((json.loads(line.split(" ", 1)[1]) for line in lines), key=lambda r: (r["recipe"], r["rank"]))
+    assert [(r["recipe"], r["rank"]) for r in results] == [("tiny_deepseek_ascend.yaml", 0),
+                                                           ("tiny_deepseek_ascend.yaml", 1),
+                                                           ("tiny_moe_ascend.yaml", 0), ("tiny_moe_ascend.yaml", 1)]
     for r in results:
         assert r["moe_layers"] == 3 and r["ep"] == [2, 2, 2] and r["experts_sharded"]
-        assert r["transposes"] == [[[2, 1, 1]]] * 3 and r["q_proj"] == [[2, 1], [1, 1]]
+        assert r["transposes"] == [[[2, 1, 1]]] * 3
+    qwen3, deepseek = results[2:], results[:2]
+    for r in qwen3:
+        assert r["attention"] == {"q_proj": [[2, 1], [1, 1]]}
         assert r["weights"] == ["model.layers.1.mlp.experts.weight1", "model.layers.1.mlp.experts.weight2",
                                 "model.layers.1.mlp.router.fi_accu", "model.layers.1.mlp.router.weight"]
+    for r in deepseek:  # multi-head latent attention (models/mla.py) with its strategies, DeepSeek-V3's MoE layer
+        assert r["attention"] == {"q_a_proj": [[2, 1], [1, 1]], "kv_b_proj": [[2, 1], [1, 1]]}
+        assert "model.layers.1.mlp.router.expert_bias" in r["weights"]
+        assert "model.layers.1.mlp.shared_experts.linear_fc1.weight" in r["weights"]

@@ -89,6 +89,14 @@ MOE_LAYOUTS = {"moe_ep1": [], "moe_ep2": ["parallel_config.expert_parallel=2"],
 MOE_CPU = ["context.device_target=CPU", "parallel.parallel_mode=0", "parallel.full_batch=False",
            "parallel.gradients_mean=True"]
 MOE_CPU_RTOL = 5e-3
+# Multi-head latent attention: recipes/tiny_deepseek_ascend.yaml (models/mla.py under models/parallel.py's strategies,
+# MindFormers' DeepSeek-V3 MoE layer at EP 8) against models/mla.py and models/moe.py on the node's CPUs (8
+# data-parallel processes, EP 1), float32 math path (MOE_CPU_RTOL); and MLA on FlashAttention and the fused RmsNorm
+# against its math path, bf16 at seq 2048 with 4 heads of 64 (FUSED_RTOL), as fused_kernels_vs_math for GQA.
+TINY_DEEPSEEK = os.path.join(REPO_ROOT, "recipes", "tiny_deepseek_ascend.yaml")
+MLA_CPU = [*MOE_CPU, "parallel_config.expert_parallel=1"]
+MLA_FUSED_MODEL = [item for item in FUSED_MODEL if not item.startswith(("model.model_config.num_heads=",
+                                                                        "model.model_config.num_kv_heads="))]
 
 
 def launch_argv(recipe: str, out: str, *overrides) -> list:
@@ -144,6 +152,13 @@ def plan_commands(out: str) -> list:
                                                                                   *overrides)))
     steps.append(("moe_cpu_math", "train 20 steps on the node's CPUs, models/moe.py",
                   launch_argv(TINY_MOE, f"{out}/moe_cpu", *MOE_CPU)))
+    steps.append(("mla_ep8", "train 20 steps, models/mla.py with MindFormers' DeepSeek-V3 MoELayer",
+                  launch_argv(TINY_DEEPSEEK, f"{out}/mla_ep8")))
+    steps.append(("mla_cpu_math", "train 20 steps on the node's CPUs, models/mla.py and models/moe.py",
+                  launch_argv(TINY_DEEPSEEK, f"{out}/mla_cpu", *MLA_CPU)))
+    for path, overrides in FUSED_PATHS.items():
+        steps.append(("mla_fused_kernels_vs_math", f"train {FUSED_STEPS} steps bf16 seq {FUSED_SEQ} MLA {path}",
+                      launch_argv(TINY_DEEPSEEK, f"{out}/mla_{path}_s{FUSED_SEQ}", *MLA_FUSED_MODEL, *overrides)))
     steps.append(("to_hf_tp_pp", "--to-hf of the dp2_tp2_pp2 run",
                   [sys.executable, os.path.join(REPO_ROOT, "scripts", "convert_checkpoint.py"), "--to-hf",
                    f"{out}/{RELAYOUT_FROM}", "--output", f"{out}/{HF_EXPORT}", "--quiet"]))
@@ -383,6 +398,11 @@ def evaluate(out: str, returncodes: dict) -> dict:
                                                       LAYOUT_RTOL)
     results["moe_ep1_vs_cpu_math"] = compare(moe_reference, logged_losses(os.path.join(out, "moe_cpu")),
                                              MOE_CPU_RTOL)
+    results["mla_ep8_vs_cpu_math"] = compare(logged_losses(os.path.join(out, "mla_ep8")),
+                                             logged_losses(os.path.join(out, "mla_cpu")), MOE_CPU_RTOL)
+    results["mla_fused_kernels_vs_math"] = compare(logged_losses(os.path.join(out, f"mla_fused_s{FUSED_SEQ}")),
+                                                   logged_losses(os.path.join(out, f"mla_math_s{FUSED_SEQ}")),
+                                                   FUSED_RTOL)
     export = hf_export_result(os.path.join(out, HF_EXPORT), returncodes.get("to_hf_tp_pp"))
     if not export.get("merged_from_shards"):
         export["status"] = "FAIL"  # a TP/PP run must have been merged with its strategy files
