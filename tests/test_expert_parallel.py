@@ -232,7 +232,8 @@ def test_mindformers_moe_layer_is_built_with_expert_parallel_in_two_real_process
 
     from clusters import msrun_workers
 
-    recipes = [os.path.join(REPO_ROOT, "recipes", f"{name}.yaml") for name in ("tiny_moe_ascend", "tiny_deepseek_ascend")]
+    recipes = [os.path.join(REPO_ROOT, "recipes", f"{name}.yaml")
+               for name in ("tiny_moe_ascend", "tiny_deepseek_ascend")]
     lines, _ = msrun_workers(tmp_path, SEMI_AUTO_WORKER, {"RECIPES": os.pathsep.join(recipes)})
     results = sorted((json.loads(line.split(" ", 1)[1]) for line in lines), key=lambda r: (r["recipe"], r["rank"]))
     assert [(r["recipe"], r["rank"]) for r in results] == [("tiny_deepseek_ascend.yaml", 0),
