@@ -346,7 +346,7 @@ def test_moe_planner_terms_equal_the_real_train_step_parameters():
 
 ASCEND_RECIPES = ["llama2_7b_8dev", "llama2_13b_8dev", "llama2_70b_32dev", "dense_100b_64dev", "tiny_ascend",
                   "llama2_7b_910a_16dev", "qwen3_30b_a3b_16dev", "mixtral_8x7b_64dev", "deepseek_v3_256dev",
-                  "tiny_moe_ascend"]
+                  "tiny_moe_ascend", "tiny_deepseek_ascend"]
 
 
 @pytest.mark.parametrize("name", ASCEND_RECIPES)

@@ -145,21 +145,25 @@ def test_what_mindformers_moe_layer_would_compute_otherwise_is_an_error_before_l
     assert all(m.endswith("(on Ascend the MoE layers are MindFormers 1.9's MoELayer)") for m in errors)
 
 
-def test_deepseek_v3_recipe_plans_but_the_launch_refuses_to_run_it(tmp_path, capsys):
+def test_deepseek_v3_recipe_plans_and_its_model_passes_the_launch_checks(tmp_path, capsys):
+    """Multi-head latent attention runs on Ascend (models/mla.py on FlashAttention), and nothing of DeepSeek-V3's MoE
+    layers computes otherwise in MindFormers' MoELayer: the launch checks name only what this machine lacks."""
     from ascend_llm_recipes.training.launcher.cli import launch
     from ascend_llm_recipes.training.tools.planner import plan
 
     path = os.path.join(REPO_ROOT, "recipes", "deepseek_v3_256dev.yaml")
     recipe = load_recipe(path, planning=True)
-    assert plan(recipe).fits
-    errors = [f for f in check_model(recipe) if f.level == "error"]
-    assert [f.message.split(":")[0] for f in errors] == ["model.model_config.kv_lora_rank"]
-    assert "multi-head latent attention runs on CPU only so far" in errors[0].message
-    # the launcher's preflight (every launch runs it) names it: a dry run exits 2, nothing started
+    assert plan(recipe).fits and recipe.model.model_config.use_flash_attention
+    assert check_model(recipe) == []
     nodes = recipe.world_size // recipe.hardware.devices_per_node
     assert launch(path, (f"output_dir={tmp_path}",), nodes=nodes, node_rank=0, master_addr="127.0.0.1",
-                  dry_run=True) == 2
-    assert "ERROR model" in capsys.readouterr().out
+                  dry_run=True) == 2  # no CANN, no NPU here
+    out = capsys.readouterr().out
+    assert "ERROR model" not in out and "ERROR device" in out
+    # what MindFormers' DeepSeek-V3 router computes otherwise is still named: its group score is the best
+    # num_experts_per_tok // topk_group experts of a group (router.py:336-338), ours the best two
+    other = load_recipe(path, ["model.model_config.topk_group=8"], planning=True)
+    assert [f.message.split(":")[0] for f in check_model(other)] == ["model.model_config.topk_group"]
     assert check_model(load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_deepseek_cpu.yaml"))) == []
 
 
