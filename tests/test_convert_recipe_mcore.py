@@ -438,6 +438,9 @@ def test_export_writes_mindformers_own_format_that_its_classes_build_and_that_im
     text, report = to_mindformers(path)
     exported = yaml.safe_load(text)
     assert exported["use_legacy"] is False and exported["model"]["model_config"]["model_type"] == family
+    # named as the wheel's own configs name the family (ours is "llama" by default)
+    assert exported["trainer"]["model_name"] == {"qwen3": "Qwen3", "qwen3_moe": "qwen3_moe",
+                                                 "deepseek_v3": "deepseekV3"}[family]
     tc, tie = mindformers_transformer_config(exported)   # MindFormers' own config class, from what was written
     ours = load_recipe(path, planning=True)
     cfg = ours.model.model_config

@@ -29,7 +29,7 @@ from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.parallel import RECOMPUTE_OPTIONS, LlamaLayout, plan_layout
 from ascend_llm_recipes.training.recipe.loading import (deep_merge, load_recipe, prune_inherited, read_recipe_file,
                                                         read_yaml_file, recipe_from_dict)
-from ascend_llm_recipes.training.recipe.schema import START_STEP_LR, Recipe
+from ascend_llm_recipes.training.recipe.schema import START_STEP_LR, Recipe, TrainerConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASES = {"CPU": os.path.join(REPO_ROOT, "recipes", "base", "cpu.yaml"),
@@ -390,7 +390,7 @@ def to_mindformers(recipe_path: str) -> tuple:
     """(MindFormers YAML text, Report) training the recipe's model with MindFormers' own classes: LlamaForCausalLM
     in the legacy format for a Llama; Qwen3 / Qwen3-MoE / DeepSeek-V3 in MindFormers 1.9's own format
     (use_legacy: False) for a model with q/k norms, experts or multi-head latent attention."""
-    from ascend_llm_recipes.training.recipe.mindformers_mcore_export import mcore_family, mcore_model
+    from ascend_llm_recipes.training.recipe.mindformers_mcore_export import MODEL_NAMES, mcore_family, mcore_model
 
     recipe = load_recipe(recipe_path, planning=True)
     cfg, report, problems = recipe.model.model_config, Report(recipe_path), []
@@ -471,6 +471,10 @@ def to_mindformers(recipe_path: str) -> tuple:
                 report.add(m + ours, getattr(cfg, ours), "translated", m + theirs, "MindFormers' spelling")
     else:
         config = {"use_legacy": False, **config}
+        if recipe.trainer.model_name == TrainerConfig().model_name:  # ours, "llama": name it as theirs do
+            config["trainer"]["model_name"] = MODEL_NAMES[family]
+            report.add("trainer.model_name", recipe.trainer.model_name, "translated", "trainer.model_name",
+                       f"the name MindFormers 1.9's own {family} configs give the model")
         report.add(m + "type", cfg.type, "translated", m + "model_type",
                    f"MindFormers 1.9's {family} ({model['model_config']['architectures'][0]}), use_legacy: False; "
                    "the keys are those convert_recipe.py --from-mindformers reads back")

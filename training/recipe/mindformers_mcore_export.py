@@ -12,6 +12,9 @@ from ascend_llm_recipes.training.recipe.mindformers_moe import BIAS_UPDATED
 M = "model.model_config."
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM"}
+# trainer.model_name of the wheel's own configs (configs/qwen3/pretrain_qwen3_32b_4k.yaml:16,
+# qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml:19, deepseek3/pretrain_deepseek3_671b.yaml:16)
+MODEL_NAMES = {"qwen3": "Qwen3", "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseekV3"}
 # Our kernel switch MindFormers 1.9's own classes set themselves (TransformerConfig fused_norm): not written.
 KERNELS = ("fused_rms_norm",)
 
