@@ -47,6 +47,10 @@ class ModelConfig:
     # E * sum_e f_e P_e (Switch Transformer; Megatron-core's and MindFormers' per-layer normalisation) and the router
     # z-loss mean(logsumexp(router logits)^2) (ST-MoE).
     router_aux_loss_coef: float = 0.0
+    # Which tokens f_e counts: "global", all of the step's (every data-parallel rank's, and the micro-batches so far:
+    # megatron-core's global_aux_loss, MindFormers' gbs_aux_loss), or "micro_batch", each data-parallel rank's
+    # micro-batch alone (megatron-core's aux_loss, MindFormers' seq_aux_loss).
+    router_aux_loss_scope: Literal["global", "micro_batch"] = "global"
     router_z_loss_coef: float = 0.0
     # DeepSeek-V3's router (models/moe.py): sigmoid scores, the top k chosen among the topk_group best of n_group
     # expert groups, by scores plus a non-trained correction bias (expert_bias) that each step moves by
@@ -270,7 +274,9 @@ class ModelConfig:
         if not self.moe:
             return [f"{p}.{name}: is set, but {p}.num_experts is 0 (a dense model)" for name in
                     ("moe_intermediate_size", "shared_expert_intermediate_size", "dense_layers", "shared_expert_gate",
-                     "expert_bias", "expert_bias_update_rate", "capacity_factor") if getattr(self, name)]
+                     "expert_bias", "expert_bias_update_rate", "capacity_factor") if getattr(self, name)] + \
+                [f"{p}.router_aux_loss_scope: is set, but {p}.num_experts is 0 (a dense model)"
+                 for _ in [0] if self.router_aux_loss_scope != "global"]
         if self.num_experts_per_tok > self.num_experts:
             problems.append(f"{p}.num_experts_per_tok: {self.num_experts_per_tok} exceeds num_experts "
                             f"{self.num_experts}")

@@ -8,7 +8,8 @@ optional shared expert sees every token, scaled by its own sigmoid gate in Qwen2
 
     load balancing (Switch Transformer, Fedus et al. 2021)  E * sum_e f_e * P_e, f_e the fraction of the
         T*k routing slots of this layer's T tokens of the global batch that went to expert e (sum_e f_e = 1,
-        summed over data-parallel ranks: LoadBalancingLoss), P_e the mean router probability of e. 1.0 when
+        summed over data-parallel ranks, or each rank's own: LoadBalancingLoss), P_e the mean router probability
+        of e. 1.0 when
         the load is even. Megatron-core's switch_load_balancing_loss_func and
         MindFormers' per-layer normalisation; transformers' load_balancing_loss_func counts f_e per token
         (sum_e = k) over all layers' tokens at once, so for one layer it is k times this.
@@ -157,17 +158,22 @@ class ExpertCapacity(nn.Cell):
 class LoadBalancingLoss(nn.Cell):
     """E * sum_e f_e * P_e of one layer (see the module docstring) from its probabilities and top-k selection.
 
-    f_e counts the routing slots of the whole global batch (global-batch balancing, as Qwen3 trains and
-    Megatron-core's global_aux_loss): in data-parallel mode, where each rank runs its own graph on its slice of
-    the batch, the ranks' counts are summed first, so the loss and its gradient averaged over the ranks are
-    one process's on the whole batch (f_e takes no gradient; P_e is the rank's own mean, which the gradient
-    average combines). Per-rank counts would make the objective depend on the data-parallel degree.
+    `scope` (model_config.router_aux_loss_scope) says which routing slots f_e counts. "global": those of the whole
+    global batch (global-batch balancing, as Qwen3 trains; megatron-core's global_aux_loss): in data-parallel mode,
+    where each rank runs its own graph on its slice of the batch, the ranks' counts are summed first, so the loss
+    and its gradient averaged over the ranks are one process's on the whole batch (f_e takes no gradient; P_e is
+    the rank's own mean, which the gradient average combines), whatever the data-parallel degree. With several
+    forward passes per step (pipeline micro-batches, gradient accumulation: Ascend, where the MoE layers are
+    MindFormers' gbs_aux_loss, models/expert_parallel.py) f_e is the mean of the step's passes so far, as
+    megatron-core's global_aux_loss takes it (transformer/moe/router.py:392-394); on CPU a step is one pass.
+    "micro_batch": each rank's own slots (megatron-core's aux_loss, MindFormers' seq_aux_loss), so the
+    objective depends on the data-parallel degree.
     """
 
-    def __init__(self, num_experts: int, top_k: int):
+    def __init__(self, num_experts: int, top_k: int, scope: str = "global"):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
-        self.ranks = data_parallel_ranks()
+        self.ranks = data_parallel_ranks() if scope == "global" else 1
         self.sum_over_ranks = ops.AllReduce() if self.ranks > 1 else None
         self.sum_over_tokens = ops.ReduceSum()
         self.mean_over_tokens = ops.ReduceMean()
@@ -304,7 +310,8 @@ class MoE(nn.Cell):
         self.combine_mul = ops.Mul()
         self.add = ops.Add()
         self.aux_coef, self.z_coef = config.router_aux_loss_coef, config.router_z_loss_coef
-        self.load_balancing = LoadBalancingLoss(config.num_experts, config.num_experts_per_tok)
+        self.load_balancing = LoadBalancingLoss(config.num_experts, config.num_experts_per_tok,
+                                                config.router_aux_loss_scope)
         self.z_loss = ZLoss()
         # What the training loop reads (and zeroes) after every step (training/worker/router_stats.py), summed over the
         # step's forward passes: the routing slots each expert took (after the capacity's drops: the slots it

@@ -40,11 +40,13 @@ WHEEL = wheel_configs()
 # What each wheel pretraining config does, by name; a config the wheel adds fails test_every_wheel_config_is_covered.
 IMPORTS = ["qwen3/pretrain_qwen3_32b_4k.yaml"]
 REFUSED = {
-    "qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml": ["1 problem(s)", "moe_router_load_balancing_type: 'gbs_aux_loss'"],
+    # its gbs_aux_loss over 4 pipeline stages' micro-batches is ours ("global"); its TP 4 is not (expert_problems)
+    "qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml": ["1 problem(s)", "model_parallel: 4 with model.model_config.num_"],
+    # its seq_aux_loss at DP 4 is ours ("micro_batch")
     "deepseek3/pretrain_deepseek3_671b.yaml": [
-        "4 problem(s)", "= 1.5896 / sqrt",
+        "3 problem(s)", "= 1.5896 / sqrt",
         "rotary_scaling_factor 40.0 (MLATransformerConfig's default) and mscale 0.707 (MLATransformerConfig's default)",
-        "num_nextn_predict_layers: 1: multi-token prediction", "moe_router_load_balancing_type: 'seq_aux_loss'",
+        "num_nextn_predict_layers: 1: multi-token prediction",
         "offset: [[1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, -2]]"],
     "deepseek3/pretrain_deepseek3_12b_16p_pp16.yaml": [
         "3 problem(s)", "rotary_scaling_factor 40.0 (MLATransformerConfig's default) and mscale 1:", "= 1.8739 / sqrt",
@@ -348,10 +350,19 @@ def test_expert_parallel_is_carried_both_ways_and_its_layout_rules_hold(tmp_path
         from_mindformers(write_config(source, tmp_path, "a3b_3"), str(tmp_path / "out.yaml"))
 
 
-def test_load_balancing_per_parallel_block_is_refused_with_data_parallel(tmp_path):
+def test_load_balancing_types_map_to_the_scope_of_their_tokens(tmp_path):
+    """gbs_aux_loss is our "global" scope, seq_aux_loss (per data-parallel block) our "micro_batch"; per model-parallel
+    block (sub_seq_aux_loss with model_parallel > 1) is ours at no scope."""
     source = qwen3_moe_as_the_error_says("CPU")
-    source["model"]["model_config"]["moe_router_load_balancing_type"] = "sub_seq_aux_loss"
-    source["parallel_config"]["data_parallel"] = 2
+    source["parallel_config"].update(data_parallel=2, expert_parallel=1)
+    for kind, scope in (("gbs_aux_loss", "global"), ("seq_aux_loss", "micro_batch"),
+                        ("sub_seq_aux_loss", "micro_batch")):
+        source["model"]["model_config"]["moe_router_load_balancing_type"] = kind
+        recipe, report = import_to(write_config(source, tmp_path, kind), tmp_path, kind)
+        assert recipe.model.model_config.router_aux_loss_scope == scope, kind
+        assert {e.key: e.status for e in report.entries}["model.model_config.moe_router_load_balancing_type"] \
+            == "translated"
+    source["parallel_config"]["model_parallel"] = 2
     with pytest.raises(RecipeError, match="'sub_seq_aux_loss' computes the load-balancing loss per data x model"):
         from_mindformers(write_config(source, tmp_path, "a3b"), str(tmp_path / "out.yaml"))
 
@@ -372,8 +383,8 @@ def test_moe_template_and_other_families_are_refused_by_name(hf_dirs):
     path = WHEEL["general/llm_pretrain_moe_template.yaml"]
     with pytest.raises(RecipeError) as err:
         from_mindformers(path, "/nonexistent/out.yaml", hf_dirs["qwen3_moe"])
-    assert "moe_router_load_balancing_type: 'seq_aux_loss' computes the load-balancing loss per data x context " \
-           "parallel block" in str(err.value)
+    assert "parallel_config.model_parallel: 2 with model.model_config.num_experts" in str(err.value)
+    assert "moe_router_load_balancing_type" not in str(err.value)  # seq_aux_loss at DP 2: our "micro_batch"
     assert "routed_scaling_factor" not in str(err.value)  # 1.5: MindFormers scales after renormalising, as ours
     with pytest.raises(RecipeError, match="config.json cannot be read"):
         from_mindformers(path, "/nonexistent/out.yaml", os.path.dirname(path))

@@ -159,14 +159,16 @@ def test_what_mindformers_moe_layer_computes_differently_is_refused_by_key(tmp_p
         moe_transformer_config(recipe, MOE_RECIPE)
 
 
-def test_data_parallel_takes_the_global_batch_loss_and_more_passes_per_step_are_refused(tmp_path):
-    """gbs_aux_loss over one pass per step is ours (mindformers_mcore_export.py load_balancing); with several
-    passes MindFormers accumulates f over them and ours does not."""
+def test_the_load_balancing_scope_is_mindformers_balancing_type_at_any_passes_per_step(tmp_path):
+    """router_aux_loss_scope global is gbs_aux_loss (f over every data-parallel block, and over the step's passes so
+    far when there are several), micro_batch seq_aux_loss (mindformers_mcore_export.py LOAD_BALANCING)."""
     recipe = moe_recipe(tmp_path, "use_parallel=True", "parallel_config.data_parallel=2")
     assert moe_transformer_config(recipe, MOE_RECIPE).moe_router_load_balancing_type == "gbs_aux_loss"
     recipe.runner_config.gradient_accumulation_steps = 2  # (semi-auto parallel only: a check this skips)
-    with pytest.raises(RecipeError, match="2 forward passes per step: MindFormers takes the load-balancing loss"):
-        moe_transformer_config(recipe, MOE_RECIPE)
+    assert moe_transformer_config(recipe, MOE_RECIPE).moe_router_load_balancing_type == "gbs_aux_loss"
+    recipe = moe_recipe(tmp_path, "use_parallel=True", "parallel_config.data_parallel=2",
+                        "model.model_config.router_aux_loss_scope=micro_batch")
+    assert moe_transformer_config(recipe, MOE_RECIPE).moe_router_load_balancing_type == "seq_aux_loss"
 
 
 def test_router_stats_zero_mindformers_counters_and_move_its_correction_bias(tmp_path):

@@ -228,3 +228,43 @@ def test_a_training_step_moves_the_router_and_the_loss_adds_the_router_terms():
     after = {p.name: p.asnumpy() for p in net.trainable_params() if p.name in names}
     assert all(np.abs(after[name] - before[name]).max() > 1e-7 for name in names), (
         {name: float(np.abs(after[name] - before[name]).max()) for name in names})
+
+
+SCOPE_WORKER = """
+import json
+import numpy as np, mindspore as ms
+from mindspore.communication import get_rank, init
+ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+init()
+ms.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True)
+from ascend_llm_recipes.models.moe import LoadBalancingLoss
+rank = get_rank()
+logits = (np.random.default_rng(rank).normal(size=(48, 8)) + np.linspace(0.0, 2.0 * (1 - rank), 8)).astype(np.float32)
+probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+selected = np.zeros_like(probs)
+np.put_along_axis(selected, np.argsort(-probs, -1)[:, :2], 1.0, -1)
+losses = {scope: float(LoadBalancingLoss(8, 2, scope)(ms.Tensor(probs), ms.Tensor(selected)).asnumpy())
+          for scope in ("global", "micro_batch")}
+print("RESULT", json.dumps({"rank": rank, "probs": probs.tolist(), "selected": selected.tolist(), **losses}))
+"""
+
+
+def test_the_load_balancing_scope_counts_the_global_batch_or_each_ranks_micro_batch(tmp_path):
+    """Two data-parallel CPU processes with differently loaded batches: "global" counts f_e over both ranks' slots
+    (megatron-core's global_aux_loss, each rank's value N x its share of the sum), "micro_batch" over the rank's
+    own (megatron-core's aux_loss), with megatron-core's switch_load_balancing_loss_func as the reference."""
+    import json
+
+    from clusters import msrun_workers
+
+    lines, _ = msrun_workers(tmp_path, SCOPE_WORKER)
+    ranks = [json.loads(line.split(" ", 1)[1]) for line in lines]
+    probs = [torch.tensor(r["probs"]) for r in ranks]
+    slots = [torch.tensor(r["selected"]).sum(0) for r in ranks]
+    loss = megatron_moe_utils().switch_load_balancing_loss_func
+    for r, p, s in zip(ranks, probs, slots):
+        whole = loss(p, slots[0] + slots[1], 2 * TOKENS, TOP_K, EXPERTS, moe_aux_loss_coeff=1.0)
+        assert r["global"] == pytest.approx(2 * float(whole), rel=1e-6)
+        assert r["micro_batch"] == pytest.approx(float(loss(p, s, TOKENS, TOP_K, EXPERTS, moe_aux_loss_coeff=1.0)),
+                                                 rel=1e-6)
+    assert abs(ranks[0]["global"] - ranks[0]["micro_batch"]) > 0.01  # the two ranks' loads differ

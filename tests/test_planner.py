@@ -447,9 +447,9 @@ def test_alltoall_bytes_per_step_and_moe_activations_by_hand():
 
 
 def test_an_ascend_moe_layout_the_launch_refuses_is_said_so_and_not_proposed(tmp_path):
-    """A pipeline gives a step several forward passes, which MindFormers' MoE layer balances otherwise than the
-    recipe asks (mindformers_mcore_export.py load_balancing): --plan says the launch refuses it, and does not
-    propose the pipeline as a memory lever for such a recipe."""
+    """What MindFormers' MoE layer would compute otherwise than the recipe asks (here a capacity factor) is said by
+    --plan as refused at launch; a pipeline, whose micro-batches it balances over as the recipe asks
+    (router_aux_loss_scope global: gbs_aux_loss), is planned and proposed as a memory lever."""
     import os
 
     from conftest import REPO_ROOT
@@ -458,9 +458,11 @@ def test_an_ascend_moe_layout_the_launch_refuses_is_said_so_and_not_proposed(tmp
     piped = plan(load_recipe(path, [f"output_dir={tmp_path}", "parallel_config.pipeline_stage=2",
                                     "parallel_config.data_parallel=8", "parallel_config.expert_parallel=8",
                                     "parallel_config.micro_batch_num=4"], planning=True))
-    assert piped.fits and len(piped.refusals) == 1
-    assert "refused at launch" in piped.refusals[0] and "4 forward passes per step" in piped.refusals[0]
-    assert "but refused at launch" in format_plan(piped)
+    assert piped.fits and piped.refusals == []
+    dropping = plan(load_recipe(path, [f"output_dir={tmp_path}", "model.model_config.capacity_factor=1.25"],
+                                planning=True))
+    assert len(dropping.refusals) == 1 and "refused at launch" in dropping.refusals[0]
+    assert "capacity_factor" in dropping.refusals[0] and "but refused at launch" in format_plan(dropping)
     short = plan(load_recipe(path, [f"output_dir={tmp_path}", "parallel_config.expert_parallel=4"], planning=True))
-    assert not short.fits and not short.refusals and "pipeline" not in short.levers
+    assert not short.fits and not short.refusals and "pipeline" in short.levers
     assert plan(load_recipe(path, planning=True)).refusals == []

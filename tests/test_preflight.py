@@ -138,10 +138,9 @@ def test_what_mindformers_moe_layer_would_compute_otherwise_is_an_error_before_l
                           "runner_config.gradient_accumulation_steps=2", "model.model_config.capacity_factor=1.25"],
                          planning=True)
     errors = [f.message for f in check_model(recipe) if f.level == "error"]
+    # several forward passes per step (accumulation 2) balance the load as MindFormers' gbs_aux_loss: not refused
     assert [m.split(":")[0] for m in errors] == ["model.model_config.router_z_loss_coef",
-                                                  "model.model_config.capacity_factor",
-                                                  "model.model_config.router_aux_loss_coef"]
-    assert "2 forward passes per step" in errors[2]
+                                                  "model.model_config.capacity_factor"]
     assert all(m.endswith("(on Ascend the MoE layers are MindFormers 1.9's MoELayer)") for m in errors)
 
 

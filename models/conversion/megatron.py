@@ -83,6 +83,11 @@ UNSUPPORTED_MOE_ARGS = (
     ("moe_router_padding_for_fp8", False, "the router pads its input: not read"),
 )
 MOE_ROUTER_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")  # sinkhorn routes differently
+# moe_router_load_balancing_type -> model_config.router_aux_loss_scope: which tokens f_e counts (megatron-core
+# transformer/moe/router.py _apply_aux_loss: the micro-batch of the tensor x context parallel group, one data-parallel
+# rank's; _apply_global_aux_loss: every data-parallel rank's and the step's micro-batches so far, :370-394)
+AUX_LOSS_SCOPES = {"aux_loss": "micro_batch", "global_aux_loss": "global"}
+BALANCING_TYPES = {scope: kind for kind, scope in AUX_LOSS_SCOPES.items()}
 REQUIRED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size")
 
@@ -198,10 +203,12 @@ def moe_fields(args: dict, problems: list) -> tuple:
                 router_score=score, expert_bias=bias,
                 expert_bias_update_rate=float(args.get("moe_router_bias_update_rate") or 0.0) if bias else 0.0,
                 routed_scaling_factor=float(args.get("moe_router_topk_scaling_factor") or 1.0),
-                # only Megatron's per-layer load-balancing loss is ours (models/moe.py); the sequence- and
-                # global-batch variants are training terms the model does not compute
-                router_aux_loss_coef=float(coefficient) if balancing == "aux_loss" and
+                # Megatron's per-micro-batch (aux_loss) and global-batch (global_aux_loss) load-balancing losses are
+                # ours (models/moe.py LoadBalancingLoss, router_aux_loss_scope); the per-sequence one is a training
+                # term the model does not compute
+                router_aux_loss_coef=float(coefficient) if balancing in AUX_LOSS_SCOPES and
                 not isinstance(coefficient, list) else 0.0,
+                router_aux_loss_scope=AUX_LOSS_SCOPES.get(balancing, "global"),
                 router_z_loss_coef=float(args.get("moe_z_loss_coeff") or 0.0),
                 # moe_pad_expert_input_to_capacity pads each expert's input with weight-0 tokens: the same numbers
                 capacity_factor=float(capacity or 0.0), token_drop_policy=policy if capacity else "probs"), problems
@@ -449,7 +456,8 @@ def moe_args_for(cfg: ModelConfig, ep: int = 1, tp: int = 1, grouped_gemm: bool 
                 moe_router_pre_softmax=not sigmoid and not cfg.norm_topk_prob,
                 moe_router_enable_expert_bias=cfg.expert_bias, moe_router_bias_update_rate=cfg.expert_bias_update_rate,
                 moe_router_topk_scaling_factor=None if cfg.routed_scaling_factor == 1.0 else cfg.routed_scaling_factor,
-                moe_grouped_gemm=grouped_gemm, moe_router_load_balancing_type="aux_loss",
+                moe_grouped_gemm=grouped_gemm,
+                moe_router_load_balancing_type=BALANCING_TYPES[cfg.router_aux_loss_scope],
                 moe_aux_loss_coeff=cfg.router_aux_loss_coef, moe_z_loss_coeff=cfg.router_z_loss_coef or None,
                 moe_expert_capacity_factor=cfg.capacity_factor or None, moe_token_drop_policy=cfg.token_drop_policy,
                 moe_pad_expert_input_to_capacity=False,

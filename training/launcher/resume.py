@@ -43,8 +43,8 @@ def prepare_run_dir(recipe: Recipe, recipe_path: str, amend: bool = False) -> st
 NOT_SETTINGS = ("output_dir", "load_checkpoint", "resume_training")
 # model_config keys that weigh the MoE training terms, not the model: a run resumes with them changed (--amend),
 # as with any other training setting
-TRAINING_TERMS = ("router_aux_loss_coef", "router_z_loss_coef", "capacity_factor", "token_drop_policy",
-                  "expert_bias_update_rate")
+TRAINING_TERMS = ("router_aux_loss_coef", "router_aux_loss_scope", "router_z_loss_coef", "capacity_factor",
+                  "token_drop_policy", "expert_bias_update_rate")
 
 
 def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:

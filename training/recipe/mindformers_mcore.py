@@ -363,38 +363,39 @@ class McoreImporter(MoEKeys, Importer):
             self.multi_token_prediction()
 
     def balancing(self, coef: float):
-        """moe_router_load_balancing_type: equal to ours only where its token groups are ours.
+        """moe_router_load_balancing_type -> model_config.router_aux_loss_scope, where its token groups are ours.
 
-        Ours (models/moe.py LoadBalancingLoss) takes f_e and P_e over all tokens of the micro-batch the layer
-        sees. MindFormers (transformer/moe/router.py:388-425) takes them per block of data x model x context
-        parallel tokens (sub_seq_aux_loss), averages f over the model-parallel blocks (seq_aux_loss), or over all
-        blocks and the step's micro-batches so far (gbs_aux_loss; reset each step, core/callback/callback.py:531).
-        With one micro-batch per step gbs_aux_loss is ours whatever the data parallel: f over all blocks, P per
-        block averaged by the loss's mean over blocks (router.py:411-425), E * sum_e f_e * P_e of the micro-batch.
+        Ours (models/moe.py LoadBalancingLoss) takes f_e over the step's tokens so far ("global") or over each
+        data-parallel rank's micro-batch ("micro_batch"). MindFormers (transformer/moe/router.py:388-425) takes f
+        over all blocks and the step's micro-batches so far (gbs_aux_loss; reset each step,
+        core/callback/callback.py:531): global; per data x context parallel block, averaged over its model-parallel
+        parts, each micro-batch alone (seq_aux_loss): micro_batch without context parallel; per data x model x
+        context parallel block (sub_seq_aux_loss): micro_batch without model or context parallel.
         """
         key = M + "moe_router_load_balancing_type"
         kind = self.get(key, TC_DEFAULTS["moe_router_load_balancing_type"])
         c = "parallel_config."
-        dp, mp = self.get(c + "data_parallel", 1), self.get(c + "model_parallel", 1)
-        cp = self.get(c + "context_parallel", 1)
-        micro = (self.get(c + "micro_batch_num", 1) if self.get(c + "pipeline_stage", 1) > 1 else 1) * \
-            self.get("runner_config.gradient_accumulation_steps", 1)
-        differs = {"sub_seq_aux_loss": mp * dp * cp > 1 and "per data x model x context parallel block",
-                   "seq_aux_loss": dp * cp > 1 and "per data x context parallel block",
-                   "gbs_aux_loss": micro > 1 and "accumulated over the step's micro-batches"}
+        mp, cp = self.get(c + "model_parallel", 1), self.get(c + "context_parallel", 1)
+        scopes = {"gbs_aux_loss": "global", "seq_aux_loss": cp == 1 and "micro_batch",
+                  "sub_seq_aux_loss": mp * cp == 1 and "micro_batch"}
         if not coef:
             self.drop(key, "no load-balancing loss (moe_aux_loss_coeff is 0)")
-        elif kind not in differs:
-            self.problems.append(f"{key}: {kind!r} is not one of MindFormers' {', '.join(differs)}")
+        elif kind not in scopes:
+            self.problems.append(f"{key}: {kind!r} is not one of MindFormers' {', '.join(scopes)}")
             self.taken.add(key)
-        elif differs[kind]:
-            self.problems.append(f"{key}: {kind!r} computes the load-balancing loss {differs[kind]} (data_parallel "
-                                 f"{dp}, model_parallel {mp}, context_parallel {cp}, {micro} micro-batch(es) per "
-                                 "step); ours takes it over each micro-batch's tokens (models/moe.py), so the loss "
-                                 "would differ")
+        elif not scopes[kind]:
+            self.problems.append(f"{key}: {kind!r} computes the load-balancing loss per "
+                                 + ("data x model x context parallel block" if kind == "sub_seq_aux_loss" else
+                                    "data x context parallel block") +
+                                 f" (model_parallel {mp}, context_parallel {cp}); ours over the step's tokens "
+                                 "(gbs_aux_loss) or each data-parallel rank's micro-batch (seq_aux_loss without "
+                                 "context parallel): use one of those")
             self.taken.add(key)
         else:
-            self.drop(key, f"{kind!r} over one block of tokens per micro-batch in this layout: the same loss as ours")
+            self.carry(key, M + "router_aux_loss_scope", convert=lambda _: scopes[kind],
+                       reason="the tokens the load-balancing loss counts: " +
+                       ("the step's, over every data-parallel block and micro-batch so far" if scopes[kind] == "global"
+                        else "each data-parallel rank's micro-batch"))
 
     def tokens(self):
         for key in ("bos_token_id", "eos_token_id"):

@@ -63,36 +63,21 @@ def flash_attention(cfg) -> dict:
     return {"use_flash_attention": cfg.use_flash_attention, "use_attn_mask_compression": cfg.use_attn_mask_compression}
 
 
-def balanced_over_data_parallel(recipe) -> bool:
-    """A load-balancing loss under data parallel: MindFormers' equals ours only with one forward pass per step."""
-    return bool(recipe.model.model_config.router_aux_loss_coef) and recipe.parallel_config.data_parallel > 1
-
-
 def moe_layer_family(cfg) -> str:
     """The MindFormers family whose config class makes our MoE layers' TransformerConfig (models/expert_parallel.py):
     any MoE model's, with or without q/k norms and dense layers (those layers are ours)."""
     return "deepseek_v3" if cfg.mla else "qwen3_moe"
 
 
-def load_balancing(recipe, problems: list) -> str:
-    """The moe_router_load_balancing_type whose token groups are ours (mindformers_mcore.py balancing).
-
-    With data parallel, gbs_aux_loss takes f over every data-parallel block of the pass (router.py:411-422) and
-    P per block, averaged by the loss's mean over blocks (router.py:424-425): E * sum_e f_e * P_e over the whole
-    micro-batch, ours, as long as its accumulator fi_accu holds one pass (zeroed every step: MFLossMonitor for
-    MindFormers' own models, core/callback/callback.py:531-540; training/worker/router_stats.py for ours)."""
-    cfg, p = recipe.model.model_config, recipe.parallel_config
-    if not balanced_over_data_parallel(recipe):
-        return "seq_aux_loss"  # one block of a micro-batch's tokens per model-parallel group: ours
-    passes = (p.micro_batch_num if p.pipeline_stage > 1 else 1) * recipe.runner_config.gradient_accumulation_steps
-    if passes == 1:
-        return "gbs_aux_loss"
-    problems.append(f"{M}router_aux_loss_coef: {cfg.router_aux_loss_coef} with data_parallel {p.data_parallel} and "
-                    f"{passes} forward passes per step: MindFormers takes the load-balancing loss per data-parallel "
-                    "block (seq_aux_loss) or accumulated over the step's passes (gbs_aux_loss, "
-                    "transformer/moe/router.py:388-425), ours over each pass's tokens; set it 0, or data_parallel 1, "
-                    "or one pass per step")
-    return "seq_aux_loss"
+# moe_router_load_balancing_type whose token groups are those of model_config.router_aux_loss_scope (models/moe.py
+# LoadBalancingLoss, mindformers_mcore.py balancing) at every layout. "global": gbs_aux_loss takes f over every
+# data-parallel block of the pass (router.py:411-422) and P per block, averaged by the loss's mean over blocks
+# (router.py:424-425): E * sum_e f_e * P_e over the whole micro-batch; with several passes per step (pipeline
+# micro-batches, gradient accumulation) each pass's f is the mean of the step's passes so far (fi_accu,
+# router.py:412-419), as megatron-core's global_aux_loss; fi_accu is zeroed every step (router_stats.py).
+# "micro_batch": seq_aux_loss takes f per data-parallel block, averaged over its model-parallel parts
+# (router.py:403-406), each pass alone.
+LOAD_BALANCING = {"global": "gbs_aux_loss", "micro_batch": "seq_aux_loss"}
 
 
 def experts(recipe, family: str, problems: list, layers_ours: bool = False) -> tuple:
@@ -118,7 +103,7 @@ def experts(recipe, family: str, problems: list, layers_ours: bool = False) -> t
             "num_experts_per_tok": cfg.num_experts_per_tok, "moe_intermediate_size": cfg.expert_size,
             "norm_topk_prob": cfg.norm_topk_prob, "routed_scaling_factor": cfg.routed_scaling_factor,
             "moe_aux_loss_coeff": cfg.router_aux_loss_coef,
-            "moe_router_load_balancing_type": load_balancing(recipe, problems),
+            "moe_router_load_balancing_type": LOAD_BALANCING[cfg.router_aux_loss_scope],
             "moe_router_score_function": cfg.router_score, "moe_router_enable_expert_bias": cfg.expert_bias,
             # MindFormers' training graph builds MoE layers only with grouped matmul: get_moe_module_spec raises
             # NotImplementedError otherwise (base_models/gpt/moe_module_specs.py:37-38)
@@ -200,14 +185,6 @@ def moe_layer_refusals(recipe) -> list:
         return []
     return [f"refused at launch (on Ascend the MoE layers are MindFormers' MoELayer): {problem}"
             for problem in moe_layer_problems(recipe)]
-
-
-def moe_pipeline_refused(recipe) -> bool:
-    """Whether pipeline stages would be refused for this recipe: a MoE model on Ascend with a load-balancing loss
-    under data parallel takes one forward pass per step (load_balancing), and a pipeline's micro-batches are more."""
-    from ascend_llm_recipes.training.recipe.mindformers import runs_mindformers_moe
-
-    return runs_mindformers_moe(recipe) and balanced_over_data_parallel(recipe)
 
 
 def moe_transformer_config(recipe, source: str):

@@ -34,7 +34,7 @@ from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.models.arithmetic import active_param_count, flops_per_token, param_count
 from ascend_llm_recipes.models.parallel import RECOMPUTE_MODES, balanced_stages, expert_problems
 from ascend_llm_recipes.models.shapes import parameter_dtype, parameter_shapes
-from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_layer_refusals, moe_pipeline_refused
+from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_layer_refusals
 from ascend_llm_recipes.training.tools.activations import (DTYPE_BYTES, layer_activation_bytes, logits_bytes,
                                                            moe_layer_count, recompute_working_bytes,
                                                            step_alltoall_bytes)
@@ -589,7 +589,7 @@ def _unused_levers(recipe, mode, shard, total) -> list:
                 levers.append(f"optimizer-state sharding (at DP {p.data_parallel}{needs})")
         else:
             levers.append("optimizer-state sharding (needs data_parallel > 1)")
-    if p.pipeline_stage == 1 and not moe_pipeline_refused(recipe):
+    if p.pipeline_stage == 1:
         levers.append("pipeline")
     moe = recipe.model.model_config.moe
     if moe and p.expert_parallel < expert_parallel_degrees(recipe)[-1]:
