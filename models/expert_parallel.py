@@ -58,11 +58,14 @@ class MindFormersMoE(MoELayer):
         super().__init__(config, submodules=spec.submodules)
         self.to_sequence_first = ops.Transpose()
         self.to_batch_first = ops.Transpose()
-        # Our activations are (B, S, hidden) with the batch split over data parallel (models/parallel.py); theirs
-        # are (S, B, hidden) with the batch split over dp = data x tensor x context parallel (moe_layer.py:100).
-        dp = config.data_parallel_size * config.tensor_model_parallel_size * config.context_parallel_size
-        self.to_sequence_first.shard(((dp, 1, 1),))
-        self.to_batch_first.shard(((1, dp, 1),))
+        # Ours are (B, S, hidden) with the batch split over data parallel and whole on every tensor-parallel rank
+        # (models/parallel.py); theirs (S, B, hidden) with the sequence split over tensor (and context) parallel
+        # and the batch over data parallel: sequence parallel, which its MoE layer runs with tensor parallel
+        # (moe_layer.py:143-147, 234-240; mindformers_mcore_export.py moe_transformer_config). Into it, each TP rank
+        # keeps its part of the sequence (no communication); out of it, the parts are gathered for our next layer.
+        dp, sp = config.data_parallel_size, config.tensor_model_parallel_size * config.context_parallel_size
+        self.to_sequence_first.shard(((dp, sp, 1),))
+        self.to_batch_first.shard(((sp, dp, 1),))
 
     def construct(self, x, extra_loss=0., seq_chunk=None):
         out, _, router_loss = super().construct(self.to_sequence_first(x, (1, 0, 2)))

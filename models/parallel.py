@@ -124,13 +124,11 @@ def expert_problems(cfg, dp: int, tp: int, ep: int, cpu: bool = False) -> list:
     if (dp * tp) % ep:
         problems.append(f"{p}.expert_parallel: {ep} does not divide {p}.data_parallel x model_parallel "
                         f"({dp} x {tp} = {dp * tp}): the experts are split over devices of those groups")
-    # mindformers/parallel_core/training_graph/transformer/moe/moe_layer.py:143-147 (MoELayer.__init__) raises for
-    # tensor parallel without sequence parallel, and use_seq_parallel is refused here (ParallelDegreesConfig).
-    if tp > 1:
-        problems.append(f"{p}.model_parallel: {tp} with {m}.num_experts {cfg.num_experts}: MindFormers' MoE layer "
-                        "needs sequence parallel with tensor parallel (moe_layer.py:143-147), which ours does not "
-                        f"implement ({p}.use_seq_parallel is refused); use model_parallel 1 and split the experts "
-                        f"with {p}.expert_parallel")
+    # With tensor parallel MindFormers' MoE layer runs sequence parallel (moe_layer.py:143-147 raises otherwise):
+    # its tokens split over TP along the sequence, which its reshapes take as seq_length // TP (moe_layer.py:226-227)
+    if tp > 1 and cfg.seq_length % tp:
+        problems.append(f"{p}.model_parallel: {tp} does not divide {m}.seq_length ({cfg.seq_length}): with tensor "
+                        "parallel the MoE layers split each sequence over the tensor-parallel ranks")
     return problems
 
 

@@ -229,7 +229,8 @@ def test_acceptance_dry_run_lists_every_check_and_runs_nothing(tmp_path):
                    "[checkpoint_size_dp8_opt] reads", "[checkpoint_size_startup_llama2_7b_8dev] reads",
                    "[pipeline_logged_loss] reads rank 0's logged loss in dp2_tp2_pp2/",
                    "[moe_ep1] train 20 steps, MindFormers' MoELayer", "[moe_ep2] train 20 steps",
-                   "[moe_ep8] train 20 steps", "[moe_cpu_math] train 20 steps on the node's CPUs",
+                   "[moe_ep8] train 20 steps", "[moe_tp2_ep4] train 20 steps",
+                   "[moe_cpu_math] train 20 steps on the node's CPUs",
                    "[mla_ep8] train 20 steps, models/mla.py", "[mla_cpu_math] train 20 steps on the node's CPUs",
                    "[mla_fused_kernels_vs_math] train 20 steps bf16 seq 2048 MLA fused",
                    "[mla_fused_kernels_vs_math] train 20 steps bf16 seq 2048 MLA math"])

@@ -38,10 +38,8 @@ def wheel_configs() -> dict:
 
 WHEEL = wheel_configs()
 # What each wheel pretraining config does, by name; a config the wheel adds fails test_every_wheel_config_is_covered.
-IMPORTS = ["qwen3/pretrain_qwen3_32b_4k.yaml"]
+IMPORTS = ["qwen3/pretrain_qwen3_32b_4k.yaml", "qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml"]
 REFUSED = {
-    # its gbs_aux_loss over 4 pipeline stages' micro-batches is ours ("global"); its TP 4 is not (expert_problems)
-    "qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml": ["1 problem(s)", "model_parallel: 4 with model.model_config.num_"],
     # its seq_aux_loss at DP 4 is ours ("micro_batch")
     "deepseek3/pretrain_deepseek3_671b.yaml": [
         "3 problem(s)", "= 1.5896 / sqrt",
@@ -162,6 +160,22 @@ def test_qwen3_32b_imports_with_mindformers_own_numbers(tmp_path):
     assert "--from-megatron-indexed /path/to/wiki103-megatron_text_document" in \
         by_key["train_dataset.data_loader.type"].reason
     assert by_key["model.model_config.qk_layernorm"].ours == "model.model_config.qk_norm"
+
+
+def test_qwen3_30b_a3b_imports_as_shipped_at_mindformers_layout(tmp_path):
+    """TP 4 with sequence parallel (ours: in the MoE layers), PP 4 of 16 micro-batches balanced by gbs_aux_loss
+    (router_aux_loss_scope global), EP 4: the wheel's Qwen3-30B-A3B config imports unchanged, and plans."""
+    from ascend_llm_recipes.training.tools.planner import plan
+
+    recipe, report = import_to(WHEEL["qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml"], tmp_path, "a3b")
+    p, cfg = recipe.parallel_config, recipe.model.model_config
+    assert (p.data_parallel, p.model_parallel, p.pipeline_stage, p.expert_parallel, p.micro_batch_num) == \
+        (1, 4, 4, 4, 16)
+    assert (cfg.router_aux_loss_scope, cfg.num_experts) == ("global", 128) and check_model(recipe) == []
+    by_key = {e.key: e for e in report.entries}
+    assert by_key["model.model_config.moe_router_load_balancing_type"].ours == \
+        "model.model_config.router_aux_loss_scope"
+    assert plan(recipe).fits
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -379,13 +393,12 @@ def test_dense_template_takes_the_model_from_config_json(hf_dirs, tmp_path):
     assert {e.key: e.status for e in report.entries}["model.model_config.layer_types"] == "dropped"
 
 
-def test_moe_template_and_other_families_are_refused_by_name(hf_dirs):
+def test_moe_template_imports_and_other_families_are_refused_by_name(hf_dirs, tmp_path):
     path = WHEEL["general/llm_pretrain_moe_template.yaml"]
-    with pytest.raises(RecipeError) as err:
-        from_mindformers(path, "/nonexistent/out.yaml", hf_dirs["qwen3_moe"])
-    assert "parallel_config.model_parallel: 2 with model.model_config.num_experts" in str(err.value)
-    assert "moe_router_load_balancing_type" not in str(err.value)  # seq_aux_loss at DP 2: our "micro_batch"
-    assert "routed_scaling_factor" not in str(err.value)  # 1.5: MindFormers scales after renormalising, as ours
+    recipe, _ = import_to(path, tmp_path, "moe_template", hf_dirs["qwen3_moe"])
+    # its seq_aux_loss at DP 2 x TP 2 (sequence parallel) counts each data-parallel rank's micro-batch
+    assert recipe.model.model_config.router_aux_loss_scope == "micro_batch"
+    assert recipe.parallel_config.model_parallel == 2
     with pytest.raises(RecipeError, match="config.json cannot be read"):
         from_mindformers(path, "/nonexistent/out.yaml", os.path.dirname(path))
     with pytest.raises(RecipeError, match="model_type: 'glm4' .* is a family ours does not implement"):

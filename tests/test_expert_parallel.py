@@ -208,14 +208,14 @@ from ascend_llm_recipes.models.expert_parallel import MindFormersMoE
 from ascend_llm_recipes.models.llama import LlamaConfig, LlamaForCausalLM
 from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.recipe.mindformers import model_layout
-for path in os.environ["RECIPES"].split(os.pathsep):
-    recipe = load_recipe(path, ["output_dir=" + os.getcwd(), "parallel_config.data_parallel=2",
-                                "parallel_config.expert_parallel=2", "hardware.devices_per_node=2"], planning=True)
+for case, (path, overrides) in json.loads(os.environ["CASES"]).items():
+    recipe = load_recipe(path, ["output_dir=" + os.getcwd(), "hardware.devices_per_node=2", *overrides],
+                         planning=True)
     net = LlamaForCausalLM(LlamaConfig(**to_plain(recipe.model.model_config)), model_layout(recipe))
     moe = [layer.mlp for layer in net.model.layers if isinstance(layer.mlp, MindFormersMoE)]
     attn = net.model.layers[0].self_attn
     print("RESULT", json.dumps({
-        "recipe": os.path.basename(path), "rank": get_rank(), "moe_layers": len(moe),
+        "recipe": case, "rank": get_rank(), "moe_layers": len(moe), "sequence_parallel": moe[0].use_seq_parallel,
         "ep": [m.config.expert_model_parallel_size for m in moe],
         "experts_sharded": all("in_layout" in m.experts.morphed_forward.attrs for m in moe),
         "transposes": [list(map(list, m.to_sequence_first.in_strategy)) for m in moe],
@@ -226,30 +226,40 @@ for path in os.environ["RECIPES"].split(os.pathsep):
 
 
 def test_mindformers_moe_layer_is_built_with_expert_parallel_in_two_real_processes(tmp_path):
-    """Under semi-auto parallel with communication initialised (msrun, 2 CPU processes: DP 2, EP 2), MindFormers'
-    MoELayer (Qwen3-MoE's, and DeepSeek-V3's with our multi-head latent attention) creates its expert-parallel
-    groups and sets its shard layouts, inside our model with its strategies.
+    """Under semi-auto parallel with communication initialised (msrun, 2 CPU processes: DP 2 x EP 2, and TP 2 x
+    EP 2), MindFormers' MoELayer (Qwen3-MoE's, and DeepSeek-V3's with our multi-head latent attention) creates its
+    expert-parallel groups and sets its shard layouts, inside our model with its strategies; with tensor parallel
+    it runs sequence parallel, our block handing it the sequence split over TP.
     (Its compile and forward need Ascend; this is everything before them.)"""
     import json
 
     from clusters import msrun_workers
 
-    recipes = [os.path.join(REPO_ROOT, "recipes", f"{name}.yaml")
-               for name in ("tiny_moe_ascend", "tiny_deepseek_ascend")]
-    lines, _ = msrun_workers(tmp_path, SEMI_AUTO_WORKER, {"RECIPES": os.pathsep.join(recipes)})
-    results = sorted((json.loads(line.split(" ", 1)[1]) for line in lines), key=lambda r: (r["recipe"], r["rank"]))
-    assert [(r["recipe"], r["rank"]) for r in results] == [("tiny_deepseek_ascend.yaml", 0),
-                                                           ("tiny_deepseek_ascend.yaml", 1),
-                                                           ("tiny_moe_ascend.yaml", 0), ("tiny_moe_ascend.yaml", 1)]
-    for r in results:
+    dp2_ep2 = ["parallel_config.data_parallel=2", "parallel_config.expert_parallel=2"]
+    tp2_ep2 = ["parallel_config.data_parallel=1", "parallel_config.model_parallel=2",
+               "parallel_config.expert_parallel=2"]
+    recipe = {name: os.path.join(REPO_ROOT, "recipes", f"{name}.yaml") for name in ("tiny_moe_ascend",
+                                                                                    "tiny_deepseek_ascend")}
+    cases = {"deepseek": (recipe["tiny_deepseek_ascend"], dp2_ep2), "qwen3": (recipe["tiny_moe_ascend"], dp2_ep2),
+             "qwen3_tp2": (recipe["tiny_moe_ascend"], tp2_ep2)}
+    lines, _ = msrun_workers(tmp_path, SEMI_AUTO_WORKER, {"CASES": json.dumps(cases)})
+    results = {}
+    for line in lines:
+        r = json.loads(line.split(" ", 1)[1])
+        results.setdefault(r["recipe"], []).append(r)
+    assert {case: sorted(r["rank"] for r in rs) for case, rs in results.items()} == {case: [0, 1] for case in cases}
+    for r in [r for rs in results.values() for r in rs]:
         assert r["moe_layers"] == 3 and r["ep"] == [2, 2, 2] and r["experts_sharded"]
-        assert r["transposes"] == [[[2, 1, 1]]] * 3
-    qwen3, deepseek = results[2:], results[:2]
-    for r in qwen3:
+    for r in results["qwen3"] + results["deepseek"]:   # DP 2: the batch split, the sequence whole
+        assert r["transposes"] == [[[2, 1, 1]]] * 3 and not r["sequence_parallel"]
+    for r in results["qwen3"]:
         assert r["attention"] == {"q_proj": [[2, 1], [1, 1]]}
         assert r["weights"] == ["model.layers.1.mlp.experts.weight1", "model.layers.1.mlp.experts.weight2",
                                 "model.layers.1.mlp.router.fi_accu", "model.layers.1.mlp.router.weight"]
-    for r in deepseek:  # multi-head latent attention (models/mla.py) with its strategies, DeepSeek-V3's MoE layer
+    for r in results["deepseek"]:  # multi-head latent attention (models/mla.py) with its strategies, DeepSeek's MoE
         assert r["attention"] == {"q_a_proj": [[2, 1], [1, 1]], "kv_b_proj": [[2, 1], [1, 1]]}
         assert "model.layers.1.mlp.router.expert_bias" in r["weights"]
         assert "model.layers.1.mlp.shared_experts.linear_fc1.weight" in r["weights"]
+    for r in results["qwen3_tp2"]:  # TP 2: our heads split; MindFormers' MoE layer sequence parallel, S over TP
+        assert r["attention"] == {"q_proj": [[1, 1], [2, 1]]} and r["sequence_parallel"]
+        assert r["transposes"] == [[[1, 2, 1]]] * 3

@@ -416,11 +416,12 @@ def test_expert_parallel_splits_the_routed_experts_and_optimizer_parallel_slices
     assert [total for _, _, total in rows] == [p.total_bytes for p in sharded.values()]
     # the experts' own bytes at EP 4: weights 1/4 (no copy left to slice over) + their gradients + AdamW m and v
     assert rows[2][1] == experts // 4 * (1 + 1 + 2)
-    # the levers: expert parallel up to the largest degree allowed, no tensor parallel (MoE needs sequence parallel)
-    assert "expert parallel (up to 4" in ", ".join(sharded[1].levers) and "tensor parallel" not in sharded[1].levers
+    # the levers: expert parallel up to the largest degree allowed, tensor parallel (the MoE layers then split the
+    # sequence over TP)
+    assert "expert parallel (up to 4" in ", ".join(sharded[1].levers) and "tensor parallel" in sharded[1].levers
     text = format_plan(sharded[2])
     assert "the routed experts split over EP 2" in text and "expert parallel 2: " in text
-    assert "  EP 2    experts" in text and "tokens x top_k x hidden" in text
+    assert "  EP 2    experts" in text and "tokens / TP x top_k x hidden" in text
 
 
 def test_alltoall_bytes_per_step_and_moe_activations_by_hand():

@@ -181,20 +181,28 @@ def test_mixture_of_experts_and_qwen3_keys_are_checked_naming_each():
 
 
 def test_expert_parallel_follows_mindformers_layout_rules_naming_the_keys():
+    from ascend_llm_recipes.models.config import ModelConfig
+    from ascend_llm_recipes.models.parallel import expert_problems
+
     moe = os.path.join(REPO_ROOT, "recipes", "tiny_moe_cpu.yaml")
     ascend = ("context.device_target=Ascend", "use_parallel=True", "parallel.parallel_mode=1",
               "parallel.full_batch=True", "parallel.gradients_mean=False")
     pc = "parallel_config."
     ep4 = load_recipe(moe, (*ascend, pc + "data_parallel=4", pc + "expert_parallel=4"))
     assert ep4.parallel_config.expert_parallel == 4
+    # with tensor parallel the MoE layers run sequence parallel: the sequence splits over TP
+    tp2 = load_recipe(moe, (*ascend, pc + "data_parallel=2", pc + "model_parallel=2", pc + "expert_parallel=4"))
+    assert tp2.parallel_config.model_parallel == 2
+    odd = ModelConfig(vocab_size=128, hidden_size=96, num_layers=2, num_heads=6, intermediate_size=96, seq_length=64,
+                      num_experts=6, moe_intermediate_size=48)
+    assert expert_problems(odd, dp=1, tp=3, ep=3) == [
+        f"{pc}model_parallel: 3 does not divide model.model_config.seq_length (64): with tensor parallel the MoE "
+        "layers split each sequence over the tensor-parallel ranks"]
     cases = [  # (overrides, the problem named)
         ((pc + "data_parallel=8", pc + "expert_parallel=8"),
          f"{pc}expert_parallel: 8 does not divide model.model_config.num_experts (4)"),
         ((pc + "data_parallel=2", pc + "expert_parallel=4"),
          f"{pc}expert_parallel: 4 does not divide {pc}data_parallel x model_parallel (2 x 1 = 2)"),
-        ((pc + "data_parallel=2", pc + "model_parallel=2"),
-         f"{pc}model_parallel: 2 with model.model_config.num_experts 4: MindFormers' MoE layer needs sequence "
-         "parallel"),
     ]
     for overrides, message in cases:
         with pytest.raises(RecipeError, match=re.escape(message)):

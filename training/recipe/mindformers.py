@@ -471,6 +471,12 @@ def to_mindformers(recipe_path: str) -> tuple:
                 report.add(m + ours, getattr(cfg, ours), "translated", m + theirs, "MindFormers' spelling")
     else:
         config = {"use_legacy": False, **config}
+        if cfg.moe and recipe.parallel_config.model_parallel > 1:
+            config["parallel_config"]["use_seq_parallel"] = True
+            report.add("parallel_config.use_seq_parallel", False, "translated", "parallel_config.use_seq_parallel",
+                       "MindFormers' MoE layer runs with tensor parallel only under sequence parallel "
+                       "(moe_layer.py:143-147), as ours does in its MoE layers; its dense layers then split the "
+                       "sequence too: the same numbers, less activation memory")
         if recipe.trainer.model_name == TrainerConfig().model_name:  # ours, "llama": name it as theirs do
             config["trainer"]["model_name"] = MODEL_NAMES[family]
             report.add("trainer.model_name", recipe.trainer.model_name, "translated", "trainer.model_name",

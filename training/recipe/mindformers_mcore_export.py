@@ -206,9 +206,11 @@ def moe_transformer_config(recipe, source: str):
     if problems:
         raise RecipeError(source, problems, hint="on Ascend the MoE layers are MindFormers 1.9's MoELayer, which "
                                                  "computes these differently; change them in the recipe")
+    # with tensor parallel, MindFormers' MoE layer runs sequence parallel (moe_layer.py:143-147): its tokens split
+    # over TP (models/expert_parallel.py); our dense layers keep the sequence whole
     degrees = dict(data_parallel=p.data_parallel, model_parallel=p.model_parallel, pipeline_stage=p.pipeline_stage,
                    micro_batch_num=p.micro_batch_num, expert_parallel=getattr(p, "expert_parallel", 1),
-                   use_seq_parallel=p.use_seq_parallel)
+                   use_seq_parallel=p.model_parallel > 1)
     if not semi_auto(recipe):
         degrees = dict(data_parallel=1, model_parallel=1, pipeline_stage=1, micro_batch_num=1, expert_parallel=1)
     config_class = DeepseekV3Config if family == "deepseek_v3" else Qwen3MoeConfig

@@ -79,13 +79,16 @@ PIPELINE_LAYOUT, PIPELINE_RTOL = "dp2_tp2_pp2", 1e-6
 RELAYOUT_FROM, RELAYOUT_TARGETS, RELAYOUT_AT = "dp2_tp2_pp2", ("dp8", "dp2_tp4"), 10
 HF_EXPORT = "hf_dp2_tp2_pp2"  # --to-hf of the DP2 x TP2 x PP2 layout run (merged with its strategy files)
 # Mixture of Experts: recipes/tiny_moe_ascend.yaml, whose MoE layers are MindFormers' MoELayer on Ascend
-# (models/expert_parallel.py), at expert-parallel degrees 2 and 8 against 1 (the same math, another dispatch:
-# LAYOUT_RTOL), and at EP 1 against models/moe.py's CPU math on the node's CPUs, 8 data-parallel processes of the
-# same global batch (MOE_CPU_RTOL: other kernels, and a token whose top-2 scores tie within rounding may pick
-# another expert).
+# (models/expert_parallel.py), at expert-parallel degrees 2 and 8, and TP 2 x EP 4, against EP 1 (the same math,
+# another dispatch: LAYOUT_RTOL), and at EP 1 against models/moe.py's CPU math on the node's CPUs, 8 data-parallel
+# processes of the same global batch (MOE_CPU_RTOL: other kernels, and a token whose top-2 scores tie within
+# rounding may pick another expert).
 TINY_MOE = os.path.join(REPO_ROOT, "recipes", "tiny_moe_ascend.yaml")
 MOE_LAYOUTS = {"moe_ep1": [], "moe_ep2": ["parallel_config.expert_parallel=2"],
-               "moe_ep8": ["parallel_config.expert_parallel=8"]}
+               "moe_ep8": ["parallel_config.expert_parallel=8"],
+               # tensor parallel: MindFormers' MoE layer sequence parallel inside our TP decoder
+               "moe_tp2_ep4": ["parallel_config.data_parallel=4", "parallel_config.model_parallel=2",
+                               "parallel_config.expert_parallel=4"]}
 MOE_CPU = ["context.device_target=CPU", "parallel.parallel_mode=0", "parallel.full_batch=False",
            "parallel.gradients_mean=True"]
 MOE_CPU_RTOL = 5e-3

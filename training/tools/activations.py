@@ -39,6 +39,8 @@ def activation_terms(cfg, micro_batch: int, tensor_parallel: int = 1, moe: bool 
     probabilities (tokens x experts) and the k dispatched copies of each token with the experts' outputs before
     they are combined are kept too. Expert parallel leaves these counts per device unchanged at an even load
     (each device sends its tokens' copies out and receives as many); an uneven load raises them on the busiest.
+    With tensor parallel the MoE layer splits the tokens over the TP ranks (sequence parallel,
+    models/expert_parallel.py), so these terms are 1/t per device as the column-split ones are.
     """
     e = DTYPE_BYTES[getattr(cfg, "compute_dtype", "float32")]
     s, b, h, t, a = cfg.seq_length, micro_batch, cfg.hidden_size, tensor_parallel, cfg.num_heads
@@ -62,9 +64,9 @@ def activation_terms(cfg, micro_batch: int, tensor_parallel: int = 1, moe: bool 
     if cfg.mla:  # the q and kv latents (q_lora_rank, kv_lora_rank + rotary key) and their fp32 norms
         latent = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
         terms["mla_latents"] = ((e + 4) * sb * latent, "kept")
-    if moe:
-        terms["router_fp32"] = (2 * 4 * sb * cfg.num_experts, "kept")
-        terms["dispatched_tokens"] = (2 * e * sb * cfg.num_experts_per_tok * h, "kept")
+    if moe:  # with tensor parallel the MoE layer runs sequence parallel: each TP rank routes 1/t of the tokens
+        terms["router_fp32"] = (2 * 4 * sb * cfg.num_experts // t, "kept")
+        terms["dispatched_tokens"] = (2 * e * sb * cfg.num_experts_per_tok * h // t, "kept")
     if flash:
         terms["flash_softmax_stats"] = (2 * 4 * a * s * b * 8 // t, "score")  # softmax max and sum, fp32
     else:
@@ -121,24 +123,25 @@ def logits_bytes(cfg, micro_batch: int, tensor_parallel: int = 1) -> int:
     return e * sb * padded // t + 4 * 4 * sb * padded // t
 
 
-ALLTOALL_FORMULA = ("micro-batches x MoE layers x passes x tokens x top_k x hidden x bytes x (EP - 1) / EP; passes: "
-                    "dispatch and combine, forward and backward = 4 (+2 when full recompute reruns the forward)")
+ALLTOALL_FORMULA = ("micro-batches x MoE layers x passes x tokens / TP x top_k x hidden x bytes x (EP - 1) / EP; "
+                    "passes: dispatch and combine, forward and backward = 4 (+2 when full recompute reruns the forward)")
 
 
 def alltoall_bytes(cfg, micro_batch: int, micro_batches: int, moe_layers: int, expert_parallel: int,
-                   recompute: str = "none") -> int:
+                   recompute: str = "none", tensor_parallel: int = 1) -> int:
     """Bytes one device sends per step through expert parallel's AllToAll (ALLTOALL_FORMULA).
 
     MindFormers' MoELayer (transformer/moe/token_dispatcher.py, alltoall dispatcher) sends each of a micro-batch's
     tokens x top_k routed copies, hidden wide in the compute dtype, to the device holding its expert and the
     experts' outputs back (combine); backward runs both in reverse. A copy whose expert is on the same device
-    stays there: at an even load (EP - 1) / EP of them leave it.
+    stays there: at an even load (EP - 1) / EP of them leave it. With tensor parallel each TP rank dispatches its
+    1/TP of the sequence (sequence parallel in the MoE layer, models/expert_parallel.py).
     """
     if expert_parallel <= 1 or not moe_layers:
         return 0
     e = DTYPE_BYTES[getattr(cfg, "compute_dtype", "float32")]
     passes = 4 + (2 if recompute == "full" else 0)
-    copies = micro_batch * cfg.seq_length * cfg.num_experts_per_tok
+    copies = micro_batch * cfg.seq_length // tensor_parallel * cfg.num_experts_per_tok
     return micro_batches * moe_layers * passes * copies * cfg.hidden_size * e * (expert_parallel - 1) // expert_parallel
 
 
@@ -152,4 +155,4 @@ def step_alltoall_bytes(recipe, first_layer: int, layers: int) -> int:
     cfg, p, b = recipe.model.model_config, recipe.parallel_config, recipe.runner_config.batch_size
     micro_batches = recipe.tokens_per_step // (p.data_parallel * b * cfg.seq_length)
     return alltoall_bytes(cfg, b, micro_batches, moe_layer_count(cfg, first_layer, layers), p.expert_parallel,
-                          recipe.recompute_config.mode)
+                          recipe.recompute_config.mode, p.model_parallel)

@@ -594,6 +594,6 @@ def _unused_levers(recipe, mode, shard, total) -> list:
     moe = recipe.model.model_config.moe
     if moe and p.expert_parallel < expert_parallel_degrees(recipe)[-1]:
         levers.append(f"expert parallel (up to {expert_parallel_degrees(recipe)[-1]}: the table by degree above)")
-    if p.model_parallel == 1 and not moe:  # MoE with tensor parallel needs sequence parallel (expert_problems)
+    if p.model_parallel == 1:
         levers.append("tensor parallel")
     return levers
