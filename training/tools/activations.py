@@ -124,7 +124,8 @@ def logits_bytes(cfg, micro_batch: int, tensor_parallel: int = 1) -> int:
 
 
 ALLTOALL_FORMULA = ("micro-batches x MoE layers x passes x tokens / TP x top_k x hidden x bytes x (EP - 1) / EP; "
-                    "passes: dispatch and combine, forward and backward = 4 (+2 when full recompute reruns the forward)")
+                    "passes: dispatch and combine, forward and backward = 4 (+2 when full recompute reruns the "
+                    "forward)")
 
 
 def alltoall_bytes(cfg, micro_batch: int, micro_batches: int, moe_layers: int, expert_parallel: int,
