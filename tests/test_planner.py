@@ -464,6 +464,6 @@ def test_an_ascend_moe_layout_the_launch_refuses_is_said_so_and_not_proposed(tmp
                                 planning=True))
     assert len(dropping.refusals) == 1 and "refused at launch" in dropping.refusals[0]
     assert "capacity_factor" in dropping.refusals[0] and "but refused at launch" in format_plan(dropping)
-    short = plan(load_recipe(path, [f"output_dir={tmp_path}", "parallel_config.expert_parallel=4"], planning=True))
-    assert not short.fits and not short.refusals and "pipeline" in short.levers
+    short = plan(load_recipe(path, [f"output_dir={tmp_path}", "parallel_config.expert_parallel=1"], planning=True))
+    assert not short.fits and not short.refusals and "expert parallel (up to 4" in ", ".join(short.levers)
     assert plan(load_recipe(path, planning=True)).refusals == []

@@ -129,7 +129,8 @@ def test_ascend_moe_recipes_plan_and_are_what_mindformers_moe_layer_is_built_fro
     tc = moe_transformer_config(recipe, path)
     p = recipe.parallel_config
     assert (tc.expert_model_parallel_size, tc.data_parallel_size, tc.tensor_model_parallel_size) == (
-        p.expert_parallel, p.data_parallel, 1)
+        p.expert_parallel, p.data_parallel, p.model_parallel)
+    assert tc.sequence_parallel == (p.model_parallel > 1)  # MindFormers' MoE layer: sequence parallel under TP
 
 
 def test_what_mindformers_moe_layer_would_compute_otherwise_is_an_error_before_launch(tmp_path):
