@@ -153,6 +153,15 @@ class ModelConfig:
         if self.use_eod_attn_mask_compression and not self.document_attention:
             problems.append(f"{p}.use_eod_attn_mask_compression: is FlashAttention's document mode; it needs "
                             f"{p}.document_attention: True")
+        if self.use_flash_attention and self.compute_dtype == "float32":
+            # mindspore.ops.flash_attention_score: query, key and value float16 or bfloat16
+            problems.append(f"{p}.use_flash_attention: FlashAttentionScore takes float16 or bfloat16 inputs, and "
+                            f"{p}.compute_dtype is float32; set compute_dtype: bfloat16, or use_flash_attention: False")
+        heads = {"query/key head": self.qk_head_dim, "value head": self.value_head_dim} if self.mla else \
+            {"head": self.head_size}
+        problems += [f"{p}.use_flash_attention: the {what} is {width} wide; FlashAttentionScore takes a multiple of "
+                     "16 up to 512 (mindspore.ops.flash_attention_score); set use_flash_attention: False"
+                     for what, width in heads.items() if self.use_flash_attention and (width % 16 or width > 512)]
         if (self.use_attn_mask_compression or self.use_eod_attn_mask_compression) and self.seq_length < 2048:
             problems.append(f"{p}.use_attn_mask_compression: the compressed mask is 2048 x 2048; seq_length "
                             f"{self.seq_length} is below 2048 (use the full mask: set it to False)")

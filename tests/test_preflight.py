@@ -322,3 +322,22 @@ def test_read_only_output_dir_is_refused_by_preflight(tmp_path):
             check_writable_dir(str(read_only / "data"), "--output")
     finally:
         subprocess.run(["umount", str(read_only)], check=True)
+
+
+def test_more_loader_workers_than_cpus_is_an_error_naming_the_key():
+    from ascend_llm_recipes.training.launcher.preflight import check_loader_workers
+
+    recipe = load_recipe(TINY_RECIPE, ("train_dataset.num_parallel_workers=8",))
+    [finding] = check_loader_workers(recipe, cpus=2)
+    assert finding.level == "error" and finding.message.startswith(
+        "train_dataset.num_parallel_workers: 8 exceeds this machine's 2 CPUs")
+    assert "--set train_dataset.num_parallel_workers=2" in finding.message
+    assert [f.level for f in check_loader_workers(recipe, cpus=8)] == ["ok"]
+
+
+def test_optimizer_parallel_on_cpu_is_refused_by_key():
+    from ascend_llm_recipes.common.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"parallel\.enable_parallel_optimizer: True on CPU: MindSpore's optimizer "
+                                          "parallel runs on Ascend only"):
+        load_recipe(TINY_RECIPE, ("parallel.enable_parallel_optimizer=True",))

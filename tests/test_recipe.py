@@ -833,3 +833,14 @@ def test_16bit_weights_need_the_optimizer_that_keeps_float32_masters():
         load_recipe(TINY_RECIPE, ("model.model_config.compute_dtype=float16", "model.model_config.param_dtype=float16",
                                   "optimizer.type=AdamW"))
     load_recipe(TINY_RECIPE, ("model.model_config.compute_dtype=float16", "model.model_config.param_dtype=float16"))
+
+
+def test_flash_attention_needs_16_bit_inputs_and_heads_it_takes():
+    ascend = ("context.device_target=Ascend", "model.model_config.use_flash_attention=True")
+    mc = "model.model_config."
+    with pytest.raises(RecipeError, match=re.escape(f"{mc}use_flash_attention: FlashAttentionScore takes float16 or "
+                                                    "bfloat16 inputs")):
+        load_recipe(TINY_RECIPE, (*ascend, mc + "compute_dtype=float32"), planning=True)
+    with pytest.raises(RecipeError, match=re.escape(f"{mc}use_flash_attention: the head is 600 wide")):
+        load_recipe(TINY_RECIPE, (*ascend, mc + "compute_dtype=bfloat16", mc + "head_dim=600"), planning=True)
+    assert load_recipe(TINY_RECIPE, (*ascend, mc + "compute_dtype=bfloat16"), planning=True)

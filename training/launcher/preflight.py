@@ -409,6 +409,18 @@ def check_disk(recipe, run_dir: Optional[str] = None) -> list:
     return [Finding("ok", "disk", arithmetic, data)]
 
 
+def check_loader_workers(recipe, cpus: Optional[int] = None) -> list:
+    """train_dataset.num_parallel_workers within this machine's CPUs: MindSpore's dataset raises past them
+    ("num_parallel_workers exceeds the boundary between 1 and N", mindspore/dataset/core/validator_helpers.py:657)."""
+    cpus = cpus or os.cpu_count() or 1
+    workers = recipe.train_dataset.num_parallel_workers
+    if workers > cpus:
+        return [Finding("error", "loader", f"train_dataset.num_parallel_workers: {workers} exceeds this machine's "
+                        f"{cpus} CPUs; MindSpore's dataset would refuse it when the workers start. Set it to at most "
+                        f"{cpus} (--set train_dataset.num_parallel_workers={cpus})", {})]
+    return [Finding("ok", "loader", f"train_dataset.num_parallel_workers {workers} of {cpus} CPUs", {})]
+
+
 # ---------------------------------------------------------------------------------------------
 # all checks, output
 
@@ -427,6 +439,7 @@ def run_checks(recipe, run_dir: Optional[str] = None, master_port: Optional[int]
     findings += check_leftover_processes(run_dir or recipe.output_dir)
     findings += check_output_dir(recipe, run_dir)
     findings += check_disk(recipe, run_dir)
+    findings += check_loader_workers(recipe)
     return findings
 
 

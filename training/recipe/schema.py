@@ -240,6 +240,10 @@ class ParallelConfig:
         "sharding_propagation"
 
     def check(self, recipe: "Recipe") -> list:
+        if self.enable_parallel_optimizer and recipe.runs_on_cpu:
+            # mindspore/nn/optim/optimizer.py:285-296 (_use_parallel_optimizer): data-parallel mode on Ascend only
+            return ["parallel.enable_parallel_optimizer: True on CPU: MindSpore's optimizer parallel runs on Ascend "
+                    "only in data-parallel mode (the optimizer raises at setup); set it to False on CPU"]
         if self.parallel_mode not in (1, 2):
             return []
         problems = []

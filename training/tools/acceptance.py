@@ -89,8 +89,9 @@ MOE_LAYOUTS = {"moe_ep1": [], "moe_ep2": ["parallel_config.expert_parallel=2"],
                # tensor parallel: MindFormers' MoE layer sequence parallel inside our TP decoder
                "moe_tp2_ep4": ["parallel_config.data_parallel=4", "parallel_config.model_parallel=2",
                                "parallel_config.expert_parallel=4"]}
-MOE_CPU = ["context.device_target=CPU", "parallel.parallel_mode=0", "parallel.full_batch=False",
-           "parallel.gradients_mean=True"]
+# the node's CPUs: no Ascend compiler settings, data-parallel mode without optimizer parallel (Ascend-only there)
+MOE_CPU = ["context.device_target=CPU", "context.ascend_config=null", "parallel.parallel_mode=0",
+           "parallel.full_batch=False", "parallel.gradients_mean=True", "parallel.enable_parallel_optimizer=False"]
 MOE_CPU_RTOL = 5e-3
 # Multi-head latent attention: recipes/tiny_deepseek_ascend.yaml (models/mla.py under models/parallel.py's strategies,
 # MindFormers' DeepSeek-V3 MoE layer at EP 8) against models/mla.py and models/moe.py on the node's CPUs (8
