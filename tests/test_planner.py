@@ -467,3 +467,23 @@ def test_an_ascend_moe_layout_the_launch_refuses_is_said_so_and_not_proposed(tmp
     short = plan(load_recipe(path, [f"output_dir={tmp_path}", "parallel_config.expert_parallel=1"], planning=True))
     assert not short.fits and not short.refusals and "expert parallel (up to 4" in ", ".join(short.levers)
     assert plan(load_recipe(path, planning=True)).refusals == []
+
+
+def test_levers_name_the_optimizer_level_flash_attention_and_16_bit_weights_left_unused(tmp_path):
+    """A layout that does not fit names each memory lever the recipe leaves unused, with what it would save."""
+    import os
+
+    from conftest import REPO_ROOT
+
+    path = os.path.join(REPO_ROOT, "recipes", "deepseek_v3_256dev.yaml")
+    mc = "model.model_config."
+    short = plan(load_recipe(path, [f"output_dir={tmp_path}", mc + "use_flash_attention=False",
+                                    mc + "use_attn_mask_compression=False", mc + "param_dtype=float32",
+                                    "parallel.parallel_optimizer_config.optimizer_level=level1"], planning=True))
+    assert not short.fits
+    levers = ", ".join(short.levers)
+    for lever in ("optimizer level3 (parallel.parallel_optimizer_config.optimizer_level: -",
+                  "FlashAttention (model.model_config.use_flash_attention: -",
+                  "16-bit weights (model.model_config.param_dtype: bfloat16: -"):
+        assert lever in levers
+    assert "every lever is in use" not in format_plan(short)

@@ -39,6 +39,7 @@ from ascend_llm_recipes.training.tools.activations import (DTYPE_BYTES, layer_ac
                                                            moe_layer_count, recompute_working_bytes,
                                                            step_alltoall_bytes)
 from ascend_llm_recipes.training.tools.devices import DEFAULT_DEVICE, DEVICES, GB, DeviceSpec
+from ascend_llm_recipes.training.tools.levers import unused_levers, what_if
 
 MINDSPORE_OPTIMIZER_PARALLEL = "https://www.mindspore.cn/docs/en/r2.9.0/features/parallel/optimizer_parallel.html"
 
@@ -437,7 +438,7 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
         flops_per_token=fpt, tokens_per_step=tokens, step_time_s=step_time,
         checkpoint_rank_bytes=checkpoint[0], checkpoint_total_bytes=checkpoint[1],
         speed=speed_estimate(recipe, spec, mfu, stages) if peak else None,
-        levers=_unused_levers(recipe, mode, shard, total), notes=notes, refusals=moe_layer_refusals(recipe),
+        levers=unused_levers(recipe, mode, shard, total), notes=notes, refusals=moe_layer_refusals(recipe),
         attention=("FlashAttention (FlashAttentionScore; no S x S scores kept)" if cfg.use_flash_attention
                    else "math path (fp32 S x S scores per layer)"),
         sharding=(f"every operator split by DP {p.data_parallel}; TP {p.model_parallel} splits heads from q/k/v to "
@@ -470,7 +471,7 @@ def expert_memory(recipe, stages: list = None) -> list:
     stages = stages or stage_memory(recipe)
     rows, mode = [], recipe.recompute_config.mode
     for ep in expert_parallel_degrees(recipe):
-        trial = _with(recipe, expert_parallel=ep)
+        trial = what_if(recipe, expert_parallel=ep)
         worst = None
         for s in stages:
             # the stage's tensors at this degree: an expert's elements x the recipe's EP / this one
@@ -555,45 +556,3 @@ def speed_estimate(recipe, spec: DeviceSpec, mfu: float, stages: list = None) ->
     notes = [f"assumed: {mfu:.0%} MFU for the matmuls, HBM {HBM_BYTES_PER_S / 1e12:.1f} TB/s, collectives at "
              f"{LINK_BYTES_PER_S / 1e9:.0f} GB/s bus bandwidth and no overlap (approximate; no Huawei datasheet)"]
     return SpeedEstimate(terms, step, tokens_device / step, notes)
-
-
-def _with(recipe, **changes):
-    """The recipe with parallel / recompute settings changed (for the levers' what-ifs)."""
-    from dataclasses import replace as copy_with
-    if "recompute" in changes:
-        recipe = copy_with(recipe, recompute_config=copy_with(recipe.recompute_config, recompute=True,
-                                                              select_recompute=False))
-    if "shard" in changes:
-        recipe = copy_with(recipe, parallel=copy_with(recipe.parallel, enable_parallel_optimizer=True))
-    if "expert_parallel" in changes:
-        recipe = copy_with(recipe, parallel_config=copy_with(recipe.parallel_config,
-                                                             expert_parallel=changes["expert_parallel"]))
-    return recipe
-
-
-def _unused_levers(recipe, mode, shard, total) -> list:
-    """FIELD_NOTES section 4's memory levers the recipe does not use yet, in order, with savings."""
-    p = recipe.parallel_config
-    levers = []
-    if mode != "full":
-        full = max(s.total("full") for s in stage_memory(_with(recipe, recompute=True)))
-        levers.append(f"{'full ' if mode == 'selective' else ''}recompute "
-                      f"(full: -{(total - full) / GB:.2f} GB, ~20-40% more compute)")
-    if not shard:
-        if p.data_parallel > 1:
-            needs = "" if recipe.parallel.parallel_mode in (1, 2) else "; needs parallel.parallel_mode 1"
-            if recipe.parallel.parallel_mode in (1, 2):
-                sharded = max(s.total(mode) for s in stage_memory(_with(recipe, shard=True)))
-                levers.append(f"optimizer-state sharding (-{(total - sharded) / GB:.2f} GB at DP {p.data_parallel})")
-            else:
-                levers.append(f"optimizer-state sharding (at DP {p.data_parallel}{needs})")
-        else:
-            levers.append("optimizer-state sharding (needs data_parallel > 1)")
-    if p.pipeline_stage == 1:
-        levers.append("pipeline")
-    moe = recipe.model.model_config.moe
-    if moe and p.expert_parallel < expert_parallel_degrees(recipe)[-1]:
-        levers.append(f"expert parallel (up to {expert_parallel_degrees(recipe)[-1]}: the table by degree above)")
-    if p.model_parallel == 1:
-        levers.append("tensor parallel")
-    return levers

@@ -1,0 +1,72 @@
+"""--plan's what-ifs: the recipe with one memory lever changed, and the levers a recipe leaves unused with what each
+would save (training/tools/planner.py plans each what-if as it plans the recipe)."""
+
+from dataclasses import replace as copy_with
+
+from ascend_llm_recipes.training.tools.devices import GB
+
+
+def what_if(recipe, **changes):
+    """The recipe with one lever changed: recompute, shard (optimizer parallel), expert_parallel, level (optimizer
+    level), use_flash_attention, param_dtype."""
+    if "recompute" in changes:
+        recipe = copy_with(recipe, recompute_config=copy_with(recipe.recompute_config, recompute=True,
+                                                              select_recompute=False))
+    if "shard" in changes:
+        recipe = copy_with(recipe, parallel=copy_with(recipe.parallel, enable_parallel_optimizer=True))
+    if "expert_parallel" in changes:
+        recipe = copy_with(recipe, parallel_config=copy_with(recipe.parallel_config,
+                                                             expert_parallel=changes["expert_parallel"]))
+    if "level" in changes:
+        parallel = recipe.parallel
+        recipe = copy_with(recipe, parallel=copy_with(parallel, parallel_optimizer_config=copy_with(
+            parallel.parallel_optimizer_config, optimizer_level=changes["level"])))
+    model_changes = {k: changes[k] for k in ("use_flash_attention", "param_dtype") if k in changes}
+    if model_changes:
+        model = recipe.model
+        recipe = copy_with(recipe, model=copy_with(model, model_config=copy_with(model.model_config, **model_changes)))
+    return recipe
+
+
+def unused_levers(recipe, mode, shard, total) -> list:
+    """The memory levers the recipe does not use yet, in the order practitioners reach for them, with savings."""
+    from ascend_llm_recipes.training.tools.planner import expert_parallel_degrees, stage_memory
+
+    p = recipe.parallel_config
+    levers = []
+    if mode != "full":
+        full = max(s.total("full") for s in stage_memory(what_if(recipe, recompute=True)))
+        levers.append(f"{'full ' if mode == 'selective' else ''}recompute "
+                      f"(full: -{(total - full) / GB:.2f} GB, ~20-40% more compute)")
+    if not shard:
+        if p.data_parallel > 1:
+            needs = "" if recipe.parallel.parallel_mode in (1, 2) else "; needs parallel.parallel_mode 1"
+            if recipe.parallel.parallel_mode in (1, 2):
+                sharded = max(s.total(mode) for s in stage_memory(what_if(recipe, shard=True)))
+                levers.append(f"optimizer-state sharding (-{(total - sharded) / GB:.2f} GB at DP {p.data_parallel})")
+            else:
+                levers.append(f"optimizer-state sharding (at DP {p.data_parallel}{needs})")
+        else:
+            levers.append("optimizer-state sharding (needs data_parallel > 1)")
+    elif p.data_parallel > 1 and recipe.parallel.parallel_optimizer_config.optimizer_level != "level3":
+        saved = total - max(s.total(mode) for s in stage_memory(what_if(recipe, level="level3")))
+        if saved > 0:
+            levers.append(f"optimizer level3 (parallel.parallel_optimizer_config.optimizer_level: -{saved / GB:.2f} "
+                          "GB, weights re-gathered for backward)")
+    cfg = recipe.model.model_config
+    if recipe.context.device_target != "CPU" and not cfg.use_flash_attention and cfg.compute_dtype != "float32":
+        saved = total - max(s.total(mode) for s in stage_memory(what_if(recipe, use_flash_attention=True)))
+        levers.append(f"FlashAttention (model.model_config.use_flash_attention: -{saved / GB:.2f} GB)")
+    if cfg.param_dtype == "float32" and cfg.compute_dtype != "float32":
+        saved = total - max(s.total(mode) for s in stage_memory(what_if(recipe, param_dtype=cfg.compute_dtype)))
+        if saved > 0:
+            levers.append(f"16-bit weights (model.model_config.param_dtype: {cfg.compute_dtype}: "
+                          f"-{saved / GB:.2f} GB; float32 masters stay in the optimizer)")
+    if p.pipeline_stage == 1:
+        levers.append("pipeline")
+    moe = recipe.model.model_config.moe
+    if moe and p.expert_parallel < expert_parallel_degrees(recipe)[-1]:
+        levers.append(f"expert parallel (up to {expert_parallel_degrees(recipe)[-1]}: the table by degree above)")
+    if p.model_parallel == 1:
+        levers.append("tensor parallel")
+    return levers
