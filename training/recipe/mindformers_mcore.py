@@ -128,11 +128,13 @@ INERT = {
     "use_fused_ops_topkrouter": "fused top-k router kernel on Ascend: " + SAME_MATH,
     "apply_rope_fusion": "fused rotary kernel on Ascend: " + SAME_MATH,
     "bias_swiglu_fusion": "fused SwiGLU kernel on Ascend: " + SAME_MATH,
-    "use_pad_tokens": "expert-parallel dispatch padding: ours dispatches no tokens (every expert on every device)",
-    "moe_token_dispatcher_type": "expert-parallel dispatch (AllToAll / AllGather): ours dispatches no tokens",
+    "use_pad_tokens": "expert-parallel dispatch padding: on Ascend ours dispatches as MindFormers' MoE layer, built "
+                      "by models/expert_parallel.py, does; on CPU every expert computes on the local device",
+    "moe_token_dispatcher_type": "expert-parallel dispatch: on Ascend ours is MindFormers' MoE layer and its AllToAll "
+                                 "dispatcher (models/expert_parallel.py); on CPU every expert is local",
     "ep_size": "DeepseekV3Config deletes it (configuration_deepseek_v3.py:156)",
-    "moe_grouped_gemm": "grouped-matmul kernel for the experts: same math; ours runs every expert as its own "
-                        "matmul (models/moe.py)",
+    "moe_grouped_gemm": "grouped-matmul kernel for the experts: same math; on Ascend ours is MindFormers' "
+                        "(models/expert_parallel.py, which sets it), on CPU models/moe.py's dispatch",
     "moe_router_pre_softmax": "not read by MindFormers' training router, which always takes the softmax over "
                               "all experts before top-k (transformer/moe/router.py:272-288), as ours",
     "moe_z_loss_coeff": "not read by MindFormers' training graph (no router z-loss in transformer/moe/); ours "
@@ -446,8 +448,9 @@ class McoreImporter(MoEKeys, Importer):
     # -- sections the legacy format lacks --------------------------------------------------
     def top_level(self):
         if FAMILIES[self.family][1]:
-            self.drop("parallel.enable_alltoall", "AllToAll dispatch to expert-parallel devices: ours computes "
-                                                  "every expert where its tokens are (no expert parallel)")
+            self.drop("parallel.enable_alltoall", "AllToAll dispatch to expert-parallel devices: on Ascend ours "
+                                                  "runs MindFormers' MoE layer, which dispatches so whenever "
+                                                  "parallel_config.expert_parallel > 1 (models/expert_parallel.py)")
         super().top_level()
         self.drop("use_legacy", "False: MindFormers 1.9's own format, read by this importer")
         self.drop("pretrained_model_dir", f"config.json merged from {self.pretrained_dir}" if self.pretrained_dir
