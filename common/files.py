@@ -28,6 +28,21 @@ def write_atomic(path: str, data, fsync: bool = True) -> None:
         raise
 
 
+def write_new(path: str, text: str) -> None:
+    """Write `text` at `path` only if nothing is there: the whole content appears at once (a hard link of a complete
+    temporary file), and when another process created `path` first, FileExistsError and that file untouched."""
+    tmp = f"{path}.{os.getpid()}.new.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def write_json_atomic(path: str, data, fsync: bool = True, indent: int = None) -> None:
     """write_atomic of `data` as JSON."""
     write_atomic(path, json.dumps(data, indent=indent), fsync=fsync)

@@ -379,3 +379,20 @@ def test_speed_up_options_are_mindspores_own():
         if key in ("recompute_comm_overlap", "recomputation_communication_overlap"):
             expected.add("bool")
         assert expected == {t.__name__ for t in SPEED_UP_KEYS[key]}, key
+
+
+def test_an_output_created_by_another_conversion_meanwhile_is_left_to_it(tmp_path):
+    """Without --force the output appears whole or not at all: when another process creates it between the check
+    and the write (two conversions at once), the first file stays and this one is refused."""
+    from ascend_llm_recipes.common.files import write_new
+    from ascend_llm_recipes.training.recipe.mindformers import write_output
+
+    path = tmp_path / "out.yaml"
+    write_new(str(path), "first\n")
+    with pytest.raises(FileExistsError):
+        write_new(str(path), "second\n")
+    with pytest.raises(RecipeError, match="already exists; nothing was written"):
+        write_output(str(path), "third\n")
+    assert path.read_text() == "first\n" and sorted(p.name for p in tmp_path.iterdir()) == ["out.yaml"]
+    write_output(str(path), "forced\n", force=True)
+    assert path.read_text() == "forced\n"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from ascend_llm_recipes.common.errors import RecipeError
-from ascend_llm_recipes.common.files import write_atomic
+from ascend_llm_recipes.common.files import write_atomic, write_new
 from ascend_llm_recipes.common.schema import to_plain
 from ascend_llm_recipes.models.arithmetic import param_count, round_up
 from ascend_llm_recipes.models.config import ModelConfig
@@ -535,11 +535,17 @@ def mindformers_ffn_width(hidden_size: int, multiple_of: int = 256, ffn_dim_mult
 
 def write_output(path: str, text: str, force: bool = False) -> None:
     """Write `text` at `path` in one step; an existing file is kept unless `force`."""
+    exists = RecipeError(path, ["already exists; nothing was written"], hint="pass --force to replace it")
     if os.path.exists(path) and not force:
-        raise RecipeError(path, ["already exists; nothing was written"], hint="pass --force to replace it")
+        raise exists
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        write_atomic(path, text)
+        if force:
+            write_atomic(path, text)
+        else:  # another conversion may create it meanwhile: then it stays theirs
+            write_new(path, text)
+    except FileExistsError:
+        raise exists from None
     except OSError as err:
         raise RecipeError(path, [f"cannot be written: {err.strerror or err}"],
                           hint="choose an --output in a directory you can write") from None
