@@ -9,8 +9,7 @@ optional shared expert sees every token, scaled by its own sigmoid gate in Qwen2
     load balancing (Switch Transformer, Fedus et al. 2021)  E * sum_e f_e * P_e, f_e the fraction of the
         T*k routing slots of this layer's T tokens of the global batch that went to expert e (sum_e f_e = 1,
         summed over data-parallel ranks, or each rank's own: LoadBalancingLoss), P_e the mean router probability
-        of e. 1.0 when
-        the load is even. Megatron-core's switch_load_balancing_loss_func and
+        of e. 1.0 when the load is even. Megatron-core's switch_load_balancing_loss_func and
         MindFormers' per-layer normalisation; transformers' load_balancing_loss_func counts f_e per token
         (sum_e = k) over all layers' tokens at once, so for one layer it is k times this.
     router z-loss (ST-MoE, Zoph et al. 2022)  mean over tokens of logsumexp(router logits)^2.
