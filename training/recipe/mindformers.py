@@ -542,10 +542,11 @@ def write_output(path: str, text: str, force: bool = False) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if force:
             write_atomic(path, text)
-        else:  # another conversion may create it meanwhile: then it stays theirs
-            write_new(path, text)
-    except FileExistsError:
-        raise exists from None
+        else:
+            try:
+                write_new(path, text)
+            except FileExistsError:  # another conversion created it meanwhile: it stays theirs
+                raise exists from None
     except OSError as err:
         raise RecipeError(path, [f"cannot be written: {err.strerror or err}"],
                           hint="choose an --output in a directory you can write") from None

@@ -215,12 +215,9 @@ class TrainDatasetTaskConfig:
 
 @dataclass
 class ParallelOptimizerConfig:
-    """MindSpore's optimizer parallel (semi-auto/auto parallel with enable_parallel_optimizer).
-
-    level1 slices weights and optimizer states over data parallel (the gathered weights live
-    from forward to backward), level2 also slices gradients, level3 also re-gathers weights
-    before backward so the forward copies are freed.
-    """
+    """MindSpore's optimizer parallel (semi-auto/auto parallel with enable_parallel_optimizer): level1 slices weights
+    and optimizer states over data parallel (the gathered weights live from forward to backward), level2 also
+    slices gradients, level3 also re-gathers weights before backward so the forward copies are freed."""
 
     optimizer_level: Literal["level1", "level2", "level3"] = "level1"
     parallel_optimizer_threshold: int = 64  # KB; smaller parameters are not sliced
@@ -240,8 +237,7 @@ class ParallelConfig:
         "sharding_propagation"
 
     def check(self, recipe: "Recipe") -> list:
-        if self.enable_parallel_optimizer and recipe.runs_on_cpu:
-            # mindspore/nn/optim/optimizer.py:285-296 (_use_parallel_optimizer): data-parallel mode on Ascend only
+        if self.enable_parallel_optimizer and recipe.runs_on_cpu:  # mindspore/nn/optim/optimizer.py:285-296
             return ["parallel.enable_parallel_optimizer: True on CPU: MindSpore's optimizer parallel runs on Ascend "
                     "only in data-parallel mode (the optimizer raises at setup); set it to False on CPU"]
         if self.parallel_mode not in (1, 2):
