@@ -121,6 +121,23 @@ def test_moe_arguments_megatron_computes_differently_are_refused_by_name(megatro
     assert not model_config_from_args({**args, "moe_router_pre_softmax": True}, "moe").norm_topk_prob
 
 
+def test_load_balancing_types_map_to_the_scope_and_the_rest_is_noted(megatron_dir):
+    """aux_loss and global_aux_loss are router_aux_loss_scope micro_batch and global, with the coefficient; the
+    per-sequence seq_aux_loss is not ours: coefficient 0, said in the conversion's notes."""
+    from ascend_llm_recipes.models.conversion.megatron import balancing_notes
+
+    with megatron_files.open_megatron(str(megatron_dir / "moe" / "legacy")) as ckpt:
+        args = {**ckpt.args, "moe_aux_loss_coeff": 0.01}
+    for kind, scope in (("aux_loss", "micro_batch"), ("global_aux_loss", "global")):
+        cfg = model_config_from_args({**args, "moe_router_load_balancing_type": kind}, "moe")
+        assert (cfg.router_aux_loss_coef, cfg.router_aux_loss_scope) == (0.01, scope)
+        assert balancing_notes({**args, "moe_router_load_balancing_type": kind}) == []
+    sequence = {**args, "moe_router_load_balancing_type": "seq_aux_loss"}
+    assert model_config_from_args(sequence, "moe").router_aux_loss_coef == 0.0
+    [note] = balancing_notes(sequence)
+    assert "'seq_aux_loss' with moe_aux_loss_coeff 0.01" in note and "router_aux_loss_coef is 0" in note
+
+
 @pytest.mark.parametrize("capacity, policy, pad, expected", [
     (1.25, "position", True, (1.25, "position")),  # padding with weight-0 tokens: the same numbers
     (None, "position", False, (0.0, "probs")),      # no capacity: the policy picks nothing
@@ -249,3 +266,16 @@ def test_a_stacked_conversion_verifies_against_the_megatron_forward(megatron_dir
     assert manifest["expert_layout"] == "stacked" and manifest["verify"]["reference"] == "a pure-torch Megatron forward"
     assert {"model.layers.0.mlp.experts.weight1", "model.layers.0.mlp.router.weight"} <= weights.keys()
     assert not any(".experts.0." in name for name in weights)
+
+
+def test_a_checkpoint_without_training_arguments_keeps_the_recipes_schedule(megatron_dir, tmp_path):
+    """Megatron files with model arguments only (as --to-megatron writes them: no lr) still give a recipe: the LR
+    schedule stays the base recipe's, said in a note (it raised KeyError 'lr')."""
+    from ascend_llm_recipes.training.tools.export import _continue_megatron_run
+
+    with megatron_files.open_megatron(str(megatron_dir / "moe" / "legacy")) as ckpt:
+        args = {k: v for k, v in ckpt.args.items() if k != "lr"}
+    cfg = model_config_from_args(args, "moe")
+    data = {}
+    notes = _continue_megatron_run(data, args, 0, 8, cfg, str(tmp_path), {})
+    assert "lr_schedule" not in data and any(n.startswith("LR: the checkpoint's arguments have no lr") for n in notes)

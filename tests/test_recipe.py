@@ -103,8 +103,8 @@ def test_base_errors(tmp_path):
 
 
 def test_tensor_parallel_stays_within_a_node():
-    with pytest.raises(RecipeError, match=r"parallel_config\.model_parallel: 4 must fit within one node "
-                                          r"\(hardware\.devices_per_node 2\)"):
+    with pytest.raises(RecipeError, match=r"parallel_config\.model_parallel: 4 must divide "
+                                          r"hardware\.devices_per_node \(2\): a tensor-parallel group stays"):
         load_recipe(TINY_RECIPE, ("context.device_target=Ascend", "use_parallel=True",
                                   "parallel_config.model_parallel=4", "hardware.devices_per_node=2",
                                   "model.model_config.num_kv_heads=4"))

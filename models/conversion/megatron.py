@@ -214,6 +214,16 @@ def moe_fields(args: dict, problems: list) -> tuple:
                 capacity_factor=float(capacity or 0.0), token_drop_policy=policy if capacity else "probs"), problems
 
 
+def balancing_notes(args: dict) -> list:
+    """What of Megatron's load-balancing loss model_config.yaml does not carry (moe_fields sets its coefficient 0)."""
+    balancing, coefficient = args.get("moe_router_load_balancing_type", "aux_loss"), args.get("moe_aux_loss_coeff")
+    if not coefficient or (balancing in AUX_LOSS_SCOPES and not isinstance(coefficient, list)):
+        return []
+    return [f"moe_router_load_balancing_type {balancing!r} with moe_aux_loss_coeff {coefficient}: ours computes one "
+            "load-balancing loss per layer over the micro-batch or the step (aux_loss, global_aux_loss), not this, so "
+            "model.model_config.router_aux_loss_coef is 0; set it (and router_aux_loss_scope) to train with one"]
+
+
 def json_args(args: dict) -> dict:
     """The arguments that JSON can hold (for conversion.json and the way back to Megatron)."""
     scalar = (bool, int, float, str)
@@ -275,7 +285,8 @@ def from_megatron(ckpt_dir: str, out_dir: str, iteration: int = None, vocab_size
         return write_ours(weights, cfg, out_dir, "from-megatron", source,
                           f"Converted from {ckpt.path} (Megatron {ckpt.format}, iteration {ckpt.iteration}, "
                           f"TP {ckpt.tp} x PP {ckpt.pp})", verify=check, show_progress=show_progress,
-                          moments=moments, optimizer=optimizer, expert_layout=expert_layout)
+                          moments=moments, optimizer=optimizer, expert_layout=expert_layout,
+                          notes=balancing_notes(ckpt.args) if cfg.moe else ())
 
 
 def carried_moments(ckpt, cfg: ModelConfig, qkv_layout: str = "grouped", fc1_merge: str = "per_rank") -> tuple:

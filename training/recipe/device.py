@@ -167,8 +167,8 @@ class HardwareConfig:
             problems.append(f"hardware.devices_per_node: {n} does not divide the {recipe.world_size} devices of "
                             "parallel_config (data_parallel x model_parallel x pipeline_stage)")
         if tp > n or n % tp:
-            problems.append(f"parallel_config.model_parallel: {tp} must fit within one node "
-                            f"(hardware.devices_per_node {n}); tensor parallelism across nodes is too slow")
+            problems.append(f"parallel_config.model_parallel: {tp} must divide hardware.devices_per_node ({n}): a "
+                            "tensor-parallel group stays within one node (tensor parallelism across nodes is too slow)")
         return problems
 
     def nodes(self, world_size: int) -> int:

@@ -448,8 +448,9 @@ class Importer:
         for key in ("data_parallel", "model_parallel", "pipeline_stage", "vocab_emb_dp", "gradient_aggregation_group"):
             self.carry(c + key, default=d[key])
         if self.get(c + "use_seq_parallel"):
-            self.drop(c + "use_seq_parallel", "sequence parallelism is not implemented by models/parallel.py: memory "
-                                              "only (same math), check --plan")
+            self.drop(c + "use_seq_parallel", "sequence parallelism is not implemented by models/parallel.py (ours "
+                                              "runs it in MoE layers only, with tensor parallel: "
+                                              "models/expert_parallel.py): memory only (same math), check --plan")
         else:
             self.carry(c + "use_seq_parallel", default=d["use_seq_parallel"])
         if not pipeline and self.get(c + "micro_batch_num", 1) > 1:

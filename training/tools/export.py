@@ -353,12 +353,16 @@ def _continue_megatron_run(data: dict, args: dict, iteration: int, devices: int,
     carried = optimizer.get("carried") and tp == pp == 1
     # MindFormers evaluates the schedule at the optimizer's step: it starts at the carried step, else at 0
     start = iteration - (optimizer["global_step"] if carried else 0)
-    schedule = {"type": LR_SCHEDULES[style], "learning_rate": args["lr"], "lr_end": args.get("min_lr", 0.0),
-                "warmup_steps": warmup, "warmup_ratio": None, "total_steps": max(1, decay), "start_step": start}
-    notes.append(f"LR: Megatron's own schedule ({style}, warm-up {warmup}, decay to min_lr "
-                 f"{args.get('min_lr', 0.0):g} at iteration {decay}), entered at iteration {iteration} "
-                 f"(lr_schedule.start_step {start}): the first step's LR is {megatron_lr(args, iteration):.6g}")
-    data["lr_schedule"] = schedule
+    if args.get("lr") is None:  # model arguments only (as --to-megatron writes them): no schedule to continue
+        notes.append("LR: the checkpoint's arguments have no lr (not a Megatron training run's): the recipe keeps "
+                     "its base's lr_schedule; set it before training")
+    else:
+        data["lr_schedule"] = {"type": LR_SCHEDULES[style], "learning_rate": args["lr"],
+                               "lr_end": args.get("min_lr", 0.0), "warmup_steps": warmup, "warmup_ratio": None,
+                               "total_steps": max(1, decay), "start_step": start}
+        notes.append(f"LR: Megatron's own schedule ({style}, warm-up {warmup}, decay to min_lr "
+                     f"{args.get('min_lr', 0.0):g} at iteration {decay}), entered at iteration {iteration} "
+                     f"(lr_schedule.start_step {start}): the first step's LR is {megatron_lr(args, iteration):.6g}")
     if optimizer.get("carried") and tp == pp == 1:
         data["load_optimizer_state"] = converted_dir
         notes.append(f"continues Megatron iteration {iteration} with its AdamW moments and step "

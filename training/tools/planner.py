@@ -443,7 +443,8 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
                    else "math path (fp32 S x S scores per layer)"),
         sharding=(f"every operator split by DP {p.data_parallel}; TP {p.model_parallel} splits heads from q/k/v to "
                   "the attention output, the MLP width and the vocabulary through the loss; norms and residual "
-                  "adds stay whole on each TP rank (no sequence parallelism)" if p.model_parallel > 1
+                  "adds stay whole on each TP rank (no sequence parallelism" +
+                  ("; the MoE layers split the sequence over TP)" if cfg.moe else ")") if p.model_parallel > 1
                   else f"every operator split by DP {p.data_parallel}; no tensor parallelism")
         + (f"; the routed experts split over EP {p.expert_parallel} (AllToAll dispatch)" if p.expert_parallel > 1
            else ""),
