@@ -161,7 +161,7 @@ def test_what_mindformers_moe_layer_computes_differently_is_refused_by_key(tmp_p
 
 def test_the_load_balancing_scope_is_mindformers_balancing_type_at_any_passes_per_step(tmp_path):
     """router_aux_loss_scope global is gbs_aux_loss (f over every data-parallel block, and over the step's passes so
-    far when there are several), micro_batch seq_aux_loss (mindformers_mcore_export.py LOAD_BALANCING)."""
+    far when there are several), micro_batch seq_aux_loss (mindformers_moe.py LOAD_BALANCING)."""
     recipe = moe_recipe(tmp_path, "use_parallel=True", "parallel_config.data_parallel=2")
     assert moe_transformer_config(recipe, MOE_RECIPE).moe_router_load_balancing_type == "gbs_aux_loss"
     recipe.runner_config.gradient_accumulation_steps = 2  # (semi-auto parallel only: a check this skips)

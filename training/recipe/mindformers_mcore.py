@@ -19,7 +19,7 @@ from ascend_llm_recipes.common.errors import ConversionError, RecipeError
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.training.recipe.mindformers import OURS_FP32, SAME_MATH
 from ascend_llm_recipes.training.recipe.mindformers_import import Importer
-from ascend_llm_recipes.training.recipe.mindformers_moe import MoEKeys
+from ascend_llm_recipes.training.recipe.mindformers_moe import LOAD_BALANCING, MoEKeys
 
 M = "model.model_config."
 # model_type -> (architecture, Mixture of Experts) of the families ours implements; the classes are registered
@@ -378,8 +378,9 @@ class McoreImporter(MoEKeys, Importer):
         kind = self.get(key, TC_DEFAULTS["moe_router_load_balancing_type"])
         c = "parallel_config."
         mp, cp = self.get(c + "model_parallel", 1), self.get(c + "context_parallel", 1)
-        scopes = {"gbs_aux_loss": "global", "seq_aux_loss": cp == 1 and "micro_batch",
-                  "sub_seq_aux_loss": mp * cp == 1 and "micro_batch"}
+        scopes = {kind: scope for scope, kind in LOAD_BALANCING.items()}  # gbs_aux_loss global, seq_aux_loss ...
+        scopes["seq_aux_loss"] = cp == 1 and scopes["seq_aux_loss"]
+        scopes["sub_seq_aux_loss"] = mp * cp == 1 and "micro_batch"
         if not coef:
             self.drop(key, "no load-balancing loss (moe_aux_loss_coeff is 0)")
         elif kind not in scopes:

@@ -7,7 +7,7 @@ this module for a model only MindFormers 1.9's own classes build: q/k norms (Qwe
 what MindFormers would compute differently is refused by name.
 """
 
-from ascend_llm_recipes.training.recipe.mindformers_moe import BIAS_UPDATED
+from ascend_llm_recipes.training.recipe.mindformers_moe import BIAS_UPDATED, LOAD_BALANCING
 
 M = "model.model_config."
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -67,17 +67,6 @@ def moe_layer_family(cfg) -> str:
     """The MindFormers family whose config class makes our MoE layers' TransformerConfig (models/expert_parallel.py):
     any MoE model's, with or without q/k norms and dense layers (those layers are ours)."""
     return "deepseek_v3" if cfg.mla else "qwen3_moe"
-
-
-# moe_router_load_balancing_type whose token groups are those of model_config.router_aux_loss_scope (models/moe.py
-# LoadBalancingLoss, mindformers_mcore.py balancing) at every layout. "global": gbs_aux_loss takes f over every
-# data-parallel block of the pass (router.py:411-422) and P per block, averaged by the loss's mean over blocks
-# (router.py:424-425): E * sum_e f_e * P_e over the whole micro-batch; with several passes per step (pipeline
-# micro-batches, gradient accumulation) each pass's f is the mean of the step's passes so far (fi_accu,
-# router.py:412-419), as megatron-core's global_aux_loss; fi_accu is zeroed every step (router_stats.py).
-# "micro_batch": seq_aux_loss takes f per data-parallel block, averaged over its model-parallel parts
-# (router.py:403-406), each pass alone.
-LOAD_BALANCING = {"global": "gbs_aux_loss", "micro_batch": "seq_aux_loss"}
 
 
 def experts(recipe, family: str, problems: list, layers_ours: bool = False) -> tuple:

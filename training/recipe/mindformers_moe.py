@@ -44,6 +44,16 @@ FAMILY_DEFAULTS = {
 # callback's other path reads legacy layers only when balance_via_topk_bias (callback.py:2950): its bias never moves.
 BIAS_UPDATED = ("deepseek_v3",)
 
+# moe_router_load_balancing_type whose token groups are those of model_config.router_aux_loss_scope (models/moe.py
+# LoadBalancingLoss) at every layout: written by mindformers_mcore_export.py, read back by mindformers_mcore.py
+# balancing. "global": gbs_aux_loss takes f over every data-parallel block of the pass (router.py:411-422) and P per
+# block, averaged by the loss's mean over blocks (router.py:424-425): E * sum_e f_e * P_e over the whole
+# micro-batch; with several passes per step (pipeline micro-batches, gradient accumulation) each pass's f is the
+# mean of the step's passes so far (fi_accu, router.py:412-419), as megatron-core's global_aux_loss; fi_accu is
+# zeroed every step (training/worker/router_stats.py). "micro_batch": seq_aux_loss takes f per data-parallel block,
+# averaged over its model-parallel parts (router.py:403-406), each pass alone.
+LOAD_BALANCING = {"global": "gbs_aux_loss", "micro_batch": "seq_aux_loss"}
+
 
 class MoEKeys:
     """Router, MoE-layer and MLA keys of McoreImporter (which provides get/carry/put/drop/problems/...)."""
