@@ -28,45 +28,51 @@ def what_if(recipe, **changes):
     return recipe
 
 
+def peak(recipe, mode: str) -> int:
+    """Bytes of the recipe's heaviest stage at recompute `mode` (what --plan compares with the device)."""
+    from ascend_llm_recipes.training.tools.planner import stage_memory
+
+    return max(s.total(mode) for s in stage_memory(recipe))
+
+
 def unused_levers(recipe, mode, shard, total) -> list:
     """The memory levers the recipe does not use yet, in the order practitioners reach for them, with savings."""
-    from ascend_llm_recipes.training.tools.planner import expert_parallel_degrees, stage_memory
+    from ascend_llm_recipes.training.tools.planner import expert_parallel_degrees
 
-    p = recipe.parallel_config
+    p, cfg = recipe.parallel_config, recipe.model.model_config
     levers = []
     if mode != "full":
-        full = max(s.total("full") for s in stage_memory(what_if(recipe, recompute=True)))
+        full = peak(what_if(recipe, recompute=True), "full")
         levers.append(f"{'full ' if mode == 'selective' else ''}recompute "
                       f"(full: -{(total - full) / GB:.2f} GB, ~20-40% more compute)")
     if not shard:
         if p.data_parallel > 1:
             needs = "" if recipe.parallel.parallel_mode in (1, 2) else "; needs parallel.parallel_mode 1"
             if recipe.parallel.parallel_mode in (1, 2):
-                sharded = max(s.total(mode) for s in stage_memory(what_if(recipe, shard=True)))
+                sharded = peak(what_if(recipe, shard=True), mode)
                 levers.append(f"optimizer-state sharding (-{(total - sharded) / GB:.2f} GB at DP {p.data_parallel})")
             else:
                 levers.append(f"optimizer-state sharding (at DP {p.data_parallel}{needs})")
         else:
             levers.append("optimizer-state sharding (needs data_parallel > 1)")
     elif p.data_parallel > 1 and recipe.parallel.parallel_optimizer_config.optimizer_level != "level3":
-        saved = total - max(s.total(mode) for s in stage_memory(what_if(recipe, level="level3")))
+        saved = total - peak(what_if(recipe, level="level3"), mode)
         if saved > 0:
             levers.append(f"optimizer level3 (parallel.parallel_optimizer_config.optimizer_level: -{saved / GB:.2f} "
                           "GB, weights re-gathered for backward)")
-    cfg = recipe.model.model_config
     if recipe.context.device_target != "CPU" and not cfg.use_flash_attention and cfg.compute_dtype != "float32":
-        saved = total - max(s.total(mode) for s in stage_memory(what_if(recipe, use_flash_attention=True)))
+        saved = total - peak(what_if(recipe, use_flash_attention=True), mode)
         levers.append(f"FlashAttention (model.model_config.use_flash_attention: -{saved / GB:.2f} GB)")
     if cfg.param_dtype == "float32" and cfg.compute_dtype != "float32":
-        saved = total - max(s.total(mode) for s in stage_memory(what_if(recipe, param_dtype=cfg.compute_dtype)))
+        saved = total - peak(what_if(recipe, param_dtype=cfg.compute_dtype), mode)
         if saved > 0:
             levers.append(f"16-bit weights (model.model_config.param_dtype: {cfg.compute_dtype}: "
                           f"-{saved / GB:.2f} GB; float32 masters stay in the optimizer)")
     if p.pipeline_stage == 1:
         levers.append("pipeline")
-    moe = recipe.model.model_config.moe
-    if moe and p.expert_parallel < expert_parallel_degrees(recipe)[-1]:
-        levers.append(f"expert parallel (up to {expert_parallel_degrees(recipe)[-1]}: the table by degree above)")
+    largest = expert_parallel_degrees(recipe)[-1] if cfg.moe else 1
+    if p.expert_parallel < largest:
+        levers.append(f"expert parallel (up to {largest}: the table by degree above)")
     if p.model_parallel == 1:
         levers.append("tensor parallel")
     return levers
