@@ -281,11 +281,11 @@ class ModelConfig:
         if problems:
             return problems
         if not self.moe:
-            return [f"{p}.{name}: is set, but {p}.num_experts is 0 (a dense model)" for name in
-                    ("moe_intermediate_size", "shared_expert_intermediate_size", "dense_layers", "shared_expert_gate",
-                     "expert_bias", "expert_bias_update_rate", "capacity_factor") if getattr(self, name)] + \
-                [f"{p}.router_aux_loss_scope: is set, but {p}.num_experts is 0 (a dense model)"
-                 for _ in [0] if self.router_aux_loss_scope != "global"]
+            moe_only = [name for name in ("moe_intermediate_size", "shared_expert_intermediate_size", "dense_layers",
+                                          "shared_expert_gate", "expert_bias", "expert_bias_update_rate",
+                                          "capacity_factor") if getattr(self, name)]
+            moe_only += ["router_aux_loss_scope"] if self.router_aux_loss_scope != "global" else []
+            return [f"{p}.{name}: is set, but {p}.num_experts is 0 (a dense model)" for name in moe_only]
         if self.num_experts_per_tok > self.num_experts:
             problems.append(f"{p}.num_experts_per_tok: {self.num_experts_per_tok} exceeds num_experts "
                             f"{self.num_experts}")
