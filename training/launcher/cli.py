@@ -332,7 +332,7 @@ def main(argv=None) -> int:
         if args.check:
             from ascend_llm_recipes.training.launcher.preflight import has_errors
             if args.dry_run:
-                from ascend_llm_recipes.training.tools.acceptance import dry_run_compile
+                from ascend_llm_recipes.training.tools.dryrun import dry_run_compile
                 return dry_run_compile(load_recipe(args.recipe, tuple(args.overrides), planning=True), args.recipe)
             recipe = load_recipe(args.recipe, tuple(args.overrides))
             return 2 if has_errors(preflight(recipe, master_port=args.master_port)) else 0

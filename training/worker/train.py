@@ -267,7 +267,7 @@ def run(run_dir: str, started: float = None) -> dict:
     with open(os.path.join(run_dir, RESOLVED_RECIPE), encoding="utf-8") as f:
         recipe = recipe_from_dict(yaml.safe_load(f), os.path.join(run_dir, RESOLVED_RECIPE))
     # The launcher's dataset checks, on the same resolved recipe: the two cannot disagree. A DryRun
-    # compile (MS_SIMULATION_LEVEL, training/tools/acceptance.py dry_run_compile) reads no data.
+    # compile (MS_SIMULATION_LEVEL, training/tools/dryrun.py) reads no data.
     from ascend_llm_recipes.training.launcher.datasets import check_datasets
     simulated = bool(os.environ.get("MS_SIMULATION_LEVEL"))
     datasets = {"blend": None} if simulated else check_datasets(recipe)
