@@ -44,6 +44,25 @@ def test_non_finite_gradient_is_an_overflow_and_skips_the_update(clip, bad):
     assert moved == (bad is None)
 
 
+def test_the_semi_auto_dataset_wrapper_is_looked_through():
+    """Semi-auto parallel hands the wrapper its network inside MindSpore's _VirtualDatasetCell, which keeps it as
+    `_backbone` (mindspore/nn/wrap/cell_wrapper.py:520-522): a network inside it trains, and one that sums
+    micro-batch losses is refused as it is unwrapped."""
+    from mindspore.nn.wrap.cell_wrapper import _VirtualDatasetCell
+    from ascend_llm_recipes.common.errors import LaunchError
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    net = Weighted()
+    step = PortableTrainOneStepCell(_VirtualDatasetCell(net), AdamW(net.trainable_params(), learning_rate=0.1),
+                                    scale_sense=1.0)
+    step(Tensor(np.full(4, 0.5, np.float32)))
+    assert not np.allclose(net.w.asnumpy(), 1.0)
+    summing = nn.GradAccumulationCell(Weighted(), 2)
+    with pytest.raises(LaunchError, match="GradAccumulationCell, whose loss is a sum over micro-batches"):
+        PortableTrainOneStepCell(_VirtualDatasetCell(summing), AdamW(summing.trainable_params(), learning_rate=0.1),
+                                 scale_sense=1.0)
+
+
 def test_mindformers_is_patched_only_by_the_explicit_call():
     """Importing train_step leaves MindFormers' barrier alone; install_cpu_barrier() replaces it everywhere."""
     import subprocess

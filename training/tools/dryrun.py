@@ -1,40 +1,179 @@
-"""`--check --dry-run`: compile the recipe's graph under MindSpore's DryRun (MS_SIMULATION_LEVEL)."""
+"""`--check --dry-run`: compile the recipe's training graph under MindSpore's DryRun, one rank of each role.
 
+With MS_SIMULATION_LEVEL=1 MindSpore builds the whole semi-auto-parallel step (strategies, communication groups,
+pipeline stages, the memory its compiler plans) without a device: against real CANN on an Ascend host, or against
+any CANN-shaped tree (training/tools/simulated_cann.py builds one of no-op libraries). It needs no dataset (the
+worker trains on zeros of the data's shape: data/loader.py simulated_train_dataset) and no earlier run: each
+compile has a run directory of its own under OUTPUT_DIR/dryrun/.
+
+One rank per pipeline stage is compiled: under semi-auto parallel every rank compiles the same network and keeps
+its stage, and the ranks of one stage differ only in their slice (data, tensor and expert-parallel position), not
+in the graph. Per rank it prints whether it compiled, in how many seconds, and MindSpore's simulated peak memory
+beside the planner's figure for that stage. Simulated memory leaves out what only kernels know (aclnn workspaces
+are 0 under the stubs; FlashAttention's and the collectives' buffers likewise): a lower bound, never a figure of
+the hardware.
+"""
+
+import glob
 import os
+import re
 import subprocess
 import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from ascend_llm_recipes.common.errors import LaunchError
+from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(REPO_ROOT, "scripts", "train.py")
+DRYRUN_DIR = "dryrun"
+# What MindSpore prints at the end of a simulated run (ms_context / memory manager): the peak of its memory pool.
+_PEAK = re.compile(r"Actual peak memory usage \(with fragments\): (\d+)M")
+_STRATEGY = "strategy"
 
 
-def dry_run_compile(recipe, recipe_path: str) -> int:
-    """`--check --dry-run`: compile one rank per pipeline stage under MindSpore's DryRun (MS_SIMULATION_LEVEL=1).
+@dataclass
+class Compiled:
+    """What one rank's DryRun compile produced."""
 
-    DryRun needs MindSpore's Ascend plugin, which needs CANN; without it, say so in one line.
-    """
-    from ascend_llm_recipes.training.launcher.resume import prepare_run_dir
+    stage: int
+    rank: int
+    seconds: float
+    returncode: int
+    run_dir: str
+    log: str
+    simulated_peak_bytes: Optional[int]  # MindSpore's pool peak, None when it printed none
+    planned_bytes: int                   # the planner's figure for this stage, same recipe
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def strategy_file(self) -> Optional[str]:
+        found = glob.glob(os.path.join(self.run_dir, _STRATEGY, f"ckpt_strategy_rank_{self.rank}.ckpt"))
+        return found[0] if found else None
+
+
+def roles(recipe) -> list:
+    """(stage, rank) of the first rank of each pipeline stage."""
+    per_stage = recipe.world_size // recipe.parallel_config.pipeline_stage
+    return [(stage, stage * per_stage) for stage in range(recipe.parallel_config.pipeline_stage)]
+
+
+def compile_recipe(recipe):
+    """The recipe as compiled: one step on zeros, nothing saved, evaluated or profiled; the LR schedule as sized
+    for the real run (its warm-up must still fit)."""
+    import copy
+
+    r = copy.deepcopy(recipe)
+    s = r.lr_schedule
+    if s.total_steps == -1:
+        s.total_steps = max(r.runner_config.stop_step, (s.warmup_steps or 0) + 1, 1)
+    r.runner_config.stop_step = 1
+    r.callbacks = [c for c in r.callbacks if c.type != "CheckpointMonitor"]
+    r.do_eval, r.profile = False, None
+    r.monitoring.tensorboard = False
+    r.resume_training, r.load_checkpoint, r.load_optimizer_state, r.auto_trans_ckpt = False, "", "", False
+    return r
+
+
+def layout(recipe) -> str:
+    p = recipe.parallel_config
+    text = f"DP {p.data_parallel} x TP {p.model_parallel} x PP {p.pipeline_stage}"
+    return text + (f", EP {p.expert_parallel}" if p.expert_parallel > 1 else "")
+
+
+def compile_rank(recipe, recipe_path: str, stage: int, rank: int, planned_bytes: int, base_dir: str,
+                 timeout: float = None) -> Compiled:
+    """Compile `rank` of `recipe` (already made by compile_recipe) in a new run directory under base_dir."""
+    from ascend_llm_recipes.common.files import write_atomic
+
+    os.makedirs(base_dir, exist_ok=True)
+    run_dir = tempfile.mkdtemp(prefix=f"stage{stage}-rank{rank}-", dir=base_dir)
+    recipe.output_dir = run_dir
+    write_atomic(os.path.join(run_dir, RESOLVED_RECIPE),
+                 f"# resolved from {os.path.abspath(recipe_path)} for a DryRun compile\n" + recipe.to_yaml())
+    env = dict(os.environ, MS_SIMULATION_LEVEL="1", RANK_SIZE=str(recipe.world_size), RANK_ID=str(rank),
+               LOCAL_DEFAULT_PATH=run_dir)
+    log = os.path.join(run_dir, "worker.log")
+    started = time.time()
+    with open(log, "wb") as out:
+        try:
+            code = subprocess.run([sys.executable, WORKER, "--run-dir", run_dir], env=env, stdout=out,
+                                  stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = -1
+    with open(log, encoding="utf-8", errors="replace") as f:
+        peaks = [int(m) for m in _PEAK.findall(f.read())]
+    return Compiled(stage=stage, rank=rank, seconds=time.time() - started, returncode=code, run_dir=run_dir, log=log,
+                    simulated_peak_bytes=max(peaks) * 2**20 if peaks else None, planned_bytes=planned_bytes)
+
+
+def failure_line(log: str) -> str:
+    """The last line of the worker's log that says what went wrong."""
+    with open(log, encoding="utf-8", errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    for line in reversed(lines):
+        if re.search(r"(Error|error:|Exception|Traceback|CRITICAL)", line) and "No module named 'te'" not in line \
+                and "relies on whl package" not in line:
+            return line[:300]
+    return lines[-1][:300] if lines else "(empty log)"
+
+
+def cann_missing() -> str:
+    """Why no DryRun can start here ('' when a CANN-shaped tree is on the path)."""
     from ascend_llm_recipes.training.launcher.versions import cann_version
 
     version, where = cann_version(dict(os.environ))
-    if version is None:
-        print(f"dry-run: not run: MindSpore's DryRun (MS_SIMULATION_LEVEL) needs CANN and none is installed here "
-              f"({where})")
-        return 2
-    p = recipe.parallel_config
-    per_stage = recipe.world_size // p.pipeline_stage
-    recipe.runner_config.stop_step = 1
-    recipe.output_dir = os.path.join(recipe.output_dir, "dryrun")
-    run_dir = prepare_run_dir(recipe, recipe_path)
-    failed = []
-    for stage in range(p.pipeline_stage):
-        rank = stage * per_stage
-        env = dict(os.environ, MS_SIMULATION_LEVEL="1", RANK_SIZE=str(recipe.world_size), RANK_ID=str(rank),
-                   LOCAL_DEFAULT_PATH=run_dir)
-        code = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "scripts", "train.py"), "--run-dir", run_dir],
-                              env=env).returncode
-        print(f"dry-run: stage {stage} (rank {rank} of {recipe.world_size}): "
-              f"{'compiled' if code == 0 else f'failed (exit {code})'}", flush=True)
-        if code:
-            failed.append(stage)
-    return 1 if failed else 0
+    if version is not None:
+        return ""
+    return (f"MindSpore's DryRun loads its Ascend plugin, which needs CANN, and none is installed here ({where}); "
+            "on a machine without CANN build a simulated one: python scripts/make_simulated_cann.py DIR, then "
+            "eval \"$(python scripts/make_simulated_cann.py DIR --print-env)\"")
 
+
+def _gib(n: Optional[int]) -> str:
+    return "none printed" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def dry_run_compile(recipe, recipe_path: str, layers: int = None, timeout: float = None) -> int:
+    """Compile one rank per pipeline stage and print a line for each; 0 when all compiled, 1 if one did not,
+    2 when no CANN (real or simulated) is installed.
+
+    layers: compile the recipe's layout at this depth (a multiple of the pipeline stages) instead of its own.
+    """
+    from ascend_llm_recipes.training.tools.planner import stage_memory
+
+    missing = cann_missing()
+    if missing:
+        print(f"dry-run: not run: {missing}", flush=True)
+        return 2
+    compiled_recipe = compile_recipe(recipe)
+    cfg = compiled_recipe.model.model_config
+    depth = ""
+    if layers is not None and layers != cfg.num_layers:
+        if layers < 1 or layers % recipe.parallel_config.pipeline_stage:
+            raise LaunchError(f"--layers {layers}: must be a positive multiple of parallel_config.pipeline_stage "
+                              f"({recipe.parallel_config.pipeline_stage})")
+        depth = f" at {layers} of its {cfg.num_layers} layers"
+        cfg.num_layers = layers
+    planned = [s.total(compiled_recipe.recompute_config.mode) for s in stage_memory(compiled_recipe)]
+    base = os.path.join(recipe.output_dir, DRYRUN_DIR)
+    print(f"dry-run: {os.path.basename(recipe_path)}{depth}: {layout(recipe)} on {recipe.world_size} ranks, one rank "
+          f"per pipeline stage compiled under MS_SIMULATION_LEVEL=1; run directories in {base}", flush=True)
+    failed = 0
+    for stage, rank in roles(recipe):
+        result = compile_rank(compiled_recipe, recipe_path, stage, rank, planned[stage], base, timeout)
+        if result.ok:
+            print(f"dry-run: stage {stage}, rank {rank} of {recipe.world_size} ({layout(recipe)}): compiled in "
+                  f"{result.seconds:.1f} s; simulated peak {_gib(result.simulated_peak_bytes)} (MindSpore's memory "
+                  f"pool; no kernel workspaces under simulation) vs planned {_gib(result.planned_bytes)}", flush=True)
+        else:
+            failed += 1
+            print(f"dry-run: stage {stage}, rank {rank} of {recipe.world_size} ({layout(recipe)}): FAILED "
+                  f"(exit {result.returncode}) after {result.seconds:.1f} s: {failure_line(result.log)}\n"
+                  f"         log: {result.log}", flush=True)
+    return 1 if failed else 0

@@ -94,7 +94,9 @@ class PortableTrainOneStepCell(MFTrainOneStepCell):
     """
 
     def __init__(self, network, optimizer, **kwargs):
-        inner = network.network if isinstance(network, _VirtualDatasetCell) else network
+        # semi-auto parallel wraps the network in _VirtualDatasetCell, which keeps it as _backbone
+        # (mindspore/nn/wrap/cell_wrapper.py:520-522)
+        inner = network._backbone if isinstance(network, _VirtualDatasetCell) else network
         if isinstance(inner, (nn.GradAccumulationCell, nn.PipelineCell)):
             raise LaunchError(f"{WRAPPER_TYPE} got a {type(inner).__name__}, whose loss is a sum over micro-batches",
                               hint=f"with gradient accumulation or pipeline stages use {PIPELINE_WRAPPER_TYPE} "
