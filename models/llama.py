@@ -67,6 +67,13 @@ class LlamaConfig(PretrainedConfig):
     def kv_heads(self) -> int:
         return self.num_kv_heads  # already resolved from ModelConfig.kv_heads
 
+    def __repr__(self):
+        """The architecture, by our fields. MindSpore's lazy_inline keys a compiled cell by str() of its constructor's
+        arguments (mindspore/graph/lazy_inline.py:228); PretrainedConfig's own repr serialises the parallel configs
+        MindFormers attaches (configuration_utils.py:831-839) and fails on the dict-like MindFormerConfig, whose
+        missing `to_diff_dict` reads as None."""
+        return f"{type(self).__name__}({', '.join(f'{name}={getattr(self, name)!r}' for name in FIELDS)})"
+
     # Derived sizes, as models/config.py defines them.
     head_size = ModelConfig.head_size
     mla = ModelConfig.mla

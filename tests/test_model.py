@@ -158,3 +158,15 @@ def test_config_defaults_are_the_recipe_model_sections():
     assert model_config.pad_token_id == recipe_section.pad_token_id == 3
     assert LlamaConfig(**sizes, num_kv_heads=None).num_kv_heads == recipe_section.kv_heads == 4
     assert LlamaConfig().to_dict()["hidden_size"] == 4096  # MindFormers builds a default instance to diff against
+
+
+def test_config_prints_its_architecture_with_mindformers_parallel_config_attached():
+    """lazy_inline keys compiled cells by str() of the constructor's arguments (mindspore/graph/lazy_inline.py:228),
+    and MindFormers attaches its dict-like parallel config to the model config before building it."""
+    from mindformers import MindFormerConfig
+
+    fields = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=96, seq_length=32)
+    config = LlamaConfig(**fields)
+    config.parallel_config = MindFormerConfig(data_parallel=2, model_parallel=2, pipeline_stage=2)
+    assert "hidden_size=32" in str(config) and "num_layers=2" in str(config)
+    assert str(config) != str(LlamaConfig(**{**fields, "num_layers": 4}))
