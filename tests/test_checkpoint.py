@@ -152,6 +152,78 @@ def test_accumulation_buffers_are_not_saved():
     assert [p.name for p in cell.get_parameters() if p.name.startswith("accu_grads.")]  # they exist, unsaved
 
 
+def stages_cell():
+    """A Cell of two pipeline stages as this rank (stage 0) holds it after MindSpore's parallel compile.
+
+    Built under semi_auto_parallel, an initializer's Parameter stays uninitialised (has_init,
+    mindspore/common/parameter.py:394-397). The compiler initialises the parameters of this rank's graph, sliced
+    (`init_data(layout, set_sliced=True)`, mindspore/parallel/_utils.py:249) and marked is_param_init (which
+    serialization.py:857-862 reads); the other stage's stay as built.
+    """
+    import mindspore as ms
+    from mindspore import nn
+    from mindspore.common.initializer import initializer
+
+    class TwoStages(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.first = ms.Parameter(initializer("normal", [64, 32], ms.float32), name="model.layers.0.w")
+            self.second = ms.Parameter(initializer("normal", [4096, 4096], ms.float32), name="model.layers.1.w")
+
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+    try:
+        cell = TwoStages()
+    finally:
+        ms.reset_auto_parallel_context()
+    assert cell.first.has_init and cell.second.has_init
+    cell.first = cell.first.init_data(set_sliced=True)
+    cell.first.param_info.is_param_init = True
+    return cell
+
+
+@pytest.fixture
+def graph_mode():
+    """Graph mode, as training runs (MindSpore's save judges sliced parameters in graph mode only)."""
+    import mindspore as ms
+
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    yield
+    ms.set_context(mode=mode)
+
+
+def test_snapshot_leaves_other_stages_parameters_as_mindspore_save_does(graph_mode):
+    """F1: another stage's parameter is neither materialised nor saved; the same set MindSpore's save keeps."""
+    from mindspore.train.serialization import _convert_cell_param_and_names_to_dict
+    from ascend_llm_recipes.training.checkpoint import snapshot
+
+    cell = stages_cell()
+    tensors = snapshot(cell)
+    assert [t["name"] for t in tensors] == ["model.layers.0.w"]
+    assert cell.second.has_init  # never built: asnumpy() would have made its full 64 MB here
+    assert tensors.elsewhere == ["model.layers.1.w"]
+    assert list(_convert_cell_param_and_names_to_dict(cell, None, True)) == ["model.layers.0.w"]
+
+
+def test_a_weight_no_stage_saved_makes_the_step_invalid(graph_mode, tmp_path):
+    """Each stage leaves the other's weights out; a step where no rank holds one of them is not resumable."""
+    from ascend_llm_recipes.training.checkpoint import Snapshot, snapshot
+
+    cell = stages_cell()
+    directory = str(tmp_path / "step_00000001")
+    meta = {"step": 1, "world_size": 2}
+    write_rank(os.path.join(directory, "rank_0"), "a.ckpt", snapshot(cell), {}, {**meta, "rank": 0})
+    second = [{"name": "model.layers.1.w", "data": cell.first}]  # stage 1's rank, holding its layer
+    write_rank(os.path.join(directory, "rank_1"), "b.ckpt", Snapshot(second, ["model.layers.0.w"]), {},
+               {**meta, "rank": 1})
+    assert verify_step(directory, 2, need_optimizer=False) == []
+    write_rank(os.path.join(directory, "rank_1"), "b.ckpt", Snapshot([], ["model.layers.0.w", "model.layers.1.w"]),
+               {}, {**meta, "rank": 1})
+    assert verify_step(directory, 2, need_optimizer=False) == [
+        f"{directory}: 1 tensor(s) left by rank 0 to another pipeline stage but held by no rank (e.g. "
+        "model.layers.1.w): a resume would train them from their initialisers"]
+
+
 def test_resume_with_another_data_order_is_refused(baseline, tiny_dataset):
     before = metrics(baseline)
     output = refusal(baseline, tiny_dataset, *as_baseline(tiny_dataset), "--set", "seed=7")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ascend_llm_recipes.common.files import file_sha256, write_atomic
 from ascend_llm_recipes.common.errors import PretrainError
-from ascend_llm_recipes.models.shapes import UNTRAINED_PARAMETERS
+from ascend_llm_recipes.models.shapes import STATISTICS, UNTRAINED_PARAMETERS
 from ascend_llm_recipes.training.run_files import CHECKPOINTS, INVALID, REASON
 
 MANIFEST = "manifest.json"
@@ -68,11 +68,41 @@ def saved_parameter(name: str) -> bool:
     return not name.startswith(NOT_SAVED)
 
 
-def snapshot(cell) -> list:
-    """Host copies of the parameters a resume needs: the state at this instant, safe to write while training goes on."""
+class Snapshot(list):
+    """The tensors one rank writes ({"name", "data"} dicts), and the names it leaves to other ranks (`elsewhere`)."""
+
+    def __init__(self, tensors, elsewhere=()):
+        super().__init__(tensors)
+        self.elsewhere = sorted(elsewhere)
+
+
+def held_here(param, parallel: bool) -> bool:
+    """Whether this rank's graph holds `param`, by the rule MindSpore's own save applies.
+
+    MindSpore 2.9 leaves out a pipeline-shared parameter (held by the stage that owns it) and, in (semi-)auto
+    parallel graph mode, every parameter that is `not param.sliced or param.has_init`
+    (mindspore/train/serialization.py:924-927): a parameter of another pipeline stage is never initialised in
+    this rank's graph (mindspore/nn/cell.py:1942-1943) and `asnumpy()` would build it at its full unsliced shape
+    (mindspore/common/tensor.py:1011-1012): for Qwen3-30B-A3B at PP 4, ~320 GB of host memory per rank.
+    `parallel` is MindSpore's own test for that mode: some parameter was initialised by the parallel compiler
+    (param_info.is_param_init, serialization.py:857-862).
+    """
+    if param.param_info.is_pipeline_shared_param:
+        return False
+    return not parallel or (param.sliced and not param.has_init)
+
+
+def snapshot(cell) -> Snapshot:
+    """Host copies of the parameters a resume needs that this rank holds: the state at this instant, safe to write
+    while training goes on."""
     import mindspore as ms
 
-    return [{"name": p.name, "data": ms.Tensor(p.asnumpy())} for p in cell.get_parameters() if saved_parameter(p.name)]
+    params = [p for p in cell.get_parameters() if saved_parameter(p.name)]
+    # The graph-mode condition of serialization.py:926: in PyNative every parameter is initialised at once.
+    parallel = ms.get_context("mode") == ms.GRAPH_MODE and any(p.param_info.is_param_init for p in params)
+    held = [p for p in params if held_here(p, parallel)]
+    return Snapshot(({"name": p.name, "data": ms.Tensor(p.asnumpy())} for p in held),
+                    {p.name for p in params} - {p.name for p in held})
 
 
 def write_rank(directory: str, name: str, params: list, append: dict, meta: dict) -> str:
@@ -92,7 +122,8 @@ def write_rank(directory: str, name: str, params: list, append: dict, meta: dict
         tensors[p["name"]] = {"shape": list(array.shape), "dtype": str(array.dtype),
                               "sha256": hashlib.sha256(array.tobytes()).hexdigest()}
     manifest = {"format_version": FORMAT_VERSION, **meta, "file": name, "bytes": os.path.getsize(final),
-                "sha256": file_sha256(final), "tensors": tensors, "written": time.time()}
+                "sha256": file_sha256(final), "tensors": tensors,
+                "elsewhere": getattr(params, "elsewhere", []), "written": time.time()}
     write_atomic(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1))
     return final
 
@@ -118,7 +149,7 @@ def verify_step(directory: str, world_size: int, expected_shapes: "RankShapes" =
     """
     if isinstance(expected_shapes, dict):
         expected_shapes = RankShapes(expected_shapes)
-    problems = []
+    problems, held, elsewhere, unread = [], set(), {}, False
     for rank in range(world_size):
         rank_dir = os.path.join(directory, f"rank_{rank}")
         try:
@@ -127,7 +158,11 @@ def verify_step(directory: str, world_size: int, expected_shapes: "RankShapes" =
             tensors = manifest["tensors"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             problems.append(f"{rank_dir}: no readable {MANIFEST} ({err.__class__.__name__}): incomplete save")
+            unread = True
             continue
+        held.update(tensors)
+        for name in manifest.get("elsewhere", ()):
+            elsewhere.setdefault(name, f"rank {rank}")
         path = os.path.join(rank_dir, file_name)
         if not os.path.isfile(path):
             problems.append(f"{path}: listed in {MANIFEST} but missing")
@@ -146,9 +181,28 @@ def verify_step(directory: str, world_size: int, expected_shapes: "RankShapes" =
                 problems.append(f"{path}: no AdamW state for {len(missing)} tensors (e.g. {missing[0]}); resuming "
                                 "needs it. To start from these weights only, set load_checkpoint without "
                                 "resume_training")
+    if not unread:  # a rank without a manifest is reported as an incomplete save instead
+        problems.extend(unheld_problems(directory, held, elsewhere))
     if need_optimizer:
         problems.extend(state_problems(directory))
     return problems
+
+
+def unheld_problems(directory: str, held: set, elsewhere: dict) -> list:
+    """Tensors a rank left to another (`elsewhere` in its manifest: another pipeline stage's) that no rank holds.
+
+    A resume loads each rank's file into that rank's graph by name (MindFormers), so a weight or moment no rank
+    saved would train on from its initialiser. Other parameters no graph uses (MindSpore's save leaves them out
+    too, so MindFormers' own checkpoints lack them) are not judged.
+    """
+    lost = sorted(n for n in set(elsewhere) - held if is_weight(n))
+    return [f"{directory}: {len(lost)} tensor(s) left by {elsewhere[lost[0]]} to another pipeline stage but held by "
+            f"no rank (e.g. {lost[0]}): a resume would train them from their initialisers"] if lost else []
+
+
+def is_weight(name: str) -> bool:
+    """Whether a saved tensor is a model weight or its optimizer state (not a counter: models/shapes.py STATISTICS)."""
+    return ("model." in name or "lm_head." in name) and not name.endswith(STATISTICS)
 
 
 def shape_problems(path: str, tensors: dict, expected) -> list:
