@@ -46,8 +46,10 @@ class LlamaLayout:
     recompute_options: dict = field(default_factory=dict)
     gradient_aggregation_group: int = 4   # gradient all-reduce fusion groups without pipelining
     # MindFormers' TransformerConfig of the MoE layers when they run as its MoELayer with expert parallel (Ascend;
-    # models/expert_parallel.py), else None: models/moe.py's MoE, the CPU reference.
-    experts: object = None
+    # models/expert_parallel.py), else None: models/moe.py's MoE, the CPU reference. Not in the layout's repr:
+    # MindFormers pprints the config holding the layout (trainer/base_trainer.py:1671-1672), and pprint fails on
+    # the MindSpore dtypes inside a TransformerConfig.
+    experts: object = field(default=None, repr=False)
 
     @property
     def layers_per_stage(self) -> list:

@@ -68,6 +68,20 @@ def test_the_transformer_config_is_the_recipe_read_by_mindformers_own_classes(mo
     assert (tc.data_parallel_size, tc.tensor_model_parallel_size, tc.expert_model_parallel_size) == (1, 1, 1)
 
 
+def test_a_layout_holding_mindformers_transformer_config_prints():
+    """MindFormers pprints the whole run config (trainer/base_trainer.py:1671-1672), our layout inside it; the
+    TransformerConfig of its MoE layer holds MindSpore dtypes, whose type's __repr__ pprint cannot hash."""
+    import io
+    import pprint
+
+    recipe = load_recipe(os.path.join(REPO_ROOT, "recipes", "tiny_moe_ascend.yaml"), planning=True)
+    layout = plan_layout(recipe.model.model_config)
+    layout.experts = moe_transformer_config(recipe, "tiny_moe_ascend.yaml")
+    printed = io.StringIO()
+    pprint.pprint({"model": {"model_config": {"layout": layout}}}, stream=printed)
+    assert "LlamaLayout(" in printed.getvalue() and "TransformerConfig" not in printed.getvalue()
+
+
 def test_its_parameters_are_ours_stacked_as_mindformers_converter_stacks_them(models):
     recipe, ours, theirs = models
     cfg = recipe.model.model_config
