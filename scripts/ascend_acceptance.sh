@@ -7,7 +7,8 @@
 # against the bytes resume needs, the pipeline run's logged loss, peak device memory next to --plan,
 # throughput against the published figures, Mixture of Experts through MindFormers' MoELayer at expert parallel
 # 1, 2 and 8 against each other and against the CPU math) and writes OUT/acceptance.json + OUT/acceptance.md with
-# PASS / FAIL per check (training/tools/acceptance.py).
+# PASS / FAIL per check (training/tools/acceptance.py). Every compared run is deterministic (train_precision_sync:
+# MindSpore's and HCCL's deterministic mode), and a resumed run must report the step it resumed from.
 #   bash scripts/ascend_acceptance.sh [OUT_DIR]
 #   DRY_RUN=1 bash scripts/ascend_acceptance.sh [OUT_DIR]     # print every command, run nothing
 set -euo pipefail

@@ -475,3 +475,84 @@ def test_acceptance_kit_prints_help_and_refuses_a_machine_without_an_npu(tmp_pat
         refused = subprocess.run(["bash", script, str(out)], capture_output=True, text=True, timeout=120)
         assert refused.returncode == 2 and "needs an Ascend node" in refused.stderr, refused.stderr
         assert "DRY_RUN=1" in refused.stderr and not out.exists()
+
+
+def kit_recipes(out: str) -> dict:
+    """{run directory name: its recipe as the kit's last command for it launches it (a rerun's, a resume's)}."""
+    from ascend_llm_recipes.training.tools.acceptance import output_dir_of, plan_commands
+
+    recipes = {}
+    for _, _, argv in plan_commands(out):
+        if argv[1].endswith("run_distributed.sh") and "--check" not in argv and "--plan" not in argv:
+            overrides = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+            recipes[os.path.basename(output_dir_of(argv))] = load_recipe(argv[2], overrides, planning=True)
+    return recipes
+
+
+def test_the_kits_compared_runs_train_the_same_batches_deterministically(tmp_path):
+    """F2, F3: both runs of every comparison see the same global batch, sequence length and steps, and run in
+    deterministic mode (MindSpore's default is not)."""
+    from ascend_llm_recipes.training.tools.acceptance import comparisons
+
+    recipes = kit_recipes(str(tmp_path))
+    for check, run, reference, _ in comparisons():
+        a, b = recipes[run], recipes[reference]
+        assert ((a.global_batch_size, a.model.model_config.seq_length, a.runner_config.stop_step)
+                == (b.global_batch_size, b.model.model_config.seq_length, b.runner_config.stop_step)), check
+        assert a.train_precision_sync and b.train_precision_sync, check
+    assert recipes["moe_tp2_ep4"].global_batch_size == recipes["moe_ep1"].global_batch_size == 8
+
+
+DETERMINISTIC_WORKER = """
+import json, os, sys
+import mindspore as ms
+from mindformers import MindFormerConfig, build_context
+from ascend_llm_recipes.training.recipe.loading import load_recipe
+from ascend_llm_recipes.training.recipe.mindformers import worker_config
+cfg = worker_config(load_recipe(os.environ["TINY_ASCEND"], sys.argv[1:], planning=True), os.getcwd())
+build_context(MindFormerConfig(context={"mode": 0, "device_target": "CPU"}, use_parallel=False, parallel={},
+                               **{k: cfg[k] for k in ("run_mode", "train_precision_sync") if k in cfg}))
+print("RESULT", json.dumps([ms.get_context("deterministic"), os.environ.get("HCCL_DETERMINISTIC")]))
+"""
+
+
+@pytest.mark.parametrize("overrides,expected", [(["train_precision_sync=True"], ["ON", "true"]),
+                                                ([], ["OFF", None])])
+def test_deterministic_mode_reaches_mindspore_and_hccl_through_mindformers(tmp_path, overrides, expected):
+    """The recipe's train_precision_sync, through the worker's MindFormers config and MindFormers' own
+    build_context, turns on MindSpore's deterministic mode and HCCL's (HCCL_DETERMINISTIC) before any
+    communication starts; without it neither is touched."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HCCL_DETERMINISTIC", "TE_PARALLEL_COMPILER")}
+    result = subprocess.run([sys.executable, "-c", DETERMINISTIC_WORKER, *overrides], cwd=tmp_path, text=True,
+                            capture_output=True, timeout=300, env=dict(env, TINY_ASCEND=TINY_ASCEND))
+    line = next((x for x in result.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, result.stderr[-2000:]
+    assert json.loads(line[len("RESULT "):]) == expected
+
+
+def test_the_kits_resume_check_fails_a_rerun_that_started_over(tiny_run, tmp_path):
+    """F3: a killed run whose rerun starts again from step 0 fails the resume check even with the very same losses;
+    the rerun that resumed from the checkpoint the kill left passes."""
+    import json
+    import shutil
+    from ascend_llm_recipes.training.tools import acceptance
+
+    run, _ = tiny_run
+    out = tmp_path / "out"
+    out.mkdir()
+    killed = out / "killed"
+    shutil.copytree(run, killed)
+    os.symlink(run, out / acceptance.PIPELINE_LAYOUT)  # the uninterrupted run: the same losses
+    acceptance.record_resume_point(str(out), str(killed))
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 0  # the tiny run trained from the start
+    codes = {check: 0 for check, _, _ in acceptance.plan_commands(str(out))}
+    result = acceptance.evaluate(str(out), codes)["kill_resume_tp_pp"]
+    assert result["max_relative_difference"] == 0.0 and result["expected_resumed_from_step"] == 20
+    assert result["status"] == "FAIL" and result["resumed_from_step"] == 0
+    (killed / "summary.json").write_text(json.dumps(dict(summary, resumed_from_step=20)))
+    assert acceptance.evaluate(str(out), codes)["kill_resume_tp_pp"]["status"] == "PASS"

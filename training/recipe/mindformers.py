@@ -322,6 +322,14 @@ def worker_config(recipe: Recipe, run_dir: str) -> dict:
                 "anomaly"):
         cfg.pop(key, None)
     cfg["output_dir"] = run_dir
+    # Deterministic mode: MindFormers 1.9 drops context.deterministic (core/context/build_context.py:503-507) and
+    # reads the top-level train_precision_sync instead (core/config_args.py:485), calling ms.set_deterministic(True)
+    # (build_context.py:606-621, version_control.py:334-339) before it initialises communication (Context,
+    # build_context.py:343 before 355); MindSpore then sets HCCL_DETERMINISTIC=true and TE_PARALLEL_COMPILER=1 for
+    # HCCL and the kernel compiler (mindspore/device_manager.py:153-168). Left out when off: False would call
+    # ms.set_deterministic(False), which unsets a HCCL_DETERMINISTIC the user exported (device_manager.py:169-174).
+    if not recipe.train_precision_sync:
+        cfg.pop("train_precision_sync")
     cfg["train_dataset"] = train_dataset_block(recipe)
     cfg["train_dataset_task"]["dataset_config"] = cfg["train_dataset"]
     # Our StepRecorder stops at stop_step (training/worker/callbacks.py); MindFormers would add its own
@@ -462,6 +470,7 @@ def to_mindformers(recipe_path: str) -> tuple:
         "context": recipe.to_dict()["context"],
         "model": model or {"model_config": model_config, "arch": {"type": MF_MODEL_TYPE}},
         "profile": False,
+        **({"train_precision_sync": True} if recipe.train_precision_sync else {}),  # as worker_config passes it
     }
     m = "model.model_config."
     if family is None:

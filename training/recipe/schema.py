@@ -493,6 +493,8 @@ class Recipe:
     # MindFormers' key: a resume at another DP/TP/PP layout re-slices the checkpoint at load with the
     # strategy files the run saved (training/tools/relayout.py); refused on CPU, where no strategy file can exist
     auto_trans_ckpt: bool = False
+    # MindFormers' key: True = deterministic kernels and collectives (training/recipe/mindformers.py worker_config)
+    train_precision_sync: bool = False
     use_parallel: bool = False
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     context: ContextConfig = field(default_factory=ContextConfig)

@@ -21,7 +21,7 @@ import sys
 import time
 
 from ascend_llm_recipes.common.errors import PretrainError
-from ascend_llm_recipes.training.run_files import CHECKPOINTS, METRICS, METRICS_PATTERN
+from ascend_llm_recipes.training.run_files import CHECKPOINTS, METRICS, METRICS_PATTERN, SUMMARY
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHER = os.path.join(REPO_ROOT, "scripts", "run_distributed.sh")
@@ -51,6 +51,13 @@ THROUGHPUT_PASS_RATIO = 0.60
 LAYOUT_RTOL = 1e-3          # float32 compute: layouts differ only in reduction order
 BF16_STEPS, BF16_RTOL = 50, 0.03  # bf16 vs fp32: per-step loss within 3% over 50 steps
 KILL_AT, RESUME_STEPS = 12, 20
+# OUT/resume_points.json: per killed run, the newest complete checkpoint step when it was killed (the launcher
+# resumes from it), against which the rerun's summary.json resumed_from_step is held.
+RESUME_POINTS = "resume_points.json"
+# Every compared run is deterministic: MindSpore is not by default (mindspore/device_manager.py:126), so two runs of
+# one layout may sum in another order, and a resume is held to bit-equality (training/recipe/mindformers.py
+# worker_config: how the key reaches ms.set_deterministic and HCCL_DETERMINISTIC).
+DETERMINISTIC = "train_precision_sync=True"
 # MindFormers' own 7B layout (pretrain_llama2_7b.yaml: DP 8, TP 1, PP 1, optimizer parallel) on the tiny model,
 # at level3 with accumulation 8: a DP-only optimizer-parallel run, whose ranks save slices; threshold 0 so every
 # tensor is sliced as a 7B's are (the tiny ones are below 64 KB). Our llama2_7b_8dev is DP 4 x TP 2 by its plan.
@@ -79,7 +86,8 @@ PIPELINE_LAYOUT, PIPELINE_RTOL = "dp2_tp2_pp2", 1e-6
 RELAYOUT_FROM, RELAYOUT_TARGETS, RELAYOUT_AT = "dp2_tp2_pp2", ("dp8", "dp2_tp4"), 10
 HF_EXPORT = "hf_dp2_tp2_pp2"  # --to-hf of the DP2 x TP2 x PP2 layout run (merged with its strategy files)
 # Mixture of Experts: recipes/tiny_moe_ascend.yaml, whose MoE layers are MindFormers' MoELayer on Ascend
-# (models/expert_parallel.py), at expert-parallel degrees 2 and 8, and TP 2 x EP 4, against EP 1 (the same math,
+# (models/expert_parallel.py), at expert-parallel degrees 2 and 8, and TP 2 x EP 4 (micro-batch 2 x DP 4: EP 1's
+# global batch of 8 in one pass, so the load-balancing loss sees the same tokens), against EP 1 (the same math,
 # another dispatch: LAYOUT_RTOL), and at EP 1 against models/moe.py's CPU math on the node's CPUs, 8 data-parallel
 # processes of the same global batch (MOE_CPU_RTOL: other kernels, and a token whose top-2 scores tie within
 # rounding may pick another expert).
@@ -88,7 +96,7 @@ MOE_LAYOUTS = {"moe_ep1": [], "moe_ep2": ["parallel_config.expert_parallel=2"],
                "moe_ep8": ["parallel_config.expert_parallel=8"],
                # tensor parallel: MindFormers' MoE layer sequence parallel inside our TP decoder
                "moe_tp2_ep4": ["parallel_config.data_parallel=4", "parallel_config.model_parallel=2",
-                               "parallel_config.expert_parallel=4"]}
+                               "parallel_config.expert_parallel=4", "runner_config.batch_size=2"]}
 # the node's CPUs: no Ascend compiler settings, data-parallel mode without optimizer parallel (Ascend-only there)
 MOE_CPU = ["context.device_target=CPU", "context.ascend_config=null", "parallel.parallel_mode=0",
            "parallel.full_batch=False", "parallel.gradients_mean=True", "parallel.enable_parallel_optimizer=False"]
@@ -110,6 +118,26 @@ def launch_argv(recipe: str, out: str, *overrides) -> list:
     return argv
 
 
+def compared_argv(recipe: str, out: str, *overrides) -> list:
+    """The command of a run whose losses a check compares (comparisons): deterministic."""
+    return launch_argv(recipe, out, DETERMINISTIC, *overrides)
+
+
+def comparisons() -> list:
+    """[(check, run, reference run, rtol)]: every loss comparison of the kit, two run directories under OUT each."""
+    pairs = [(f"layout_{name}_vs_dp8", name, "dp8", LAYOUT_RTOL) for name in LAYOUTS if name != "dp8"]
+    pairs += [("bf16_vs_fp32", f"bfloat16_{BF16_STEPS}", f"float32_{BF16_STEPS}", BF16_RTOL),
+              ("kill_resume_tp_pp", "killed", PIPELINE_LAYOUT, 0.0),
+              ("kill_resume_dp_opt", "killed_dp_opt", "dp8_opt", 0.0),
+              ("fused_kernels_vs_math", f"fused_s{FUSED_SEQ}", f"math_s{FUSED_SEQ}", FUSED_RTOL)]
+    pairs += [(f"resume_{target}_from_{RELAYOUT_FROM}", f"relayout_{target}", RELAYOUT_FROM, LAYOUT_RTOL)
+              for target in RELAYOUT_TARGETS]
+    pairs += [(f"{name}_vs_moe_ep1", name, "moe_ep1", LAYOUT_RTOL) for name in MOE_LAYOUTS if name != "moe_ep1"]
+    return pairs + [("moe_ep1_vs_cpu_math", "moe_ep1", "moe_cpu", MOE_CPU_RTOL),
+                    ("mla_ep8_vs_cpu_math", "mla_ep8", "mla_cpu", MOE_CPU_RTOL),
+                    ("mla_fused_kernels_vs_math", f"mla_fused_s{FUSED_SEQ}", f"mla_math_s{FUSED_SEQ}", FUSED_RTOL)]
+
+
 def plan_commands(out: str) -> list:
     """[(check, step, argv)] in the order they run."""
     steps = []
@@ -121,48 +149,50 @@ def plan_commands(out: str) -> list:
         steps.append((f"startup_{name}", "DryRun compile, one rank per stage",
                       ["bash", LAUNCHER, os.path.join(REPO_ROOT, "recipes", f"{name}.yaml"), "--check", "--dry-run"]))
     for layout, overrides in LAYOUTS.items():
-        steps.append((f"layout_{layout}", "train 20 steps", launch_argv(TINY, f"{out}/{layout}", *overrides)))
+        steps.append((f"layout_{layout}", "train 20 steps", compared_argv(TINY, f"{out}/{layout}", *overrides)))
     for dtype in ("float32", "bfloat16"):
         steps.append(("bf16_vs_fp32", f"train {BF16_STEPS} steps {dtype}",
-                      launch_argv(TINY, f"{out}/{dtype}_{BF16_STEPS}", f"runner_config.stop_step={BF16_STEPS}",
+                      compared_argv(TINY, f"{out}/{dtype}_{BF16_STEPS}", f"runner_config.stop_step={BF16_STEPS}",
                                   f"model.model_config.compute_dtype={dtype}",
                                   f"model.model_config.param_dtype={dtype}")))
     resume = [*LAYOUTS["dp2_tp2_pp2"], f"runner_config.stop_step={RESUME_STEPS}", "callbacks.1.save_checkpoint_steps=5"]
     steps.append(("kill_resume_tp_pp", f"train, kill -9 after step {KILL_AT}",
-                  launch_argv(TINY, f"{out}/killed", *resume)))
-    steps.append(("kill_resume_tp_pp", "rerun the same command (resumes)", launch_argv(TINY, f"{out}/killed", *resume)))
+                  compared_argv(TINY, f"{out}/killed", *resume)))
+    steps.append(("kill_resume_tp_pp", "rerun the same command (resumes)",
+                  compared_argv(TINY, f"{out}/killed", *resume)))
     dp_opt = [*DP_OPT_LAYOUT, f"runner_config.stop_step={RESUME_STEPS}", "callbacks.1.save_checkpoint_steps=5"]
     steps.append(("kill_resume_dp_opt",
                   f"train the DP-only optimizer-parallel layout uninterrupted {RESUME_STEPS} steps",
-                  launch_argv(TINY, f"{out}/dp8_opt", *dp_opt)))
+                  compared_argv(TINY, f"{out}/dp8_opt", *dp_opt)))
     steps.append(("kill_resume_dp_opt", f"train the DP-only optimizer-parallel layout, kill -9 after step {KILL_AT}",
-                  launch_argv(TINY, f"{out}/killed_dp_opt", *dp_opt)))
+                  compared_argv(TINY, f"{out}/killed_dp_opt", *dp_opt)))
     steps.append(("kill_resume_dp_opt", "rerun the same command (resumes from the sliced checkpoint)",
-                  launch_argv(TINY, f"{out}/killed_dp_opt", *dp_opt)))
+                  compared_argv(TINY, f"{out}/killed_dp_opt", *dp_opt)))
     for path, overrides in FUSED_PATHS.items():
         steps.append(("fused_kernels_vs_math", f"train {FUSED_STEPS} steps bf16 seq {FUSED_SEQ} {path}",
-                      launch_argv(TINY, f"{out}/{path}_s{FUSED_SEQ}", *FUSED_MODEL, *overrides)))
+                      compared_argv(TINY, f"{out}/{path}_s{FUSED_SEQ}", *FUSED_MODEL, *overrides)))
     schedule = [f"lr_schedule.total_steps={RESUME_STEPS}", f"callbacks.1.save_checkpoint_steps={RELAYOUT_AT}"]
     for target in RELAYOUT_TARGETS:
         check, run = f"resume_{target}_from_{RELAYOUT_FROM}", f"{out}/relayout_{target}"
         steps.append((check, f"train {RELAYOUT_FROM} {RELAYOUT_AT} of {RESUME_STEPS} steps",
-                      launch_argv(TINY, run, *LAYOUTS[RELAYOUT_FROM], *schedule,
+                      compared_argv(TINY, run, *LAYOUTS[RELAYOUT_FROM], *schedule,
                                   f"runner_config.stop_step={RELAYOUT_AT}")))
         steps.append((check, f"resume at {target} (auto_trans_ckpt, --amend)",
-                      launch_argv(TINY, run, *LAYOUTS[target], *schedule, f"runner_config.stop_step={RESUME_STEPS}",
-                                  "auto_trans_ckpt=True") + ["--amend"]))
+                      compared_argv(TINY, run, *LAYOUTS[target], *schedule, f"runner_config.stop_step={RESUME_STEPS}",
+                                    "auto_trans_ckpt=True") + ["--amend"]))
     for layout, overrides in MOE_LAYOUTS.items():
-        steps.append((layout, "train 20 steps, MindFormers' MoELayer", launch_argv(TINY_MOE, f"{out}/{layout}",
-                                                                                  *overrides)))
+        steps.append((layout, "train 20 steps, MindFormers' MoELayer", compared_argv(TINY_MOE, f"{out}/{layout}",
+                                                                                    *overrides)))
     steps.append(("moe_cpu_math", "train 20 steps on the node's CPUs, models/moe.py",
-                  launch_argv(TINY_MOE, f"{out}/moe_cpu", *MOE_CPU)))
+                  compared_argv(TINY_MOE, f"{out}/moe_cpu", *MOE_CPU)))
     steps.append(("mla_ep8", "train 20 steps, models/mla.py with MindFormers' DeepSeek-V3 MoELayer",
-                  launch_argv(TINY_DEEPSEEK, f"{out}/mla_ep8")))
+                  compared_argv(TINY_DEEPSEEK, f"{out}/mla_ep8")))
     steps.append(("mla_cpu_math", "train 20 steps on the node's CPUs, models/mla.py and models/moe.py",
-                  launch_argv(TINY_DEEPSEEK, f"{out}/mla_cpu", *MLA_CPU)))
+                  compared_argv(TINY_DEEPSEEK, f"{out}/mla_cpu", *MLA_CPU)))
     for path, overrides in FUSED_PATHS.items():
         steps.append(("mla_fused_kernels_vs_math", f"train {FUSED_STEPS} steps bf16 seq {FUSED_SEQ} MLA {path}",
-                      launch_argv(TINY_DEEPSEEK, f"{out}/mla_{path}_s{FUSED_SEQ}", *MLA_FUSED_MODEL, *overrides)))
+                      compared_argv(TINY_DEEPSEEK, f"{out}/mla_{path}_s{FUSED_SEQ}", *MLA_FUSED_MODEL,
+                                    *overrides)))
     steps.append(("to_hf_tp_pp", "--to-hf of the dp2_tp2_pp2 run",
                   [sys.executable, os.path.join(REPO_ROOT, "scripts", "convert_checkpoint.py"), "--to-hf",
                    f"{out}/{RELAYOUT_FROM}", "--output", f"{out}/{HF_EXPORT}", "--quiet"]))
@@ -187,7 +217,7 @@ def one_line(text: str, limit: int = 300) -> str:
 
 def derived_checks() -> list:
     """[(check, what it reads)] for the checks that run nothing of their own: they read other checks' run dirs."""
-    sized = ("dp8_opt", *(f"startup_{n}" for n in NODE_RECIPES))
+    sized = ("dp8_opt", PIPELINE_LAYOUT, *(f"startup_{n}" for n in NODE_RECIPES))
     return ([(f"checkpoint_size_{n}", f"rank 0's newest checkpoint in {n}/ against the bytes resume needs")
              for n in sized]
             + [("pipeline_logged_loss", f"rank 0's logged loss in {PIPELINE_LAYOUT}/ against its last stage's ranks'")])
@@ -271,18 +301,80 @@ def checkpoint_size_result(run_dir: str) -> dict:
             prefix = name.split(".", 1)[0]
             others[prefix] = others.get(prefix, 0) + size
     problems = shape_problems(newest, tensors, shapes) if shapes is not None else []
+    foreign = other_stage_tensors(recipe, tensors)
     limit = needed * (1 + CHECKPOINT_SLACK) + CHECKPOINT_SLACK_BYTES
-    passed = manifest["bytes"] <= limit and not others and not problems
+    passed = manifest["bytes"] <= limit and not others and not problems and not foreign
     return {"status": "PASS" if passed else "FAIL", "step": newest, "file_bytes": manifest["bytes"],
             "needed_bytes": needed, "not_needed_bytes_by_prefix": others, "shape_problems": problems[:5],
-            "rank_shapes_checked": shapes is not None}
+            "rank_shapes_checked": shapes is not None, "other_stage_tensors": foreign[:5]}
 
 
-def relayout_result(run_dir: str, reference: dict, code) -> dict:
-    """A resume at another layout: MindFormers re-sliced the checkpoint, and the losses continue the reference's."""
+def other_stage_tensors(recipe, names) -> list:
+    """The tensors among rank 0's (pipeline stage 0: the embedding and the first layers, models/parallel.py
+    stage_of_layer) that belong to a later stage: MindSpore never builds those in rank 0's graph, and a save that
+    wrote them would hold them whole (training/checkpoint.py held_here)."""
+    import re
+    from ascend_llm_recipes.training.recipe.mindformers import model_layout
+
+    layout = model_layout(recipe)
+    if layout.pipeline_stages == 1:
+        return []
+    first = {i for i, stage in enumerate(layout.stage_of_layer) if stage == 0}
+    foreign = []
+    for name in names:
+        layer = re.search(r"model\.layers\.(\d+)\.", name)
+        last_stage = re.search(r"(^|\.)(lm_head|model\.norm)\.", name) is not None  # the final norm and lm_head
+        if int(layer.group(1)) not in first if layer else last_stage:
+            foreign.append(name)
+    return sorted(foreign)
+
+
+def resumed_runs(out: str) -> dict:
+    """{check: (run, the step its rerun must resume from)}: the killed runs' newest checkpoint at the kill
+    (RESUME_POINTS, recorded by main), the relayout runs' RELAYOUT_AT."""
+    points = resume_points(out)
+    runs = {"kill_resume_tp_pp": "killed", "kill_resume_dp_opt": "killed_dp_opt"}
+    resumes = {check: (run, points.get(run)) for check, run in runs.items()}
+    return {**resumes, **{f"resume_{t}_from_{RELAYOUT_FROM}": (f"relayout_{t}", RELAYOUT_AT) for t in RELAYOUT_TARGETS}}
+
+
+def record_resume_point(out: str, run_dir: str) -> None:
+    """After a kill: the newest complete checkpoint of `run_dir`, the step the launcher will resume it from."""
+    from ascend_llm_recipes.training.checkpoint import complete_steps
+    from ascend_llm_recipes.common.files import write_atomic
+
+    points, steps = resume_points(out), complete_steps(run_dir)
+    points[os.path.basename(run_dir)] = steps[-1] if steps else None
+    write_atomic(os.path.join(out, RESUME_POINTS), json.dumps(points, indent=1))
+
+
+def resume_points(out: str) -> dict:
+    try:
+        with open(os.path.join(out, RESUME_POINTS), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def resumed_result(run_dir: str, step) -> dict:
+    """The rerun resumed from `step` (its summary.json resumed_from_step, training/worker/train.py): equal losses
+    alone would pass a silent restart from step 0 that happens to reproduce them."""
+    try:
+        with open(os.path.join(run_dir, SUMMARY), encoding="utf-8") as f:
+            resumed = json.load(f)["resumed_from_step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        resumed = None
+    result = {"resumed_from_step": resumed, "expected_resumed_from_step": step}
+    if not step or resumed != step:
+        result["status"] = "FAIL"
+    return result
+
+
+def relayout_result(result: dict, run_dir: str, code) -> dict:
+    """A resume at another layout (`result`: its losses against the reference's): MindFormers re-sliced the
+    checkpoint, and the strategy it was saved with was kept."""
     from ascend_llm_recipes.training.tools.relayout import LAYOUT_FILE
 
-    result = compare(logged_losses(run_dir), reference, LAYOUT_RTOL)
     kept = glob.glob(os.path.join(run_dir, CHECKPOINTS, "step_*", LAYOUT_FILE))
     transformed = glob.glob(os.path.join(run_dir, "transformed_checkpoint", "step_*", "rank_*", "*.ckpt"))
     result.update(exit_code=code, strategy_kept=len(kept), transformed_files=len(transformed))
@@ -372,41 +464,20 @@ def evaluate(out: str, returncodes: dict) -> dict:
     for name in NODE_RECIPES + MULTI_NODE_RECIPES:
         code = returncodes.get(f"startup_{name}")
         results[f"startup_{name}"] = {"status": "PASS" if code == 0 else "FAIL", "exit_code": code}
-    reference = logged_losses(os.path.join(out, "dp8"))
-    for layout in LAYOUTS:
-        if layout != "dp8":
-            results[f"layout_{layout}_vs_dp8"] = compare(logged_losses(os.path.join(out, layout)), reference,
-                                                         LAYOUT_RTOL)
-    results["bf16_vs_fp32"] = compare(logged_losses(os.path.join(out, f"bfloat16_{BF16_STEPS}")),
-                                      logged_losses(os.path.join(out, f"float32_{BF16_STEPS}")), BF16_RTOL)
-    killed, uninterrupted = logged_losses(os.path.join(out, "killed")), logged_losses(os.path.join(out, "dp2_tp2_pp2"))
-    results["kill_resume_tp_pp"] = compare(killed, uninterrupted, 0.0)
-    results["kill_resume_dp_opt"] = compare(logged_losses(os.path.join(out, "killed_dp_opt")),
-                                            logged_losses(os.path.join(out, "dp8_opt")), 0.0)
+    for check, run, reference, rtol in comparisons():
+        results[check] = compare(logged_losses(os.path.join(out, run)), logged_losses(os.path.join(out, reference)),
+                                 rtol)
+    for check, (run, step) in resumed_runs(out).items():
+        results[check].update(resumed_result(os.path.join(out, run), step))
     results["kill_resume_dp_opt"]["exit_code"] = returncodes.get("kill_resume_dp_opt")
     if returncodes.get("kill_resume_dp_opt") not in (0, None):
         results["kill_resume_dp_opt"]["status"] = "FAIL"
-    for check, _ in derived_checks()[:-1]:
-        results[check] = checkpoint_size_result(os.path.join(out, check[len("checkpoint_size_"):]))
-    results["fused_kernels_vs_math"] = compare(logged_losses(os.path.join(out, f"fused_s{FUSED_SEQ}")),
-                                               logged_losses(os.path.join(out, f"math_s{FUSED_SEQ}")), FUSED_RTOL)
-    results["pipeline_logged_loss"] = pipeline_loss_result(os.path.join(out, PIPELINE_LAYOUT))
     for target in RELAYOUT_TARGETS:
         check = f"resume_{target}_from_{RELAYOUT_FROM}"
-        results[check] = relayout_result(os.path.join(out, f"relayout_{target}"), uninterrupted,
-                                         returncodes.get(check))
-    moe_reference = logged_losses(os.path.join(out, "moe_ep1"))
-    for layout in MOE_LAYOUTS:
-        if layout != "moe_ep1":
-            results[f"{layout}_vs_moe_ep1"] = compare(logged_losses(os.path.join(out, layout)), moe_reference,
-                                                      LAYOUT_RTOL)
-    results["moe_ep1_vs_cpu_math"] = compare(moe_reference, logged_losses(os.path.join(out, "moe_cpu")),
-                                             MOE_CPU_RTOL)
-    results["mla_ep8_vs_cpu_math"] = compare(logged_losses(os.path.join(out, "mla_ep8")),
-                                             logged_losses(os.path.join(out, "mla_cpu")), MOE_CPU_RTOL)
-    results["mla_fused_kernels_vs_math"] = compare(logged_losses(os.path.join(out, f"mla_fused_s{FUSED_SEQ}")),
-                                                   logged_losses(os.path.join(out, f"mla_math_s{FUSED_SEQ}")),
-                                                   FUSED_RTOL)
+        relayout_result(results[check], os.path.join(out, f"relayout_{target}"), returncodes.get(check))
+    for check, _ in derived_checks()[:-1]:
+        results[check] = checkpoint_size_result(os.path.join(out, check[len("checkpoint_size_"):]))
+    results["pipeline_logged_loss"] = pipeline_loss_result(os.path.join(out, PIPELINE_LAYOUT))
     export = hf_export_result(os.path.join(out, HF_EXPORT), returncodes.get("to_hf_tp_pp"))
     if not export.get("merged_from_shards"):
         export["status"] = "FAIL"  # a TP/PP run must have been merged with its strategy files
@@ -481,6 +552,7 @@ def main(argv=None) -> int:
         print(f"[acceptance] {check}: {step}", flush=True)
         if "kill -9 after step" in step:
             run_until_step(command, output_dir_of(command), KILL_AT)
+            record_resume_point(out, output_dir_of(command))
             continue
         code = subprocess.run(command).returncode
         returncodes[check] = code if returncodes.get(check) in (None, 0) else returncodes[check]
