@@ -501,3 +501,28 @@ def test_export_refuses_what_mindformers_own_classes_compute_differently(tmp_pat
                      "topk_group: 2: MindFormers scores a group by its best num_experts_per_tok // topk_group = 1",
                      "capacity_factor: 1.25: MindFormers 1.9's training graph never drops"):
         assert fragment in str(err.value)
+
+
+TINY_MOE_ASCEND = os.path.join(REPO_ROOT, "recipes", "tiny_moe_ascend.yaml")
+TOP1 = ["model.model_config.num_experts_per_tok=1", "model.model_config.norm_topk_prob=False"]
+
+
+def test_top1_softmax_routing_builds_mindformers_moe_layer_and_exports_pre_softmax(tmp_path):
+    """F6: MindFormers' TransformerConfig refuses top-1 softmax routing unless the softmax precedes the top-k
+    (transformer_config.py:2161-2169), which its training router and ours both do: the layer's config says so, and
+    the export carries it and imports back to the same model."""
+    from ascend_llm_recipes.training.recipe.mindformers import model_layout, to_mindformers
+
+    recipe = load_recipe(TINY_MOE_ASCEND, TOP1, planning=True)
+    experts = model_layout(recipe).experts  # what every Ascend worker builds
+    assert (experts.moe_router_topk, experts.moe_router_pre_softmax) == (1, True)
+    path = tmp_path / "top1.yaml"
+    path.write_text(yaml.safe_dump({"base": TINY_MOE_ASCEND, "model": {"model_config": {
+        "num_experts_per_tok": 1, "norm_topk_prob": False, "dense_layers": [],
+        "fused_rms_norm": True}}}))  # MindFormers' own classes always fuse it: not exported (KERNELS)
+    text, _ = to_mindformers(str(path))
+    assert yaml.safe_load(text)["model"]["model_config"]["moe_router_pre_softmax"] is True
+    (tmp_path / "mf_top1.yaml").write_text(text)
+    back, _ = import_to(str(tmp_path / "mf_top1.yaml"), tmp_path, "back_top1")
+    assert back.model == load_recipe(str(path), planning=True).model
+

@@ -97,6 +97,11 @@ def experts(recipe, family: str, problems: list, layers_ours: bool = False) -> t
             # MindFormers' training graph builds MoE layers only with grouped matmul: get_moe_module_spec raises
             # NotImplementedError otherwise (base_models/gpt/moe_module_specs.py:37-38)
             "moe_grouped_gemm": True}
+    if cfg.num_experts_per_tok == 1 and cfg.router_score == "softmax":
+        # TransformerConfig refuses top-1 softmax routing unless the softmax comes before the top-k
+        # (parallel_core/transformer_config.py:2161-2169). It does, in MindFormers' training router whatever this key
+        # says (transformer/moe/router.py:272-288, which never reads it) and in ours (models/moe.py:97-103).
+        keys["moe_router_pre_softmax"] = True
     names = ("moe_router_num_groups", "moe_router_group_topk") if family == "qwen3_moe" else ("n_group", "topk_group")
     if cfg.n_group > 1 or family == "deepseek_v3":
         keys.update({names[0]: cfg.n_group, names[1]: cfg.topk_group})
