@@ -136,7 +136,9 @@ def cann_missing() -> str:
 
 
 def _gib(n: Optional[int]) -> str:
-    return "none printed" if n is None else f"{n / 2**30:.2f} GiB"
+    if n is None:
+        return "none printed"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def dry_run_compile(recipe, recipe_path: str, layers: int = None, timeout: float = None) -> int:

@@ -277,7 +277,8 @@ def run(run_dir: str, started: float = None) -> dict:
     from mindformers import MindFormerConfig, Trainer
     from mindformers.core.context import build_context
     import ascend_llm_recipes.models.llama  # noqa: F401  (registers the model with MindFormers)
-    from ascend_llm_recipes.training.worker.train_step import install_cpu_barrier  # registers the train-step wrapper
+    from ascend_llm_recipes.training.worker.train_step import (  # registers the train-step wrapper
+        ensure_subgraph_dispatch, install_cpu_barrier)
     import ascend_llm_recipes.training.worker.optim  # noqa: F401  (registers FoldedAdamW)
     from ascend_llm_recipes.data.loader import build_train_dataset, read_skips, simulated_train_dataset, skip_ranges
     from ascend_llm_recipes.training.recipe.loader_spec import loader_spec
@@ -289,6 +290,7 @@ def run(run_dir: str, started: float = None) -> dict:
     config = MindFormerConfig(**mindformers_config(recipe, run_dir))
     # Without an explicit context MindFormers starts in PyNative mode whatever the recipe says.
     build_context(config)
+    ensure_subgraph_dispatch(recipe.context.device_target)
     if not recipe.use_parallel and "MS_ROLE" in os.environ:
         # A single worker under msrun (Ascend) still joins the cluster so the scheduler can finish; one started
         # without msrun has no MS_ROLE and no scheduler.

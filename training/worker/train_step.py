@@ -192,3 +192,26 @@ def install_cpu_barrier() -> None:
         imported = importlib.import_module(module)
         if hasattr(imported, "barrier"):
             imported.barrier = portable
+
+
+# MindSpore's default actor threads: max(floor(min(runtime_num_threads 30, the host's cores) x 0.18), 1)
+# (runtime/graph_scheduler ComputeThreadNums); with one, GraphScheduler::Initialize turns kernel-by-kernel sub-graph
+# execution off (default_actor_thread_num_ <= kAsyncLaunchThreadNum 1), and a graph holding the ConditionSwitch of
+# the wrappers' `if not overflow:` (MFTrainOneStepCell, MFPipelineWithLossScaleCell: mindformers/wrapper/wrapper.py
+# :357) cannot be built at jit_level O0/O1: "Can not build a sub graph which contains ConditionSwitch ... by kbk"
+# (graph_scheduler.cc BuildKernelActor). Hosts of fewer than 12 cores get one thread; "The actor thread number: 1"
+# in MindSpore's INFO log shows it.
+SUBGRAPH_DISPATCH_THREADS = 2
+
+
+def default_actor_threads(cores: int) -> int:
+    return max(int(min(30, cores) * 0.18), 1)
+
+
+def ensure_subgraph_dispatch(device_target: str) -> None:
+    """On Ascend, at least two runtime dispatch threads, so the loss-scale wrappers compile on a small host."""
+    import os
+    import mindspore as ms
+
+    if device_target == "Ascend" and default_actor_threads(os.cpu_count() or 1) < SUBGRAPH_DISPATCH_THREADS:
+        ms.runtime.dispatch_threads_num(SUBGRAPH_DISPATCH_THREADS)
