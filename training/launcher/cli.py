@@ -304,8 +304,11 @@ def main(argv=None) -> int:
     parser.add_argument("--device", help="with --plan: device from the planner's table (default hardware.device)")
     parser.add_argument("--check", action="store_true", help="run the preflight checks only")
     parser.add_argument("--dry-run", action="store_true",
-                        help="with --check: also compile one rank per pipeline stage under MindSpore's DryRun "
-                             "(needs CANN)")
+                        help="with --check: compile one rank per pipeline stage under MindSpore's DryRun instead "
+                             "(needs CANN, real or simulated: scripts/make_simulated_cann.py)")
+    parser.add_argument("--layers", type=int, metavar="N",
+                        help="with --dry-run: compile the recipe's layout at N layers (a multiple of the pipeline "
+                             "stages) where its full depth takes too long or too much memory on this host")
     parser.add_argument("--nodes", type=int, help="number of nodes (default: SLURM_NNODES or 1)")
     parser.add_argument("--node-rank", type=int, help="this node's index (default: SLURM_NODEID or 0)")
     parser.add_argument("--master-addr", help="node 0's address (default: first Slurm host or 127.0.0.1)")
@@ -319,6 +322,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not args.rendezvous_timeout > 0:
         parser.error(f"--rendezvous-timeout {args.rendezvous_timeout:g}: must be more than 0 seconds")
+    if args.layers is not None and not args.dry_run:
+        parser.error("--layers goes with --check --dry-run")
     if args.dry_run and not args.check:
         parser.error("--dry-run goes with --check (a compile-only check); to print the training command without "
                      "running it, set DRY_RUN=1")
@@ -333,7 +338,8 @@ def main(argv=None) -> int:
             from ascend_llm_recipes.training.launcher.preflight import has_errors
             if args.dry_run:
                 from ascend_llm_recipes.training.tools.dryrun import dry_run_compile
-                return dry_run_compile(load_recipe(args.recipe, tuple(args.overrides), planning=True), args.recipe)
+                return dry_run_compile(load_recipe(args.recipe, tuple(args.overrides), planning=True), args.recipe,
+                                       layers=args.layers)
             recipe = load_recipe(args.recipe, tuple(args.overrides))
             return 2 if has_errors(preflight(recipe, master_port=args.master_port)) else 0
         return launch(args.recipe, args.overrides, nodes=args.nodes, node_rank=args.node_rank,

@@ -80,6 +80,29 @@ def compile_recipe(recipe):
     return r
 
 
+def shallower(recipe, layers: int, recipe_path: str):
+    """The recipe at `layers` layers, its layout otherwise as it is: pipeline stages split evenly, MoE recipes'
+    dense layers those of the first `layers` (at least one MoE layer kept)."""
+    from ascend_llm_recipes.common.errors import RecipeError
+    from ascend_llm_recipes.training.recipe.loading import recipe_from_dict
+
+    stages = recipe.parallel_config.pipeline_stage
+    if layers < 1 or layers % stages:
+        raise LaunchError(f"--layers {layers}: must be a positive multiple of parallel_config.pipeline_stage "
+                          f"({stages})")
+    data = recipe.to_dict()
+    cfg = data["model"]["model_config"]
+    cfg["num_layers"] = layers
+    cfg["dense_layers"] = [i for i in cfg.get("dense_layers", []) if i < layers - 1]
+    if data["parallel_config"].get("stage_layers"):
+        data["parallel_config"]["stage_layers"] = [layers // stages] * stages
+    try:
+        return recipe_from_dict(data, f"{recipe_path} at {layers} layers", planning=True)
+    except RecipeError as err:
+        raise LaunchError(f"--layers {layers}: the recipe does not hold at that depth:\n{err}",
+                          hint="choose another --layers (the pipeline stages must still divide it)") from None
+
+
 def layout(recipe) -> str:
     p = recipe.parallel_config
     text = f"DP {p.data_parallel} x TP {p.model_parallel} x PP {p.pipeline_stage}"
@@ -87,8 +110,11 @@ def layout(recipe) -> str:
 
 
 def compile_rank(recipe, recipe_path: str, stage: int, rank: int, planned_bytes: int, base_dir: str,
-                 timeout: float = None) -> Compiled:
-    """Compile `rank` of `recipe` (already made by compile_recipe) in a new run directory under base_dir."""
+                 timeout: float = None, env: dict = None) -> Compiled:
+    """Compile `rank` of `recipe` (already made by compile_recipe) in a new run directory under base_dir.
+
+    env: extra variables for the worker (log levels, graph dumps: training/tools/compiled.py READBACK_ENV).
+    """
     from ascend_llm_recipes.common.files import write_atomic
 
     os.makedirs(base_dir, exist_ok=True)
@@ -97,7 +123,7 @@ def compile_rank(recipe, recipe_path: str, stage: int, rank: int, planned_bytes:
     write_atomic(os.path.join(run_dir, RESOLVED_RECIPE),
                  f"# resolved from {os.path.abspath(recipe_path)} for a DryRun compile\n" + recipe.to_yaml())
     env = dict(os.environ, MS_SIMULATION_LEVEL="1", RANK_SIZE=str(recipe.world_size), RANK_ID=str(rank),
-               LOCAL_DEFAULT_PATH=run_dir)
+               LOCAL_DEFAULT_PATH=run_dir, **(env or {}))
     log = os.path.join(run_dir, "worker.log")
     started = time.time()
     with open(log, "wb") as out:
@@ -154,14 +180,10 @@ def dry_run_compile(recipe, recipe_path: str, layers: int = None, timeout: float
         print(f"dry-run: not run: {missing}", flush=True)
         return 2
     compiled_recipe = compile_recipe(recipe)
-    cfg = compiled_recipe.model.model_config
     depth = ""
-    if layers is not None and layers != cfg.num_layers:
-        if layers < 1 or layers % recipe.parallel_config.pipeline_stage:
-            raise LaunchError(f"--layers {layers}: must be a positive multiple of parallel_config.pipeline_stage "
-                              f"({recipe.parallel_config.pipeline_stage})")
-        depth = f" at {layers} of its {cfg.num_layers} layers"
-        cfg.num_layers = layers
+    if layers is not None and layers != compiled_recipe.model.model_config.num_layers:
+        depth = f" at {layers} of its {compiled_recipe.model.model_config.num_layers} layers"
+        compiled_recipe = shallower(compiled_recipe, layers, recipe_path)
     planned = [s.total(compiled_recipe.recompute_config.mode) for s in stage_memory(compiled_recipe)]
     base = os.path.join(recipe.output_dir, DRYRUN_DIR)
     print(f"dry-run: {os.path.basename(recipe_path)}{depth}: {layout(recipe)} on {recipe.world_size} ranks, one rank "
