@@ -1,8 +1,10 @@
 """Memory and step-time planner: hand-computed sizes, the real CPU allocation, and sanity checks."""
 
+import os
+
 import pytest
 
-from conftest import DEMO_RECIPE, TINY_RECIPE
+from conftest import DEMO_RECIPE, REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.models.arithmetic import flops_per_token, param_count
 from ascend_llm_recipes.training.tools.devices import DEVICES, GB
@@ -146,8 +148,10 @@ def test_optimizer_sharding_divides_by_data_parallel():
     level3 = plan(recipe(*dp4, "parallel.enable_parallel_optimizer=True",
                          "parallel.parallel_optimizer_config.optimizer_level=level3"), device="Ascend910B2")
     assert level3.bytes_of("gradients") == unsharded.bytes_of("gradients") // 4
-    layers = 2  # the gathered copy of about one layer at a time
-    assert level3.bytes_of("gathered_weights") == unsharded.bytes_of("weights") // layers
+    # level3 re-gathers each weight at its use: the most at once is one layer's (tiny_cpu.yaml's 4 attention and 3
+    # MLP matrices and 2 norms, float32), more than the 512 x 64 embedding or lm_head
+    layer = 4 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 176 + 2 * 64)
+    assert level3.bytes_of("gathered_weights") == layer == 184_832 > 4 * 512 * 64
     # The default threshold (64 KB): the norms stay whole on every rank.
     default = plan(recipe(*ASCEND, "parallel_config.data_parallel=4", "parallel.enable_parallel_optimizer=True"),
                    device="Ascend910B2")
@@ -442,6 +446,7 @@ def test_alltoall_bytes_per_step_and_moe_activations_by_hand():
     assert moe["swiglu_split"][0] == 2 * 4 * sb * 2 * 48 and dense["swiglu_split"][0] == 2 * 4 * sb * 176
     assert moe["router_fp32"][0] == 2 * 4 * sb * 4 and moe["dispatched_tokens"][0] == 2 * 4 * sb * 2 * 64
     # the dense first layer and the MoE second one each counted as what they are
+    moe = activation_terms(cfg, 4, moe=True, expert_parallel=2)  # the plan's: the dispatched copies at EP 2
     assert p.activation_bytes_none == sum(n for n, kind in dense.values() if kind != "working") + \
         sum(n for n, kind in moe.values() if kind != "working") + max(
             sum(n for n, kind in terms.values() if kind == "working") for terms in (dense, moe))
@@ -487,3 +492,54 @@ def test_levers_name_the_optimizer_level_flash_attention_and_16_bit_weights_left
                   "16-bit weights (model.model_config.param_dtype: bfloat16: -"):
         assert lever in levers
     assert "every lever is in use" not in format_plan(short)
+
+
+def test_collectives_are_charged_at_the_links_their_group_crosses():
+    """F7: a group within one node at the intra-node (HCCS) bandwidth, one spanning nodes at the inter-node (RoCE)."""
+    from ascend_llm_recipes.training.tools.planner import link_bytes_per_s, step_alltoall_bytes
+
+    spec = DEVICES["Atlas800T-A2-910B2"]
+    assert (spec.intra_node_bytes_per_s, spec.inter_node_bytes_per_s) == (100e9, 25e9)
+    deepseek = load_recipe(os.path.join(REPO_ROOT, "recipes", "deepseek_v3_256dev.yaml"), planning=True)
+    assert link_bytes_per_s(deepseek, spec, 8) == 100e9      # 8 consecutive ranks: one node of 8
+    assert link_bytes_per_s(deepseek, spec, 2, 8) == 25e9    # 2 ranks 8 apart (a DP group of TP 8): two nodes
+    assert link_bytes_per_s(deepseek, spec, 16) == 25e9      # DeepSeek's EP group is 256 consecutive ranks
+    speed = plan(deepseek).speed
+    alltoall = dict(speed.terms)["expert parallel 256: AllToAll dispatch and combine, forward and backward"]
+    assert alltoall == step_alltoall_bytes(deepseek, 0, 61) / 25e9
+    assert "25 GB/s across nodes (DP, EP groups span nodes)" in speed.notes[0]
+    # the same tiny MoE layout on a node of 8 and on nodes of 4: its EP 8 group leaves the node on the second
+    tiny = os.path.join(REPO_ROOT, "recipes", "tiny_moe_ascend.yaml")
+    bf16 = ["parallel_config.expert_parallel=8", "model.model_config.compute_dtype=bfloat16"]  # a 16-bit peak
+    terms = [dict(plan(load_recipe(tiny, [*bf16, f"hardware.devices_per_node={n}"], planning=True)).speed.terms)
+             for n in (8, 4)]
+    label = "expert parallel 8: AllToAll dispatch and combine, forward and backward"
+    assert terms[1][label] == 4 * terms[0][label]
+
+
+def test_level3_gather_is_the_largest_gathered_at_once_and_dispatch_has_an_imbalance_allowance():
+    """F8: level 3 holds the largest weight (or layer) it gathers, not an average layer; expert parallel's dispatched
+    tokens are planned above the even share, which only a perfectly balanced router reaches."""
+    import math
+    from ascend_llm_recipes.training.tools.activations import MOE_LOAD_ALLOWANCE, activation_terms
+
+    deepseek = load_recipe(os.path.join(REPO_ROOT, "recipes", "deepseek_v3_256dev.yaml"), planning=True)
+    gathered = next(t for t in plan(deepseek).terms if t.category == "gathered_weights")
+    assert gathered.bytes == 129280 * 7168 * 2 and "model.embed_tokens.weight" in gathered.label  # 1.85e9 bytes
+    cfg = deepseek.model.model_config
+    even = activation_terms(cfg, 1, moe=True)["dispatched_tokens"][0]
+    assert even == 2 * 2 * cfg.seq_length * cfg.num_experts_per_tok * cfg.hidden_size  # bf16, in and out
+    assert MOE_LOAD_ALLOWANCE == 1.1
+    spread = activation_terms(cfg, 1, moe=True, expert_parallel=256)["dispatched_tokens"][0]
+    assert spread == math.ceil(even * 1.1)
+
+
+def test_16bit_weights_with_accumulation_are_said_to_sum_gradients_in_16_bits():
+    """F5: accu_grads is a clone of the weights (wrapper.py:849): with bf16 weights the micro-batches sum in bf16.
+    Qwen3-30B-A3B keeps float32 weights as MindFormers' own config does; the Llama 2 7B recipe is told."""
+    qwen3 = load_recipe(os.path.join(REPO_ROOT, "recipes", "qwen3_30b_a3b_16dev.yaml"), planning=True)
+    assert qwen3.model.model_config.param_dtype == "float32" and qwen3.parallel_config.micro_batch_num == 16
+    assert not [n for n in plan(qwen3).notes if "summed in" in n]
+    llama = plan(load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_8dev.yaml"), planning=True))
+    assert any("param_dtype bfloat16 with accumulation: accu_grads clones the weights in their dtype" in n and
+               "summed in bfloat16" in n for n in llama.notes)

@@ -4,10 +4,17 @@ loss, and in a Mixture-of-Experts layer the bytes expert parallel's AllToAll mov
 training/tools/planner.py adds these up per pipeline stage. Import-light: no MindSpore.
 """
 
+import math
+
 from ascend_llm_recipes.models.parallel import RECOMPUTE_MODES
 from ascend_llm_recipes.models.shapes import dimensions
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# The busiest device's share of the dispatched token copies, over the even share: an allowance, not a bound
+# (MindFormers 1.9's MoE layer never drops, transformer/moe/router.py:259-296). 1.1 is the expert capacity factor
+# MindFormers' own capacity-bound MoE defaults to (mindformers/modules/transformer/moe.py:130), the load above even
+# it was built to carry.
+MOE_LOAD_ALLOWANCE = 1.1
 
 
 def _widths(cfg) -> tuple:
@@ -18,7 +25,8 @@ def _widths(cfg) -> tuple:
             cfg.num_heads * cfg.value_head_dim)
 
 
-def activation_terms(cfg, micro_batch: int, tensor_parallel: int = 1, moe: bool = False) -> dict:
+def activation_terms(cfg, micro_batch: int, tensor_parallel: int = 1, moe: bool = False,
+                     expert_parallel: int = 1) -> dict:
     """Bytes of each tensor one decoder layer of models/llama.py holds, per micro-batch on one TP rank.
 
     name -> (bytes, kind). kind "kept": saved for backward; "score": saved for backward and
@@ -37,8 +45,10 @@ def activation_terms(cfg, micro_batch: int, tensor_parallel: int = 1, moe: bool 
     width moe_intermediate_size (and every token through the shared expert), so the SwiGLU terms are those of
     a width k x moe_intermediate_size + shared_expert_intermediate_size; the router's fp32 logits and
     probabilities (tokens x experts) and the k dispatched copies of each token with the experts' outputs before
-    they are combined are kept too. Expert parallel leaves these counts per device unchanged at an even load
-    (each device sends its tokens' copies out and receives as many); an uneven load raises them on the busiest.
+    they are combined are kept too. Under expert parallel a device receives the copies routed to its experts, and
+    AlltoAllV sizes that buffer from the token counts (mindformers token_dispatcher.py:528, 617-618): the even
+    share is a lower bound, and routing without capacity has no upper one. With expert_parallel > 1 the copies
+    are planned at MOE_LOAD_ALLOWANCE x the even share (at 1 every copy stays on its device: exact).
     With tensor parallel the MoE layer splits the tokens over the TP ranks (sequence parallel,
     models/expert_parallel.py), so these terms are 1/t per device as the column-split ones are.
     """
@@ -66,7 +76,8 @@ def activation_terms(cfg, micro_batch: int, tensor_parallel: int = 1, moe: bool 
         terms["mla_latents"] = ((e + 4) * sb * latent, "kept")
     if moe:  # with tensor parallel the MoE layer runs sequence parallel: each TP rank routes 1/t of the tokens
         terms["router_fp32"] = (2 * 4 * sb * cfg.num_experts // t, "kept")
-        terms["dispatched_tokens"] = (2 * e * sb * cfg.num_experts_per_tok * h // t, "kept")
+        even = 2 * e * sb * cfg.num_experts_per_tok * h // t
+        terms["dispatched_tokens"] = (math.ceil(even * MOE_LOAD_ALLOWANCE) if expert_parallel > 1 else even, "kept")
     if flash:
         terms["flash_softmax_stats"] = (2 * 4 * a * s * b * 8 // t, "score")  # softmax max and sum, fp32
     else:
@@ -77,7 +88,7 @@ def activation_terms(cfg, micro_batch: int, tensor_parallel: int = 1, moe: bool 
 
 
 def layer_activation_bytes(cfg, micro_batch: int, tensor_parallel: int = 1, recompute: str = "none",
-                           moe: bool = False) -> int:
+                           moe: bool = False, expert_parallel: int = 1) -> int:
     """Activation bytes one decoder layer (moe: an MoE one) keeps for backward, per micro-batch, on one TP rank.
 
     none: every "kept" and "score" term of activation_terms; selective (core attention
@@ -90,20 +101,21 @@ def layer_activation_bytes(cfg, micro_batch: int, tensor_parallel: int = 1, reco
     if recompute == "full":
         return DTYPE_BYTES[getattr(cfg, "compute_dtype", "float32")] * cfg.seq_length * micro_batch * cfg.hidden_size
     kinds = ("kept",) if recompute == "selective" else ("kept", "score")
-    return sum(n for n, kind in activation_terms(cfg, micro_batch, tensor_parallel, moe).values() if kind in kinds)
+    terms = activation_terms(cfg, micro_batch, tensor_parallel, moe, expert_parallel)
+    return sum(n for n, kind in terms.values() if kind in kinds)
 
 
 def recompute_working_bytes(cfg, micro_batch: int, tensor_parallel: int = 1, recompute: str = "none",
-                            moe: bool = False) -> int:
+                            moe: bool = False, expert_parallel: int = 1) -> int:
     """Bytes one layer adds on top of what every layer keeps, at the peak of its forward or backward.
 
     Always the transient S x S scores; under full recompute also the layer's own activations,
     rebuilt for its backward; under selective recompute its core attention's.
     """
-    terms = activation_terms(cfg, micro_batch, tensor_parallel, moe)
+    terms = activation_terms(cfg, micro_batch, tensor_parallel, moe, expert_parallel)
     working = sum(n for n, kind in terms.values() if kind == "working")
     if recompute == "full":
-        return working + layer_activation_bytes(cfg, micro_batch, tensor_parallel, "none", moe)
+        return working + layer_activation_bytes(cfg, micro_batch, tensor_parallel, "none", moe, expert_parallel)
     if recompute == "selective":
         return working + sum(n for n, kind in terms.values() if kind == "score")
     return working

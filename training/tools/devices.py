@@ -11,6 +11,15 @@ from typing import Optional
 
 GB = 2 ** 30
 
+# Collective bandwidth per device, by the links a group crosses (training/tools/planner.py link_bytes_per_s).
+# Within a node, HCCS: ~100 GB/s bus bandwidth per device, an assumption (no Huawei figure we could confirm for a
+# collective over an Atlas 800T A2's 8-device HCCS mesh), the planner's single figure before it told links apart.
+# Across nodes, RoCE: an Atlas 800T A2 has one 200GE RoCE port per NPU (8 x 200GE, Huawei's Atlas 800T A2
+# specification), 200 Gb/s = 25 GB/s per device, before protocol overhead. The 910A's Atlas 800 (model 9000) is
+# planned with the same two figures: none of its own here.
+HCCS_BYTES_PER_S = 100e9
+ROCE_BYTES_PER_S = 25e9
+
 
 @dataclass(frozen=True)
 class DeviceSpec:
@@ -20,6 +29,8 @@ class DeviceSpec:
     peak_flops_fp32: Optional[float]   # dense fp32 peak, FLOP/s; None: no figure we trust
     bf16: bool = True
     source: str = ""
+    intra_node_bytes_per_s: float = HCCS_BYTES_PER_S  # a collective among devices of one node
+    inter_node_bytes_per_s: float = ROCE_BYTES_PER_S  # a collective whose group spans nodes
 
 
 def _mem_total_bytes() -> Optional[int]:

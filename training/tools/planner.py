@@ -223,6 +223,7 @@ def parameter_terms(recipe, tensors: list, layers: int) -> list:
     shard = optimizer_sharded(recipe)
     level = recipe.parallel.parallel_optimizer_config.optimizer_level if shard else None
     threshold = _threshold_bytes(recipe)
+    rows = tensors
     # (routed expert?, elements, dtype) -> how many such tensors: the bytes depend on nothing else
     tensors = Counter((is_expert(name), n, d) for name, n, d in tensors)
 
@@ -242,9 +243,9 @@ def parameter_terms(recipe, tensors: list, layers: int) -> list:
                              f"{f', 1/DP {dp} slices' if shard else ''})", weights, SOURCES["weights"])]
     if shard:
         if level == "level3":
-            per_layer = sliced_whole // max(layers, 1)
-            terms.append(Term("gathered_weights", "gathered weights (level3: about one layer at a time)",
-                              min(per_layer, sliced_whole), SOURCES["gathered_weights"], persistent=False))
+            unit, gathered = largest_gather(rows, local)
+            terms.append(Term("gathered_weights", f"gathered weights (level3: the largest gathered at once, {unit})",
+                              gathered, SOURCES["gathered_weights"], persistent=False))
         else:
             terms.append(Term("gathered_weights", f"gathered weights ({level}: alive from forward to backward)",
                               sliced_whole, SOURCES["gathered_weights"], persistent=False))
@@ -265,6 +266,19 @@ def parameter_terms(recipe, tensors: list, layers: int) -> list:
     return terms
 
 
+def largest_gather(tensors: list, local) -> tuple:
+    """(what, bytes) of the most level-3 optimizer parallel holds gathered at once: the sliced weights of one decoder
+    layer, or one weight outside the layers (the embedding, lm_head), whichever is larger: level3 (zero3,
+    _auto_parallel_context.py:1082-1083) re-gathers each weight at its use, and an average over the layers would
+    spread lm_head (DeepSeek-V3's: 1.85 GB in bf16) thin."""
+    units = Counter()
+    for name, n, d in tensors:
+        if local(is_expert(name), n, d) < n * DTYPE_BYTES[d]:  # sliced, so gathered
+            layer = re.match(r"model\.layers\.(\d+)\.", name)
+            units[f"layer {layer.group(1)}" if layer else name] += n * DTYPE_BYTES[d]
+    return units.most_common(1)[0] if units else ("nothing sliced", 0)
+
+
 def stage_terms(recipe, stage: int, layers: int, recompute: str, in_flight: int, first_layer: int = 0,
                 tensors: list = None) -> list:
     """Every buffer one device of pipeline stage `stage` (layers first_layer ..) holds at its peak, as Terms."""
@@ -282,9 +296,10 @@ def stage_terms(recipe, stage: int, layers: int, recompute: str, in_flight: int,
                       SOURCES["optimizer_step"]))
     b = recipe.runner_config.batch_size
     moe = [cfg.is_moe_layer(i) for i in range(first_layer, first_layer + layers)]
-    activation = sum(moe.count(kind) * layer_activation_bytes(cfg, b, tp, recompute, kind) * in_flight
+    ep = p.expert_parallel
+    activation = sum(moe.count(kind) * layer_activation_bytes(cfg, b, tp, recompute, kind, ep) * in_flight
                      for kind in set(moe))
-    activation += max((recompute_working_bytes(cfg, b, tp, recompute, kind) for kind in set(moe)), default=0)
+    activation += max((recompute_working_bytes(cfg, b, tp, recompute, kind, ep) for kind in set(moe)), default=0)
     how = "no" if recompute == "none" else recompute
     terms.append(Term("activations", f"activations ({how} recompute, {in_flight} micro-batch"
                                      f"{'es' if in_flight > 1 else ''} in flight"
@@ -414,6 +429,11 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
     if cfg.param_dtype != "float32" and recipe.optimizer.type != "FoldedAdamW":
         notes.append(f"model.model_config.param_dtype {cfg.param_dtype} with optimizer.type {recipe.optimizer.type}: "
                      "no float32 master copy (MindFormers' AdamW updates 16-bit weights in place)")
+    if cfg.param_dtype != "float32" and uses_accu_grads(recipe):
+        notes.append(f"model.model_config.param_dtype {cfg.param_dtype} with accumulation: accu_grads clones the "
+                     f"weights in their dtype (mindformers/wrapper/wrapper.py:849), so the micro-batches' gradients "
+                     f"are summed in {cfg.param_dtype}; MindFormers' own "
+                     "configs/qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml:170 keeps params_dtype float32")
     fpt = flops_per_token(cfg)
     tokens = recipe.tokens_per_step
     checkpoint = checkpoint_bytes(recipe, stages)
@@ -487,10 +507,24 @@ def expert_memory(recipe, stages: list = None) -> list:
     return rows
 
 
-# Assumptions for the non-matmul terms (no Huawei datasheet figure): 910B HBM ~1.6 TB/s; intra-node HCCL
-# collectives at ~100 GB/s bus bandwidth per device, not overlapped with compute (no parallel_speed_up_json).
+# Assumed (no Huawei datasheet figure): 910B HBM ~1.6 TB/s. Collectives: link_bytes_per_s, no overlap with compute.
 HBM_BYTES_PER_S = 1.6e12
-LINK_BYTES_PER_S = 100e9
+
+
+def spans_nodes(recipe, size: int, stride: int = 1) -> bool:
+    """Whether a communication group of `size` ranks, `stride` apart, spans nodes of hardware.devices_per_node.
+
+    Ranks fill the nodes in order. A pipeline stage holds consecutive ranks (MindFormers' _get_pipeline_group,
+    mindformers/core/callback/callback.py:567-577); within it the device matrix is (DP, TP), TP the last dimension,
+    so a TP group is `tp` consecutive ranks and a DP group `dp` ranks `tp` apart; an expert-parallel group is `ep`
+    consecutive ranks (mindformers/parallel_core/training_graph/transformer/moe/utils.py:61-64).
+    """
+    return (size - 1) * stride + 1 > recipe.hardware.devices_per_node
+
+
+def link_bytes_per_s(recipe, spec: DeviceSpec, size: int, stride: int = 1) -> float:
+    """The bus bandwidth per device of a collective over that group: inter-node (RoCE) once it leaves a node."""
+    return spec.inter_node_bytes_per_s if spans_nodes(recipe, size, stride) else spec.intra_node_bytes_per_s
 
 
 @dataclass
@@ -522,6 +556,7 @@ def speed_estimate(recipe, spec: DeviceSpec, mfu: float, stages: list = None) ->
         terms.append((f"pipeline bubble: (PP - 1) / micro-batches = {pp - 1}/{micro_batches}",
                       compute * (pp - 1) / micro_batches))
     stage = max(stages or stage_memory(recipe), key=lambda s: s.total(mode))
+    dp_link, tp_link = link_bytes_per_s(recipe, spec, dp, tp), link_bytes_per_s(recipe, spec, tp)
     whole = sum(n * DTYPE_BYTES[d] for _, n, d in stage.tensors)
     elements = stage.parameters
     if cfg.param_dtype == "float32" and cfg.compute_dtype != "float32":
@@ -533,27 +568,33 @@ def speed_estimate(recipe, spec: DeviceSpec, mfu: float, stages: list = None) ->
         gathers = 2 if level == "level3" else 1
         share = (dp - 1) / dp
         terms.append((f"optimizer parallel {level}: all-gather weights {gathers}x per micro-batch",
-                      gathers * micro_batches * share * whole / LINK_BYTES_PER_S))
+                      gathers * micro_batches * share * whole / dp_link))
         if level in ("level2", "level3"):
             terms.append((f"optimizer parallel {level}: reduce-scatter gradients per micro-batch",
-                          micro_batches * share * whole / LINK_BYTES_PER_S))
+                          micro_batches * share * whole / dp_link))
         else:
-            terms.append(("gradients reduced across DP once per step", share * whole / LINK_BYTES_PER_S))
+            terms.append(("gradients reduced across DP once per step", share * whole / dp_link))
     elif dp > 1:
-        terms.append(("gradient all-reduce across DP once per step", 2 * (dp - 1) / dp * whole / LINK_BYTES_PER_S))
+        terms.append(("gradient all-reduce across DP once per step", 2 * (dp - 1) / dp * whole / dp_link))
     if tp > 1:
         e = DTYPE_BYTES[cfg.compute_dtype]
         sbh = recipe.runner_config.batch_size * cfg.seq_length * cfg.hidden_size * e
         terms.append((f"TP {tp}: 4 all-reduces of the hidden states per layer per micro-batch",
-                      4 * stage.layers * micro_batches * 2 * (tp - 1) / tp * sbh / LINK_BYTES_PER_S))
+                      4 * stage.layers * micro_batches * 2 * (tp - 1) / tp * sbh / tp_link))
     if p.expert_parallel > 1:
         terms.append((f"expert parallel {p.expert_parallel}: AllToAll dispatch and combine, forward and backward",
-                      step_alltoall_bytes(recipe, stage.first_layer, stage.layers) / LINK_BYTES_PER_S))
+                      step_alltoall_bytes(recipe, stage.first_layer, stage.layers)
+                      / link_bytes_per_s(recipe, spec, p.expert_parallel)))
     # AdamW reads and writes m, v, the weight (and its master) and reads the gradient: memory-bound.
     local = elements / (dp if optimizer_sharded(recipe) else 1)
     per_element = 8 * 2 + (4 + 2 * 2 if cfg.param_dtype != "float32" else 4 * 2) + DTYPE_BYTES[cfg.param_dtype]
     terms.append(("AdamW update (memory-bound; one fused kernel per parameter)", local * per_element / HBM_BYTES_PER_S))
     step = sum(t for _, t in terms)
+    links = {"DP": (dp, tp), "TP": (tp, 1), "EP": (p.expert_parallel, 1)}
+    crossing = [name for name, (size, stride) in links.items() if size > 1 and spans_nodes(recipe, size, stride)]
     notes = [f"assumed: {mfu:.0%} MFU for the matmuls, HBM {HBM_BYTES_PER_S / 1e12:.1f} TB/s, collectives at "
-             f"{LINK_BYTES_PER_S / 1e9:.0f} GB/s bus bandwidth and no overlap (approximate; no Huawei datasheet)"]
+             f"{spec.intra_node_bytes_per_s / 1e9:.0f} GB/s bus bandwidth within a node of "
+             f"{recipe.hardware.devices_per_node} devices and {spec.inter_node_bytes_per_s / 1e9:.0f} GB/s across "
+             f"nodes ({', '.join(crossing) + ' groups span nodes' if crossing else 'every group within a node'}), "
+             "no overlap (approximate; no Huawei datasheet)"]
     return SpeedEstimate(terms, step, tokens_device / step, notes)
