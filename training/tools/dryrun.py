@@ -113,7 +113,8 @@ def compile_rank(recipe, recipe_path: str, stage: int, rank: int, planned_bytes:
                  timeout: float = None, env: dict = None) -> Compiled:
     """Compile `rank` of `recipe` (already made by compile_recipe) in a new run directory under base_dir.
 
-    env: extra variables for the worker (log levels, graph dumps: training/tools/compiled.py READBACK_ENV).
+    env: extra variables for the worker (log levels, where to dump the collectives: training/tools/compiled.py
+    compile_for_readback).
     """
     from ascend_llm_recipes.common.files import write_atomic
 
@@ -122,8 +123,8 @@ def compile_rank(recipe, recipe_path: str, stage: int, rank: int, planned_bytes:
     recipe.output_dir = run_dir
     write_atomic(os.path.join(run_dir, RESOLVED_RECIPE),
                  f"# resolved from {os.path.abspath(recipe_path)} for a DryRun compile\n" + recipe.to_yaml())
-    env = dict(os.environ, MS_SIMULATION_LEVEL="1", RANK_SIZE=str(recipe.world_size), RANK_ID=str(rank),
-               LOCAL_DEFAULT_PATH=run_dir, **(env or {}))
+    env = {**os.environ, **(env or {}), "MS_SIMULATION_LEVEL": "1", "RANK_SIZE": str(recipe.world_size),
+           "RANK_ID": str(rank), "LOCAL_DEFAULT_PATH": run_dir}
     log = os.path.join(run_dir, "worker.log")
     started = time.time()
     with open(log, "wb") as out:
