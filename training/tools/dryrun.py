@@ -80,6 +80,20 @@ def compile_recipe(recipe):
     return r
 
 
+# On a small host (this project's CI: 2 cores) MindSpore's parallel compile of a full-depth recipe takes too long:
+# Llama 2 7B's 32 layers at DP 4 x TP 2 took over 10 minutes. There the layout is compiled at this many layers per
+# pipeline stage: every operator, strategy, group and stage boundary of a layer is the same at any depth.
+SMALL_HOST_CORES, SMALL_HOST_LAYERS_PER_STAGE = 16, 2
+
+
+def default_layers(recipe) -> int:
+    """The recipe's depth, or SMALL_HOST_LAYERS_PER_STAGE per pipeline stage on a host of few cores."""
+    full = recipe.model.model_config.num_layers
+    if (os.cpu_count() or 1) >= SMALL_HOST_CORES:
+        return full
+    return min(full, SMALL_HOST_LAYERS_PER_STAGE * recipe.parallel_config.pipeline_stage)
+
+
 def shallower(recipe, layers: int, recipe_path: str):
     """The recipe at `layers` layers, its layout otherwise as it is: pipeline stages split evenly, MoE recipes'
     dense layers those of the first `layers` (at least one MoE layer kept)."""
@@ -129,7 +143,7 @@ def compile_rank(recipe, recipe_path: str, stage: int, rank: int, planned_bytes:
     started = time.time()
     with open(log, "wb") as out:
         try:
-            code = subprocess.run([sys.executable, WORKER, "--run-dir", run_dir], env=env, stdout=out,
+            code = subprocess.run([sys.executable, WORKER, "--run-dir", run_dir], env=env, stdout=out, cwd=run_dir,
                                   stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             code = -1
@@ -172,7 +186,7 @@ def dry_run_compile(recipe, recipe_path: str, layers: int = None, timeout: float
     """Compile one rank per pipeline stage and print a line for each; 0 when all compiled, 1 if one did not,
     2 when no CANN (real or simulated) is installed.
 
-    layers: compile the recipe's layout at this depth (a multiple of the pipeline stages) instead of its own.
+    layers: compile the recipe's layout at this depth (a multiple of the pipeline stages); default_layers when None.
     """
     from ascend_llm_recipes.training.tools.planner import stage_memory
 
@@ -181,9 +195,10 @@ def dry_run_compile(recipe, recipe_path: str, layers: int = None, timeout: float
         print(f"dry-run: not run: {missing}", flush=True)
         return 2
     compiled_recipe = compile_recipe(recipe)
-    depth = ""
-    if layers is not None and layers != compiled_recipe.model.model_config.num_layers:
-        depth = f" at {layers} of its {compiled_recipe.model.model_config.num_layers} layers"
+    full = compiled_recipe.model.model_config.num_layers
+    layers = default_layers(recipe) if layers is None else layers
+    depth = f" at {layers} of its {full} layers (--layers {full} compiles all)" if layers != full else ""
+    if layers != full:
         compiled_recipe = shallower(compiled_recipe, layers, recipe_path)
     planned = [s.total(compiled_recipe.recompute_config.mode) for s in stage_memory(compiled_recipe)]
     base = os.path.join(recipe.output_dir, DRYRUN_DIR)
