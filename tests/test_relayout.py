@@ -197,7 +197,9 @@ def test_acceptance_report_from_real_run_directories(dp2_run, tmp_path):
     assert export["merged_from_shards"] is False and export["status"] == "FAIL" and export["not_loaded"] == []
     assert acceptance.hf_export_result(hf)["status"] == "PASS"
     assert report["memory_llama2_7b_8dev"]["measured_peak_gb"] is None  # no device memory on CPU
-    assert report["kill_resume_dp_opt"]["status"] == "PASS" == report["fused_kernels_vs_math"]["status"]
+    assert report["fused_kernels_vs_math"]["status"] == "PASS"
+    # The same losses, but the stand-in never resumed (resumed_from_step 0): a silent restart is not a resume.
+    assert report["kill_resume_dp_opt"]["status"] == "FAIL" and report["kill_resume_dp_opt"]["resumed_from_step"] == 0
     # The run's rank 0 file: weights and AdamW moments at the shapes the rank holds, counters, nothing else.
     size = report["checkpoint_size_dp8_opt"]
     assert size["status"] == "PASS" and size["rank_shapes_checked"] and size["not_needed_bytes_by_prefix"] == {}

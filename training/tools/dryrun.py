@@ -14,6 +14,7 @@ are 0 under the stubs; FlashAttention's and the collectives' buffers likewise): 
 the hardware.
 """
 
+import dataclasses
 import glob
 import os
 import re
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,6 +35,7 @@ DRYRUN_DIR = "dryrun"
 # What MindSpore prints at the end of a simulated run (ms_context / memory manager): the peak of its memory pool.
 _PEAK = re.compile(r"Actual peak memory usage \(with fragments\): (\d+)M")
 _STRATEGY = "strategy"
+PARALLEL_COMPILES = 4  # ranks compiled at once (each a single-threaded MindSpore compile of the whole network)
 
 
 @dataclass
@@ -134,9 +137,9 @@ def compile_rank(recipe, recipe_path: str, stage: int, rank: int, planned_bytes:
 
     os.makedirs(base_dir, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix=f"stage{stage}-rank{rank}-", dir=base_dir)
-    recipe.output_dir = run_dir
     write_atomic(os.path.join(run_dir, RESOLVED_RECIPE),
-                 f"# resolved from {os.path.abspath(recipe_path)} for a DryRun compile\n" + recipe.to_yaml())
+                 f"# resolved from {os.path.abspath(recipe_path)} for a DryRun compile\n" +
+                 dataclasses.replace(recipe, output_dir=run_dir).to_yaml())
     env = {**os.environ, **(env or {}), "MS_SIMULATION_LEVEL": "1", "RANK_SIZE": str(recipe.world_size),
            "RANK_ID": str(rank), "LOCAL_DEFAULT_PATH": run_dir}
     log = os.path.join(run_dir, "worker.log")
@@ -205,15 +208,18 @@ def dry_run_compile(recipe, recipe_path: str, layers: int = None, timeout: float
     print(f"dry-run: {os.path.basename(recipe_path)}{depth}: {layout(recipe)} on {recipe.world_size} ranks, one rank "
           f"per pipeline stage compiled under MS_SIMULATION_LEVEL=1; run directories in {base}", flush=True)
     failed = 0
-    for stage, rank in roles(recipe):
-        result = compile_rank(compiled_recipe, recipe_path, stage, rank, planned[stage], base, timeout)
-        if result.ok:
-            print(f"dry-run: stage {stage}, rank {rank} of {recipe.world_size} ({layout(recipe)}): compiled in "
-                  f"{result.seconds:.1f} s; simulated peak {_gib(result.simulated_peak_bytes)} (MindSpore's memory "
-                  f"pool; no kernel workspaces under simulation) vs planned {_gib(result.planned_bytes)}", flush=True)
-        else:
-            failed += 1
-            print(f"dry-run: stage {stage}, rank {rank} of {recipe.world_size} ({layout(recipe)}): FAILED "
-                  f"(exit {result.returncode}) after {result.seconds:.1f} s: {failure_line(result.log)}\n"
-                  f"         log: {result.log}", flush=True)
+    with ThreadPoolExecutor(max_workers=min(len(roles(recipe)), PARALLEL_COMPILES, os.cpu_count() or 1)) as pool:
+        jobs = [pool.submit(compile_rank, compiled_recipe, recipe_path, stage, rank, planned[stage], base, timeout)
+                for stage, rank in roles(recipe)]
+        for job in as_completed(jobs):
+            result = job.result()
+            where = f"dry-run: stage {result.stage}, rank {result.rank} of {recipe.world_size} ({layout(recipe)})"
+            if result.ok:
+                print(f"{where}: compiled in {result.seconds:.1f} s; simulated peak "
+                      f"{_gib(result.simulated_peak_bytes)} (MindSpore's memory pool; no kernel workspaces under "
+                      f"simulation) vs planned {_gib(result.planned_bytes)}", flush=True)
+            else:
+                failed += 1
+                print(f"{where}: FAILED (exit {result.returncode}) after {result.seconds:.1f} s: "
+                      f"{failure_line(result.log)}\n         log: {result.log}", flush=True)
     return 1 if failed else 0
