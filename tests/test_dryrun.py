@@ -39,7 +39,7 @@ def test_check_dry_run_without_cann_says_in_one_line_how_to_get_one(tmp_path):
     lines = [line for line in result.stdout.splitlines() if line.startswith("dry-run:")]
     assert result.returncode == 2 and len(lines) == 1, result.stdout + result.stderr
     assert "needs CANN, and none is installed here" in lines[0]
-    assert "python scripts/make_simulated_cann.py DIR" in lines[0]
+    assert "python -m ascend_llm_recipes.training.tools.simulated_cann DIR" in lines[0]
 
 
 def test_the_simulated_cann_is_shaped_like_cann_and_holds_no_logic(simulated_cann_root):

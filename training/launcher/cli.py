@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="run the preflight checks only")
     parser.add_argument("--dry-run", action="store_true",
                         help="with --check: compile one rank per pipeline stage under MindSpore's DryRun instead "
-                             "(needs CANN, real or simulated: scripts/make_simulated_cann.py)")
+                             "(needs CANN, real or simulated: python -m ascend_llm_recipes.training.tools.simulated_cann)")
     parser.add_argument("--layers", type=int, metavar="N",
                         help="with --dry-run: compile the recipe's layout at N layers (a multiple of the pipeline "
                              "stages) where its full depth takes too long or too much memory on this host")

@@ -246,6 +246,12 @@ def runs_mindformers_moe(recipe: Recipe) -> bool:
     return recipe.model.model_config.moe and recipe.context.device_target != "CPU"
 
 
+def vocab_emb_dp(recipe: Recipe) -> bool:
+    """Whether the embedding table is whole on each TP rank: MindFormers sets vocab_emb_dp False under pipeline
+    stages whatever the config says (core/parallel_config.py:63-66)."""
+    return recipe.parallel_config.vocab_emb_dp and recipe.parallel_config.pipeline_stage == 1
+
+
 def model_layout(recipe: Recipe, source: str = "the recipe") -> LlamaLayout:
     """The layout models/llama.py applies: the recipe's degrees, stages and recompute, as MindFormers would apply them.
 
@@ -259,7 +265,7 @@ def model_layout(recipe: Recipe, source: str = "the recipe") -> LlamaLayout:
     degrees = (p.data_parallel, p.model_parallel, p.pipeline_stage, p.micro_batch_num, p.stage_layers)
     if not semi_auto(recipe):
         degrees = (1, 1, 1, 1, None)
-    layout = plan_layout(recipe.model.model_config, *degrees, r.mode, p.vocab_emb_dp and p.pipeline_stage == 1,
+    layout = plan_layout(recipe.model.model_config, *degrees, r.mode, vocab_emb_dp(recipe),
                          options, p.gradient_aggregation_group)
     if runs_mindformers_moe(recipe):
         from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_transformer_config

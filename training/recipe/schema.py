@@ -591,12 +591,5 @@ class Recipe:
 
 def _is_subset(small: dict, big: dict) -> bool:
     """True when every key of `small` is in `big` with an equal value (recursively)."""
-    for key, value in small.items():
-        if key not in big:
-            return False
-        if isinstance(value, dict) and isinstance(big[key], dict):
-            if not _is_subset(value, big[key]):
-                return False
-        elif value != big[key]:
-            return False
-    return True
+    return all(key in big and (_is_subset(value, big[key]) if isinstance(value, dict) and isinstance(big[key], dict)
+                               else value == big[key]) for key, value in small.items())

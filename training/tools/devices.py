@@ -97,3 +97,23 @@ DEVICES = {spec.name: spec for spec in (
 )}
 
 DEFAULT_DEVICE = {"CPU": "CPU", "Ascend": "Ascend910B2"}
+
+
+# Assumed (no Huawei datasheet figure): 910B HBM ~1.6 TB/s. Collectives: link_bytes_per_s, no overlap with compute.
+HBM_BYTES_PER_S = 1.6e12
+
+
+def spans_nodes(recipe, size: int, stride: int = 1) -> bool:
+    """Whether a communication group of `size` ranks, `stride` apart, spans nodes of hardware.devices_per_node.
+
+    Ranks fill the nodes in order. A pipeline stage holds consecutive ranks (MindFormers' _get_pipeline_group,
+    mindformers/core/callback/callback.py:567-577); within it the device matrix is (DP, TP), TP the last dimension,
+    so a TP group is `tp` consecutive ranks and a DP group `dp` ranks `tp` apart; an expert-parallel group is `ep`
+    consecutive ranks (mindformers/parallel_core/training_graph/transformer/moe/utils.py:61-64).
+    """
+    return (size - 1) * stride + 1 > recipe.hardware.devices_per_node
+
+
+def link_bytes_per_s(recipe, spec: DeviceSpec, size: int, stride: int = 1) -> float:
+    """The bus bandwidth per device of a collective over that group: inter-node (RoCE) once it leaves a node."""
+    return spec.inter_node_bytes_per_s if spans_nodes(recipe, size, stride) else spec.intra_node_bytes_per_s

@@ -175,8 +175,8 @@ def cann_missing() -> str:
     if version is not None:
         return ""
     return (f"MindSpore's DryRun loads its Ascend plugin, which needs CANN, and none is installed here ({where}); "
-            "on a machine without CANN build a simulated one: python scripts/make_simulated_cann.py DIR, then "
-            "eval \"$(python scripts/make_simulated_cann.py DIR --print-env)\"")
+            "on a machine without CANN build a simulated one: python -m ascend_llm_recipes.training.tools.simulated_cann "
+            "DIR, then eval \"$(python -m ascend_llm_recipes.training.tools.simulated_cann DIR --print-env)\"")
 
 
 def _gib(n: Optional[int]) -> str:

@@ -34,11 +34,13 @@ from ascend_llm_recipes.common.errors import PretrainError
 from ascend_llm_recipes.models.arithmetic import active_param_count, flops_per_token, param_count
 from ascend_llm_recipes.models.parallel import RECOMPUTE_MODES, balanced_stages, expert_problems
 from ascend_llm_recipes.models.shapes import parameter_dtype, parameter_shapes
+from ascend_llm_recipes.training.recipe.mindformers import vocab_emb_dp
 from ascend_llm_recipes.training.recipe.mindformers_mcore_export import moe_layer_refusals
 from ascend_llm_recipes.training.tools.activations import (DTYPE_BYTES, layer_activation_bytes, logits_bytes,
                                                            moe_layer_count, recompute_working_bytes,
                                                            step_alltoall_bytes)
-from ascend_llm_recipes.training.tools.devices import DEFAULT_DEVICE, DEVICES, GB, DeviceSpec
+from ascend_llm_recipes.training.tools.devices import (DEFAULT_DEVICE, DEVICES, GB, HBM_BYTES_PER_S, DeviceSpec,
+                                                       link_bytes_per_s, spans_nodes)
 from ascend_llm_recipes.training.tools.levers import unused_levers, what_if
 
 MINDSPORE_OPTIMIZER_PARALLEL = "https://www.mindspore.cn/docs/en/r2.9.0/features/parallel/optimizer_parallel.html"
@@ -206,10 +208,6 @@ SOURCES = {
 }
 
 
-def _threshold_bytes(recipe) -> int:
-    return recipe.parallel.parallel_optimizer_config.parallel_optimizer_threshold * 1024
-
-
 def parameter_terms(recipe, tensors: list, layers: int) -> list:
     """The Terms of the parameters `tensors` (stage_tensors' rows) on one device: the weights, their gathered
     copies, the float32 masters of 16-bit ones, accu_grads or the gradients, the AdamW moments.
@@ -222,47 +220,53 @@ def parameter_terms(recipe, tensors: list, layers: int) -> list:
     dp, tp, ep = p.data_parallel, p.model_parallel, p.expert_parallel
     shard = optimizer_sharded(recipe)
     level = recipe.parallel.parallel_optimizer_config.optimizer_level if shard else None
-    threshold = _threshold_bytes(recipe)
+    threshold = recipe.parallel.parallel_optimizer_config.parallel_optimizer_threshold * 1024
     rows = tensors
-    # (routed expert?, elements, dtype) -> how many such tensors: the bytes depend on nothing else
-    tensors = Counter((is_expert(name), n, d) for name, n, d in tensors)
+    # MindSpore weighs the threshold on the whole parameter, not on what TP leaves of it (opt_param_mgr.cc SplitParam;
+    # the strategy files of a DryRun compile show it: tests/test_dryrun_readback.py)
+    whole_shapes = parameter_shapes(recipe.model.model_config, tp)
+    big = {name for name, _, d in rows if math.prod(whole_shapes[name]) * DTYPE_BYTES[d] >= threshold}
+    # (routed expert?, elements, dtype, above the threshold?) -> how many such tensors: the bytes depend on nothing else
+    tensors = Counter((is_expert(name), n, d, name in big) for name, n, d in rows)
 
-    def local(expert: bool, n: int, dtype: str, sliced: bool = True) -> int:
+    def local(expert: bool, n: int, dtype: str, above: bool, sliced: bool = True) -> int:
         """Bytes of a parameter (or a clone of it) this rank stores: a slice when optimizer parallel slices it."""
         size, copies = n * DTYPE_BYTES[dtype], dp * tp // ep if expert else dp
-        return _ceil_div(size, copies) if sliced and shard and copies > 1 and size >= threshold else size
+        return _ceil_div(size, copies) if sliced and shard and copies > 1 and above else size
 
     def total(bytes_of) -> int:
         return sum(count * bytes_of(*key) for key, count in tensors.items())
 
-    whole = total(lambda _, n, d: n * DTYPE_BYTES[d])
+    whole = total(lambda _, n, d, __: n * DTYPE_BYTES[d])
     weights = total(local)
-    sliced_whole = total(lambda x, n, d: n * DTYPE_BYTES[d] if local(x, n, d) < n * DTYPE_BYTES[d] else 0)
-    experts = f", experts 1/EP {ep}" if ep > 1 and any(expert for expert, _, _ in tensors) else ""
-    terms = [Term("weights", f"weights ({_dtypes(tensors)}{', split by TP' if tp > 1 else ''}{experts}"
+    sliced_whole = total(lambda x, n, d, a: n * DTYPE_BYTES[d] if local(x, n, d, a) < n * DTYPE_BYTES[d] else 0)
+    experts = f", experts 1/EP {ep}" if ep > 1 and any(key[0] for key in tensors) else ""
+    terms = [Term("weights", f"weights ({_dtypes(rows)}{', split by TP' if tp > 1 else ''}{experts}"
                              f"{f', 1/DP {dp} slices' if shard else ''})", weights, SOURCES["weights"])]
     if shard:
         if level == "level3":
-            unit, gathered = largest_gather(rows, local)
+            unit, gathered = largest_gather(rows, lambda name, n, d: local(is_expert(name), n, d, name in big))
             terms.append(Term("gathered_weights", f"gathered weights (level3: the largest gathered at once, {unit})",
                               gathered, SOURCES["gathered_weights"], persistent=False))
         else:
             terms.append(Term("gathered_weights", f"gathered weights ({level}: alive from forward to backward)",
                               sliced_whole, SOURCES["gathered_weights"], persistent=False))
-    if any(d != "float32" for _, _, d in tensors):
+    if any(d != "float32" for _, _, d in rows):
         terms.append(Term("master", "float32 master copies of the 16-bit weights (in the optimizer)",
-                          total(lambda x, n, d: local(x, n, "float32") if d != "float32" else 0), SOURCES["master"]))
+                          total(lambda x, n, d, a: local(x, n, "float32", a) if d != "float32" else 0),
+                          SOURCES["master"]))
     if uses_accu_grads(recipe):
         accu_shard = shard and level == "level2"
         accu = total(local) if accu_shard else whole
         how = "sliced over DP: level2" if accu_shard else "whole: no gradient_accumulation_shard"
-        terms.append(Term("accu_grads", f"accu_grads ({_dtypes(tensors)}, {how})", accu, SOURCES["accu_grads"]))
+        terms.append(Term("accu_grads", f"accu_grads ({_dtypes(rows)}, {how})", accu, SOURCES["accu_grads"]))
     terms.append(Term("moments", "AdamW m, v (float32" + (f", 1/DP {dp} slices)" if shard else ")"),
-                      total(lambda x, n, _: 2 * local(x, n, "float32")), SOURCES["moments"]))
+                      total(lambda x, n, _, a: 2 * local(x, n, "float32", a)), SOURCES["moments"]))
     if not uses_accu_grads(recipe):
         scattered = level in ("level2", "level3")
-        terms.append(Term("gradients", f"gradients ({_dtypes(tensors)})",
-                          total(lambda x, n, d: local(x, n, d, scattered)), SOURCES["gradients"], persistent=False))
+        terms.append(Term("gradients", f"gradients ({_dtypes(rows)})",
+                          total(lambda x, n, d, a: local(x, n, d, a, scattered)), SOURCES["gradients"],
+                          persistent=False))
     return terms
 
 
@@ -273,7 +277,7 @@ def largest_gather(tensors: list, local) -> tuple:
     spread lm_head (DeepSeek-V3's: 1.85 GB in bf16) thin."""
     units = Counter()
     for name, n, d in tensors:
-        if local(is_expert(name), n, d) < n * DTYPE_BYTES[d]:  # sliced, so gathered
+        if local(name, n, d) < n * DTYPE_BYTES[d]:  # sliced, so gathered
             layer = re.match(r"model\.layers\.(\d+)\.", name)
             units[f"layer {layer.group(1)}" if layer else name] += n * DTYPE_BYTES[d]
     return units.most_common(1)[0] if units else ("nothing sliced", 0)
@@ -286,7 +290,7 @@ def stage_terms(recipe, stage: int, layers: int, recompute: str, in_flight: int,
     p = recipe.parallel_config
     tp, pp = p.model_parallel, p.pipeline_stage
     if tensors is None:
-        tensors = stage_tensors(cfg, stage, layers, pp, tp, p.vocab_emb_dp, p.expert_parallel, first_layer)
+        tensors = stage_tensors(cfg, stage, layers, pp, tp, vocab_emb_dp(recipe), p.expert_parallel, first_layer)
     terms = parameter_terms(recipe, tensors, layers)
     dynamic = not isinstance(recipe.runner_wrapper.scale_sense, (int, float))  # DynamicLossScaleConfig
     terms.append(Term("loss_scale", "loss scale" + (" and its update counters" if dynamic else ""),
@@ -333,7 +337,8 @@ def stage_memory(recipe) -> list:
         # 1F1B: stage i holds the activations of pp - i micro-batches at its peak.
         in_flight = min(pp - stage, p.micro_batch_num) if pp > 1 else 1
         first = sum(counts[:stage])
-        tensors = stage_tensors(cfg, stage, layers, pp, p.model_parallel, p.vocab_emb_dp, p.expert_parallel, first)
+        tensors = stage_tensors(cfg, stage, layers, pp, p.model_parallel, vocab_emb_dp(recipe), p.expert_parallel,
+                                first)
         stages.append(StageMemory(
             stage=stage, layers=layers, parameters=sum(n for _, n, _ in tensors), in_flight=in_flight,
             terms={mode: stage_terms(recipe, stage, layers, mode, in_flight, first, tensors)
@@ -505,26 +510,6 @@ def expert_memory(recipe, stages: list = None) -> list:
         experts = sum(t.bytes for t in parameter_terms(trial, [t for t in tensors if is_expert(t[0])], layers))
         rows.append((ep, experts, total))
     return rows
-
-
-# Assumed (no Huawei datasheet figure): 910B HBM ~1.6 TB/s. Collectives: link_bytes_per_s, no overlap with compute.
-HBM_BYTES_PER_S = 1.6e12
-
-
-def spans_nodes(recipe, size: int, stride: int = 1) -> bool:
-    """Whether a communication group of `size` ranks, `stride` apart, spans nodes of hardware.devices_per_node.
-
-    Ranks fill the nodes in order. A pipeline stage holds consecutive ranks (MindFormers' _get_pipeline_group,
-    mindformers/core/callback/callback.py:567-577); within it the device matrix is (DP, TP), TP the last dimension,
-    so a TP group is `tp` consecutive ranks and a DP group `dp` ranks `tp` apart; an expert-parallel group is `ep`
-    consecutive ranks (mindformers/parallel_core/training_graph/transformer/moe/utils.py:61-64).
-    """
-    return (size - 1) * stride + 1 > recipe.hardware.devices_per_node
-
-
-def link_bytes_per_s(recipe, spec: DeviceSpec, size: int, stride: int = 1) -> float:
-    """The bus bandwidth per device of a collective over that group: inter-node (RoCE) once it leaves a node."""
-    return spec.inter_node_bytes_per_s if spans_nodes(recipe, size, stride) else spec.intra_node_bytes_per_s
 
 
 @dataclass

@@ -22,18 +22,22 @@ Nothing the stubs return is a measurement: an aclnn workspace is 0 bytes, a coll
 DryRun shows is MindSpore's own compile: strategies, communication groups, stage placement, and the memory of the
 tensors its compiler plans (a lower bound, without kernel workspaces).
 
-    python scripts/make_simulated_cann.py DIR      # prints the environment to export
+    python -m ascend_llm_recipes.training.tools.simulated_cann DIR     # builds it, prints the variables to export
+    eval "$(python -m ascend_llm_recipes.training.tools.simulated_cann DIR --print-env)"    # exports them
 """
 
+import argparse
 import hashlib
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 
-from ascend_llm_recipes.common.errors import LaunchError
+from ascend_llm_recipes.common.errors import LaunchError, PretrainError
 
 CANN_VERSION = "9.0.0"  # mindspore/lib/plugin/ascend/custom_ascendc_910b/version.info: custom_opp_compiler_version
 SOC_NAME = "Ascend910B1"
@@ -185,3 +189,29 @@ def cached(cache_dir: str = None) -> str:
             if not os.path.isdir(root):  # unless another process built it first
                 raise
     return root
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ascend_llm_recipes.training.tools.simulated_cann",
+                                     description="Build a simulated CANN (no-op libraries) so that `--check --dry-run` "
+                                                 "compiles Ascend recipes on a host without CANN.")
+    parser.add_argument("dir", help="folder to create (must not exist), or an existing tree with --print-env")
+    parser.add_argument("--soc", default=SOC_NAME, help=f"SoC name the runtime reports (default {SOC_NAME})")
+    parser.add_argument("--print-env", action="store_true", help="only print the export line of an existing tree")
+    args = parser.parse_args(argv)
+    try:
+        if not args.print_env:
+            build(args.dir, args.soc)
+        elif not os.path.isdir(os.path.join(args.dir, "latest", "lib64")):
+            raise PretrainError(f"{args.dir}: not a simulated CANN tree",
+                                hint=f"build it first: {parser.prog} {shlex.quote(args.dir)}")
+    except PretrainError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    env = merged_environment(os.path.abspath(args.dir))
+    print("export " + " ".join(f"{k}={shlex.quote(env[k])}" for k in environment(args.dir)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
