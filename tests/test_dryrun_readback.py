@@ -33,14 +33,6 @@ DENSE_LAYOUT = ("parallel_config.data_parallel=2", "parallel_config.model_parall
 # whose strategy models/parallel.py gives that operator; norms' weights are multiplied in with (hidden, (1,)).
 ROLES = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "gate_proj": "column", "up_proj": "column",
          "o_proj": "row", "down_proj": "row", "lm_head": "vocab_projection", "embed_tokens": "embedding"}
-# The planner holds the embedding whole on stage 0 (it is given the recipe's vocab_emb_dp, True, where the model is
-# built with vocab_emb_dp and pipeline_stage == 1: training/recipe/mindformers.py model_layout), and applies optimizer
-# parallel's 64 KB threshold to a weight's tensor-parallel slice where MindSpore weighs the whole weight: see the
-# tests below that are marked with these.
-PLANNER_EMBEDDING = "planner.stage_memory passes parallel_config.vocab_emb_dp to stage_tensors; under pipeline " \
-                    "stages the model splits the embedding by TP (vocab_emb_dp False)"
-PLANNER_THRESHOLD = "planner.parameter_terms weighs a weight's TP slice against parallel_optimizer_threshold; " \
-                    "MindSpore weighs the whole weight (embedding and lm_head: 64 KB whole, 32 KB per TP rank)"
 
 
 def _role(name: str):
@@ -132,8 +124,7 @@ def test_each_weight_is_sliced_as_its_strategy_says(dense_readback):
             assert entry.slice_shape(whole[name]) == tuple(d // s for d, s in zip(whole[name], planned))
 
 
-@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.xfail(strict=True, reason=PLANNER_EMBEDDING)),
-                                   1])
+@pytest.mark.parametrize("stage", [0, 1])
 def test_tensor_parallel_slices_hold_the_planners_elements(dense_readback, stage):
     recipe, _ = dense_readback
     whole = parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
@@ -162,7 +153,6 @@ def test_optimizer_parallel_slices_the_weights_models_parallel_says(dense_readba
     assert sliced == {"model.embed_tokens.weight", "lm_head.weight"}  # the two 64 KB tables; the rest are smaller
 
 
-@pytest.mark.xfail(strict=True, reason=f"{PLANNER_EMBEDDING}; {PLANNER_THRESHOLD}")
 def test_weight_bytes_per_stage_are_the_planners(dense_readback):
     recipe, _ = dense_readback
     cfg = recipe.model.model_config
