@@ -83,18 +83,20 @@ def compile_recipe(recipe):
     return r
 
 
-# On a small host (this project's CI: 2 cores) MindSpore's parallel compile of a full-depth recipe takes too long:
-# Llama 2 7B's 32 layers at DP 4 x TP 2 took over 10 minutes. There the layout is compiled at this many layers per
-# pipeline stage: every operator, strategy, group and stage boundary of a layer is the same at any depth.
-SMALL_HOST_CORES, SMALL_HOST_LAYERS_PER_STAGE = 16, 2
+# On a small host (this project's CI: 2 cores) MindSpore's parallel compile of a deep recipe takes too long: Llama 2
+# 7B's 32 layers at DP 4 x TP 2 ran over 25 minutes there without finishing. A recipe of more than
+# SMALL_HOST_FULL_DEPTH layers per pipeline stage is then compiled at SMALL_HOST_LAYERS_PER_STAGE: every operator,
+# strategy, group and stage boundary of a layer is the same at any depth.
+SMALL_HOST_CORES, SMALL_HOST_FULL_DEPTH, SMALL_HOST_LAYERS_PER_STAGE = 16, 4, 2
 
 
 def default_layers(recipe) -> int:
-    """The recipe's depth, or SMALL_HOST_LAYERS_PER_STAGE per pipeline stage on a host of few cores."""
-    full = recipe.model.model_config.num_layers
-    if (os.cpu_count() or 1) >= SMALL_HOST_CORES:
+    """The recipe's depth, or SMALL_HOST_LAYERS_PER_STAGE per pipeline stage for a deep recipe on a host of few
+    cores."""
+    full, stages = recipe.model.model_config.num_layers, recipe.parallel_config.pipeline_stage
+    if (os.cpu_count() or 1) >= SMALL_HOST_CORES or full <= SMALL_HOST_FULL_DEPTH * stages:
         return full
-    return min(full, SMALL_HOST_LAYERS_PER_STAGE * recipe.parallel_config.pipeline_stage)
+    return SMALL_HOST_LAYERS_PER_STAGE * stages
 
 
 def shallower(recipe, layers: int, recipe_path: str):
