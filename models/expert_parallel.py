@@ -41,7 +41,8 @@ from mindformers.parallel_core.training_graph.transformer.moe.moe_layer import M
 
 
 class MindFormersMoE(MoELayer):
-    """(B, S, hidden) -> ((B, S, hidden), this layer's weighted router loss), by MindFormers 1.9's MoELayer.
+    """(B, S, hidden), router loss so far -> ((B, S, hidden), that plus this layer's weighted router loss), by
+    MindFormers 1.9's MoELayer, which adds its router's loss to the one it is given (moe_layer.py:238).
 
     `transformer_config`: mindformers.parallel_core.transformer_config.TransformerConfig (the MoE keys and the
     parallel degrees). A subclass rather than a wrapper, so that its parameters are named as in MindFormers' own
@@ -68,5 +69,5 @@ class MindFormersMoE(MoELayer):
         self.to_batch_first.shard(((sp, dp, 1),))
 
     def construct(self, x, extra_loss=0., seq_chunk=None):
-        out, _, router_loss = super().construct(self.to_sequence_first(x, (1, 0, 2)))
+        out, _, router_loss = super().construct(self.to_sequence_first(x, (1, 0, 2)), extra_loss)
         return self.to_batch_first(out, (1, 0, 2)), router_loss

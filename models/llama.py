@@ -157,7 +157,8 @@ class Attention(nn.Cell):
 class DecoderLayer(nn.Cell):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); the MLP is models/moe.py's MoE in a MoE layer.
 
-    In a model with MoE layers every layer returns (x, its router loss), 0 for a dense one.
+    In a model with MoE layers every layer takes and returns, beside x, the (1,) router loss of the layers before it,
+    a MoE layer's MLP adding its own: see LlamaModel.
     """
 
     def __init__(self, config: LlamaConfig, index: int = 0, moe_block=None):
@@ -170,14 +171,14 @@ class DecoderLayer(nn.Cell):
         self.mlp = (moe_block or MoE)(config) if self.is_moe else MLP(config)
         self.add = ops.Add()
 
-    def construct(self, x, cos, sin, mask, seq_ends=None):
+    def construct(self, x, cos, sin, mask, seq_ends=None, router_loss=None):
         x = self.add(x, self.self_attn(self.input_layernorm(x), cos, sin, mask, seq_ends))
         if self.is_moe:
-            out, router_loss = self.mlp(self.post_attention_layernorm(x))
+            out, router_loss = self.mlp(self.post_attention_layernorm(x), router_loss)
             return self.add(x, out), router_loss
         x = self.add(x, self.mlp(self.post_attention_layernorm(x)))
         if self.returns_router_loss:
-            return x, ops.zeros((), ms.float32)
+            return x, router_loss
         return x
 
 
@@ -226,6 +227,12 @@ class LlamaModel(nn.Cell):
                                       DTYPES[config.compute_dtype], DTYPES[config.param_dtype])
         self.layers = nn.CellList([DecoderLayer(config, index, moe_block) for index in range(config.num_layers)])
         self.moe = config.moe
+        # The router loss starts as a (1,) zero and passes through every layer, as MindFormers' transformer block
+        # carries its extra_loss (transformer_block.py:146, 183-213): under pipeline stages it reaches the last stage
+        # from layer to layer, sent beside the hidden states. Summed here, outside the layers, as a 0-d tensor, the
+        # stage-0 layers' part reached the last stage as a scalar and neither stage compiled (stage 1: "For
+        # Operator[Add], input's type 'Float32' does not match expected type 'Tensor'"; tests/test_dryrun_moe.py).
+        self.no_router_loss = Tensor(np.zeros((1,), np.float32))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.fused_rms_norm)
         self.seq_length = config.seq_length
         cos, sin = rotary_tables(config.seq_length, config.rotary_dim, config.rope_theta)
@@ -256,17 +263,16 @@ class LlamaModel(nn.Cell):
         return cos, sin, mask, None
 
     def construct(self, tokens):
-        """(B, S) -> (B, S, hidden) final hidden states; with MoE layers (those, the layers' summed router loss)."""
+        """(B, S) -> (B, S, hidden) final hidden states; with MoE layers (those, the layers' (1,) router loss)."""
         cos, sin, mask, seq_ends = self.positions_and_mask(tokens)
         x = self.embed_tokens(tokens)
         if not self.moe:
             for layer in self.layers:
                 x = layer(x, cos, sin, mask, seq_ends)
             return self.norm(x)
-        router_loss = ops.zeros((), ms.float32)
+        router_loss = self.no_router_loss
         for layer in self.layers:
-            x, layer_loss = layer(x, cos, sin, mask, seq_ends)
-            router_loss = router_loss + layer_loss
+            x, router_loss = layer(x, cos, sin, mask, seq_ends, router_loss)
         return self.norm(x), router_loss
 
 
@@ -409,5 +415,6 @@ class LlamaForCausalLM(PreTrainedModel):
             h = self.keep_mul(h, keep.reshape(b, s1 - 1, 1).astype(h.dtype))
             loss = self.fused_loss(self.head(h), labels, keep, self.vocab_padding)
         if self.moe:
-            return loss + router_loss  # models/moe.py: load-balancing and z-loss, weighted by their coefficients
+            # models/moe.py: load-balancing and z-loss, weighted by their coefficients; (1,) -> () as the loss
+            return loss + router_loss.reshape(())
         return loss

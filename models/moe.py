@@ -283,7 +283,9 @@ class SortedExperts(nn.Cell):
 
 
 class MoE(nn.Cell):
-    """The MoE MLP of one decoder layer: (B, S, hidden) -> ((B, S, hidden), this layer's weighted router loss)."""
+    """The MoE MLP of one decoder layer: (B, S, hidden), router loss so far -> ((B, S, hidden), that plus this
+    layer's weighted router loss): the decoder carries the sum through its layers (models/llama.py LlamaModel), as
+    MindFormers' MoELayer adds its router's loss to the one it is given (moe_layer.py:238)."""
 
     def __init__(self, config):
         super().__init__()
@@ -329,7 +331,7 @@ class MoE(nn.Cell):
         self.add_losses = ops.AssignAdd()
         self.add_losses.recompute(False)
 
-    def construct(self, x):
+    def construct(self, x, router_loss=0.0):
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
         logits = self.gate(tokens.astype(ms.float32))                                # (T, E)
@@ -353,7 +355,7 @@ class MoE(nn.Cell):
         balance, z = self.load_balancing(probs, selected), self.z_loss(logits)
         self.add_load(self.expert_load, ops.stop_gradient(self.count_slots(kept, 0)))              # (E,)
         self.add_losses(self.router_losses, ops.stop_gradient(self.stack((balance, z))))
-        return out.reshape(b, s, h), balance * self.aux_coef + z * self.z_coef
+        return out.reshape(b, s, h), router_loss + (balance * self.aux_coef + z * self.z_coef)
 
     def stacked_weights(self):
         """The experts' weights as (E, 2F, hidden) gate and up rows, and (E, hidden, F) down, in compute dtype."""
