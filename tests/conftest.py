@@ -40,14 +40,14 @@ LLAMA2_LAYOUT_SP_MODEL = os.path.join(importlib.util.find_spec("mistral_common")
 
 # Fixtures that are process drills themselves (a minute or more of real multi-process runs to set up): every test
 # that needs one, directly or through another fixture, is marked `drill` (setup.cfg) by pytest_collection_modifyitems.
-DRILL_FIXTURES = {"data_parallel_runs", "megatron_dir", "slurm_run", "dense_readback"}
+DRILL_FIXTURES = {"data_parallel_runs", "megatron_dir", "slurm_run", "dense_readback", "moe_readback"}
 
 
 # With pytest-xdist (`-n 2 --dist loadgroup`, the README's command) each worker process builds its own session and
 # module fixtures: a test module and every module sharing one of these session fixtures with it form one group,
 # which xdist runs in one worker, so each fixture and cluster is built once.
 SHARED_FIXTURES = ("data_parallel_runs", "megatron_dir", "slurm_cluster", "ray_cluster", "tiny_run",
-                   "dense_readback")
+                   "dense_readback", "moe_readback")
 
 
 @pytest.hookimpl(tryfirst=True)  # xdist's own hook reads the groups: ours must run before it

@@ -217,3 +217,12 @@ def layer_of(name: str):
 def held_bytes(layout: ParameterLayout, whole: tuple, itemsize: int) -> int:
     """Bytes of `layout`'s parameter this rank stores."""
     return math.prod(layout.held_shape(whole)) * itemsize
+
+
+def expert_copies(dp: int, tp: int, pp: int, rank: int, ep: int) -> list:
+    """The ranks of `rank`'s stage holding the same experts as it: one in each expert-parallel group of the stage, at
+    rank's place in it (MindFormers' "dp mod ep" group, mindformers/parallel_core/training_graph/transformer/moe/
+    utils.py:39-53). Optimizer parallel slices the experts' weights over them, as the other weights over the DP group.
+    """
+    stage = expected_groups(dp, tp, pp, rank)["stage"]
+    return [r for r in stage if (r - stage[0]) % ep == (rank - stage[0]) % ep]
