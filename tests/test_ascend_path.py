@@ -267,7 +267,7 @@ def test_every_recipe_the_kit_launches_loads(tmp_path):
     launched = [argv for _, _, argv in plan_commands(str(tmp_path)) if argv[1].endswith("run_distributed.sh")]
     for argv in launched:
         recipe = load_recipe(argv[2], [argv[i + 1] for i, a in enumerate(argv) if a == "--set"], planning=True)
-        assert recipe.world_size in (8, 32, 64)
+        assert recipe.world_size in (8, 16, 32, 64, 256)  # one node, or a DryRun compile of a multi-node recipe
     fused = [a for a in launched if "model.model_config.use_flash_attention=True" in a]
     # FlashAttention at query/key heads of 64: grouped-query attention's and multi-head latent attention's
     assert [load_recipe(a[2], [a[i + 1] for i, x in enumerate(a) if x == "--set"], planning=True)

@@ -27,7 +27,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 LAUNCHER = os.path.join(REPO_ROOT, "scripts", "run_distributed.sh")
 TINY = os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml")
 NODE_RECIPES = ("llama2_7b_8dev", "llama2_13b_8dev")        # start on one 8-device node
-MULTI_NODE_RECIPES = ("llama2_70b_32dev", "dense_100b_64dev")  # compiled under DryRun (--check --dry-run)
+# compiled under DryRun (--check --dry-run): the multi-node recipes, dense, MoE and MLA
+MULTI_NODE_RECIPES = ("llama2_70b_32dev", "dense_100b_64dev", "qwen3_30b_a3b_16dev", "mixtral_8x7b_64dev",
+                      "deepseek_v3_256dev")
 LAYOUTS = {  # all at the tiny recipe's global batch of 8 sequences
     "dp8": [],
     "dp2_tp2_pp2": ["parallel_config.data_parallel=2", "parallel_config.model_parallel=2",
