@@ -545,3 +545,14 @@ def test_the_kits_resume_check_fails_a_rerun_that_started_over(tiny_run, tmp_pat
     assert result["status"] == "FAIL" and result["resumed_from_step"] == 0
     (killed / "summary.json").write_text(json.dumps(dict(summary, resumed_from_step=20)))
     assert acceptance.evaluate(str(out), codes)["kill_resume_tp_pp"]["status"] == "PASS"
+
+
+def test_accumulation_under_pipeline_stages_is_refused_as_mindformers_ignores_it(tmp_path):
+    """MindFormers resets gradient_accumulation_steps to 1 with pipeline stages (trainer/base_trainer.py:313-319,
+    seen in a DryRun compile's log): the recipe's global batch and LR schedule would count steps that never run."""
+    pipeline = ["parallel_config.data_parallel=4", "parallel_config.pipeline_stage=2",
+                "parallel_config.micro_batch_num=2"]
+    with pytest.raises(RecipeError, match=r"gradient_accumulation_steps: MindFormers resets it to 1 under pipeline"):
+        load_recipe(TINY_ASCEND, [f"output_dir={tmp_path}", *pipeline, "runner_config.gradient_accumulation_steps=2"],
+                    planning=True)
+    assert load_recipe(TINY_ASCEND, [f"output_dir={tmp_path}", *pipeline], planning=True).global_batch_size == 8

@@ -281,6 +281,9 @@ class ParallelDegreesConfig:
         problems.extend(layout_problems(recipe.model.model_config, self.data_parallel, self.model_parallel,
                                         self.pipeline_stage, self.micro_batch_num, self.stage_layers,
                                         ep=self.expert_parallel, cpu=recipe.runs_on_cpu))
+        if self.pipeline_stage > 1 and recipe.runner_config.gradient_accumulation_steps > 1:
+            problems.append(f"runner_config.gradient_accumulation_steps: MindFormers resets it to 1 under pipeline "
+                            f"stages (trainer/base_trainer.py:313-319); accumulate with {p}.micro_batch_num")
         if recipe.world_size > 1 and not recipe.use_parallel:
             problems.append(f"use_parallel: must be True when {p}.data_parallel x model_parallel x "
                             f"pipeline_stage = {recipe.world_size} devices")
