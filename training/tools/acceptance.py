@@ -98,7 +98,12 @@ MOE_LAYOUTS = {"moe_ep1": [], "moe_ep2": ["parallel_config.expert_parallel=2"],
                "moe_ep8": ["parallel_config.expert_parallel=8"],
                # tensor parallel: MindFormers' MoE layer sequence parallel inside our TP decoder
                "moe_tp2_ep4": ["parallel_config.data_parallel=4", "parallel_config.model_parallel=2",
-                               "parallel_config.expert_parallel=4", "runner_config.batch_size=2"]}
+                               "parallel_config.expert_parallel=4", "runner_config.batch_size=2"],
+               # pipeline stages: the router loss of stage 0's MoE layers crosses to the last stage (models/llama.py)
+               "moe_pp2_ep2": ["parallel_config.data_parallel=4", "parallel_config.pipeline_stage=2",
+                               "parallel_config.micro_batch_num=2", "parallel_config.expert_parallel=2"]}
+# The pipeline MoE layout in bf16 (16-bit weights with float32 masters under pipeline stages) against its float32 run
+MOE_BF16 = ["model.model_config.compute_dtype=bfloat16", "model.model_config.param_dtype=bfloat16"]
 # the node's CPUs: no Ascend compiler settings, data-parallel mode without optimizer parallel (Ascend-only there)
 MOE_CPU = ["context.device_target=CPU", "context.ascend_config=null", "parallel.parallel_mode=0",
            "parallel.full_batch=False", "parallel.gradients_mean=True", "parallel.enable_parallel_optimizer=False"]
@@ -135,6 +140,7 @@ def comparisons() -> list:
     pairs += [(f"resume_{target}_from_{RELAYOUT_FROM}", f"relayout_{target}", RELAYOUT_FROM, LAYOUT_RTOL)
               for target in RELAYOUT_TARGETS]
     pairs += [(f"{name}_vs_moe_ep1", name, "moe_ep1", LAYOUT_RTOL) for name in MOE_LAYOUTS if name != "moe_ep1"]
+    pairs += [("moe_pp2_ep2_bf16_vs_fp32", "moe_pp2_ep2_bf16", "moe_pp2_ep2", BF16_RTOL)]
     return pairs + [("moe_ep1_vs_cpu_math", "moe_ep1", "moe_cpu", MOE_CPU_RTOL),
                     ("mla_ep8_vs_cpu_math", "mla_ep8", "mla_cpu", MOE_CPU_RTOL),
                     ("mla_fused_kernels_vs_math", f"mla_fused_s{FUSED_SEQ}", f"mla_math_s{FUSED_SEQ}", FUSED_RTOL)]
@@ -185,6 +191,8 @@ def plan_commands(out: str) -> list:
     for layout, overrides in MOE_LAYOUTS.items():
         steps.append((layout, "train 20 steps, MindFormers' MoELayer", compared_argv(TINY_MOE, f"{out}/{layout}",
                                                                                     *overrides)))
+    steps.append(("moe_pp2_ep2_bf16_vs_fp32", "train 20 steps bf16, MindFormers' MoELayer under pipeline stages",
+                  compared_argv(TINY_MOE, f"{out}/moe_pp2_ep2_bf16", *MOE_LAYOUTS["moe_pp2_ep2"], *MOE_BF16)))
     steps.append(("moe_cpu_math", "train 20 steps on the node's CPUs, models/moe.py",
                   compared_argv(TINY_MOE, f"{out}/moe_cpu", *MOE_CPU)))
     steps.append(("mla_ep8", "train 20 steps, models/mla.py with MindFormers' DeepSeek-V3 MoELayer",
