@@ -12,7 +12,6 @@ Alone on a 2-core host busy with other runs a compile took 190-265 s, two side b
 took 400 s of wall time there: about two compiles'.
 """
 
-import copy
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -51,9 +50,9 @@ def moe_readback(tmp_path_factory):
     base = str(tmp_path_factory.mktemp("moe-readback"))
     jobs = [(name, path, stage, rank) for name, path, _, stages in COMPILES
             for stage, rank in dryrun.roles(recipes[name]) if stage in stages]
-    with ThreadPoolExecutor(len(jobs)) as pool:  # compile_rank writes the run directory into the recipe: one copy each
-        runs = {(name, stage): pool.submit(compiled.compile_for_readback, copy.deepcopy(recipes[name]), path, stage,
-                                           rank, os.path.join(base, name), 900, env)
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        runs = {(name, stage): pool.submit(dryrun.compile_rank, recipes[name], path, stage, rank, 0,
+                                           os.path.join(base, name), 900, env)
                 for name, path, stage, rank in jobs}
         runs = {key: run.result() for key, run in runs.items()}
     for (name, _), run in runs.items():

@@ -5,14 +5,14 @@ communication groups of each rank (compiled.expected_groups) and the pipeline st
 
 One layout: tiny_ascend at DP 2 x TP 2 x PP 2, 4 micro-batches, bfloat16 weights (so the pipeline's accumulators
 and the float32 masters are there too). Both stages are compiled once for the module, one rank each (ranks 0 and 4),
-side by side: ~150 CPU-seconds in all (4 minutes' wall time measured on a 2-core host
-busy with other runs).
+side by side, by the command a user runs (scripts/run_distributed.sh --check --dry-run): ~150 CPU-seconds in all
+(4 minutes' wall time measured on a 2-core host busy with other runs).
 """
 
-import copy
+import glob
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+import subprocess
 
 import pytest
 
@@ -41,33 +41,49 @@ def _role(name: str):
 
 @pytest.fixture(scope="module")
 def dense_readback(tmp_path_factory):
-    """(recipe as compiled, {stage: Compiled}) of tiny_ascend at DENSE_LAYOUT, one rank per stage."""
+    """(recipe as compiled, {stage: Compiled}, the dry run's printed lines) of tiny_ascend at DENSE_LAYOUT, one rank
+    per stage, compiled as a user compiles it: `scripts/run_distributed.sh --check --dry-run`, with no dataset (a
+    path that does not exist) and over a stale run directory of an earlier dry run."""
     missing = simulated_cann.missing_tools()
     if missing:
         pytest.skip(f"a simulated CANN for the DryRun {missing}")
-    root = simulated_cann.cached()
-    merged = simulated_cann.merged_environment(root)
-    env = {key: merged[key] for key in simulated_cann.environment(root)}  # the tree's variables, nothing else
-    recipe = dryrun.compile_recipe(load_recipe(TINY_ASCEND, DENSE_LAYOUT))
-    base = str(tmp_path_factory.mktemp("readback"))
-    with ThreadPoolExecutor(2) as pool:  # compile_rank writes the run directory into the recipe: one copy each
-        runs = {stage: pool.submit(compiled.compile_for_readback, copy.deepcopy(recipe), TINY_ASCEND, stage, rank,
-                                   base, 600, env)
-                for stage, rank in dryrun.roles(recipe)}
-        runs = {stage: run.result() for stage, run in runs.items()}
-    for run in runs.values():
-        assert run.ok, f"rank {run.rank} did not compile ({run.seconds:.0f} s): {dryrun.failure_line(run.log)}"
-    return recipe, runs
+    env = simulated_cann.merged_environment(simulated_cann.cached(),
+                                            {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_")})
+    out = tmp_path_factory.mktemp("readback")
+    (out / dryrun.DRYRUN_DIR).mkdir()
+    (out / dryrun.DRYRUN_DIR / "recipe.yaml").write_text("stale: true\n")
+    settings = (*DENSE_LAYOUT, f"output_dir={out}", f"train_dataset.data_loader.dataset_dir={out / 'absent'}")
+    result = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "run_distributed.sh"), TINY_ASCEND, "--check",
+                             "--dry-run", *(arg for item in settings for arg in ("--set", item))],
+                            capture_output=True, text=True, timeout=900, cwd=out, env=env)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("dry-run:")]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    recipe = dryrun.compile_recipe(load_recipe(TINY_ASCEND, settings))
+    runs = {}
+    for stage, rank in dryrun.roles(recipe):
+        run_dir, = glob.glob(str(out / dryrun.DRYRUN_DIR / f"stage{stage}-rank{rank}-*"))
+        runs[stage] = dryrun.Compiled(stage, rank, 0.0, 0, run_dir, os.path.join(run_dir, "worker.log"), None, 0)
+    return recipe, runs, lines
+
+
+def test_the_dry_run_prints_a_line_per_compiled_rank_with_simulated_and_planned_memory(dense_readback):
+    _, _, lines = dense_readback
+    assert len(lines) == 3 and "DP 2 x TP 2 x PP 2 on 8 ranks" in lines[0], lines
+    assert sorted(line.split(" (")[0] for line in lines[1:]) == ["dry-run: stage 0, rank 0 of 8",
+                                                                 "dry-run: stage 1, rank 4 of 8"]
+    for line in lines[1:]:
+        assert "compiled in" in line and "simulated peak" in line and "vs planned" in line
+        assert "none printed" not in line and "no kernel workspaces" in line
 
 
 def _stages(dense_readback):
-    recipe, runs = dense_readback
+    recipe, runs, _ = dense_readback
     return [(stage, run, compiled.read_strategy(compiled.strategy_path(run.run_dir, run.rank)))
             for stage, run in runs.items()]
 
 
 def test_strategy_file_lists_every_parameter_of_the_stage(dense_readback):
-    recipe, _ = dense_readback
+    recipe, _, _ = dense_readback
     p = recipe.parallel_config
     for stage, run, strategy in _stages(dense_readback):
         planned = {name for name, _, _ in stage_memory(recipe)[stage].tensors}
@@ -83,7 +99,7 @@ def test_strategy_file_lists_every_parameter_of_the_stage(dense_readback):
 
 
 def test_every_layer_sits_on_its_planned_stage(dense_readback):
-    recipe, _ = dense_readback
+    recipe, _, _ = dense_readback
     planned = model_layout(recipe).stage_of_layer
     held = {}
     for stage, _, strategy in _stages(dense_readback):
@@ -98,7 +114,7 @@ def test_every_layer_sits_on_its_planned_stage(dense_readback):
 
 
 def test_operators_taking_weights_have_the_layouts_strategies(dense_readback):
-    recipe, _ = dense_readback
+    recipe, _, _ = dense_readback
     layout = model_layout(recipe)
     dp = layout.data_parallel
     for _, run, strategy in _stages(dense_readback):
@@ -112,7 +128,7 @@ def test_operators_taking_weights_have_the_layouts_strategies(dense_readback):
 
 
 def test_each_weight_is_sliced_as_its_strategy_says(dense_readback):
-    recipe, _ = dense_readback
+    recipe, _, _ = dense_readback
     layout = model_layout(recipe)
     whole = parameter_shapes(recipe.model.model_config, layout.tensor_parallel)
     for _, run, strategy in _stages(dense_readback):
@@ -126,7 +142,7 @@ def test_each_weight_is_sliced_as_its_strategy_says(dense_readback):
 
 @pytest.mark.parametrize("stage", [0, 1])
 def test_tensor_parallel_slices_hold_the_planners_elements(dense_readback, stage):
-    recipe, _ = dense_readback
+    recipe, _, _ = dense_readback
     whole = parameter_shapes(recipe.model.model_config, recipe.parallel_config.model_parallel)
     _, run, strategy = _stages(dense_readback)[stage]
     planned = {name: n for name, n, _ in stage_memory(recipe)[stage].tensors}
@@ -134,7 +150,7 @@ def test_tensor_parallel_slices_hold_the_planners_elements(dense_readback, stage
 
 
 def test_optimizer_parallel_slices_the_weights_models_parallel_says(dense_readback):
-    recipe, _ = dense_readback
+    recipe, _, _ = dense_readback
     cfg, p = recipe.model.model_config, recipe.parallel_config
     threshold = recipe.parallel.parallel_optimizer_config.parallel_optimizer_threshold
     whole = parameter_shapes(cfg, p.model_parallel)
@@ -154,7 +170,7 @@ def test_optimizer_parallel_slices_the_weights_models_parallel_says(dense_readba
 
 
 def test_weight_bytes_per_stage_are_the_planners(dense_readback):
-    recipe, _ = dense_readback
+    recipe, _, _ = dense_readback
     cfg = recipe.model.model_config
     whole = parameter_shapes(cfg, recipe.parallel_config.model_parallel)
     memory = stage_memory(recipe)
@@ -171,7 +187,7 @@ def _stage_ranks(recipe, rank: int) -> range:
 
 
 def test_tensor_parallel_weights_are_split_over_the_tp_group_and_copied_over_dp(dense_readback):
-    recipe, _ = dense_readback
+    recipe, _, _ = dense_readback
     p = recipe.parallel_config
     for _, run, strategy in _stages(dense_readback):
         groups = compiled.expected_groups(p.data_parallel, p.model_parallel, p.pipeline_stage, run.rank)
@@ -184,7 +200,7 @@ def test_tensor_parallel_weights_are_split_over_the_tp_group_and_copied_over_dp(
 
 
 def test_groups_mindspore_created_are_the_layouts(dense_readback):
-    recipe, runs = dense_readback
+    recipe, runs, _ = dense_readback
     p = recipe.parallel_config
     for run in runs.values():
         groups = compiled.expected_groups(p.data_parallel, p.model_parallel, p.pipeline_stage, run.rank)
@@ -193,7 +209,7 @@ def test_groups_mindspore_created_are_the_layouts(dense_readback):
 
 
 def test_collectives_run_in_the_groups_of_their_role(dense_readback):
-    recipe, runs = dense_readback
+    recipe, runs, _ = dense_readback
     p = recipe.parallel_config
     for run in runs.values():
         groups = {k: tuple(v) for k, v in

@@ -118,6 +118,10 @@ def experts(recipe, family: str, problems: list, layers_ours: bool = False) -> t
         else:  # gpt_layer_specs.py:229-248: 0 marks a dense layer
             keys.update(first_k_dense_replace=0, moe_layer_freq=[int(cfg.is_moe_layer(i)) for i in
                                                                   range(cfg.num_layers)])
+    elif family == "deepseek_v3":
+        # our decoder places the MoE layers, but MindFormers still checks first_k_dense_replace (its default 3)
+        # against num_layers (a model shallower than 3 layers is refused): the leading dense layers, as ours has them
+        keys["first_k_dense_replace"] = next((i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), cfg.num_layers)
     elif cfg.dense_layers and not layers_ours:
         problems.append(f"{M}dense_layers: {cfg.dense_layers}: MindFormers' Qwen3-MoE gives every layer experts "
                         "(models/qwen3_moe/modeling_qwen3_moe_train.py:50-58)")

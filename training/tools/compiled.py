@@ -10,7 +10,7 @@ Three things MindSpore writes for a rank, each read with MindSpore's own reader 
   (collective_manager.cc CreateCommunicationGroup, a C++ source not in the wheel: "Create collective communication
   group: NAME [const vector]{r0, r1}").
 - the collectives of the compiled graph with their groups and shapes: comm_execute_order.csv, which the Ascend
-  backend writes under MS_DEV_SAVE_GRAPHS_PATH/rank_N/execute_order/ when it builds the kernel graph; read with
+  backend writes under RUN_DIR/rank_N/execute_order/ when it builds the kernel graph (collectives); read with
   mindspore/utils/runtime_execution_order_check.py RankFolderParser, MindSpore's checker of that file.
 
 And what the layout implies: the DP, TP, PP and EP rank lists of a rank (expected_groups), which the project names
@@ -20,11 +20,8 @@ nowhere else as lists.
 import math
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 
-GRAPHS = "graphs"  # RUN_DIR/graphs/rank_N/execute_order/: the collectives of the rank's kernel graph
 # Companions of a weight in the strategy file: AdamW's moments (mindformers/core/optim/adamw.py:167-168), the
 # float32 masters of 16-bit weights (training/worker/optim.py), the pipeline's gradient accumulators
 # (mindformers/wrapper/wrapper.py:849). Each is a clone of its weight and laid out like it.
@@ -152,35 +149,18 @@ class Collective:
 
 
 def collectives(run_dir: str, rank: int) -> list:
-    """The collectives of `rank`'s kernel graph, in execution order, from the execute-order dump that
-    compile_for_readback leaves in RUN_DIR/graphs."""
+    """The collectives of `rank`'s kernel graph, in execution order, from the execute-order dump the Ascend backend
+    writes under MS_DEV_SAVE_GRAPHS_PATH, by default the working directory, which dryrun.compile_rank makes the run
+    directory (MindFormers rewrites MS_DEV_SAVE_GRAPHS from context.save_graphs, core/context/build_context.py:
+    208-224, but this dump is written whatever it says)."""
     from mindspore.utils.runtime_execution_order_check import RankFolderParser
 
-    folder = os.path.join(run_dir, GRAPHS, f"rank_{rank}")
+    folder = os.path.join(run_dir, f"rank_{rank}")
     _, orders = RankFolderParser(folder).parse_rank_folder(os.path.join(folder, "execute_order"), str(rank))
     if orders is None:
-        raise FileNotFoundError(f"{folder}: no comm_execute_order.csv (compiled without compile_for_readback?)")
+        raise FileNotFoundError(f"{folder}: no comm_execute_order.csv")
     return [Collective(o.primitive, o.group, tuple(int(r) for r in o.comm_rank), o.input_shape, o.output_shape)
             for o in orders]
-
-
-def compile_for_readback(recipe, recipe_path: str, stage: int, rank: int, base_dir: str, timeout: float = None,
-                         env: dict = None):
-    """dryrun.compile_rank with the collectives dumped into the run directory (RUN_DIR/graphs): a Compiled.
-
-    MindFormers rewrites MS_DEV_SAVE_GRAPHS from context.save_graphs (core/context/build_context.py:208-224), but
-    the Ascend backend writes the execute order under MS_DEV_SAVE_GRAPHS_PATH whatever it says; the path is the
-    only variable needed, and without it the dump lands in the worker's working directory. env: more variables
-    for the worker (a simulated CANN's: training/tools/simulated_cann.py merged_environment).
-    """
-    from ascend_llm_recipes.training.tools.dryrun import compile_rank
-
-    os.makedirs(base_dir, exist_ok=True)
-    graphs = tempfile.mkdtemp(prefix=f"graphs-rank{rank}-", dir=base_dir)
-    compiled = compile_rank(recipe, recipe_path, stage, rank, 0, base_dir, timeout,
-                            env={**(env or {}), "MS_DEV_SAVE_GRAPHS_PATH": graphs})
-    shutil.move(graphs, os.path.join(compiled.run_dir, GRAPHS))
-    return compiled
 
 
 def expected_groups(dp: int, tp: int, pp: int, rank: int, ep: int = 1) -> dict:

@@ -132,8 +132,9 @@ def compile_rank(recipe, recipe_path: str, stage: int, rank: int, planned_bytes:
                  timeout: float = None, env: dict = None) -> Compiled:
     """Compile `rank` of `recipe` (already made by compile_recipe) in a new run directory under base_dir.
 
-    env: extra variables for the worker (log levels, where to dump the collectives: training/tools/compiled.py
-    compile_for_readback).
+    env: extra variables for the worker (a simulated CANN's: training/tools/simulated_cann.py merged_environment).
+    The worker runs in the run directory, where MindSpore also writes the collectives' execute order
+    (rank_N/execute_order: training/tools/compiled.py collectives).
     """
     from ascend_llm_recipes.common.files import write_atomic
 
@@ -195,6 +196,10 @@ def dry_run_compile(recipe, recipe_path: str, layers: int = None, timeout: float
     """
     from ascend_llm_recipes.training.tools.planner import stage_memory
 
+    if recipe.context.device_target != "Ascend":
+        raise LaunchError(f"context.device_target {recipe.context.device_target}: --dry-run compiles an Ascend "
+                          "recipe's graph under MindSpore's DryRun, which simulates Ascend devices only",
+                          hint="use an Ascend recipe (recipes/tiny_ascend.yaml, ...); a CPU recipe trains as it is")
     missing = cann_missing()
     if missing:
         print(f"dry-run: not run: {missing}", flush=True)

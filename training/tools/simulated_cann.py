@@ -163,7 +163,12 @@ def build(root: str, soc_name: str = SOC_NAME) -> str:
         _write(os.path.join(home, "python", "site-packages", "hccl", "__init__.py"), "")
         _write(os.path.join(home, "python", "site-packages", "hccl", "sys_version.py"),
                f'__sys_version__ = "{CANN_VERSION}"\n')
-        os.rename(work, root)
+        try:
+            os.rename(work, root)
+        except OSError:
+            if not os.path.isdir(os.path.join(root, "latest", "lib64")):
+                raise
+            shutil.rmtree(work, ignore_errors=True)  # another process built the same tree meanwhile: use it
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -204,9 +209,16 @@ def main(argv=None) -> int:
             build(args.dir, args.soc)
         elif not os.path.isdir(os.path.join(args.dir, "latest", "lib64")):
             raise PretrainError(f"{args.dir}: not a simulated CANN tree",
-                                hint=f"build it first: {parser.prog} {shlex.quote(args.dir)}")
+                                hint=f"build one in a new folder: {parser.prog} NEW_DIR")
     except PretrainError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: nothing was written to {args.dir}", file=sys.stderr)
+        return 130
+    except (OSError, subprocess.CalledProcessError) as err:  # a full disk, a read-only or missing parent, a file
+        print(f"error: cannot build a simulated CANN at {args.dir}: {err}\n---> HINT: name a new folder where you "
+              "can write, with ~20 MB free; nothing was left there", file=sys.stderr)
         return 2
     env = merged_environment(os.path.abspath(args.dir))
     print("export " + " ".join(f"{k}={shlex.quote(env[k])}" for k in environment(args.dir)))
