@@ -22,6 +22,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from ascend_llm_recipes.training.run_files import STRATEGY_DIR
+
 # Companions of a weight in the strategy file: AdamW's moments (mindformers/core/optim/adamw.py:167-168), the
 # float32 masters of 16-bit weights (training/worker/optim.py), the pipeline's gradient accumulators
 # (mindformers/wrapper/wrapper.py:849). Each is a clone of its weight and laid out like it.
@@ -128,7 +130,7 @@ def read_strategy(path: str) -> StrategyFile:
 
 def strategy_path(run_dir: str, rank: int) -> str:
     """Where a semi-auto run keeps rank's strategy file (training/recipe/mindformers.py strategy_ckpt_config)."""
-    return os.path.join(run_dir, "strategy", f"ckpt_strategy_rank_{rank}.ckpt")
+    return os.path.join(run_dir, STRATEGY_DIR, f"ckpt_strategy_rank_{rank}.ckpt")
 
 
 def created_groups(log: str) -> dict:

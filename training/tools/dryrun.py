@@ -15,7 +15,6 @@ the hardware.
 """
 
 import dataclasses
-import glob
 import os
 import re
 import subprocess
@@ -34,7 +33,6 @@ WORKER = os.path.join(REPO_ROOT, "scripts", "train.py")
 DRYRUN_DIR = "dryrun"
 # What MindSpore prints at the end of a simulated run (ms_context / memory manager): the peak of its memory pool.
 _PEAK = re.compile(r"Actual peak memory usage \(with fragments\): (\d+)M")
-_STRATEGY = "strategy"
 PARALLEL_COMPILES = 4  # ranks compiled at once (each a single-threaded MindSpore compile of the whole network)
 
 
@@ -54,10 +52,6 @@ class Compiled:
     @property
     def ok(self) -> bool:
         return self.returncode == 0
-
-    def strategy_file(self) -> Optional[str]:
-        found = glob.glob(os.path.join(self.run_dir, _STRATEGY, f"ckpt_strategy_rank_{self.rank}.ckpt"))
-        return found[0] if found else None
 
 
 def roles(recipe) -> list:
