@@ -158,10 +158,11 @@ def failure_line(log: str) -> str:
     with open(log, encoding="utf-8", errors="replace") as f:
         lines = [line.strip() for line in f if line.strip()]
     for line in reversed(lines):
-        if re.search(r"(Error|error:|Exception|Traceback|CRITICAL)", line) and "No module named 'te'" not in line \
+        if re.search(r"(Error|error:|Exception|CRITICAL)", line) and "No module named 'te'" not in line \
                 and "relies on whl package" not in line:
             return line[:300]
-    return lines[-1][:300] if lines else "(empty log)"
+    # a log cut short (the worker killed, its disk full) names no error
+    return (lines[-1][:300] if lines else "(empty log)") + " (no error line in the log: was it cut short?)"
 
 
 def cann_missing() -> str:
