@@ -23,6 +23,7 @@ from ascend_llm_recipes.models.shapes import STATISTICS, parameter_shapes
 from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.recipe.mindformers import model_layout
 from ascend_llm_recipes.training.tools import compiled, dryrun, simulated_cann
+from ascend_llm_recipes.training.tools.relayout import strategy_file
 from ascend_llm_recipes.training.tools.planner import stage_memory
 from conftest import REPO_ROOT
 
@@ -61,7 +62,7 @@ def moe_readback(tmp_path_factory):
 
 
 def _strategy(run) -> compiled.StrategyFile:
-    return compiled.read_strategy(compiled.strategy_path(run.run_dir, run.rank))
+    return compiled.read_strategy(strategy_file(run.run_dir, run.rank))
 
 
 def _groups(recipe, rank: int) -> dict:

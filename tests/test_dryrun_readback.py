@@ -22,6 +22,7 @@ from ascend_llm_recipes.training.checkpoint import itemsize
 from ascend_llm_recipes.training.recipe.loading import load_recipe
 from ascend_llm_recipes.training.recipe.mindformers import model_layout
 from ascend_llm_recipes.training.tools import compiled, dryrun, simulated_cann
+from ascend_llm_recipes.training.tools.relayout import strategy_file
 from ascend_llm_recipes.training.tools.planner import stage_memory
 from conftest import REPO_ROOT
 
@@ -78,7 +79,7 @@ def test_the_dry_run_prints_a_line_per_compiled_rank_with_simulated_and_planned_
 
 def _stages(dense_readback):
     recipe, runs, _ = dense_readback
-    return [(stage, run, compiled.read_strategy(compiled.strategy_path(run.run_dir, run.rank)))
+    return [(stage, run, compiled.read_strategy(strategy_file(run.run_dir, run.rank)))
             for stage, run in runs.items()]
 
 

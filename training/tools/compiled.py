@@ -22,8 +22,6 @@ import os
 import re
 from dataclasses import dataclass
 
-from ascend_llm_recipes.training.run_files import STRATEGY_DIR
-
 # Companions of a weight in the strategy file: AdamW's moments (mindformers/core/optim/adamw.py:167-168), the
 # float32 masters of 16-bit weights (training/worker/optim.py), the pipeline's gradient accumulators
 # (mindformers/wrapper/wrapper.py:849). Each is a clone of its weight and laid out like it.
@@ -126,11 +124,6 @@ def read_strategy(path: str) -> StrategyFile:
     stages = {i.parallel_strategys.stage for i in items}
     assert len(stages) == 1, stages
     return StrategyFile(stages.pop(), layouts, operators)
-
-
-def strategy_path(run_dir: str, rank: int) -> str:
-    """Where a semi-auto run keeps rank's strategy file (training/recipe/mindformers.py strategy_ckpt_config)."""
-    return os.path.join(run_dir, STRATEGY_DIR, f"ckpt_strategy_rank_{rank}.ckpt")
 
 
 def created_groups(log: str) -> dict:

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Optional
 
-from ascend_llm_recipes.common.errors import LaunchError
+from ascend_llm_recipes.common.errors import LaunchError, RecipeError
 from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -96,7 +96,6 @@ def default_layers(recipe) -> int:
 def shallower(recipe, layers: int, recipe_path: str):
     """The recipe at `layers` layers, its layout otherwise as it is: pipeline stages split evenly, MoE recipes'
     dense layers those of the first `layers` (at least one MoE layer kept)."""
-    from ascend_llm_recipes.common.errors import RecipeError
     from ascend_llm_recipes.training.recipe.loading import recipe_from_dict
 
     stages = recipe.parallel_config.pipeline_stage

@@ -38,6 +38,7 @@ import sys
 import tempfile
 
 from ascend_llm_recipes.common.errors import LaunchError, PretrainError
+from ascend_llm_recipes.common.files import write_atomic
 
 CANN_VERSION = "9.0.0"  # mindspore/lib/plugin/ascend/custom_ascendc_910b/version.info: custom_opp_compiler_version
 SOC_NAME = "Ascend910B1"
@@ -125,12 +126,14 @@ def environment(root: str) -> dict:
             "PYTHONPATH": os.path.join(home, "python", "site-packages")}
 
 
+SEARCH_PATHS = ("LD_LIBRARY_PATH", "PYTHONPATH")  # prepended to, not replaced
+
+
 def merged_environment(root: str, env: dict = None) -> dict:
-    """`env` (default os.environ) with the tree's variables; search paths are prepended, not replaced."""
+    """`env` (default os.environ) with the tree's variables; SEARCH_PATHS keep what they held after the tree's."""
     merged = dict(os.environ if env is None else env)
     for key, value in environment(root).items():
-        merged[key] = os.pathsep.join(filter(None, [value, merged.get(key)])) if key.endswith("PATH") and \
-            key not in ("ASCEND_HOME_PATH", "ASCEND_OPP_PATH") else value
+        merged[key] = os.pathsep.join(filter(None, [value, merged.get(key)])) if key in SEARCH_PATHS else value
     return merged
 
 
@@ -149,19 +152,18 @@ def build(root: str, soc_name: str = SOC_NAME) -> str:
         for sub in ("lib64", "opp", "compiler", f"{platform.machine()}-linux", "python/site-packages/hccl"):
             os.makedirs(os.path.join(home, sub))
         source = os.path.join(work, "stub.c")
-        with open(source, "w", encoding="utf-8") as f:
-            f.write(stub_source(stub_symbols(), soc_name))
+        write_atomic(source, stub_source(stub_symbols(), soc_name), fsync=False)
         obj = os.path.join(work, "stub.o")
         subprocess.run(["gcc", "-c", "-fPIC", "-O0", "-o", obj, source], check=True)
         for name in LIBRARIES:
             subprocess.run(["gcc", "-shared", "-o", os.path.join(home, "lib64", f"lib{name}.so"), obj,
                             f"-Wl,-soname,lib{name}.so"], check=True)
         os.remove(obj)
-        _write(os.path.join(home, "compiler", "version.info"), f"Version={CANN_VERSION}\n")
-        _write(os.path.join(home, f"{platform.machine()}-linux", "ascend_toolkit_install.info"),
+        write_atomic(os.path.join(home, "compiler", "version.info"), f"Version={CANN_VERSION}\n")
+        write_atomic(os.path.join(home, f"{platform.machine()}-linux", "ascend_toolkit_install.info"),
                f"version={CANN_VERSION}\n")
-        _write(os.path.join(home, "python", "site-packages", "hccl", "__init__.py"), "")
-        _write(os.path.join(home, "python", "site-packages", "hccl", "sys_version.py"),
+        write_atomic(os.path.join(home, "python", "site-packages", "hccl", "__init__.py"), "")
+        write_atomic(os.path.join(home, "python", "site-packages", "hccl", "sys_version.py"),
                f'__sys_version__ = "{CANN_VERSION}"\n')
         try:
             os.rename(work, root)
@@ -173,11 +175,6 @@ def build(root: str, soc_name: str = SOC_NAME) -> str:
         shutil.rmtree(work, ignore_errors=True)
         raise
     return root
-
-
-def _write(path: str, text: str):
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
 
 
 def cached(cache_dir: str = None) -> str:
