@@ -4,11 +4,24 @@ Import-light (no MindSpore): recipes are validated, converted and planned withou
 model. models/llama.py's LlamaConfig takes these fields and these defaults.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import List, Literal, Optional
 
 from ascend_llm_recipes.models import LLAMA_CONFIG_TYPE, LLAMA_MODEL_TYPE
 from ascend_llm_recipes.models.arithmetic import ALIGN, round_up
+
+# The kinds of model some keys apply to alone, each with what switches it on. On a model of another kind such a key
+# is refused unless it keeps its default (ModelConfig.stray_keys), so a new key marked with only() is refused too.
+MOE, MLA, MHA = "moe", "mla", "mha"
+KIND_SWITCH = {MOE: "num_experts is 0 (a dense model)", MLA: "kv_lora_rank is not (multi-head latent attention is off)",
+               MHA: "kv_lora_rank is set (multi-head latent attention)"}
+
+
+def only(kind: str, default):
+    """A ModelConfig field that applies only to models of `kind` (MOE, MLA or MHA), with its default."""
+    if isinstance(default, list):
+        return field(default_factory=list, metadata={"only": kind})
+    return field(default=default, metadata={"only": kind})
 
 
 @dataclass
@@ -27,9 +40,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False                 # bias on q/k/v projections (Qwen2-style checkpoints)
-    head_dim: Optional[int] = None         # per-head width when not hidden_size / num_heads (Qwen3)
-    qk_norm: bool = False                  # RMSNorm of each head's q and k before rotary (Qwen3)
+    qkv_bias: bool = only(MHA, False)          # bias on q/k/v projections (Qwen2-style checkpoints)
+    head_dim: Optional[int] = only(MHA, None)  # per-head width when not hidden_size / num_heads (Qwen3)
+    qk_norm: bool = only(MHA, False)           # RMSNorm of each head's q and k before rotary (Qwen3)
     # Mixture of Experts (models/moe.py): num_experts 0 is a dense model. Each MoE layer's MLP is a softmax top-k
     # router over num_experts SwiGLU experts of width moe_intermediate_size (+ an always-on shared expert of width
     # shared_expert_intermediate_size, optionally scaled by its own sigmoid gate: Qwen2-MoE); layers listed in
@@ -37,46 +50,46 @@ class ModelConfig:
     # DeepSeek's first_k_dense_replace). Routing is dropless (every token reaches its top-k experts) unless
     # capacity_factor is set.
     num_experts: int = 0
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: Optional[int] = None
-    norm_topk_prob: bool = True            # renormalise the top-k weights to sum to 1 (Mixtral, Qwen3-MoE)
-    shared_expert_intermediate_size: int = 0
-    shared_expert_gate: bool = False       # sigmoid(x w) scales the shared expert (Qwen2-MoE)
-    dense_layers: List[int] = field(default_factory=list)
+    num_experts_per_tok: int = only(MOE, 2)
+    moe_intermediate_size: Optional[int] = only(MOE, None)
+    norm_topk_prob: bool = only(MOE, True)       # renormalise the top-k weights to sum to 1 (Mixtral, Qwen3-MoE)
+    shared_expert_intermediate_size: int = only(MOE, 0)
+    shared_expert_gate: bool = only(MOE, False)  # sigmoid(x w) scales the shared expert (Qwen2-MoE)
+    dense_layers: List[int] = only(MOE, [])
     # Training terms of each MoE layer, summed over layers into the loss (models/moe.py): the load-balancing loss
     # E * sum_e f_e P_e (Switch Transformer; Megatron-core's and MindFormers' per-layer normalisation) and the router
     # z-loss mean(logsumexp(router logits)^2) (ST-MoE).
-    router_aux_loss_coef: float = 0.0
+    router_aux_loss_coef: float = only(MOE, 0.0)
     # Which tokens f_e counts: "global", all of the step's (every data-parallel rank's, and the micro-batches so far:
     # megatron-core's global_aux_loss, MindFormers' gbs_aux_loss), or "micro_batch", each data-parallel rank's
     # micro-batch alone (megatron-core's aux_loss, MindFormers' seq_aux_loss).
-    router_aux_loss_scope: Literal["global", "micro_batch"] = "global"
-    router_z_loss_coef: float = 0.0
+    router_aux_loss_scope: Literal["global", "micro_batch"] = only(MOE, "global")
+    router_z_loss_coef: float = only(MOE, 0.0)
     # DeepSeek-V3's router (models/moe.py): sigmoid scores, the top k chosen among the topk_group best of n_group
     # expert groups, by scores plus a non-trained correction bias (expert_bias) that each step moves by
     # expert_bias_update_rate towards an even load (auxiliary-loss-free balancing); weights x routed_scaling_factor.
-    router_score: Literal["softmax", "sigmoid"] = "softmax"
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    expert_bias: bool = False
-    expert_bias_update_rate: float = 0.0
+    router_score: Literal["softmax", "sigmoid"] = only(MOE, "softmax")
+    n_group: int = only(MOE, 1)
+    topk_group: int = only(MOE, 1)
+    routed_scaling_factor: float = only(MOE, 1.0)
+    expert_bias: bool = only(MOE, False)
+    expert_bias_update_rate: float = only(MOE, 0.0)
     # Expert capacity (megatron-core's moe_expert_capacity_factor and moe_token_drop_policy, models/moe.py
     # ExpertCapacity): each expert takes at most ceil(T * num_experts_per_tok / num_experts * capacity_factor) of a
     # forward pass's T tokens' routing assignments; the assignments past that are dropped: that expert's output is
     # not added for the token (its other experts' still are, unrenormalised, and the residual carries it on). 0 is
     # dropless. token_drop_policy picks, per expert, which assignments are dropped: "probs" those with the lowest
     # combine weight, "position" those latest in Megatron's token order (sequence position, then batch row).
-    capacity_factor: float = 0.0
-    token_drop_policy: Literal["probs", "position"] = "probs"
+    capacity_factor: float = only(MOE, 0.0)
+    token_drop_policy: Literal["probs", "position"] = only(MOE, "probs")
     # Multi-head latent attention (DeepSeek-V2/V3, models/mla.py) when kv_lora_rank is set: keys and values from a
     # kv_lora_rank-wide latent, queries through a q_lora_rank-wide one (or a full projection when None), heads of
     # qk_nope_head_dim + qk_rope_head_dim (the rotary part's key shared by all heads) and values of v_head_dim.
-    q_lora_rank: Optional[int] = None
+    q_lora_rank: Optional[int] = only(MLA, None)
     kv_lora_rank: Optional[int] = None
-    qk_nope_head_dim: Optional[int] = None
-    qk_rope_head_dim: Optional[int] = None
-    v_head_dim: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = only(MLA, None)
+    qk_rope_head_dim: Optional[int] = only(MLA, None)
+    v_head_dim: Optional[int] = only(MLA, None)
     vocab_pad_multiple: int = ALIGN        # tables padded to a multiple of this x model_parallel
     document_attention: bool = False       # packed documents: reset positions, block attention at EOD
     bos_token_id: int = 1
@@ -136,6 +149,17 @@ class ModelConfig:
     def expert_size(self) -> int:
         """Width of one routed expert's SwiGLU: moe_intermediate_size, else intermediate_size."""
         return self.moe_intermediate_size if self.moe_intermediate_size is not None else self.intermediate_size
+
+    def stray_keys(self, kind: str) -> list:
+        """Problems of the keys that apply only to models of `kind` (only()) and differ from their default here."""
+        p = "model.model_config"
+        problems = []
+        for f in (f for f in fields(self) if f.metadata.get("only") == kind):
+            default = f.default_factory() if f.default is MISSING else f.default
+            if getattr(self, f.name) != default:
+                problems.append(f"{p}.{f.name}: is set, but {p}.{KIND_SWITCH[kind]}; remove the key (its default "
+                                f"is {default!r})")
+        return problems
 
     def kernel_problems(self, recipe) -> list:
         """Ascend-kernel keys that cannot apply, each named."""
@@ -233,8 +257,7 @@ class ModelConfig:
         p = "model.model_config"
         names = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         if not self.mla:
-            return [f"{p}.{name}: is set, but {p}.kv_lora_rank is not (multi-head latent attention is off)"
-                    for name in names if getattr(self, name) is not None]
+            return self.stray_keys(MLA)
         problems = [f"{p}.{name}: must be set (>= 1) with {p}.kv_lora_rank" for name in names[1:]
                     if getattr(self, name) is None or getattr(self, name) < 1]
         problems += [f"{p}.{name}: must be >= 1, got {getattr(self, name)}" for name in ("kv_lora_rank", "q_lora_rank")
@@ -247,9 +270,7 @@ class ModelConfig:
                      "padded on Ascend" for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                                                      "qk_rope_head_dim", "v_head_dim")
                      if getattr(self, name) is not None and getattr(self, name) % ALIGN]
-        problems += [f"{p}.{name}: {getattr(self, name)!r} does not apply to multi-head latent attention"
-                     for name, default in (("qk_norm", False), ("qkv_bias", False), ("head_dim", None))
-                     if getattr(self, name) != default]
+        problems += self.stray_keys(MHA)
         if self.use_flash_attention and self.v_head_dim > self.qk_head_dim:
             # MindFormers 1.9's MLA refuses it (parallel_core/training_graph/transformer/multi_latent_attention.py:
             # 133-135); its FlashAttention is called with values no wider than queries and keys
@@ -281,11 +302,7 @@ class ModelConfig:
         if problems:
             return problems
         if not self.moe:
-            moe_only = [name for name in ("moe_intermediate_size", "shared_expert_intermediate_size", "dense_layers",
-                                          "shared_expert_gate", "expert_bias", "expert_bias_update_rate",
-                                          "capacity_factor") if getattr(self, name)]
-            moe_only += ["router_aux_loss_scope"] if self.router_aux_loss_scope != "global" else []
-            return [f"{p}.{name}: is set, but {p}.num_experts is 0 (a dense model)" for name in moe_only]
+            return self.stray_keys(MOE)
         if self.num_experts_per_tok > self.num_experts:
             problems.append(f"{p}.num_experts_per_tok: {self.num_experts_per_tok} exceeds num_experts "
                             f"{self.num_experts}")

@@ -1,5 +1,6 @@
 """Recipe loading: strict keys with dotted paths, types, overrides, cross-field rules."""
 
+import ast
 import copy
 import dataclasses
 import glob
@@ -14,6 +15,7 @@ import yaml
 
 from conftest import DEMO_RECIPE, REPO_ROOT, TINY_RECIPE
 from ascend_llm_recipes.common.errors import RecipeError
+from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.training.tools.planner import plan
 from ascend_llm_recipes.training.recipe.loading import apply_override, load_recipe, read_recipe_file, recipe_from_dict
 from ascend_llm_recipes.training.recipe.schema import CheckpointMonitorConfig, Recipe
@@ -844,3 +846,74 @@ def test_flash_attention_needs_16_bit_inputs_and_heads_it_takes():
     with pytest.raises(RecipeError, match=re.escape(f"{mc}use_flash_attention: the head is 600 wide")):
         load_recipe(TINY_RECIPE, (*ascend, mc + "compute_dtype=bfloat16", mc + "head_dim=600"), planning=True)
     assert load_recipe(TINY_RECIPE, (*ascend, mc + "compute_dtype=bfloat16"), planning=True)
+
+
+# D8 (issue 39): a key that applies to one kind of model only is refused on another kind, every such key the same way.
+ONLY_KIND_MESSAGE = {"moe": "num_experts is 0 (a dense model)", "mla": "kv_lora_rank is not (multi-head latent "
+                     "attention is off)", "mha": "kv_lora_rank is set (multi-head latent attention)"}
+ONLY_KIND_BASE = {"moe": TINY_RECIPE, "mla": TINY_RECIPE, "mha": os.path.join(REPO_ROOT, "recipes",
+                                                                             "tiny_deepseek_cpu.yaml")}
+
+
+def other_value(f: dataclasses.Field) -> str:
+    """A value of field `f` other than its default that its own range rules accept, written for --set."""
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    annotation = typing.get_type_hints(ModelConfig)[f.name]
+    if typing.get_origin(annotation) is typing.Literal:
+        return next(c for c in typing.get_args(annotation) if c != default)
+    if isinstance(default, bool):
+        return str(not default)
+    if isinstance(default, list):
+        return "[0]"
+    if default is None:
+        return "16"
+    return str(default + (0.5 if isinstance(default, float) else 1))
+
+
+@pytest.mark.parametrize("override", ["router_score=sigmoid", "router_aux_loss_coef=0.01", "router_z_loss_coef=0.001",
+                                      "num_experts_per_tok=1", "norm_topk_prob=False", "n_group=2", "topk_group=2",
+                                      "routed_scaling_factor=2.5", "token_drop_policy=position",
+                                      "moe_intermediate_size=32", "expert_bias=True", "capacity_factor=1.5"])
+def test_a_dense_recipe_refuses_every_moe_key_the_same_way(override):
+    mc = "model.model_config."
+    key = override.split("=")[0]
+    with pytest.raises(RecipeError, match=re.escape(f"{mc}{key}: is set, but {mc}num_experts is 0 (a dense model); "
+                                                    "remove the key")):
+        load_recipe(TINY_RECIPE, (mc + override,))
+
+
+def test_every_key_of_one_kind_of_model_is_refused_on_another_kind():
+    """Walks every ModelConfig field marked only(): a value other than its default is refused on a model of another
+    kind, naming the key and what makes the model of another kind; the default itself is accepted."""
+    mc = "model.model_config."
+    marked = {kind: [f for f in dataclasses.fields(ModelConfig) if f.metadata.get("only") == kind]
+              for kind in ONLY_KIND_MESSAGE}
+    assert all(marked.values()), marked
+    for kind, fields in marked.items():
+        for f in fields:
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            with pytest.raises(RecipeError) as info:
+                load_recipe(ONLY_KIND_BASE[kind], (f"{mc}{f.name}={other_value(f)}",))
+            assert info.value.problems == [f"{mc}{f.name}: is set, but {mc}{ONLY_KIND_MESSAGE[kind]}; remove the key "
+                                           f"(its default is {default!r})"]
+            load_recipe(ONLY_KIND_BASE[kind], (f"{mc}{f.name}={'null' if default is None else default}",))
+
+
+def config_fields_read(module: str) -> set:
+    """The ModelConfig fields that models/<module>.py reads as an attribute."""
+    with open(os.path.join(REPO_ROOT, "models", f"{module}.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in names}
+
+
+def test_a_key_only_the_expert_or_latent_attention_cells_read_is_marked_as_theirs():
+    """A new field that models/moe.py (or models/mla.py) reads and the dense decoder's modules do not is marked
+    only(MOE) (only(MLA)), so that a model of another kind refuses it rather than ignoring it."""
+    marks = {f.name: f.metadata.get("only") for f in dataclasses.fields(ModelConfig)}
+    dense = config_fields_read("llama") | config_fields_read("layers")
+    moe_only = config_fields_read("moe") - dense - config_fields_read("mla") - {"num_experts"}
+    mla_only = config_fields_read("mla") - dense - config_fields_read("moe") - {"kv_lora_rank"}
+    assert moe_only and mla_only
+    assert {name: marks[name] for name in moe_only if marks[name] != "moe"} == {}
+    assert {name: marks[name] for name in mla_only if marks[name] != "mla"} == {}
