@@ -7,7 +7,10 @@ no-op libraries return.
 
 import ctypes
 import os
+import signal
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -82,3 +85,76 @@ def test_building_the_simulated_cann_where_it_cannot_be_written_is_a_message(tmp
     assert main([str(tmp_path / "afile" / "cann")]) == 2
     assert main([str(tmp_path / "afile"), "--print-env"]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing half-built left beside it
+
+
+def test_dry_run_with_DRY_RUN_set_prints_the_compiles_and_runs_none(tmp_path):
+    env = dict(without_cann(), DRY_RUN="1")
+    result = subprocess.run(["bash", LAUNCHER, os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml"), "--check",
+                             "--dry-run", "--set", f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "DRY_RUN set: nothing compiled" in result.stdout
+    assert "stage 0, rank 0: MS_SIMULATION_LEVEL=1 RANK_SIZE=8 RANK_ID=0 " in result.stdout
+    assert not (tmp_path / "run").exists()
+
+
+TINY_ASCEND = os.path.join(REPO_ROOT, "recipes", "tiny_ascend.yaml")
+_DRIVER = """
+import sys
+from ascend_llm_recipes.training.recipe.loading import load_recipe
+from ascend_llm_recipes.training.tools.dryrun import dry_run_compile
+sys.exit(dry_run_compile(load_recipe(sys.argv[1], (f"output_dir={sys.argv[2]}",), planning=True), sys.argv[1]))
+"""
+
+
+def _worker_pids(out) -> list:
+    """The PIDs of processes running a dry-run compile under `out` (their command line names their run dir)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read()
+        except OSError:
+            continue
+        if b"--run-dir" in command and str(out).encode() in command:
+            pids.append(int(pid))
+    return pids
+
+
+def test_dry_runs_of_one_output_dir_wait_for_none_and_die_with_their_launcher(tmp_path, simulated_cann_root):
+    """A second dry run of the same output_dir is refused while one runs; kill -9 of the first stops its compile."""
+    from ascend_llm_recipes.training.tools.dryrun import DRYRUN_DIR
+
+    env = simulated_cann.merged_environment(simulated_cann_root,
+                                            {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_")})
+    out = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-c", _DRIVER, TINY_ASCEND, str(out)], env=env, cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while not _worker_pids(out / DRYRUN_DIR) and first.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        workers = _worker_pids(out / DRYRUN_DIR)
+        assert workers, ("no compile started within 300 s" if first.poll() is None else
+                         f"the dry run ended (exit {first.returncode}): {first.stdout.read().decode()[-2000:]}")
+        second = subprocess.run(["bash", LAUNCHER, TINY_ASCEND, "--check", "--dry-run", "--set", f"output_dir={out}"],
+                                capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+        assert second.returncode == 2 and "is in use" in second.stderr, second.stdout + second.stderr
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        deadline = time.time() + 30
+        while any(_alive(pid) for pid in workers) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not [pid for pid in workers if _alive(pid)], "a compile outlived its launcher's kill -9"
+    finally:
+        first.kill()
+        for pid in _worker_pids(out / DRYRUN_DIR):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

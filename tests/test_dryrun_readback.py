@@ -44,7 +44,8 @@ def _role(name: str):
 def dense_readback(tmp_path_factory):
     """(recipe as compiled, {stage: Compiled}, the dry run's printed lines) of tiny_ascend at DENSE_LAYOUT, one rank
     per stage, compiled as a user compiles it: `scripts/run_distributed.sh --check --dry-run`, with no dataset (a
-    path that does not exist) and over a stale run directory of an earlier dry run."""
+    path that does not exist) and over a stale recipe and run directory of an earlier dry run (one run directory
+    per stage is left: run_dir, = glob below)."""
     missing = simulated_cann.missing_tools()
     if missing:
         pytest.skip(f"a simulated CANN for the DryRun {missing}")
@@ -53,6 +54,7 @@ def dense_readback(tmp_path_factory):
     out = tmp_path_factory.mktemp("readback")
     (out / dryrun.DRYRUN_DIR).mkdir()
     (out / dryrun.DRYRUN_DIR / "recipe.yaml").write_text("stale: true\n")
+    (out / dryrun.DRYRUN_DIR / "stage0-rank0-earlier").mkdir()  # an earlier dry run's: removed by this one
     settings = (*DENSE_LAYOUT, f"output_dir={out}", f"train_dataset.data_loader.dataset_dir={out / 'absent'}")
     result = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "run_distributed.sh"), TINY_ASCEND, "--check",
                              "--dry-run", *(arg for item in settings for arg in ("--set", item))],
@@ -70,6 +72,7 @@ def dense_readback(tmp_path_factory):
 def test_the_dry_run_prints_a_line_per_compiled_rank_with_simulated_and_planned_memory(dense_readback):
     _, _, lines = dense_readback
     assert len(lines) == 3 and "DP 2 x TP 2 x PP 2 on 8 ranks" in lines[0], lines
+    assert "(1 of an earlier dry run removed)" in lines[0]
     assert sorted(line.split(" (")[0] for line in lines[1:]) == ["dry-run: stage 0, rank 0 of 8",
                                                                  "dry-run: stage 1, rank 4 of 8"]
     for line in lines[1:]:

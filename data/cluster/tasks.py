@@ -12,7 +12,6 @@ traceback) goes to a file beside datatrove's task log; its error comes back as a
 The Ray executor (data/cluster/scale.py) reports its tasks' failures as TaskFailures too.
 """
 
-import ctypes
 import multiprocessing
 import os
 import signal
@@ -24,6 +23,7 @@ from multiprocessing.connection import wait
 from tqdm import tqdm
 
 from ascend_llm_recipes.common.errors import DataError, PretrainError
+from ascend_llm_recipes.common.processes import die_with_parent
 
 DIED, ERROR, OS_ERROR, BUG = "died", "error", "oserror", "bug"
 RERUN = "rerun the same command to continue: it redoes only the unfinished tasks"
@@ -74,17 +74,6 @@ def raise_failures(stage: str, failures: list, total: int, completed: int, os_er
 
 # ---- the worker processes -----------------------------------------------------------------------------
 
-def _die_with_parent(parent: int) -> None:
-    """Have the kernel kill this worker when the parent dies (kill -9 included): an orphan task would race the
-    rerun's copy of it in the same scratch directory."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return  # not Linux/glibc: the worker exits at its next job instead (the pipe is closed)
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def _redirect_output(path: str) -> None:
     """Send this process's stdout and stderr (datatrove's console log, loguru's own complaints) to `path`."""
     try:
@@ -100,7 +89,7 @@ def _redirect_output(path: str) -> None:
 
 
 def _worker(conn, parent: int) -> None:
-    _die_with_parent(parent)
+    die_with_parent(parent)  # an orphan task would race the rerun's copy of it in the same scratch directory
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent answers it
     while True:
         try:

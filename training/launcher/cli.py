@@ -339,7 +339,8 @@ def main(argv=None) -> int:
             if args.dry_run:
                 from ascend_llm_recipes.training.tools.dryrun import dry_run_compile
                 return dry_run_compile(load_recipe(args.recipe, tuple(args.overrides), planning=True), args.recipe,
-                                       layers=args.layers)
+                                       layers=args.layers,
+                                       print_only=os.environ.get("DRY_RUN", "") not in ("", "0"))
             recipe = load_recipe(args.recipe, tuple(args.overrides))
             return 2 if has_errors(preflight(recipe, master_port=args.master_port)) else 0
         return launch(args.recipe, args.overrides, nodes=args.nodes, node_rank=args.node_rank,

@@ -15,8 +15,11 @@ the hardware.
 """
 
 import dataclasses
+import glob
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ascend_llm_recipes.common.errors import LaunchError, RecipeError
+from ascend_llm_recipes.common.processes import die_with_parent
 from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,6 +38,8 @@ DRYRUN_DIR = "dryrun"
 # What MindSpore prints at the end of a simulated run (ms_context / memory manager): the peak of its memory pool.
 _PEAK = re.compile(r"Actual peak memory usage \(with fragments\): (\d+)M")
 PARALLEL_COMPILES = 4  # ranks compiled at once (each a single-threaded MindSpore compile of the whole network)
+LOCK_NAME = "dryrun.lock"  # OUTPUT_DIR/dryrun/dryrun.lock: one dry run of an output_dir at a time
+_RUNNING = set()  # the compiles' processes, stopped on Ctrl-C
 
 
 @dataclass
@@ -139,17 +145,45 @@ def compile_rank(recipe, recipe_path: str, stage: int, rank: int, planned_bytes:
     env = {**os.environ, **(env or {}), "MS_SIMULATION_LEVEL": "1", "RANK_SIZE": str(recipe.world_size),
            "RANK_ID": str(rank), "LOCAL_DEFAULT_PATH": run_dir}
     log = os.path.join(run_dir, "worker.log")
-    started = time.time()
+    started, parent = time.time(), os.getpid()
     with open(log, "wb") as out:
+        # killed with the launcher (kill -9 included): a compile left behind would hold a core for many minutes
+        process = subprocess.Popen(worker_command(run_dir), env=env, stdout=out, cwd=run_dir,
+                                   stderr=subprocess.STDOUT, preexec_fn=lambda: die_with_parent(parent))
+        _RUNNING.add(process)
         try:
-            code = subprocess.run([sys.executable, WORKER, "--run-dir", run_dir], env=env, stdout=out, cwd=run_dir,
-                                  stderr=subprocess.STDOUT, timeout=timeout).returncode
+            code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
             code = -1
+        finally:
+            _RUNNING.discard(process)
     with open(log, encoding="utf-8", errors="replace") as f:
         peaks = [int(m) for m in _PEAK.findall(f.read())]
     return Compiled(stage=stage, rank=rank, seconds=time.time() - started, returncode=code, run_dir=run_dir, log=log,
                     simulated_peak_bytes=max(peaks) * 2**20 if peaks else None, planned_bytes=planned_bytes)
+
+
+def worker_command(run_dir: str) -> list:
+    return [sys.executable, WORKER, "--run-dir", run_dir]
+
+
+def _stop_compiles() -> None:
+    for process in list(_RUNNING):
+        process.kill()
+
+
+def _take_base(base: str):
+    """Hold OUTPUT_DIR/dryrun for this dry run and remove the run directories earlier dry runs left there."""
+    from ascend_llm_recipes.training.launcher.job import RunDirLock
+
+    lock = RunDirLock(base, name=LOCK_NAME)
+    lock.acquire()  # a second dry run of the same output_dir is refused, naming the first one's PID
+    earlier = sorted(glob.glob(os.path.join(base, "stage*-rank*-*")))
+    for path in earlier:
+        shutil.rmtree(path, ignore_errors=True)
+    return lock, len(earlier)
 
 
 def failure_line(log: str) -> str:
@@ -182,9 +216,12 @@ def _gib(n: Optional[int]) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def dry_run_compile(recipe, recipe_path: str, layers: int = None, timeout: float = None) -> int:
+def dry_run_compile(recipe, recipe_path: str, layers: int = None, timeout: float = None,
+                    print_only: bool = False) -> int:
     """Compile one rank per pipeline stage and print a line for each; 0 when all compiled, 1 if one did not,
-    2 when no CANN (real or simulated) is installed.
+    2 when no CANN (real or simulated) is installed, 130 when interrupted (Ctrl-C: the compiles are stopped).
+
+    print_only (DRY_RUN=1): print the compiles' commands, compile nothing.
 
     layers: compile the recipe's layout at this depth (a multiple of the pipeline stages); default_layers when None.
     """
@@ -194,10 +231,6 @@ def dry_run_compile(recipe, recipe_path: str, layers: int = None, timeout: float
         raise LaunchError(f"context.device_target {recipe.context.device_target}: --dry-run compiles an Ascend "
                           "recipe's graph under MindSpore's DryRun, which simulates Ascend devices only",
                           hint="use an Ascend recipe (recipes/tiny_ascend.yaml, ...); a CPU recipe trains as it is")
-    missing = cann_missing()
-    if missing:
-        print(f"dry-run: not run: {missing}", flush=True)
-        return 2
     compiled_recipe = compile_recipe(recipe)
     full = compiled_recipe.model.model_config.num_layers
     layers = default_layers(recipe) if layers is None else layers
@@ -206,21 +239,52 @@ def dry_run_compile(recipe, recipe_path: str, layers: int = None, timeout: float
         compiled_recipe = shallower(compiled_recipe, layers, recipe_path)
     planned = [s.total(compiled_recipe.recompute_config.mode) for s in stage_memory(compiled_recipe)]
     base = os.path.join(recipe.output_dir, DRYRUN_DIR)
-    print(f"dry-run: {os.path.basename(recipe_path)}{depth}: {layout(recipe)} on {recipe.world_size} ranks, one rank "
-          f"per pipeline stage compiled under MS_SIMULATION_LEVEL=1; run directories in {base}", flush=True)
-    failed = 0
+    header = (f"dry-run: {os.path.basename(recipe_path)}{depth}: {layout(recipe)} on {recipe.world_size} ranks, one "
+              f"rank per pipeline stage compiled under MS_SIMULATION_LEVEL=1")
+    if print_only:
+        print(f"{header}; DRY_RUN set: nothing compiled. Each compile runs, in a new directory under {base}:",
+              flush=True)
+        for stage, rank in roles(recipe):
+            print(f"  stage {stage}, rank {rank}: MS_SIMULATION_LEVEL=1 RANK_SIZE={recipe.world_size} RANK_ID={rank} "
+                  f"{shlex.join(worker_command(os.path.join(base, f'stage{stage}-rank{rank}-XXXX')))}", flush=True)
+        return 0
+    missing = cann_missing()
+    if missing:
+        print(f"dry-run: not run: {missing}", flush=True)
+        return 2
+    lock, removed = _take_base(base)
+    print(f"{header}; run directories in {base}"
+          + (f" ({removed} of an earlier dry run removed)" if removed else ""), flush=True)
+    try:
+        return _compile_roles(recipe, compiled_recipe, recipe_path, planned, base, timeout)
+    except KeyboardInterrupt:
+        _stop_compiles()
+        print(f"dry-run: interrupted; the compiles were stopped (their logs are in {base})", flush=True)
+        return 130
+    finally:
+        lock.release()
+
+
+def _compile_roles(recipe, compiled_recipe, recipe_path: str, planned: list, base: str, timeout: float) -> int:
     with ThreadPoolExecutor(max_workers=min(len(roles(recipe)), PARALLEL_COMPILES, os.cpu_count() or 1)) as pool:
         jobs = [pool.submit(compile_rank, compiled_recipe, recipe_path, stage, rank, planned[stage], base, timeout)
                 for stage, rank in roles(recipe)]
-        for job in as_completed(jobs):
-            result = job.result()
-            where = f"dry-run: stage {result.stage}, rank {result.rank} of {recipe.world_size} ({layout(recipe)})"
-            if result.ok:
-                print(f"{where}: compiled in {result.seconds:.1f} s; simulated peak "
-                      f"{_gib(result.simulated_peak_bytes)} (MindSpore's memory pool; no kernel workspaces under "
-                      f"simulation) vs planned {_gib(result.planned_bytes)}", flush=True)
-            else:
-                failed += 1
-                print(f"{where}: FAILED (exit {result.returncode}) after {result.seconds:.1f} s: "
-                      f"{failure_line(result.log)}\n         log: {result.log}", flush=True)
-    return 1 if failed else 0
+        try:
+            compiled = [_report(recipe, job.result()) for job in as_completed(jobs)]
+        except KeyboardInterrupt:
+            _stop_compiles()  # before the pool's exit, which waits for them
+            raise
+    return 0 if all(compiled) else 1
+
+
+def _report(recipe, result: Compiled) -> bool:
+    """Print a compile's line; whether it compiled."""
+    where = f"dry-run: stage {result.stage}, rank {result.rank} of {recipe.world_size} ({layout(recipe)})"
+    if result.ok:
+        print(f"{where}: compiled in {result.seconds:.1f} s; simulated peak "
+              f"{_gib(result.simulated_peak_bytes)} (MindSpore's memory pool; no kernel workspaces under "
+              f"simulation) vs planned {_gib(result.planned_bytes)}", flush=True)
+    else:
+        print(f"{where}: FAILED (exit {result.returncode}) after {result.seconds:.1f} s: "
+              f"{failure_line(result.log)}\n         log: {result.log}", flush=True)
+    return result.ok
