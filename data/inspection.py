@@ -12,7 +12,8 @@ from mindspore.mindrecord import FileReader
 
 from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.common.files import file_sha256
-from ascend_llm_recipes.data.mindrecord_io import MANIFEST, indexes_hashed, open_problem, read_manifest
+from ascend_llm_recipes.data.mindrecord_io import (MANIFEST, PADDING_PLOT, REPORT_DIR, REPORT_TEXT, indexes_hashed,
+                                                   open_problem, read_manifest)
 from ascend_llm_recipes.data.prepare import model_mismatches, rerun_command, summary, validation_dir
 from ascend_llm_recipes.data.tokenizer import load_tokenizer
 
@@ -156,11 +157,11 @@ class _IdsOnly:
 def report_dataset(dataset_dir: str, output_dir: str = None) -> tuple:
     """(text report, PNG paths): filters and counts, tokens per source, document lengths, padding."""
     manifest = read_manifest(dataset_dir)
-    output_dir = output_dir or os.path.join(dataset_dir, "report")
+    output_dir = output_dir or os.path.join(dataset_dir, REPORT_DIR)
     os.makedirs(output_dir, exist_ok=True)
     sources = sorted(manifest.get("inputs", {}).get("list", []), key=lambda s: -s["tokens"])
     text = _report_text(dataset_dir, manifest, sources)
-    with open(os.path.join(output_dir, "report.txt"), "w", encoding="utf-8") as f:
+    with open(os.path.join(output_dir, REPORT_TEXT), "w", encoding="utf-8") as f:
         f.write(text + "\n")
     return text, _plots(dataset_dir, manifest, sources, output_dir)
 
@@ -175,6 +176,10 @@ def _report_text(dataset_dir: str, manifest: dict, sources: list) -> str:
         lines += ["", "bad input (skipped):"]
         lines += [f"  {kind:<16} {n:>8,}   first: {bad['first'].get(kind, '')}"
                   for kind, n in bad["counts"].items() if n]
+    skipped = manifest.get("inputs", {}).get("skipped", [])
+    if skipped:
+        lines += ["", f"not read ({len(skipped)} path(s) in the input folders):"]
+        lines += [f"  {s['path']}: {s['reason']}" for s in skipped[:20]] + (["  ..."] if len(skipped) > 20 else [])
     packing = manifest.get("packing", {"mode": "stream", "tail": "pad", "split_documents": 0})
     lines += ["", f"packing: {packing['mode']} (tail {packing['tail']}), {manifest['samples']:,} samples, "
                   f"{manifest['padding_tokens']:,} padding tokens ({manifest['padding_rate']:.4%}), "
@@ -224,7 +229,7 @@ def _plots(dataset_dir: str, manifest: dict, sources: list, output_dir: str) -> 
         ax.set_xlabel("tokens")
         ax.set_title(f"tokens per source (top {len(top)} of {len(sources)})")
         save(fig, "tokens_per_source.png")
-    save(padding_figure(manifest), "padding.png")
+    save(padding_figure(manifest), PADDING_PLOT)
     return paths
 
 

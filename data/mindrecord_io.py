@@ -30,11 +30,23 @@ WRITE_BATCH = 1024  # samples per FileWriter call: bounded memory, few Python ro
 SCHEMA = {"input_ids": {"type": "int32", "shape": [-1]}}
 MINDRECORD_MIN_FREE = 10 << 20  # FileWriter refuses to write with less free space than this ("No free disk")
 VERIFY_CACHE = ".verified.json"
+# `--report DIR` writes DIR/report/ (or --report-output) holding at least these two.
+REPORT_DIR, REPORT_TEXT, PADDING_PLOT = "report", "report.txt", "padding.png"
 SAMPLE_BLOCKS, SAMPLE_BYTES = 16, 64 << 10  # the sampled hash reads 16 blocks of 64 KB per file (1 MB)
 
 
 def partial_dir(output_dir: str) -> str:
     return output_dir.rstrip("/") + ".partial"
+
+
+def lock_path(output_dir: str) -> str:
+    """The lock a run holds on its output (data/prepare.py output_lock)."""
+    return os.path.abspath(output_dir).rstrip("/") + ".lock"
+
+
+def logs_dir(output_dir: str) -> str:
+    """Where the run in many tasks keeps datatrove's records (its completed tasks, the sbatch scripts)."""
+    return os.path.abspath(output_dir.rstrip("/") + ".logs")
 
 
 def write_shard(directory: str, name: str, rows: np.ndarray, pad_id: int) -> dict:

@@ -11,13 +11,15 @@ import shlex
 import sys
 
 from ascend_llm_recipes.common.errors import DataError
-from ascend_llm_recipes.data.text.corpus import expand_inputs, python_stdlib_files
-from ascend_llm_recipes.data.mindrecord_io import check_files_present, read_manifest
+from ascend_llm_recipes.data.text.corpus import python_stdlib_files
+from ascend_llm_recipes.data.text.inputs import expand_inputs, written_paths
+from ascend_llm_recipes.data.mindrecord_io import MANIFEST, check_files_present, lock_path, read_manifest
 from ascend_llm_recipes.data.text.pipeline import PrepareOptions, prepare_local
-from ascend_llm_recipes.data.run_state import Job
+from ascend_llm_recipes.data.run_state import Job, val_output_dir
 from ascend_llm_recipes.models.arithmetic import ALIGN, round_up
 
 SOURCES = ("python_stdlib",)
+SKIPPED_SHOWN = 20  # skipped inputs printed before the run (the manifest lists them all)
 
 # PrepareOptions field -> command-line flag, for commands rebuilt from a manifest.
 FLAGS = {"text_field": "--text-field", "lines": "--lines", "normalization": "--normalize",
@@ -100,16 +102,25 @@ def prepare_dataset(output_dir: str, seq_length: int, vocab_size: int = 2048, so
         problems.append(f"samples_per_shard must be >= 1, got {samples_per_shard}")
     if problems:
         raise DataError("; ".join(problems), hint="fix the arguments; nothing was written")
+    skipped = []
     if inputs:
-        files, missing = expand_inputs(list(inputs))
+        found = expand_inputs(list(inputs), written_paths(output_dir, val_output_dir(output_dir, opts.val_output)))
+        files, missing, skipped = found.files, found.problems, found.skipped
         source = "files"
     elif source in SOURCES:
         files, missing = [str(p) for p in python_stdlib_files()], []
     else:
         raise DataError(f"unknown data source {source!r}", hint="use python_stdlib or pass input files")
     if not files:
-        raise DataError(f"no input file found: {missing[0][0]}: {missing[0][1]} ({len(missing)} in all)",
-                        hint="check the --input paths and patterns")
+        raise DataError(f"no input file found: {missing[0][0]}: {missing[0][1]}" +
+                        (f" ({len(missing)} in all)" if len(missing) > 1 else ""),
+                        hint="check the --input paths and patterns; nothing was written")
+    if skipped:
+        print(f"prepare: reading {len(files)} input file(s); not reading {len(skipped)} path(s) in the input folders "
+              f"(listed in the manifest's inputs.skipped):\n" +
+              "".join(f"  {path}: {reason}\n" for path, reason in skipped[:SKIPPED_SHOWN]) +
+              (f"  ... and {len(skipped) - SKIPPED_SHOWN} more\n" if len(skipped) > SKIPPED_SHOWN else ""),
+              end="", file=sys.stderr, flush=True)
     if missing:
         listed = "; ".join(f"{path}: {reason}" for path, reason in missing[:3]) + (" ..." if len(missing) > 3 else "")
         if opts.strict:
@@ -119,14 +130,14 @@ def prepare_dataset(output_dir: str, seq_length: int, vocab_size: int = 2048, so
               f"instead): {listed}", file=sys.stderr, flush=True)
     with output_lock(output_dir):
         return _prepare(output_dir, seq_length, vocab_size, source, inputs, files, missing, max_documents, tokenizer,
-                        samples_per_shard, show_progress, opts, scaled, tasks, cluster)
+                        samples_per_shard, show_progress, opts, scaled, tasks, cluster, skipped)
 
 
 @contextlib.contextmanager
 def output_lock(output_dir: str):
     """Hold OUTPUT.lock (an flock, gone with its holder even after kill -9) so that two runs never write one output;
     the file names the holder's PID and is removed on release."""
-    path = os.path.abspath(output_dir).rstrip("/") + ".lock"
+    path = lock_path(output_dir)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -154,7 +165,7 @@ def output_lock(output_dir: str):
 
 
 def _prepare(output_dir, seq_length, vocab_size, source, inputs, files, missing, max_documents, tokenizer,
-             samples_per_shard, show_progress, opts, scaled, tasks, cluster) -> dict:
+             samples_per_shard, show_progress, opts, scaled, tasks, cluster, skipped) -> dict:
     """prepare_dataset's work once its arguments are checked and the output is locked."""
     arguments = (output_dir, seq_length, vocab_size, source, [str(p) for p in inputs or []], files, missing,
                  max_documents, tokenizer, samples_per_shard, show_progress, opts)
@@ -164,8 +175,8 @@ def _prepare(output_dir, seq_length, vocab_size, source, inputs, files, missing,
         from ascend_llm_recipes.data.cluster.scale import prepare_scaled
         # Each task processes its range in its own process; parallelism is the number of tasks at once.
         arguments = arguments[:-1] + (replace(opts, workers=0),)
-        return prepare_scaled(Job(*arguments, tasks=tasks), cluster)
-    return prepare_local(Job(*arguments))
+        return prepare_scaled(Job(*arguments, tasks=tasks, skipped=skipped), cluster)
+    return prepare_local(Job(*arguments, skipped=skipped))
 
 
 def summary(output_dir: str, manifest: dict) -> str:
@@ -196,6 +207,9 @@ def summary(output_dir: str, manifest: dict) -> str:
         first = manifest["bad_input"]["first"]
         text += " Skipped bad input: " + "; ".join(f"{n} {kind} (first: {first[kind]})" for kind, n in bad.items())
         text += "."
+    skipped = manifest.get("inputs", {}).get("skipped")
+    if skipped:
+        text += f" Not read: {len(skipped)} path(s) in the input folders (inputs.skipped in {MANIFEST})."
     if manifest.get("validation"):
         v = manifest["validation"]
         text += (f" Validation: {v['documents']} documents held out, {v['tokens']:,} tokens in {v['samples']:,} "

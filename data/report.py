@@ -202,5 +202,7 @@ def _inputs(job, tallies: Tallies) -> dict:
                "bytes": size, "sha256": file_sha256(path), "documents": int(docs), "tokens": int(tokens)}
               for path, size, (fmt, gz), docs, tokens in
               zip(job.files, job.sizes, map(input_format, job.files), tallies.file_docs, tallies.file_tokens)]
+    skipped = [{"path": os.path.abspath(p) + os.sep * p.endswith(os.sep), "reason": reason}  # a folder keeps its /
+               for p, reason in job.skipped]
     return {"files": len(job.files), "bytes": sum(job.sizes), "missing": [p for p, _ in job.missing],
-            "list": listed}
+            "list": listed, "skipped": skipped}

@@ -30,19 +30,26 @@ OUTPUT_PER_INPUT_BYTE = 1.5
 IDENTITY_DEFAULTS = {"tasks": 1}
 
 
+def val_output_dir(output_dir: str, val_output: str = "") -> str:
+    """The validation dataset's directory: --val-output, else OUTPUT-val."""
+    return val_output or output_dir.rstrip("/") + "-val"
+
+
 class Job:
     """The inputs, arguments and options of one run; `tasks` is None for the single pass, else the number of
-    ranges data/cluster/scale.py cuts the work into (part of the identity: it shapes the samples)."""
+    ranges data/cluster/scale.py cuts the work into (part of the identity: it shapes the samples). `skipped`:
+    [(path, reason)] the input folders held but are not read (data/text/inputs.py), for the manifest."""
 
     def __init__(self, output_dir: str, seq_length: int, vocab_size: int, source: str, patterns: list,
                  files: list, missing: list, max_documents: int, tokenizer: str, samples_per_shard: int,
-                 show_progress: bool, opts, tasks: int = None):
+                 show_progress: bool, opts, tasks: int = None, skipped: list = ()):
         self.output_dir, self.seq_length, self.vocab_size = output_dir, seq_length, vocab_size
         self.source, self.patterns, self.files, self.missing = source, patterns, files, missing
+        self.skipped = list(skipped)
         self.max_documents, self.tasks = max_documents, tasks
         self.tokenizer_source = resolve_tokenizer(tokenizer) if tokenizer else None  # a directory names its file
         self.samples_per_shard, self.show_progress, self.opts = samples_per_shard, show_progress, opts
-        self.val_output = opts.val_output or output_dir.rstrip("/") + "-val"
+        self.val_output = val_output_dir(output_dir, opts.val_output)
         self.sizes = [_size(f) for f in files]
         self.workers = default_workers(sum(self.sizes)) if opts.workers < 0 else opts.workers
         self.fingerprint = self._fingerprint()

@@ -89,7 +89,8 @@ def test_every_format_round_trips_to_the_cleaned_documents(tmp_path, docs, token
     (src / "d.txt").write_text(docs[20], encoding="utf-8")
     one_line = [d.replace("\n", " ") for d in docs[21:24]]
     (src / "e.txt.gz").write_bytes(gzip.compress("\n".join(one_line).encode()))
-    manifest = prepare(tmp_path / "ds", tokenizer, [src], lines=False)
+    # a glob: a folder holding .jsonl or .parquet files is read for those alone (tests/test_data_inputs.py)
+    manifest = prepare(tmp_path / "ds", tokenizer, [src / "*"], lines=False)
     per_line = prepare(tmp_path / "lines", tokenizer, [src / "e.txt.gz"], lines=True)
     verify_files(str(tmp_path / "ds"), manifest)
     expected = [clean_text(d).strip() for d in docs[:21] + ["\n".join(one_line)]]

@@ -40,7 +40,7 @@ from ascend_llm_recipes.data.text.dedup import BANDS, NEAR_DUPLICATES, KeyIndex,
     shingle_hashes, shingle_set
 from ascend_llm_recipes.data.cluster.executors import (ClusterOptions, connect_ray, run_stage, sbatch_scripts,
                                                        stage_executor)
-from ascend_llm_recipes.data.mindrecord_io import MANIFEST, write_json_atomic
+from ascend_llm_recipes.data.mindrecord_io import MANIFEST, logs_dir, write_json_atomic
 from ascend_llm_recipes.data.packing import PackStats
 from ascend_llm_recipes.data.report import Report, Tallies, dataset_entry, write_manifests
 from ascend_llm_recipes.data.run_state import Job, RunState
@@ -62,7 +62,7 @@ class ScaleRun:
         self.job, self.tasks = job, job.tasks
         self.state = RunState(job, "rerun the same command: it redoes only the unfinished tasks")
         self.scratch = os.path.join(self.state.state, "scale")
-        self.logs = os.path.abspath(job.output_dir.rstrip("/") + ".logs")  # sbatch scripts name it
+        self.logs = logs_dir(job.output_dir)  # sbatch scripts name it
         self.parts: list = []
 
     def has_progress(self) -> bool:

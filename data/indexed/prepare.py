@@ -44,7 +44,7 @@ from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.common.files import file_sha256
 from ascend_llm_recipes.data.indexed.reader import open_indexed
 from ascend_llm_recipes.data.indexed.steps import SOURCE, merge, plan, scan, write
-from ascend_llm_recipes.data.mindrecord_io import MANIFEST, partial_dir
+from ascend_llm_recipes.data.mindrecord_io import MANIFEST, logs_dir, partial_dir
 from ascend_llm_recipes.data.packing import TAILS
 from ascend_llm_recipes.data.run_state import RunState
 from ascend_llm_recipes.data.tokenizer import NO_PAD, load_tokenizer, resolve_tokenizer
@@ -81,7 +81,7 @@ class IndexedRun:
         self.work = partial_dir(output_dir)
         self.state = os.path.join(self.work, "state")
         self.scratch = os.path.join(self.state, "indexed")
-        self.logs = os.path.abspath(output_dir.rstrip("/") + ".logs")
+        self.logs = logs_dir(output_dir)
         self.val_output = opts.val_output or output_dir.rstrip("/") + "-val"
         self._check_arguments()
         self.corpora = [open_indexed(p) for p in opts.prefixes]

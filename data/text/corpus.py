@@ -2,16 +2,16 @@
 
 Inputs are `.txt` (one document per file, or one per line), `.jsonl` (one JSON object per
 line, text in a configurable field), `.parquet` (a text column), and gzip-compressed
-`.txt.gz`/`.jsonl.gz`; any other suffix (e.g. `.py`) is read as text. The reader does no
-per-document work: it cuts files into ~1 MB pieces that worker processes parse, so memory
-stays bounded whatever the corpus size. Every chunk records the position it starts at,
+`.txt.gz`/`.jsonl.gz`; any other suffix (e.g. `.py`, a file named or globbed; data/text/inputs.py
+says which files a folder gives) is read as text. The reader does no per-document work: it cuts
+files into ~1 MB pieces that worker processes parse, so memory stays bounded whatever the
+corpus size. Every chunk records the position it starts at,
 which is what an interrupted run resumes from.
 
 The default corpus is the Python standard library's own source: real text that exists
 wherever Python runs, so the demo needs no download.
 """
 
-import glob
 import gzip
 import os
 import sysconfig
@@ -61,44 +61,6 @@ class BadInput:
     file: int
     line: int
     detail: str
-
-
-def expand_inputs(patterns: list) -> tuple:
-    """(sorted existing files, [(pattern or path, reason)] for what names nothing readable).
-
-    A pattern is a path, a glob (`data/**/*.jsonl`) or a directory (every file below it).
-    Sorting makes the output independent of the order the shell or the user listed them in.
-    A dangling symbolic link or a FIFO that a glob or a directory yields is reported here, before
-    anything is read, rather than failing (or blocking) when it is opened.
-    """
-    files, problems = set(), {}
-    for pattern in patterns:
-        pattern = str(pattern)
-        if glob.has_magic(pattern):
-            found = [p for p in glob.glob(pattern, recursive=True) if not os.path.isdir(p)]
-            if not found:
-                problems[pattern] = "the pattern matches no file"
-        elif os.path.isdir(pattern):
-            found = [os.path.join(d, n) for d, _, names in os.walk(pattern) for n in names]
-            if not found:
-                problems[pattern] = "the directory holds no file"
-        elif os.path.lexists(pattern):
-            found = [pattern]
-        else:
-            found = []
-            problems[pattern] = "no such file"
-        for path in found:
-            if os.path.isfile(path):
-                files.add(path)
-            else:
-                problems[path] = _not_a_file(path)
-    return sorted(files), sorted(problems.items())
-
-
-def _not_a_file(path: str) -> str:
-    if os.path.islink(path) and not os.path.exists(path):
-        return f"a symbolic link to {os.readlink(path)}, which does not exist"
-    return "not a regular file"
 
 
 @dataclass
