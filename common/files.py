@@ -1,8 +1,10 @@
-"""Atomic file writes and file hashing, the one copy every package uses."""
+"""Atomic file writes, file hashing and free disk space, the one copy every package uses."""
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 
 
 def write_atomic(path: str, data, fsync: bool = True) -> None:
@@ -55,3 +57,24 @@ def file_sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def disk_full(err: OSError) -> bool:
+    """The error says the disk, or the user's quota on it, is full."""
+    return err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes on the disk holding `path` (its nearest existing parent when it does not exist; 0 if unreadable)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+def megabytes(n: int) -> str:
+    """A byte count as the data and checkpoint messages give it: '12.3 MB' (MiB)."""
+    return f"{n / (1 << 20):,.1f} MB"

@@ -2,12 +2,17 @@
 
 import json
 import os
+import shutil
 import time
+from contextlib import contextmanager
 
 import mindspore as ms
 import numpy as np
 from mindspore.train.callback import Callback
 
+from ascend_llm_recipes.common.errors import LaunchError
+from ascend_llm_recipes.common.files import disk_full, free_bytes, megabytes
+from ascend_llm_recipes.training.run_files import CHECKPOINTS
 from ascend_llm_recipes.training.worker.callbacks import StepRecorder
 
 
@@ -47,6 +52,7 @@ class Checkpointer(Callback):
         self.last_saved = None
         self.blocked_time = 0.0  # seconds training waited for saves (benchmark figure)
         self._writer = None
+        self._failure = None  # the background writer's error, raised by wait()
 
     def stop_without_saving(self) -> None:
         """The run stops at this step to roll back (AnomalyMonitor): it must not be saved."""
@@ -94,31 +100,70 @@ class Checkpointer(Callback):
                  "next_samples": describe_next(self.order, position, next_samples_count(self.global_batch_size)),
                  "data_skips": [list(r) for r in self.skips], "rng_state": rng_state(), **self.state_extra}
         tensors = ckpt.snapshot(params.train_network)
+        rank_dir = os.path.join(directory, f"rank_{self.rank}")
+        size = sum(t["data"].nbytes for t in tensors)
 
         def write():
-            if self.rank == 0:
-                os.makedirs(directory, exist_ok=True)
-                ckpt.write_atomic(os.path.join(directory, ckpt.STATE), json.dumps(state, indent=1))
-            ckpt.write_rank(os.path.join(directory, f"rank_{self.rank}"), name, tensors, append, meta)
-            if kind == "step":
-                ckpt.prune(self.run_dir, self.rank, self.keep_last, self.keep_every)
+            with self.naming_a_full_disk(step, rank_dir, size):
+                if self.rank == 0:
+                    os.makedirs(directory, exist_ok=True)
+                    ckpt.write_atomic(os.path.join(directory, ckpt.STATE), json.dumps(state, indent=1))
+                ckpt.write_rank(rank_dir, name, tensors, append, meta)
+                if kind == "step":
+                    ckpt.prune(self.run_dir, self.rank, self.keep_last, self.keep_every)
 
+        with self.naming_a_full_disk(step, rank_dir, size):
+            self.recorder.heartbeat.beat("save", step)  # the phase the launcher names if this save fails
         if self.async_save and kind == "step":
             import threading
-            self._writer = threading.Thread(target=write, name=f"checkpoint-{step}")
+            self._writer = threading.Thread(target=self._record_failure, args=(write,), name=f"checkpoint-{step}")
             self._writer.start()
         else:
             write()
-        self.recorder.heartbeat.beat("save", step)
         self.last_saved = step
         self.blocked_time += time.perf_counter() - start
         self.recorder.pause_ended()
         return directory
 
     def wait(self) -> None:
+        """Wait for the save in flight; its failure (in the background writer) is raised here."""
         if self._writer is not None:
             self._writer.join()
             self._writer = None
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+
+    def _record_failure(self, write) -> None:
+        try:
+            write()
+        except Exception as err:  # raised by wait(), in the training thread
+            self._failure = err
+
+    @contextmanager
+    def naming_a_full_disk(self, step: int, rank_dir: str, checkpoint_bytes: int):
+        """A full disk met during the step-N save is raised as disk_full_error's LaunchError."""
+        try:
+            yield
+        except OSError as err:
+            if not disk_full(err):
+                raise
+            raise self.disk_full_error(step, rank_dir, checkpoint_bytes) from err
+
+    def disk_full_error(self, step: int, rank_dir: str, checkpoint_bytes: int) -> LaunchError:
+        """What a full disk at the step-N save says: the space free once this rank's incomplete files of the step are
+        removed (a resume sets the step aside anyway; the rank's status and error need a little room) and what a
+        save takes. The launcher's report adds the step a rerun resumes from."""
+        from ascend_llm_recipes.training.checkpoint import MANIFEST
+
+        if not os.path.isfile(os.path.join(rank_dir, MANIFEST)):
+            shutil.rmtree(rank_dir, ignore_errors=True)
+        where = os.path.join(self.run_dir, CHECKPOINTS)
+        return LaunchError(
+            f"disk full at the step-{step} save: {megabytes(free_bytes(where))} free on {where}; this rank's "
+            f"checkpoint takes about {megabytes(checkpoint_bytes)}, and a save needs room for one more than the "
+            f"{self.keep_last} kept (keep_checkpoint_max) until the oldest is pruned",
+            hint="free space on that disk, lower keep_checkpoint_max, or point output_dir at a larger disk")
 
 
 def rng_state() -> list:
