@@ -44,7 +44,9 @@ def test_the_launcher_reads_what_the_worker_writes(tmp_path):
     assert report.splitlines()[:2] == ["[launch] training failed (msrun exit code 1)",
                                        "[launch] rank 1 failed first: reported a failure in phase 'eval': "
                                        "ValueError: boom"]
-    assert f"--- last 25 lines of {run_dir}/logs/worker_0.log ---\n(no log at" in report
+    assert f"--- last 25 lines of {run_dir}/logs/worker_0.log (MindFormers' known lines left out, repeats folded) " \
+           "---\n(no log at" in report
+    assert "rank 1: failed (last phase 'eval'" in report and report.count("ValueError: boom") == 1  # in the headline
 
 
 def test_only_rank_status_opens_the_ranks_files():

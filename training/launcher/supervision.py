@@ -15,11 +15,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ascend_llm_recipes.training.launcher.job import LAUNCHER_ENV, job_processes, process_id, send, start_time
 from ascend_llm_recipes.training.launcher.rendezvous import NodeGroup
 from ascend_llm_recipes.training.rank_status import read_heartbeat, read_status
-from ascend_llm_recipes.training.run_files import LOGS, MSRUN_LOG, worker_log
+from ascend_llm_recipes.training.run_files import LOGS, MINDFORMERS_DIRS, MSRUN_LOG, worker_log
 
 STOP_GRACE_SECONDS = 120  # after Ctrl-C/SIGTERM: time for the ranks to finish their step and save
 FAILURE_GRACE_SECONDS = 10  # after a rank failed: time for msrun to stop the rest before the launcher kills them
@@ -33,6 +34,42 @@ NOTED_SECONDS = 0.5
 # msrun's log lines about its workers (mindspore/parallel/cluster/process_entity/_api.py:364 and 369).
 WORKER_EXIT_LINE = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
 KILLED_THE_REST_LINE = "There's worker exits with exception, kill all other workers."
+
+
+@dataclass(frozen=True)
+class KnownLine:
+    """Lines of the workers' output (MindFormers') that the console leaves out, saying so once with `reason`, or
+    shortens (`replacement`, for re.sub). The logs keep every line as it was written."""
+    pattern: "re.Pattern"
+    what: str
+    reason: str
+    replacement: Optional[str] = None
+
+
+KNOWN_LINES = (
+    KnownLine(re.compile(r" - mindformers/.*?/log\["), "MindFormers' logger name",
+              "it names its logger after its log folder (mindformers/tools/logger.py:490)", " - mindformers["),
+    KnownLine(re.compile(r"Import PyNative\w+ failed: No module named 'hyper_parallel'"),
+              "MindFormers' warnings 'Import PyNative... failed: No module named hyper_parallel'",
+              "MindFormers 1.9 tries its PyNative DeepSeek-V3 and Qwen3 models at import "
+              "(models/deepseek3/modeling_deepseek_v3.py:27-31, models/qwen3/modeling_qwen3.py:31-35); they need the "
+              "hyper_parallel package, which no recipe here uses"),
+    KnownLine(re.compile(r"\[mindformers/core/callback/callback\.py:\d+\] - INFO - (\{ Epoch:\[| +[\d.]+% \|)"),
+              "MindFormers' MFLossMonitor progress lines",
+              "their step count and ETA run to the end of the epoch (cb_params.batch_num, "
+              "mindformers/core/callback/callback.py:504-512), not to runner_config.stop_step; each [step N] line "
+              "gives the progress and ETA to the run's last step"),
+)
+
+
+def known_line(line: str) -> tuple:
+    """(the line as the console shows it, or None when it is left out; the KnownLine that left it out, or None)."""
+    for known in KNOWN_LINES:
+        if known.replacement is not None:
+            line = known.pattern.sub(known.replacement, line)
+        elif known.pattern.search(line):
+            return None, known
+    return line, None
 
 
 # The phases of a rank still starting (training/rank_status.py): monitoring.startup_timeout applies to them.
@@ -173,50 +210,80 @@ def run_watched(command: list, env: dict, run_dir: str, ranks, hang_timeout: flo
             echo.close()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        remove_empty_mindformers_dirs(run_dir)
     return outcome
+
+
+def remove_empty_mindformers_dirs(run_dir: str) -> None:
+    """MindFormers' Trainer makes checkpoint/ and strategy/ in its output directory whether or not anything goes
+    there (mindformers/utils/file_utils.py:53-56, 68-71); a CPU run writes nothing to either (our checkpoints go to
+    checkpoints/): the folders it left empty are removed once its job is gone."""
+    for name in MINDFORMERS_DIRS:
+        try:
+            os.rmdir(os.path.join(run_dir, name))
+        except OSError:
+            pass  # holds files, or is not there
 
 
 class OutputEcho:
     """Copies msrun's log (or the direct worker's) to stdout from a thread, so a slow or full stdout never holds
-    up the watch."""
+    up the watch. Whole lines pass through known_line: MindFormers' known lines are left out (each kind said once)
+    or shortened; a line still unfinished after a poll is copied as it is."""
 
     def __init__(self, path: str):
         self.path = path
+        self.offset = 0
+        self.unfinished = 0  # bytes of a last line without its newline, left at the previous copy
+        self.explained = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="msrun-output", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        offset = 0
         while True:
             last = self._stop.is_set()
-            offset = echo_new_output(self.path, offset)
+            self.copy_new_output(flush=last)
             if last:
                 return
             self._stop.wait(0.5)
+
+    def copy_new_output(self, flush: bool = False) -> None:
+        """Copy the whole lines written since the last copy to stdout; an unfinished last line waits for its newline
+        one copy, then goes as it is (`flush`: at once)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        stalled = len(data) == self.unfinished  # nothing new since the previous copy
+        end = len(data) if flush or stalled else data.rfind(b"\n") + 1
+        shown = b"".join(self.relayed(line) for line in data[:end].splitlines(keepends=True))
+        self.offset, self.unfinished = self.offset + end, len(data) - end
+        if shown:
+            try:
+                sys.stdout.flush()
+                sys.stdout.buffer.write(shown)
+                sys.stdout.flush()
+            except (OSError, ValueError):  # the terminal is gone (SIGHUP follows): keep watching the job
+                pass
+
+    def relayed(self, line: bytes) -> bytes:
+        """One line of output as the console shows it (b"" when left out, after the one note saying why)."""
+        text = line.decode(errors="replace")
+        shown, left_out = known_line(text)
+        if left_out is None:
+            return line if shown == text else shown.encode()
+        if left_out in self.explained:
+            return b""
+        self.explained.add(left_out)
+        return (f"[launch] {left_out.what} are left out of this output (the log keeps them): {left_out.reason}\n"
+                .encode())
 
     def close(self, timeout: float = 5.0) -> None:
         """Copy what is left, waiting at most `timeout` seconds for stdout."""
         self._stop.set()
         self._thread.join(timeout)
-
-
-def echo_new_output(path: str, offset: int) -> int:
-    """Copy what msrun (or the direct worker) wrote to `path` since `offset` to stdout; returns the new offset."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except OSError:
-        return offset
-    if data:
-        try:
-            sys.stdout.flush()
-            sys.stdout.buffer.write(data)
-            sys.stdout.flush()
-        except (OSError, ValueError):  # the terminal is gone (SIGHUP follows): keep watching the job
-            pass
-    return offset + len(data)
 
 
 def kill_job(proc: subprocess.Popen, launcher: str) -> None:
