@@ -5,6 +5,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Optional
 
 import mindspore as ms
@@ -117,6 +118,7 @@ class StepRecorder(Callback):
             recipe.parallel.parallel_mode == 0 or len(computing) < recipe.world_size)
         self.agree_on_stop = agree_on_stop and recipe.world_size > 1
         self.stop_requested = False  # SIGTERM may set it at any moment
+        self.final_step = self.stop_step  # the ETA of each log line runs to it
         self.last: Optional[StepRecord] = None
         self.records: list = []
         self._step_start = 0.0
@@ -139,6 +141,8 @@ class StepRecorder(Callback):
             from tensorboardX import SummaryWriter
             self._writer = SummaryWriter(self.tensorboard_dir)
         self._last_end = time.perf_counter()
+        params = run_context.original_args()
+        self.final_step = self.stop_step or params.epoch_num * params.batch_num  # or the last epoch's end
         self.heartbeat.beat("compile")
 
     def on_train_step_begin(self, run_context):
@@ -231,7 +235,8 @@ class StepRecorder(Callback):
         sys.stdout.write(f"[step {record['step']}] loss {record['loss']:.4f} lr {record['lr']:.3e} grad_norm "
                          f"{record['grad_norm'] if record['grad_norm'] is None else round(record['grad_norm'], 4)} "
                          f"step {record['step_time'] * 1e3:.0f} ms gap {record['iteration_gap'] * 1e3:.0f} ms "
-                         f"({record['data_wait']:.1%} wait) {record['tokens_per_s']:,.0f} tok/s MFU {mfu}"
+                         f"({record['data_wait']:.1%} wait) {record['tokens_per_s']:,.0f} tok/s, "
+                         f"{self.progress(record['step'])}MFU {mfu}"
                          + (f" aux {record['load_balancing_loss']:.3f}" if "load_balancing_loss" in record else "")
                          + (f" load max/mean {max(record['expert_load']):.2f}" if record.get("expert_load") else "")
                          + (f" dropped {record['dropped_tokens']:.1%}" if record.get("dropped_tokens") else "")
@@ -247,6 +252,17 @@ class StepRecorder(Callback):
                     self._writer.add_scalar(f"router/{key}", record[key], record["step"])
             for layer, ratio in enumerate(record.get("expert_load", ())):
                 self._writer.add_scalar(f"router/expert_load_max_over_mean/{layer}", ratio, record["step"])
+
+    def progress(self, step: int, window: int = 20) -> str:
+        """'35% of 20 steps, ETA 0:00:02, ': the share of the run's steps done at `step` and the time left at the
+        mean iteration of the last `window` steps recorded (the first one, which compiles, aside). MindFormers' own
+        progress line counts to the epoch's end instead (mindformers/core/callback/callback.py:504-512)."""
+        if not self.final_step or step > self.final_step:
+            return ""
+        recent = [r["step_time"] + r["iteration_gap"] for r in self.records[1:][-window:]]
+        left = (self.final_step - step) * sum(recent) / len(recent) if recent else None
+        eta = f"ETA {timedelta(seconds=round(left))}, " if left is not None else ""
+        return f"{step / self.final_step:.0%} of {self.final_step} steps, {eta}"
 
     def spike(self, factor: float, window: int):
         """The moving mean the last loss exceeded by `factor`, or None (off when factor is 0)."""
