@@ -17,6 +17,7 @@ input or preflight errors, HANG_EXIT_CODE .. NODE_LOST_EXIT_CODE below, 70 a bug
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 
@@ -121,7 +122,7 @@ def launch(recipe_path: str, overrides=(), show_progress: bool = True, nodes: in
     hccl = hccl_env(recipe)
     if dry_run:
         command = job_command(recipe, cluster, os.path.abspath(recipe.output_dir))
-        print("[dry-run] " + " ".join(f"{k}={v}" for k, v in sorted(hccl.items())) + " " + " ".join(command))
+        print("[dry-run] " + shlex.join([f"{k}={v}" for k, v in sorted(hccl.items())] + command))
         return 2 if has_errors(findings) else 0
     if has_errors(findings):
         raise LaunchError("preflight found errors (above); nothing was started",
@@ -164,7 +165,6 @@ def launch_node(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: li
 def join_command(recipe_path: str, overrides, cluster: Cluster, node_rank: int, amend: bool,
                  rendezvous_timeout: float) -> str:
     """The command another node runs to join this launch."""
-    import shlex
     parts = ["bash", "scripts/run_distributed.sh", recipe_path, *[a for o in overrides for a in ("--set", o)],
              "--nodes", str(cluster.nodes), "--node-rank", str(node_rank), "--master-addr", cluster.master_addr,
              "--master-port", str(cluster.master_port)]
@@ -172,7 +172,7 @@ def join_command(recipe_path: str, overrides, cluster: Cluster, node_rank: int, 
         parts.append("--amend")
     if rendezvous_timeout != DEFAULT_RENDEZVOUS_TIMEOUT:
         parts += ["--rendezvous-timeout", f"{rendezvous_timeout:g}"]
-    return " ".join(map(shlex.quote, parts))
+    return shlex.join(parts)
 
 
 def lock_run_dir(recipe: Recipe, cluster: Cluster) -> RunDirLock:
@@ -228,7 +228,7 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
     print(f"[launch] node {cluster.node_rank} of {cluster.nodes}: ranks {cluster.ranks.start}-"
           f"{cluster.ranks.stop - 1} of {cluster.world_size}; "
           + " ".join(f"{k}={v}" for k, v in sorted(hccl.items())), flush=True)
-    print(f"[launch] {'one CPU worker, started without msrun: ' if direct else ''}{' '.join(command)}", flush=True)
+    print(f"[launch] {'one CPU worker, started without msrun: ' if direct else ''}{shlex.join(command)}", flush=True)
     if cluster.local_workers > 1:
         print(f"[launch] showing rank {cluster.ranks.start}'s output; every rank's is in "
               f"{os.path.join(run_dir, LOGS, 'worker_N.log')}", flush=True)
@@ -369,7 +369,7 @@ def internal_error(err: Exception) -> str:
 
     fd, path = tempfile.mkstemp(prefix="ascend-llm-recipes-error-", suffix=".txt")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(f"{' '.join(sys.argv)}\n\n{traceback.format_exc()}")
+        f.write(f"{shlex.join(sys.argv)}\n\n{traceback.format_exc()}")
     return (f"internal error (a bug in ascend-llm-recipes): {type(err).__name__}: {err}\n"
             f"  the traceback is saved in {path}; please report it with that file")
 

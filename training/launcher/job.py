@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import platform
+import shlex
 import signal
 import sys
 import threading
@@ -217,7 +218,7 @@ class RunDirLock:
             os.close(fd)
             raise refusal
         record = {"host": platform.node(), "pid": os.getpid(), "launcher": process_id(),
-                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)}
+                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": shlex.join(sys.argv)}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         os.fsync(fd)
