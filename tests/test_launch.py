@@ -327,6 +327,9 @@ def test_the_first_rank_to_die_is_named_with_its_signal_and_phase(tiny_dataset, 
                      r"'(step \d+|data|save)'", stderr), stderr
     assert "rank 0: killed or crashed" in stderr
     assert f"last 25 lines of {run_dir}/logs/worker_1.log" in stderr
+    # as after Ctrl-C, what to do next: nothing to fix, the rerun resumes (saves every 10 steps: from step 10 or 0)
+    assert re.search(r"\[launch\] next: rerun the same command to (resume from step 10 \(the newest complete "
+                     r"checkpoint, .*\)|start over \(no checkpoint is complete\))$", stderr.rstrip()), stderr
     assert processes_of(run_dir) == []
 
 
