@@ -8,7 +8,6 @@ is removed and OUTPUT.partial/ renamed to OUTPUT. The single-machine run (data/t
 and the run in N tasks (data/cluster/scale.py) share both objects; only the task count differs.
 """
 
-import errno
 import hashlib
 import json
 import os
@@ -16,7 +15,7 @@ import shutil
 import sys
 
 from ascend_llm_recipes.common.errors import DataError
-from ascend_llm_recipes.common.files import file_sha256, write_json_atomic
+from ascend_llm_recipes.common.files import disk_full, file_sha256, free_bytes, megabytes, write_json_atomic
 from ascend_llm_recipes.data.mindrecord_io import MANIFEST, MINDRECORD_MIN_FREE, partial_dir
 from ascend_llm_recipes.data.tokenizer import resolve_tokenizer
 from ascend_llm_recipes.data.text.workers import default_workers
@@ -153,34 +152,34 @@ class RunState:
         """What to raise for an OSError: a full disk or a failed write of the output as write_error's DataError,
         anything else as it is."""
         outputs = (self.job.output_dir, self.work, self.job.val_output)
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT) and not _under(err.filename, outputs):
+        if not disk_full(err) and not _under(err.filename, outputs):
             return err
         return self.write_error(err)
 
     def write_error(self, err: OSError) -> DataError:
         """A DataError naming the output for an OSError met while writing it (disk full: with the space needed)."""
         job = self.job
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not disk_full(err):
             return DataError(f"cannot write dataset {job.output_dir}: {err.strerror or err} "
                              f"({err.filename or self.work})",
                              hint="choose an --output (and --val-output) where you can write"
                                   + (f", or fix it and {self.rerun}" if os.path.isdir(self.state) else ""))
-        free = _free_bytes(self.work if os.path.isdir(self.work) else os.path.dirname(self.work) or ".")
+        free = free_bytes(self.work)  # or its parent's, before the work directory exists
         written = _disk_usage(self.work) + (_disk_usage(job.val_output) if job.opts.val_fraction else 0)
         total_input = max(1, sum(job.sizes))
         if self.consumed > total_input // 100:
             expected = written * total_input // self.consumed
-            basis = f"{_mb(written)} written for {self.consumed / total_input:.0%} of the input"
+            basis = f"{megabytes(written)} written for {self.consumed / total_input:.0%} of the input"
         else:
             expected = int(total_input * OUTPUT_PER_INPUT_BYTE)
-            basis = f"about {OUTPUT_PER_INPUT_BYTE}x the {_mb(total_input)} of input"
+            basis = f"about {OUTPUT_PER_INPUT_BYTE}x the {megabytes(total_input)} of input"
         remaining = max(0, expected - written)
         needed = remaining + MINDRECORD_MIN_FREE + (1 << 20)  # 1 MB for the state files
-        return DataError(f"disk full while writing dataset {job.output_dir}: {_mb(free)} free, {_mb(needed)} needed "
-                         f"to finish ({_mb(remaining)} more output, estimated from {basis}, plus the "
-                         f"{_mb(MINDRECORD_MIN_FREE)} MindRecord insists on keeping free)",
-                         hint=f"free at least {_mb(max(needed - free, 1 << 20))} more on that disk, then {self.rerun} "
-                              f"(kept in {self.work})")
+        return DataError(f"disk full while writing dataset {job.output_dir}: {megabytes(free)} free, "
+                         f"{megabytes(needed)} needed to finish ({megabytes(remaining)} more output, estimated from "
+                         f"{basis}, plus the {megabytes(MINDRECORD_MIN_FREE)} MindRecord insists on keeping free)",
+                         hint=f"free at least {megabytes(max(needed - free, 1 << 20))} more on that disk, then "
+                              f"{self.rerun} (kept in {self.work})")
 
 
 def check_outputs(output_dir: str, val_output: str, ours) -> None:
@@ -208,13 +207,6 @@ def _under(path, roots: tuple) -> bool:
     return any(path == os.path.abspath(r) or path.startswith(os.path.abspath(r) + os.sep) for r in roots if r)
 
 
-def _free_bytes(path: str) -> int:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return 0
-
-
 def _disk_usage(directory: str) -> int:
     """Bytes of disk the files below `directory` occupy (sparse MindRecord pages count as written)."""
     total = 0
@@ -225,10 +217,6 @@ def _disk_usage(directory: str) -> int:
             except OSError:
                 pass
     return total
-
-
-def _mb(n: int) -> str:
-    return f"{n / (1 << 20):,.1f} MB"
 
 
 def _size(path: str) -> int:
