@@ -22,7 +22,8 @@ RUN_DIR/
   strategy/                each rank's parallel-strategy file (semi-auto runs; training/tools/relayout.py)
   checkpoints/step_N/strategy/, layout.json   the strategy files a relayout resume re-slices from, kept
   merged_checkpoint/step_N/  a TP/PP step merged into one unsliced checkpoint for --to-hf
-  checkpoint/, log/        made by MindFormers' Trainer in its output_dir (ours are above)
+  checkpoint/, log/        made by MindFormers' Trainer in its output_dir (ours are above); checkpoint/ and
+                           strategy/ left empty are removed by the launcher when the job ends
 """
 
 import os
