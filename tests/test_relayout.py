@@ -101,7 +101,8 @@ def test_resume_at_another_layout_is_decided_on_a_real_run_dir(dp2_run, tmp_path
     from ascend_llm_recipes.training.tools.relayout import check_relayout, keep_source_strategy, pending_source_strategy
 
     run, _ = dp2_run
-    assert not os.listdir(os.path.join(run, "strategy"))  # MindFormers makes the folder; data parallel writes none
+    # MindFormers makes the folder; data parallel writes none, and the launcher removes it empty
+    assert not os.path.exists(os.path.join(run, "strategy"))
     step_dir = os.path.join(run, "checkpoints", f"step_{DP_STEPS:08d}")
     previous = saved_recipe(run)
     recipe_yaml = os.path.join(run, "recipe.yaml")
