@@ -14,8 +14,9 @@ Per step it records, averaged over the MoE layers unless named per layer:
     dropped_tokens       the fraction of the step's routing slots (token, expert) dropped by the experts' capacity
                          (0 when routing is dropless)
 moves DeepSeek-V3's expert_bias towards an even load (when model_config.expert_bias_update_rate > 0), and warns of
-a collapse: a layer whose busiest expert takes more than `collapse_factor` x its mean share (once,
-until the layer is back halfway to an even load).
+a collapse (CollapseWatch): a layer whose k busiest experts took more than `collapse_factor` x their even share of
+the routing slots over the last COLLAPSE_WINDOW steps, once, until the layer is back halfway to what a uniform
+router shows.
 
 On Ascend the MoE layers are MindFormers' MoELayer (models/expert_parallel.py): MindFormersRouterStats does there
 what MindFormers' own callbacks do for its models after every step, which its trainer does not run for ours
@@ -26,7 +27,9 @@ expert_load only with the correction bias (router.py:163-178), and keeps no unwe
 has the load (when counted) and no loss terms.
 """
 
+import functools
 import sys
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,6 +43,76 @@ class RouterRecord:
     router_z_loss: Optional[float]
     expert_load: list         # per MoE layer: max / mean routing slots
     dropped_tokens: float
+
+
+# A collapse is sustained: a router that sends a step's tokens to the same few experts and the next step's to others
+# (an untrained tiny model's routers do, tokens' hidden states being alike) trains every expert; one that keeps
+# sending them to the same experts starves the rest. The loads are judged summed over this many steps.
+COLLAPSE_WINDOW = 10
+
+
+def top_k_multiple(load: np.ndarray, top_k: int) -> float:
+    """The share of the routing slots its `top_k` busiest experts took, over their even share top_k / E: 1.0 is even,
+    E / top_k every token routed to the same top_k experts (a dropless router can do no worse)."""
+    share = np.sort(load)[-top_k:].sum() / max(float(load.sum()), 1e-12)
+    return float(share * len(load) / top_k)
+
+
+@functools.lru_cache(maxsize=16)
+def uniform_router(num_experts: int, top_k: int, tokens: int) -> tuple:
+    """(mean, 99.9th percentile) of top_k_multiple for a router sending `tokens` tokens' top_k slots to experts
+    uniformly at random: the chance imbalance a window of that many tokens shows. Each slot is drawn on its own (a
+    multinomial); a real router's k distinct experts per token spread a little more evenly, so this errs towards
+    no warning."""
+    slots = np.random.default_rng(0).multinomial(tokens * top_k, np.full(num_experts, 1.0 / num_experts), size=2000)
+    multiples = np.sort(slots, 1)[:, -top_k:].sum(1) / (tokens * top_k) * num_experts / top_k
+    return float(multiples.mean()), float(np.quantile(multiples, 0.999))
+
+
+class CollapseWatch:
+    """Warns of a router collapse: a layer whose top_k busiest experts took more than `factor` x their even share of
+    the routing slots summed over the last `window` steps, once, until the layer is back halfway to what a uniform
+    router shows. The limit is `factor`, capped at 90% of the way from a uniform router's multiple to the most
+    (E / k: the same k experts take every token), and never below what a uniform router reaches by chance over the
+    window's tokens (its 99.9th percentile)."""
+
+    def __init__(self, names: list, num_experts: int, top_k: int, factor: float, window: int = COLLAPSE_WINDOW):
+        self.names, self.num_experts, self.top_k, self.factor = names, num_experts, top_k, factor
+        self.steps = deque(maxlen=window)   # (loads (L x E), tokens) of the last steps
+        self.collapsed: set = set()         # layers warned about, until they recover
+
+    def limit(self, tokens: int) -> tuple:
+        """(the collapse limit, a uniform router's mean multiple) for a window of `tokens` tokens."""
+        uniform, chance = uniform_router(self.num_experts, self.top_k, tokens)
+        most = self.num_experts / self.top_k
+        return max(min(self.factor, uniform + 0.9 * (most - uniform)), chance), uniform
+
+    def observe(self, step: int, loads: np.ndarray, tokens: int) -> None:
+        """Take one step's loads (L x E, routing slots or fractions of them) of `tokens` tokens; warn as due."""
+        if not self.factor:
+            return
+        self.steps.append((np.asarray(loads, np.float64), tokens))
+        if len(self.steps) < self.steps.maxlen:
+            return
+        summed = sum(load for load, _ in self.steps)
+        limit, uniform = self.limit(sum(t for _, t in self.steps))
+        for name, load in zip(self.names, summed):
+            multiple = top_k_multiple(load, self.top_k)
+            if multiple > limit and name not in self.collapsed:
+                self.collapsed.add(name)
+                self.say(f"step {step}: router collapse in {name}: its {self.top_k} busiest experts took "
+                         f"{multiple:.2f} x their even share of the routing slots over the last {len(self.steps)} "
+                         f"steps (a uniform router: {uniform:.2f}; limit {limit:.2f}: anomaly.collapse_factor); raise "
+                         "model_config.router_aux_loss_coef or lower the learning rate")
+            elif multiple <= (uniform + limit) / 2 and name in self.collapsed:
+                self.collapsed.discard(name)
+                self.say(f"step {step}: {name}'s expert load is back under the limit ({multiple:.2f} x the even "
+                         f"share over the last {len(self.steps)} steps)")
+
+    @staticmethod
+    def say(line: str) -> None:
+        sys.stdout.write(f"[anomaly] {line}\n")
+        sys.stdout.flush()
 
 
 def router_stats(network, collapse_factor: float):
@@ -60,11 +133,11 @@ class RouterStats:
         # named as their parameters are (model.layers.N.mlp), not by the train step's wrapper cells
         self.layers = [(cell.expert_load.name.rsplit(".", 1)[0], cell) for _, cell in network.cells_and_names()
                        if isinstance(cell, MoE)]
-        self.collapse_factor = collapse_factor
-        self.collapsed: set = set()   # layers warned about, until they recover
         if self.layers:
             moe = self.layers[0][1]
             self.num_experts, self.top_k = moe.num_experts, moe.router.top_k
+            self.collapse = CollapseWatch([name for name, _ in self.layers], self.num_experts, self.top_k,
+                                          collapse_factor)
 
     def values(self) -> np.ndarray:
         """This rank's counts since the last call, flattened [loads (L x E), losses (L x 2)]; zeroes them."""
@@ -83,7 +156,7 @@ class RouterStats:
         losses = np.asarray(sums[count * self.num_experts:], np.float64).reshape(count, 2) / ranks
         slots = tokens * self.top_k
         ratios = loads.max(1) / np.maximum(loads.mean(1), 1e-12)
-        self.warn_collapse(step, ratios)
+        self.collapse.observe(step, loads, tokens)
         self.update_expert_bias(loads)
         return RouterRecord(load_balancing_loss=float(losses[:, 0].mean()), router_z_loss=float(losses[:, 1].mean()),
                             expert_load=[round(float(r), 4) for r in ratios],
@@ -103,28 +176,6 @@ class RouterStats:
             step = (router.bias_update_rate * np.sign(load.mean() - load)).astype(np.float32)
             router.expert_bias.set_data(ms.Tensor(router.expert_bias.asnumpy() + step))
 
-    def threshold(self) -> float:
-        """The collapse threshold: collapse_factor, capped at 90% of the most one expert can take (E / k)."""
-        return min(self.collapse_factor, 0.9 * self.num_experts / self.top_k)
-
-    def warn_collapse(self, step: int, ratios: np.ndarray) -> None:
-        if not self.collapse_factor:
-            return
-        limit = self.threshold()
-        for index, ratio in enumerate(ratios):
-            name = self.layers[index][0]
-            if ratio > limit and name not in self.collapsed:
-                self.collapsed.add(name)
-                sys.stdout.write(f"[anomaly] step {step}: router collapse in {name}: its busiest expert takes "
-                                 f"{ratio:.2f} x the mean load (limit {limit:.2f}: anomaly.collapse_factor); "
-                                 "raise model_config.router_aux_loss_coef or lower the learning rate\n")
-                sys.stdout.flush()
-            elif ratio <= (1.0 + limit) / 2 and name in self.collapsed:  # recovered: halfway back to even
-                self.collapsed.discard(name)
-                sys.stdout.write(f"[anomaly] step {step}: {name}'s expert load is back under the limit "
-                                 f"({ratio:.2f} x the mean)\n")
-                sys.stdout.flush()
-
 
 class MindFormersRouterStats(RouterStats):
     """RouterStats for MindFormers' MoELayer (models/expert_parallel.py): its counters, its per-step resets.
@@ -139,10 +190,10 @@ class MindFormersRouterStats(RouterStats):
 
         self.layers = [(cell.router.weight.name.rsplit(".", 2)[0], cell) for _, cell in network.cells_and_names()
                        if isinstance(cell, MindFormersMoE)]
-        self.collapse_factor = collapse_factor
-        self.collapsed: set = set()
         config = self.layers[0][1].config
         self.num_experts, self.top_k = config.num_moe_experts, config.moe_router_topk
+        self.collapse = CollapseWatch([name for name, _ in self.layers], self.num_experts, self.top_k,
+                                      collapse_factor)
         self.counted = config.moe_router_enable_expert_bias   # router.expert_load exists (router.py:163-178)
         self.bias_update_rate = config.moe_router_bias_update_rate if self.counted else 0.0
         self.gbs = config.moe_router_load_balancing_type == "gbs_aux_loss"
@@ -165,7 +216,7 @@ class MindFormersRouterStats(RouterStats):
             return RouterRecord(load_balancing_loss=None, router_z_loss=None, expert_load=[], dropped_tokens=0.0)
         loads = np.asarray(sums, np.float64).reshape(len(self.layers), self.num_experts)
         ratios = loads.max(1) / np.maximum(loads.mean(1), 1e-12)
-        self.warn_collapse(step, ratios)
+        self.collapse.observe(step, loads, tokens)
         self.update_expert_bias(loads)
         return RouterRecord(load_balancing_loss=None, router_z_loss=None,
                             expert_load=[round(float(r), 4) for r in ratios], dropped_tokens=0.0)
