@@ -13,6 +13,17 @@ import types
 import typing
 from typing import Any, Literal, Union
 
+# Every integer key is bounded at load: MindSpore counts steps in int32 (the optimizer's global_step) and sizes and
+# ids fit int32 too, so a larger value would fail only in the worker ("Cannot construct Tensor because of unsupported
+# data type"). A key that MindSpore takes wider declares its own largest value: field(metadata=int_max(N)).
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+INT_MAX = "int_max"
+
+
+def int_max(largest: int) -> dict:
+    """Field metadata: the largest value an integer key takes, when it is not INT32_MAX."""
+    return {INT_MAX: largest}
+
 
 def _describe(annotation) -> str:
     origin = typing.get_origin(annotation)
@@ -27,8 +38,8 @@ def _describe(annotation) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def _convert(annotation, value, path: str, problems: list):
-    """Return `value` converted to `annotation`, or None after recording a problem."""
+def _convert(annotation, value, path: str, problems: list, largest: int = INT32_MAX):
+    """Return `value` converted to `annotation`, or None after recording a problem; `largest` bounds integers."""
     origin = typing.get_origin(annotation)
     if annotation is Any:
         return value
@@ -52,10 +63,10 @@ def _convert(annotation, value, path: str, problems: list):
             return None
         real = [o for o in options if o is not type(None)]  # None was handled above
         if len(real) == 1:  # Optional[X]: X's own, precise problems
-            return _convert(real[0], value, path, problems)
+            return _convert(real[0], value, path, problems, largest)
         for option in real:
             trial: list = []
-            converted = _convert(option, value, path, trial)
+            converted = _convert(option, value, path, trial, largest)
             if not trial:
                 return converted
         problems.append(f"{path}: expected {_describe(annotation)}, got {value!r}")
@@ -65,7 +76,7 @@ def _convert(annotation, value, path: str, problems: list):
             problems.append(f"{path}: expected {_describe(annotation)}, got {value!r}")
             return None
         item_type = typing.get_args(annotation)[0]
-        return [_convert(item_type, item, f"{path}[{i}]", problems) for i, item in enumerate(value)]
+        return [_convert(item_type, item, f"{path}[{i}]", problems, largest) for i, item in enumerate(value)]
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
             problems.append(f"{path}: expected a mapping, got {value!r}")
@@ -76,11 +87,15 @@ def _convert(annotation, value, path: str, problems: list):
             return value
     elif annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            if INT32_MIN <= value <= largest:
+                return value
+            why = " (MindSpore holds steps and sizes as 32-bit integers)" if largest == INT32_MAX else ""
+            problems.append(f"{path}: {value} is out of range: must be from {INT32_MIN} to {largest}{why}")
+            return None
     elif annotation is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
+            number = float(value) if abs(value) < 2**1024 else math.inf  # float() raises past the largest double
         elif isinstance(value, str):
             # PyYAML reads `1e-3` (no dot) as a string; accept what is unambiguously a number.
             try:
@@ -121,7 +136,8 @@ def load_dataclass(cls, data: dict, path: str, problems: list):
             suggestion = f"; did you mean {close[0]}?" if close else f"; known keys: {', '.join(fields)}"
             problems.append(f"{prefix}{key}: unknown key{suggestion}")
             continue
-        kwargs[key] = _convert(hints[key], value, f"{prefix}{key}", problems)
+        largest = fields[key].metadata.get(INT_MAX, INT32_MAX)
+        kwargs[key] = _convert(hints[key], value, f"{prefix}{key}", problems, largest)
     for name, field in fields.items():
         no_default = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
         if name not in data and no_default:

@@ -13,7 +13,7 @@ from typing import Literal, Optional, Union
 
 import yaml
 
-from ascend_llm_recipes.common.schema import to_plain
+from ascend_llm_recipes.common.schema import int_max, to_plain
 from ascend_llm_recipes.models.config import ModelSection
 from ascend_llm_recipes.models.parallel import layout_problems, recompute_mode
 from ascend_llm_recipes.training.recipe.checks import at_least, callback_key, positive
@@ -484,7 +484,7 @@ class Recipe:
     runner_config: RunnerConfig
     lr_schedule: LRScheduleConfig
     train_dataset: TrainDatasetConfig
-    seed: int = 0
+    seed: int = field(default=0, metadata=int_max(2**32 - 1))  # MindSpore's seeds are unsigned 32-bit integers
     run_mode: Literal["train"] = "train"
     load_checkpoint: str = ""
     # format of the files in load_checkpoint; scripts/convert_checkpoint.py writes safetensors
