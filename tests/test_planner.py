@@ -217,7 +217,7 @@ def test_llama2_7b_on_one_64gb_device_does_not_fit_but_tp8_with_recompute_does()
     assert single.bytes_of("weights") == 4 * 6_738_415_616  # the published count; 32,000 is already 16-aligned
     assert not single.fits and single.device_memory_bytes == 64 * GB
     text = format_plan(single)
-    assert "WILL NOT FIT: needs" in text and "device has 64.0 GB" in text
+    assert "WILL NOT FIT: needs" in text and "device has 64.00 GiB" in text
     levers = text.split("levers in order: ")[1]
     assert levers.startswith("recompute")
     assert levers.index("recompute (full") < levers.index("optimizer-state sharding") < levers.index("pipeline") \
@@ -543,3 +543,33 @@ def test_16bit_weights_with_accumulation_are_said_to_sum_gradients_in_16_bits():
     llama = plan(load_recipe(os.path.join(REPO_ROOT, "recipes", "llama2_7b_8dev.yaml"), planning=True))
     assert any("param_dtype bfloat16 with accumulation: accu_grads clones the weights in their dtype" in n and
                "summed in bfloat16" in n for n in llama.notes)
+
+
+def test_byte_sizes_read_in_binary_units_labelled_as_such():
+    from ascend_llm_recipes.common.units import byte_size
+
+    assert [byte_size(n) for n in (341.23 * GB, 64 * GB, 1_887_436.8, 12 * 1024, 4, -2.5 * GB)] == \
+        ["341.23 GiB", "64.00 GiB", "1.8 MiB", "12.0 KiB", "4 B", "-2.50 GiB"]
+
+
+def test_plan_and_check_print_sizes_in_one_unit_small_ones_in_mib(tmp_path):
+    """D14 (issue 39): --plan printed GiB labelled GB and --check decimal GB for the same checkpoint; the tiny plan's
+    checkpoint read 0.00 GB. Every size is GiB (MiB, KiB, B when smaller), one function printing them all."""
+    import re
+    from ascend_llm_recipes.common.units import byte_size
+    from ascend_llm_recipes.training.launcher.preflight import check_disk
+
+    qwen3 = load_recipe(os.path.join(REPO_ROOT, "recipes", "qwen3_30b_a3b_16dev.yaml"), planning=True)
+    big = plan(qwen3)
+    text = format_plan(big)
+    assert f"{byte_size(big.checkpoint_total_bytes)} in all" in text and "GiB in all" in text
+    assert f"fits: {byte_size(big.total_bytes)} of 58.00 GiB" in text
+    tiny = format_plan(plan(recipe()))
+    assert re.search(r"checkpoint per save: \d+\.\d MiB per rank", tiny), tiny
+    for shown in (text, tiny):  # the recipe's own max_device_memory and the device's cited source aside
+        ours = [line for line in shown.replace("max_device_memory 58GB", "").splitlines()
+                if not line.startswith("device: ")]
+        assert [line for line in ours if re.search(r"\d ?[GMT]B\b(?!/s)", line)] == []
+    disk = check_disk(qwen3, str(tmp_path))[0].message
+    assert f"{byte_size(big.checkpoint_total_bytes)} per checkpoint" in disk
+    assert re.findall(r"\d ?[GMT]B\b", disk) == []

@@ -3,7 +3,7 @@ would save (training/tools/planner.py plans each what-if as it plans the recipe)
 
 from dataclasses import replace as copy_with
 
-from ascend_llm_recipes.training.tools.devices import GB
+from ascend_llm_recipes.common.units import byte_size
 
 
 def what_if(recipe, **changes):
@@ -44,13 +44,13 @@ def unused_levers(recipe, mode, shard, total) -> list:
     if mode != "full":
         full = peak(what_if(recipe, recompute=True), "full")
         levers.append(f"{'full ' if mode == 'selective' else ''}recompute "
-                      f"(full: -{(total - full) / GB:.2f} GB, ~20-40% more compute)")
+                      f"(full: -{byte_size(total - full)}, ~20-40% more compute)")
     if not shard:
         if p.data_parallel > 1:
             needs = "" if recipe.parallel.parallel_mode in (1, 2) else "; needs parallel.parallel_mode 1"
             if recipe.parallel.parallel_mode in (1, 2):
                 sharded = peak(what_if(recipe, shard=True), mode)
-                levers.append(f"optimizer-state sharding (-{(total - sharded) / GB:.2f} GB at DP {p.data_parallel})")
+                levers.append(f"optimizer-state sharding (-{byte_size(total - sharded)} at DP {p.data_parallel})")
             else:
                 levers.append(f"optimizer-state sharding (at DP {p.data_parallel}{needs})")
         else:
@@ -58,16 +58,16 @@ def unused_levers(recipe, mode, shard, total) -> list:
     elif p.data_parallel > 1 and recipe.parallel.parallel_optimizer_config.optimizer_level != "level3":
         saved = total - peak(what_if(recipe, level="level3"), mode)
         if saved > 0:
-            levers.append(f"optimizer level3 (parallel.parallel_optimizer_config.optimizer_level: -{saved / GB:.2f} "
-                          "GB, weights re-gathered for backward)")
+            levers.append(f"optimizer level3 (parallel.parallel_optimizer_config.optimizer_level: -{byte_size(saved)}, "
+                          "weights re-gathered for backward)")
     if recipe.context.device_target != "CPU" and not cfg.use_flash_attention and cfg.compute_dtype != "float32":
         saved = total - peak(what_if(recipe, use_flash_attention=True), mode)
-        levers.append(f"FlashAttention (model.model_config.use_flash_attention: -{saved / GB:.2f} GB)")
+        levers.append(f"FlashAttention (model.model_config.use_flash_attention: -{byte_size(saved)})")
     if cfg.param_dtype == "float32" and cfg.compute_dtype != "float32":
         saved = total - peak(what_if(recipe, param_dtype=cfg.compute_dtype), mode)
         if saved > 0:
             levers.append(f"16-bit weights (model.model_config.param_dtype: {cfg.compute_dtype}: "
-                          f"-{saved / GB:.2f} GB; float32 masters stay in the optimizer)")
+                          f"-{byte_size(saved)}; float32 masters stay in the optimizer)")
     if p.pipeline_stage == 1:
         levers.append("pipeline")
     largest = expert_parallel_degrees(recipe)[-1] if cfg.moe else 1

@@ -8,7 +8,7 @@ the rules the shipped Ascend recipes are held to.
 
 from typing import Optional
 
-from ascend_llm_recipes.training.tools.devices import GB
+from ascend_llm_recipes.common.units import byte_size
 from ascend_llm_recipes.training.tools.activations import ALLTOALL_FORMULA
 from ascend_llm_recipes.training.tools.planner import SOURCES, Plan, plan
 
@@ -43,14 +43,10 @@ def lowest_fitting_optimizer_level(recipe, device: str = None) -> Optional[str]:
     return None
 
 
-def _gb(n: int) -> str:
-    return f"{n / GB:.2f}"
-
-
 def format_plan(plan: Plan) -> str:
-    """A readable table: one line per component (GB), the verdict, the step time."""
+    """A readable table: one line per component (its size in GiB, MiB when small), the verdict, the step time."""
     tp, pp = plan.tensor_parallel, plan.pipeline_stages
-    budget = "unknown" if plan.device_memory_bytes is None else f"{_gb(plan.device_memory_bytes)} GB"
+    budget = "unknown" if plan.device_memory_bytes is None else byte_size(plan.device_memory_bytes)
     stage_desc = (f"stage {plan.stage} of {pp} ({plan.stage_layers[plan.stage]} layers"
                   f"{', embedding' if plan.stage == 0 else ''}{', output projection' if plan.stage == pp - 1 else ''})"
                   if pp > 1 else f"all {plan.stage_layers[0]} layers")
@@ -67,22 +63,22 @@ def format_plan(plan: Plan) -> str:
         f"{plan.seq_length}, {plan.compute_dtype} compute, {plan.in_flight} micro-batch"
         f"{'es' if plan.in_flight > 1 else ''} in flight",
         "",
-        f"{'buffer (what allocates each: sources, below)':<72}{'GB':>9}",
+        f"{'buffer (what allocates each: sources, below)':<72}{'size':>12}",
     ]
 
     def row(label, n, mark=""):
-        lines.append(f"{label:<72}{_gb(n):>9}{mark}")
+        lines.append(f"{label:<72}{byte_size(n):>12}{mark}")
 
     for term in plan.terms:
         row(term.label, term.bytes)
     for mode, label in (("none", "no recompute"), ("selective", "selective recompute (core attention)"),
                         ("full", "full recompute (layer inputs + one layer rebuilt)")):
         if mode != plan.recompute:
-            lines.append(f"  (activations with {label}: {_gb(getattr(plan, f'activation_bytes_{mode}'))} GB)")
-    lines.append("-" * 81)
+            lines.append(f"  (activations with {label}: {byte_size(getattr(plan, f'activation_bytes_{mode}'))})")
+    lines.append("-" * 84)
     row("total", plan.total_bytes)
     if pp > 1:
-        lines.append("  per stage: " + ", ".join(_gb(t) for t in plan.stage_total_bytes) + " GB")
+        lines.append("  per stage: " + ", ".join(byte_size(t) for t in plan.stage_total_bytes))
     lines.extend(expert_lines(plan))
     lines.append("")
     lines.append(verdict(plan))
@@ -106,8 +102,8 @@ def format_plan(plan: Plan) -> str:
             ratio = plan.speed.tokens_per_s_per_device / PUBLISHED_TOKENS_PER_S["MindSpeed-LLM"]
             lines[-1] += f"; published for Llama 2 7B, seq 4096, 8 x 910B: {published} ({ratio:.0%} of MindSpeed-LLM's)"
         lines.extend(f"  {n}" for n in plan.speed.notes)
-    lines.append(f"checkpoint per save: {_gb(plan.checkpoint_rank_bytes)} GB per rank, "
-                 f"{_gb(plan.checkpoint_total_bytes)} GB in all (weights, masters, moments, step; not accu_grads)")
+    lines.append(f"checkpoint per save: {byte_size(plan.checkpoint_rank_bytes)} per rank, "
+                 f"{byte_size(plan.checkpoint_total_bytes)} in all (weights, masters, moments, step; not accu_grads)")
     lines.append("sources:")
     for category in dict.fromkeys(t.category for t in plan.terms):
         lines.append(f"  [{category}] {SOURCES[category]}")
@@ -120,23 +116,23 @@ def expert_lines(plan: Plan) -> list:
     if not plan.expert_memory:
         return []
     layers = f"{plan.moe_layers} MoE layer{'s' if plan.moe_layers != 1 else ''}"
-    lines = [f"expert parallel {plan.expert_parallel}: {_gb(plan.alltoall_bytes)} GB sent per step per device through "
-             f"AllToAll ({layers} on it)", f"  = {ALLTOALL_FORMULA}",
+    lines = [f"expert parallel {plan.expert_parallel}: {byte_size(plan.alltoall_bytes)} sent per step per device "
+             f"through AllToAll ({layers} on it)", f"  = {ALLTOALL_FORMULA}",
              "routed experts per device (weights and their states) by parallel_config.expert_parallel:"]
     for ep, experts, total in plan.expert_memory:
         mark = "  <- this recipe" if ep == plan.expert_parallel else ""
-        lines.append(f"  EP {ep:<4} experts {_gb(experts):>8} GB, total {_gb(total):>8} GB{mark}")
+        lines.append(f"  EP {ep:<4} experts {byte_size(experts):>12}, total {byte_size(total):>12}{mark}")
     return lines
 
 
 def verdict(plan: Plan) -> str:
     if plan.fits is None:
-        return f"fits: unknown (needs {plan.total_bytes / GB:.1f} GB; the device memory is unknown)"
-    need, have = plan.total_bytes / GB, plan.device_memory_bytes / GB
+        return f"fits: unknown (needs {byte_size(plan.total_bytes)}; the device memory is unknown)"
+    need, have = byte_size(plan.total_bytes), byte_size(plan.device_memory_bytes)
     if plan.fits:
         headroom = plan.headroom_bytes / plan.device_memory_bytes
-        return f"fits: {need:.1f} GB of {have:.1f} GB ({headroom:.0%} headroom)"
+        return f"fits: {need} of {have} ({headroom:.0%} headroom)"
     levers = ("levers in order: " + ", ".join(plan.levers) if plan.levers
               else "every lever is in use: add devices (or offload, the last resort)")
-    return (f"WILL NOT FIT: needs {need:.1f} GB, device has {have:.1f} GB (short by "
-            f"{-plan.headroom_bytes / GB:.1f} GB); {levers}")
+    return (f"WILL NOT FIT: needs {need}, device has {have} (short by {byte_size(-plan.headroom_bytes)}); "
+            f"{levers}")

@@ -11,8 +11,8 @@ them against the real train-step cell. It also estimates the step time term by t
 checkpoint size. In a Mixture-of-Experts model the routed experts are split over expert parallel, the bytes
 AllToAll sends per step are counted (training/tools/activations.py alltoall_bytes) and the experts' memory is
 tabled for each expert-parallel degree the layout allows (expert_memory). The devices and their figures are
-training/tools/devices.py's (GB = 2**30 bytes); training/tools/plan_report.py `format_plan` prints a plan for
-`bash scripts/run_distributed.sh RECIPE --plan`.
+training/tools/devices.py's (GB = 2**30 bytes, printed as GiB by common/units.py byte_size);
+training/tools/plan_report.py `format_plan` prints a plan for `bash scripts/run_distributed.sh RECIPE --plan`.
 Import-light: no MindSpore.
 
 Counted as a bound: tensors of operators without a shard strategy are whole on every TP
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ascend_llm_recipes.common.errors import PretrainError
+from ascend_llm_recipes.common.units import byte_size
 from ascend_llm_recipes.models.arithmetic import active_param_count, flops_per_token, param_count
 from ascend_llm_recipes.models.parallel import RECOMPUTE_MODES, balanced_stages, expert_problems
 from ascend_llm_recipes.models.shapes import parameter_dtype, parameter_shapes
@@ -274,7 +275,7 @@ def largest_gather(tensors: list, local) -> tuple:
     """(what, bytes) of the most level-3 optimizer parallel holds gathered at once: the sliced weights of one decoder
     layer, or one weight outside the layers (the embedding, lm_head), whichever is larger: level3 (zero3,
     _auto_parallel_context.py:1082-1083) re-gathers each weight at its use, and an average over the layers would
-    spread lm_head (DeepSeek-V3's: 1.85 GB in bf16) thin."""
+    spread lm_head (DeepSeek-V3's: 1.85 GiB in bf16) thin."""
     units = Counter()
     for name, n, d in tensors:
         if local(name, n, d) < n * DTYPE_BYTES[d]:  # sliced, so gathered
@@ -421,7 +422,7 @@ def plan(recipe, device: str = None, mfu: float = 0.4) -> Plan:
                      "(expected e.g. '58GB'); planned against the whole device")
     if cap is not None and (budget is None or cap < budget):
         budget, budget_note = cap, (f"context.max_device_memory {recipe.context.max_device_memory} of "
-                                    f"{spec.memory_bytes / GB:.0f} GB")
+                                    f"{byte_size(spec.memory_bytes)}")
 
     bf16_missing = cfg.compute_dtype == "bfloat16" and not spec.bf16
     peak = spec.peak_flops_fp32 if cfg.compute_dtype == "float32" else spec.peak_flops_16bit
