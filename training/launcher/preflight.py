@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
 
 from ascend_llm_recipes.common.errors import PretrainError
+from ascend_llm_recipes.common.units import byte_size
 from ascend_llm_recipes.training.launcher.versions import (ASCEND_ROOT, COMPONENTS, SUPPORTED_VERSIONS,
                                                            installed_versions, launch_environment, load_table,
                                                            npu_smi_info, read_text, row_text, version_matches,
@@ -335,13 +336,6 @@ def check_leftover_processes(run_dir: Optional[str] = None) -> list:
             for pid, cmd in found]
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1000
-
-
 def _existing_parent(path: str) -> str:
     path = os.path.abspath(path)
     while not os.path.exists(path):
@@ -397,9 +391,9 @@ def check_disk(recipe, run_dir: Optional[str] = None) -> list:
     free = shutil.disk_usage(where).free
     data = {"checkpoint_bytes": one, "keep_checkpoint_max": keep, "ranks": recipe.world_size, "needed_bytes": needed,
             "free_bytes": free, "path": where}
-    arithmetic = (f"{_human(one)} per checkpoint ({recipe.world_size} rank(s): weights, AdamW moments, float32 "
+    arithmetic = (f"{byte_size(one)} per checkpoint ({recipe.world_size} rank(s): weights, AdamW moments, float32 "
                   f"masters of 16-bit weights; bash scripts/run_distributed.sh RECIPE --plan itemises it) x "
-                  f"keep_checkpoint_max {keep} = {_human(needed)}; {_human(free)} free at {where}")
+                  f"keep_checkpoint_max {keep} = {byte_size(needed)}; {byte_size(free)} free at {where}")
     if needed > free:
         return [Finding("error", "disk", f"checkpoints will not fit: {arithmetic}. Free space, point output_dir "
                         "at a larger disk (--set output_dir=...), or lower keep_checkpoint_max", data)]
