@@ -30,6 +30,7 @@ from typing import Optional
 
 from ascend_llm_recipes.common.errors import LaunchError, RecipeError
 from ascend_llm_recipes.common.processes import die_with_parent
+from ascend_llm_recipes.common.units import byte_size
 from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -211,9 +212,7 @@ def cann_missing() -> str:
 
 
 def _gib(n: Optional[int]) -> str:
-    if n is None:
-        return "none printed"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return "none printed" if n is None else byte_size(n)
 
 
 def dry_run_compile(recipe, recipe_path: str, layers: int = None, timeout: float = None,
