@@ -6,7 +6,10 @@
                                  (the recipe's `model:` section) and conversion.json (the manifest)
     write_hf(CKPT, cfg, OUT_DIR)  one of our .ckpt or .safetensors files (either expert layout, ours.OurCheckpoint)
                               -> OUT_DIR/config.json + model.safetensors for transformers (+ tokenizer.model
-                              and tokenizer_config.json when given one); training/tools/export.py's
+                              and tokenizer_config.json when given one; for weights converted from HuggingFace,
+                              the source's config.json keys our model does not decide, such as its context
+                              length, and its generation_config.json, which from_hf keeps in conversion.json:
+                              hf_families.export_config); training/tools/export.py's
                               to_hf(OURS, OUT_DIR) takes a converted directory, a run directory (its newest
                               verified step) or a file and calls it
 
@@ -40,10 +43,11 @@ from ascend_llm_recipes.common.files import file_sha256
 from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.conversion.formats import (HFWeights, SafetensorsFile, SafetensorsWriter,
                                                           TorchBinFile)
-from ascend_llm_recipes.models.conversion.hf_families import (ROPE_INTERLEAVE, conversion_notes, export_notes,
-                                                              family_for, family_of, hf_config_from_model,
-                                                              model_config_from_hf, mtp_layers)
-from ascend_llm_recipes.models.conversion.ours import (FORMAT_VERSION, HF_WEIGHTS_FILE, PER_EXPERT, OurCheckpoint,
+from ascend_llm_recipes.models.conversion.hf_families import (ROPE_INTERLEAVE, conversion_notes, export_config,
+                                                              export_notes, family_for, family_of,
+                                                              hf_config_from_model, model_config_from_hf, mtp_layers)
+from ascend_llm_recipes.models.conversion.ours import (FORMAT_VERSION, HF_WEIGHTS_FILE, PER_EXPERT,
+                                                       SOURCE_CONFIG, SOURCE_GENERATION_CONFIG, OurCheckpoint,
                                                        existing_conversion, fingerprint)
 from ascend_llm_recipes.models.conversion.tables import (IGNORED_HF, IGNORED_OURS, TIED_HEAD, TRANSFORMS, check_tensors,
                                                          tensor_plan)
@@ -98,6 +102,26 @@ def open_hf_weights(hf_dir: str) -> HFWeights:
     return HFWeights(kind, shards, tensors)
 
 
+GENERATION_CONFIG = "generation_config.json"  # transformers' GenerationConfig.save_pretrained
+
+
+def read_generation_config(hf_dir: str) -> dict:
+    """hf_dir's generation_config.json (sampling defaults and stop tokens) as read; None when it has none."""
+    path = os.path.join(hf_dir, GENERATION_CONFIG)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        config = err
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: not a JSON object of generation settings ({config})",
+                              hint=f"repair it (transformers' GenerationConfig.save_pretrained writes it) or remove "
+                                   f"it: --to-hf writes back the {GENERATION_CONFIG} it finds here")
+    return config
+
+
 def read_hf_config(hf_dir: str) -> tuple:
     """(config dict, sha256 of config.json)."""
     path = os.path.join(hf_dir, "config.json")
@@ -142,11 +166,14 @@ def from_hf(hf_dir: str, out_dir: str, seq_length: int = None, verify: bool = Fa
     ignored = check_tensors(found, {p.hf: p.hf_shape for p in plan}, IGNORED_HF + mtp, hf_dir, extra_ok=tied_copy)
     not_converted = [name for name in ignored if any(re.fullmatch(pattern, name) for pattern, _ in mtp)]
     source = {"path": hf_dir, "model_type": family.model_type, "architectures": hf_config.get("architectures"),
-              "config_sha256": config_sha, "format": weights.format,
+              "config_sha256": config_sha, SOURCE_CONFIG: hf_config, "format": weights.format,
               "files": [{"file": name, "bytes": os.path.getsize(os.path.join(hf_dir, name))}
                         for name in weights.files]}
     if family.interleaved_rows is not None:
         source[ROPE_INTERLEAVE] = hf[ROPE_INTERLEAVE]
+    generation = read_generation_config(hf_dir)
+    if generation is not None:
+        source[SOURCE_GENERATION_CONFIG] = generation
 
     def tokenizer_entries(work_dir: str) -> dict:
         note, files = copy_hf_tokenizer(hf_dir, work_dir, out_dir)
@@ -180,16 +207,20 @@ def copy_hf_tokenizer(hf_dir: str, work_dir: str, out_dir: str) -> tuple:
 
 
 def write_hf(ckpt_path: str, cfg: ModelConfig, out_dir: str, tensor_parallel: int = 1, source: dict = None,
-             tokenizer: tuple = None, tokenizer_note: str = None, show_progress: bool = True) -> dict:
+             tokenizer: tuple = None, tokenizer_note: str = None, show_progress: bool = True,
+             origin: dict = None) -> dict:
     """Convert one of our checkpoint files to OUT_DIR/config.json + model.safetensors (float32).
 
     `source` is recorded in the manifest; `tokenizer` (file, its dataset manifest entry) is copied beside
-    the weights. training/tools/export.py's to_hf finds these for a run or converted directory. Returns the manifest.
+    the weights; `origin` (ours.hf_source) is the HuggingFace model the weights were converted from: its config.json
+    keys are kept where ours do not decide them (hf_families.export_config) and its generation_config.json is
+    written back. training/tools/export.py's to_hf finds these for a run or converted directory. Returns the manifest.
     """
     start = time.perf_counter()
     ckpt = OurCheckpoint(ckpt_path, cfg)  # either expert layout, read expert by expert
-    hf_config = hf_config_from_model(cfg)  # refuses a model no HF family has
+    hf_config, config_notes = export_config(cfg, origin)  # refuses a model no HF family has
     family = family_for(cfg)
+    generation = (origin or {}).get("generation_config")
     plan = tensor_plan(cfg, tensor_parallel, rows=family.table)
     found = {name: info[1] for name, info in ckpt.tensors.items()}
     ignored = check_tensors(found, ckpt.expected({p.ours: p.our_shape for p in plan}), IGNORED_OURS, ckpt_path)
@@ -212,6 +243,9 @@ def write_hf(ckpt_path: str, cfg: ModelConfig, out_dir: str, tensor_parallel: in
         refuse_non_finite(non_finite, ckpt_path, "to-hf")
         with open(os.path.join(work_dir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_config, f, indent=2)
+        if generation is not None:
+            with open(os.path.join(work_dir, GENERATION_CONFIG), "w", encoding="utf-8") as f:
+                json.dump(generation, f, indent=2)
         if tokenizer:
             write_hf_tokenizer(tokenizer, work_dir)
         return {
@@ -225,7 +259,8 @@ def write_hf(ckpt_path: str, cfg: ModelConfig, out_dir: str, tensor_parallel: in
             "tensors": records,
             "ignored": ignored,
             "tokenizer": tokenizer_note,
-            "notes": export_notes(family, cfg),
+            "notes": config_notes + export_notes(family, cfg) + (
+                [f"{GENERATION_CONFIG}: written as {origin['path']} had it"] if generation is not None else []),
             "fingerprint": fingerprint(hf_config, records),
         }
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ascend_llm_recipes.common.errors import ConversionError
 from ascend_llm_recipes.models.config import ModelConfig
+from ascend_llm_recipes.models.conversion.ours import ARCHITECTURE_FIELDS
 from ascend_llm_recipes.models.conversion.tables import DEEPSEEK_HALF_TABLE, DEEPSEEK_TABLE, HF_TABLE, MIXTRAL_TABLE
 
 
@@ -423,6 +424,48 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         config[family.shared_experts] = cfg.shared_expert_intermediate_size // cfg.expert_size
     config["torch_dtype"] = "float32"
     return config
+
+
+DTYPE_KEYS = ("torch_dtype", "dtype")  # the weights' dtype: transformers before 4.56 writes torch_dtype, since dtype
+POSITIONS = "max_position_embeddings"
+
+
+def export_config(cfg: ModelConfig, source: dict = None) -> tuple:
+    """(config.json, notes) for exporting cfg's weights: hf_config_from_model's keys written over the config.json of
+    the HuggingFace source they were converted from (ours.hf_source), so its context length and every key our model
+    does not read (use_cache, layer_types, ...) are kept. A source value changed is a note naming key, old and new.
+
+    Without a source (a model trained from scratch) max_position_embeddings is the model_config's seq_length, and a
+    note says so; so it is when the source's architecture is not cfg's (it is then not used at all).
+    """
+    config = hf_config_from_model(cfg)
+    theirs = source["config"] if source else None
+    if theirs is not None:
+        differ = ([theirs.get("model_type")] if theirs.get("model_type") != config["model_type"] else
+                  [name for name in ARCHITECTURE_FIELDS if getattr(model_config_from_hf(theirs, source["path"]), name)
+                   != getattr(cfg, name)])
+        if differ:
+            return config, [f"{POSITIONS}: {cfg.seq_length}, the model_config's seq_length: the source config.json "
+                            f"these weights were converted from ({source['path']}) is not used, its model differs in "
+                            f"{', '.join(map(str, differ))}; set {POSITIONS} to the context length the model serves"]
+    if theirs is None:
+        return config, [f"{POSITIONS}: {cfg.seq_length}, the model_config's seq_length: no HuggingFace config.json "
+                        "travels with these weights (a model trained from scratch; converted from Megatron-LM or a "
+                        "state dict without one; or a resumed run, whose recorded recipe names its own checkpoint "
+                        f"instead of the conversion it started from); set {POSITIONS} to the context length the model serves"]
+    if any(key in theirs for key in DTYPE_KEYS):  # the source's own spelling of the weights' dtype, float32 here
+        config = {key: value for key, value in config.items() if key not in DTYPE_KEYS}
+        config.update({key: "float32" for key in DTYPE_KEYS if key in theirs})
+    if theirs.get(POSITIONS, 0) >= cfg.seq_length:
+        config[POSITIONS] = theirs[POSITIONS]  # trained on shorter sequences than the source serves: its context
+    for name in TOKEN_ID_FIELDS:  # the first of a list of ids is the one our model_config holds
+        if isinstance(theirs.get(name), list) and theirs[name][:1] == [config[name]]:
+            config[name] = theirs[name]
+    why = {POSITIONS: f"the model was trained on sequences of {cfg.seq_length} tokens, longer than the source's",
+           **{key: "the exported weights are float32" for key in DTYPE_KEYS}}
+    notes = [f"{key}: {theirs[key]!r} -> {value!r} ({why.get(key, 'the model_config value')})"
+             for key, value in config.items() if key in theirs and theirs[key] != value]
+    return {**theirs, **config}, notes
 
 
 def conversion_notes(family: Family, hf_config: dict) -> list:

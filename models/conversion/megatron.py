@@ -35,7 +35,6 @@ must this reader): convert only checkpoints you trust.
 """
 
 import argparse
-import json
 import os
 import time
 
@@ -47,8 +46,8 @@ from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.conversion.formats import HFWeights
 from ascend_llm_recipes.models.conversion.megatron_files import (LATEST_FILE, LegacyCheckpoint, RANK_FILE, kv_groups,
                                                                  open_megatron)
-from ascend_llm_recipes.models.conversion.ours import (FORMAT_VERSION, MANIFEST_FILE, MOMENT_FILES, OPTIMIZER_DIR,
-                                                       PER_EXPERT, OurCheckpoint)
+from ascend_llm_recipes.models.conversion.ours import (FORMAT_VERSION, MOMENT_FILES, OPTIMIZER_DIR, PER_EXPERT,
+                                                       OurCheckpoint, source_manifest)
 from ascend_llm_recipes.models.conversion.tables import (FUSE, MEGATRON_TABLE, MEGATRON_TENSORS, TRANSFORMS,
                                                          grouped_state, is_expert, layer_names, present_tensors,
                                                          rank_share, row_for, tensor_plan)
@@ -473,13 +472,3 @@ def moe_args_for(cfg: ModelConfig, ep: int = 1, tp: int = 1, grouped_gemm: bool 
                 moe_expert_capacity_factor=cfg.capacity_factor or None, moe_token_drop_policy=cfg.token_drop_policy,
                 moe_pad_expert_input_to_capacity=False,
                 expert_model_parallel_size=ep, expert_tensor_parallel_size=tp), problems
-
-
-def source_manifest(source: str) -> dict:
-    """The conversion.json of directory `source`, or {} when it has none (a run directory, a bare file)."""
-    path = os.path.join(source, MANIFEST_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}

@@ -89,6 +89,33 @@ def model_section(data: dict, path: str) -> ModelConfig:
     return section.model_config
 
 
+# What a conversion from HuggingFace keeps of its source in conversion.json's "source" (hf.py from_hf), so that
+# --to-hf writes back the source's context length, the config.json keys our model does not read and its
+# generation_config.json (hf_families.export_config)
+SOURCE_CONFIG, SOURCE_GENERATION_CONFIG = "hf_config", "generation_config"
+
+
+def hf_source(converted_dir: str) -> dict:
+    """{"path", "config", "generation_config"} of the HuggingFace directory `converted_dir` was converted from, as
+    its conversion.json recorded them; None when it records none (not a conversion, or from Megatron-LM, Meta's
+    files or a state dict without a config.json)."""
+    source = source_manifest(converted_dir).get("source") or {}
+    if not isinstance(source.get(SOURCE_CONFIG), dict):
+        return None
+    return {"path": source.get("path"), "config": source[SOURCE_CONFIG],
+            "generation_config": source.get(SOURCE_GENERATION_CONFIG)}
+
+
+def source_manifest(source: str) -> dict:
+    """The conversion.json of directory `source`, or {} when it has none (a run directory, a bare file)."""
+    path = os.path.join(source, MANIFEST_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def fingerprint(model: dict, tensors: list) -> str:
     """Identity of a converted model: its config and the sha256 of every tensor."""
     content = json.dumps({"model": model, "tensors": [[t["name"], t["shape"], t["sha256"]] for t in tensors]},

@@ -19,8 +19,9 @@ from ascend_llm_recipes.common.errors import ConversionError, PretrainError
 from ascend_llm_recipes.common.files import file_sha256
 from ascend_llm_recipes.common.schema import to_plain
 from ascend_llm_recipes.models.config import ModelConfig
-from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, MODEL_SECTION_FILE, OPTIMIZER_DIR,
-                                                       PER_EXPERT, model_section, read_model_yaml)
+from ascend_llm_recipes.models.conversion.ours import (CHECKPOINT_FILE, MANIFEST_FILE, MODEL_SECTION_FILE,
+                                                       OPTIMIZER_DIR, PER_EXPERT, hf_source, model_section,
+                                                       read_model_yaml)
 from ascend_llm_recipes.models.conversion.hf import write_hf
 from ascend_llm_recipes.models.conversion.megatron import from_megatron, source_manifest
 from ascend_llm_recipes.models.conversion.megatron import to_megatron as _to_megatron
@@ -185,7 +186,25 @@ def to_hf(source: str, out_dir: str, model_config: str = None, show_progress: bo
     cfg, tensor_parallel = read_model_section(section_path)
     tokenizer, tokenizer_note = run_tokenizer(section_path)
     source = {"path": ckpt_path, "model_section": section_path, **notes}
-    return write_hf(ckpt_path, cfg, out_dir, tensor_parallel, source, tokenizer, tokenizer_note, show_progress)
+    return write_hf(ckpt_path, cfg, out_dir, tensor_parallel, source, tokenizer, tokenizer_note, show_progress,
+                    origin=weights_origin(ckpt_path))
+
+
+def weights_origin(ckpt_path: str) -> dict:
+    """The HuggingFace source (ours.hf_source) of these weights: the conversion they are, or the one the run that
+    trained them started from (its recipe's load_checkpoint, through runs started from another run's checkpoint);
+    None when there is none. A resumed run's recipe names its own checkpoint, where the search ends."""
+    path, seen = os.path.abspath(ckpt_path), set()
+    while path and path not in seen:
+        seen.add(path)
+        directory = path if os.path.isdir(path) else os.path.dirname(path)
+        if os.path.isfile(os.path.join(directory, MANIFEST_FILE)):
+            return hf_source(directory)
+        section = recorded_model_section(path)
+        if section is None or os.path.basename(section) != RUN_RECIPE:
+            return None
+        path = run_recipe(os.path.dirname(section)).load_checkpoint
+    return None
 
 
 def from_torch(path: str, out_dir: str, model_config: str, key_map: str = None, seq_length: int = None,
