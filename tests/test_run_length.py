@@ -48,6 +48,61 @@ def every_epoch_run(tmp_path_factory, small_data):
     return run_dir
 
 
+# D1: more steps than the data holds is refused before training, naming the count and the fix.
+
+def test_stop_step_past_the_data_is_refused_at_check_and_at_launch(small_data, tmp_path, capsys):
+    settings = small_settings(tmp_path / "run", small_data, "runner_config.stop_step=30")
+    expected = (f"runner_config.stop_step: 30 is more steps than the training data holds: {small_data} gives 6 "
+                f"global batches of 8 (50 samples x runner_config.epochs 1 x train_dataset.repeat 1); the run "
+                "would end at step 6 with its learning rate schedule sized for 30 steps. To fix: set "
+                "runner_config.stop_step to at most 6, or repeat the data: runner_config.epochs 5")
+    assert cli(settings, "--check") == 2
+    assert expected in capsys.readouterr().out
+    assert cli(settings) == 2
+    out, err = capsys.readouterr()
+    assert expected in out and "nothing was started" in err
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+    # the same refusal where the dataset is first built (launch) and in every worker: check_datasets
+    from ascend_llm_recipes.training.launcher.datasets import check_datasets
+    with pytest.raises(DataError, match=re.escape(expected.split(". To fix")[0])):
+        check_datasets(load_recipe(TINY_RECIPE, tuple(map(str, settings))))
+
+
+def test_the_epochs_the_hint_names_hold_stop_step_as_the_loader_reads_them(small_data, tmp_path):
+    from ascend_llm_recipes.data.loader import rank_samples
+    from ascend_llm_recipes.training.launcher.datasets import data_steps, run_length_problem
+    from ascend_llm_recipes.training.recipe.loader_spec import loader_spec
+
+    for epochs, steps in ((1, 6), (4, 25), (5, 31)):
+        recipe = load_recipe(TINY_RECIPE, tuple(small_settings(tmp_path, small_data, "runner_config.stop_step=30",
+                                                                f"runner_config.epochs={epochs}")))
+        _, ids, batch = rank_samples(loader_spec(recipe))
+        assert data_steps(recipe) == len(ids) // batch == steps
+        assert (run_length_problem(recipe) is None) == (steps >= 30)
+
+
+# D2: the same command again after a run that used all its data.
+
+def test_a_run_of_every_epoch_is_already_complete_when_rerun(every_epoch_run, small_data, capsys):
+    with open(os.path.join(every_epoch_run, "metrics.jsonl"), encoding="utf-8") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5, 6]
+    assert cli(small_settings(every_epoch_run, small_data, "runner_config.stop_step=0")) == 0
+    assert (f"{every_epoch_run} is already complete (step 6 of the 6 steps its data holds; runner_config.stop_step 0 "
+            "runs every epoch); nothing to do") in capsys.readouterr().out
+
+
+def test_a_longer_rerun_is_refused_until_the_data_repeats_then_continues(every_epoch_run, small_data, tmp_path,
+                                                                         capsys):
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(every_epoch_run, run_dir)
+    assert cli(small_settings(run_dir, small_data, "runner_config.stop_step=12"), "--amend") == 2
+    assert ("runner_config.stop_step: 12 is more steps than the training data holds" in capsys.readouterr().out)
+    assert cli(small_settings(run_dir, small_data, "runner_config.stop_step=12", "runner_config.epochs=2"),
+               "--amend") == 0
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(1, 13))
+
+
 # D7: integer keys that MindSpore holds in 32 bits are range-checked at load, every one of them.
 
 def integer_keys(obj, prefix=""):

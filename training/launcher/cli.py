@@ -25,7 +25,7 @@ from ascend_llm_recipes.common.errors import LaunchError, PretrainError
 from ascend_llm_recipes.training.launcher.cluster import (DEFAULT_MULTINODE_PORT, WORKER_SCRIPT, Cluster, job_command,
                                                           msrun_log_name, resolve_cluster, starts_worker_directly,
                                                           worker_env)
-from ascend_llm_recipes.training.launcher.datasets import check_load_checkpoint, ensure_dataset
+from ascend_llm_recipes.training.launcher.datasets import check_load_checkpoint, ensure_dataset, last_step
 from ascend_llm_recipes.training.launcher.failure_report import describe_exit, failed_ranks, report_failure
 from ascend_llm_recipes.training.launcher.job import RunDirLock, describe_holder
 from ascend_llm_recipes.training.launcher.rendezvous import (DEFAULT_RENDEZVOUS_TIMEOUT, NodeGroup,
@@ -205,10 +205,9 @@ def run_job(recipe: Recipe, recipe_path: str, cluster: Cluster, findings: list, 
         if recipe.resume_training and recipe.load_checkpoint and \
                 not os.path.abspath(recipe.load_checkpoint).startswith(run_dir + os.sep):
             check_data_position(recipe, run_dir)  # resuming another run's checkpoint in a new run directory
-        if recipe.resume_training and recipe.runner_config.stop_step and \
-                resumed_step(recipe) >= recipe.runner_config.stop_step:
-            done = (f"{run_dir} is already complete (step {resumed_step(recipe)} of runner_config.stop_step "
-                    f"{recipe.runner_config.stop_step}); nothing to do")
+        last, why = last_step(recipe)  # stop_step, or the data's last step (a rerun must not train past it)
+        if recipe.resume_training and 0 < last <= resumed_step(recipe):
+            done = f"{run_dir} is already complete (step {resumed_step(recipe)} of {why}); nothing to do"
             print(f"[launch] {done}", flush=True)
             if group is not None:
                 group.start(run_dir, nothing_to_do=done)

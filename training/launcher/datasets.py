@@ -79,6 +79,9 @@ def check_datasets(recipe: Recipe) -> dict:
         unused = model.vocab_size - tokenizer["vocab_size"]
         warnings.append(f"model.model_config.vocab_size {model.vocab_size} is larger than the tokenizer's "
                         f"{tokenizer['vocab_size']} ({recipe.dataset_dir}): {unused} embedding rows are never trained")
+    length = run_length_problem(recipe)
+    if length is not None:
+        raise length
     blend = check_blend(recipe) if recipe.train_dataset.blend else []
     for member in blend:
         if member["repeats_per_pass"] > BLEND_REPEAT_WARNING:
@@ -86,6 +89,57 @@ def check_datasets(recipe: Recipe) -> dict:
                             f"{member['share']:.1%} of the blend) is read ~{member['repeats_per_pass']:.0f} times per "
                             f"pass (more than {BLEND_REPEAT_WARNING}); lower its weight or add data to it")
     return {"manifest": train, "blend": blend, "warnings": warnings}
+
+
+def data_steps(recipe: Recipe) -> int:
+    """Optimizer steps the training data holds: runner_config.epochs x train_dataset.repeat passes over the datasets,
+    less what loss-spike rollbacks removed, in global batches. Reads manifests only; DataError when one is missing."""
+    samples, skipped, batch = _data_size(recipe)
+    return max(0, recipe.runner_config.epochs * recipe.train_dataset.repeat * samples - skipped) // batch
+
+
+def _data_size(recipe: Recipe) -> tuple:
+    """(samples in one pass: a blend's pass draws the sum of its members' samples (data/loader.py), samples removed by
+    rollbacks (RUN_DIR/data_skips.json), samples per optimizer step over all ranks)."""
+    from ascend_llm_recipes.data.loader import read_skips, skip_ranges
+    from ascend_llm_recipes.data.mindrecord_io import read_manifest
+    from ascend_llm_recipes.training.recipe.loader_spec import dataset_sources, loader_spec
+
+    samples = sum(read_manifest(d)["samples"] for d, _, _ in dataset_sources(recipe))
+    rollbacks = read_skips(recipe.output_dir) if os.path.isdir(recipe.output_dir) else []
+    skipped = sum(end - start for start, end in skip_ranges(rollbacks))
+    return samples, skipped, loader_spec(recipe).global_batch
+
+
+def last_step(recipe: Recipe) -> tuple:
+    """(the step the run ends at, what sets it): runner_config.stop_step, or (0) the last step its data holds."""
+    if recipe.runner_config.stop_step:
+        return recipe.runner_config.stop_step, f"runner_config.stop_step {recipe.runner_config.stop_step}"
+    steps = data_steps(recipe)
+    return steps, f"the {steps} steps its data holds; runner_config.stop_step 0 runs every epoch"
+
+
+def run_length_problem(recipe: Recipe):
+    """A DataError when runner_config.stop_step is more steps than the training data holds, else None.
+
+    The data is never cycled silently (the run would end early, its LR schedule sized for stop_step): more passes
+    are runner_config.epochs, each reshuffled, as Megatron-LM's --train-iters cycles epochs.
+    """
+    stop, steps = recipe.runner_config.stop_step, data_steps(recipe)
+    if not stop or stop <= steps:
+        return None
+    samples, skipped, batch = _data_size(recipe)
+    repeat = recipe.train_dataset.repeat
+    epochs = -(-(stop * batch + skipped) // (samples * repeat))  # passes that hold stop_step batches, in epochs
+    removed = f", less {skipped:,} samples loss-spike rollbacks removed" if skipped else ""
+    data = "the blend (train_dataset.blend)" if recipe.train_dataset.blend else recipe.dataset_dir
+    return DataError(f"runner_config.stop_step: {stop} is more steps than the training data holds: "
+                     f"{data} gives {steps} global batches of {batch} ({samples:,} samples x "
+                     f"runner_config.epochs {recipe.runner_config.epochs} x train_dataset.repeat {repeat}{removed}); "
+                     f"the run would end at step {steps} with its learning rate schedule sized for {stop} steps",
+                     hint=f"set runner_config.stop_step to at most {steps}, or repeat the data: runner_config.epochs "
+                          f"{epochs} (each epoch reshuffled; on an existing run directory with --amend), or prepare "
+                          "more data")
 
 
 def _checked_manifest(recipe: Recipe, key: str, dataset_dir: str) -> dict:
@@ -160,3 +214,4 @@ def check_load_checkpoint(recipe: Recipe) -> None:
                               hint=f"use the model: section of {section} in the recipe (or --set those keys to "
                                    "the checkpoint's values)")
     check_checkpoint_parameters(recipe, 0)
+

@@ -3,8 +3,8 @@
 `run_checks(recipe, ...)` returns Findings: "ok", "warn" (the launch goes ahead) or "error" (the
 launcher refuses to start). Checks: software versions against training/launcher/supported_versions.yaml,
 the device the recipe asks for, model parts not built for that device yet, the HCCL settings every rank will get,
-locked-memory and mmap limits, the master port, leftover training workers, a writable output_dir, and free disk
-for the checkpoints.
+locked-memory and mmap limits, the master port, leftover training workers, a writable output_dir, free disk
+for the checkpoints, and runner_config.stop_step against the data.
 
 Nothing here imports MindSpore or MindFormers: importing MindSpore sets HCCL_CONNECT_TIMEOUT=600
 when it is unset and importing MindFormers creates ./output, so versions are read from the
@@ -52,7 +52,7 @@ MIN_MAX_MAP_COUNT = 262144
 @dataclass
 class Finding:
     level: Literal["ok", "warn", "error"]
-    check: str    # short name: versions, device, hccl, memlock, max_map_count, master_port, processes, output_dir, disk
+    check: str    # short name: versions, device, hccl, memlock, ..., disk, loader, run_length
     message: str  # what was found, and what to do next
     data: dict = field(default_factory=dict)  # machine-readable details, recorded in preflight.json
 
@@ -415,6 +415,27 @@ def check_loader_workers(recipe, cpus: Optional[int] = None) -> list:
     return [Finding("ok", "loader", f"train_dataset.num_parallel_workers {workers} of {cpus} CPUs", {})]
 
 
+def check_run_length(recipe) -> list:
+    """runner_config.stop_step against the steps the training data holds (training/launcher/datasets.py), from the
+    dataset manifests: a run never ends early without a word."""
+    from ascend_llm_recipes.common.errors import DataError
+    from ascend_llm_recipes.training.launcher.datasets import data_steps, run_length_problem
+
+    stop = recipe.runner_config.stop_step
+    try:
+        problem, steps = run_length_problem(recipe), data_steps(recipe)
+    except DataError as err:
+        prep = recipe.data_preparation
+        if prep is not None and prep.output_dir == recipe.dataset_dir and not os.path.exists(recipe.dataset_dir):
+            return [Finding("ok", "run_length", f"{recipe.dataset_dir} is prepared at launch (data_preparation); "
+                            "runner_config.stop_step is checked against it then", {})]
+        return [Finding("warn", "run_length", f"not checked against the data: {err.message}", {})]
+    data = {"stop_step": stop, "data_steps": steps}
+    if problem is not None:
+        return [Finding("error", "run_length", f"{problem.message}. To fix: {problem.hint}", data)]
+    return [Finding("ok", "run_length", f"{stop or steps} steps of the {steps} the training data holds", data)]
+
+
 # ---------------------------------------------------------------------------------------------
 # all checks, output
 
@@ -434,6 +455,7 @@ def run_checks(recipe, run_dir: Optional[str] = None, master_port: Optional[int]
     findings += check_output_dir(recipe, run_dir)
     findings += check_disk(recipe, run_dir)
     findings += check_loader_workers(recipe)
+    findings += check_run_length(recipe)
     return findings
 
 

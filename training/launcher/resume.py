@@ -10,6 +10,7 @@ import shutil
 import time
 
 from ascend_llm_recipes.common.errors import LaunchError
+from ascend_llm_recipes.training.launcher.datasets import last_step
 from ascend_llm_recipes.training.recipe.schema import Recipe
 from ascend_llm_recipes.training.tools.relayout import check_relayout, keep_source_strategy
 from ascend_llm_recipes.training.run_files import (AMENDMENTS, CHECKPOINTS, HEARTBEAT, METRICS, METRICS_PATTERN,
@@ -77,7 +78,7 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
                           + ", ".join(f"{key} ({old!r} -> {new!r})" for key, old, new in changes),
                           hint="restore those settings to continue the run, or pass --amend to continue it with the "
                                f"change recorded in {os.path.join(run_dir, AMENDMENTS)}, or choose a new output_dir")
-    if step is not None and recipe.runner_config.stop_step and step >= recipe.runner_config.stop_step:
+    if step is not None and 0 < last_step(recipe)[0] <= step:
         if changes:  # --amend given, but there is no step left for the change to apply to
             print(f"[launch] note: the run is complete at step {step}, so --amend applies nothing and records "
                   "nothing (" + ", ".join(key for key, _, _ in changes) + "); raise runner_config.stop_step to "
