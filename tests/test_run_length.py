@@ -103,6 +103,70 @@ def test_a_longer_rerun_is_refused_until_the_data_repeats_then_continues(every_e
         assert [json.loads(line)["step"] for line in f] == list(range(1, 13))
 
 
+# D5: an amendment that re-sizes the schedule says what it does to the learning rate, and how to keep the schedule.
+
+def test_schedule_lr_is_what_mindformers_schedules_compute(tmp_path):
+    import mindspore as ms
+    from mindformers.core.lr import build_lr
+    import ascend_llm_recipes.training.worker.optim  # noqa: F401  (registers StartStepLR)
+    from ascend_llm_recipes.training.launcher.resume import schedule_lr
+    from ascend_llm_recipes.training.recipe.mindformers import worker_config
+
+    s = "lr_schedule."
+    for overrides in ((), (s + "warmup_steps=null", s + "warmup_ratio=0.1"), (s + "type=LinearWithWarmUpLR",),
+                      (s + "type=LinearWithWarmUpLR", s + "lr_end=0.0"), (s + "type=ConstantWarmUpLR",),
+                      (s + "start_step=7",), (s + "total_steps=12",), (s + "lr_end=0.0", s + "warmup_steps=0")):
+        recipe = load_recipe(TINY_RECIPE, (f"output_dir={tmp_path}", "runner_config.stop_step=20", *overrides))
+        schedule = build_lr(worker_config(recipe, str(tmp_path))["lr_schedule"])
+        for step in range(0, 25):
+            real = float(schedule(ms.Tensor(step, ms.int32)).asnumpy())
+            assert schedule_lr(recipe, step) == pytest.approx(real, rel=1e-5, abs=1e-9), (overrides, step)
+
+
+def test_amending_stop_step_warns_of_the_lr_jump_records_it_and_names_the_keys_that_keep_the_schedule(
+        every_epoch_run, small_data, tmp_path, capsys):
+    from ascend_llm_recipes.training.launcher.resume import prepare_run_dir
+
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(every_epoch_run, run_dir)
+    longer = small_settings(run_dir, small_data, "runner_config.stop_step=12", "runner_config.epochs=2")
+    recipe = load_recipe(TINY_RECIPE, tuple(longer))
+    prepare_run_dir(recipe, TINY_RECIPE, amend=True)
+    new = 5e-4 + 4.5e-3 * 0.5 * (1 + math.cos(math.pi * 4 / 10))  # step 7: a cosine of 12 steps at optimizer step 6
+    out = capsys.readouterr().out
+    assert (f"[launch] warning: this amendment moves the learning rate of step 7 from 5.000e-04 (the schedule the "
+            f"run trained with) to {new:.3e}: lr_schedule.total_steps -1 sizes the schedule to the run (6 steps "
+            "before, 12 now)") in out
+    assert "--set lr_schedule.total_steps=6   (the schedule as trained" in out
+    with open(os.path.join(run_dir, "amendments.jsonl"), encoding="utf-8") as f:
+        first = json.loads(f.readline())
+    assert first["lr"] == {"step": 7, "old": pytest.approx(5e-4), "new": pytest.approx(new)}
+    assert f"the LR of step 7: 5.000e-04 -> {new:.3e}" in out
+    # the named keys keep the trained schedule: no jump, nothing to warn of
+    shutil.rmtree(run_dir)
+    shutil.copytree(every_epoch_run, run_dir)
+    prepare_run_dir(load_recipe(TINY_RECIPE, (*longer, "lr_schedule.total_steps=6")), TINY_RECIPE, amend=True)
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_amending_mid_decay_offers_a_new_decay_from_the_current_lr(tmp_path, capsys):
+    from ascend_llm_recipes.training.launcher.resume import lr_change, schedule_lr
+
+    trained = load_recipe(TINY_RECIPE, (f"output_dir={tmp_path}",))
+    longer = ("runner_config.stop_step=40",)
+    change = lr_change(trained, load_recipe(TINY_RECIPE, (f"output_dir={tmp_path}", *longer)), 10)
+    current = schedule_lr(trained, 10)
+    assert change == {"step": 11, "old": current, "new": pytest.approx(schedule_lr(
+        load_recipe(TINY_RECIPE, (f"output_dir={tmp_path}", *longer)), 10))}
+    keys = f"--set lr_schedule.learning_rate={current:.4g} --set lr_schedule.warmup_steps=10"
+    assert keys in capsys.readouterr().out
+    continued = load_recipe(TINY_RECIPE, (f"output_dir={tmp_path}", *longer,
+                                          *[k for k in shlex.split(keys) if k != "--set"]))
+    assert schedule_lr(continued, 10) == pytest.approx(current, rel=1e-3)  # continuous at the resumed step
+    assert schedule_lr(continued, 40) == trained.lr_schedule.lr_end  # and decays to lr_end by the new end
+    assert lr_change(trained, continued, 10) is None
+
+
 # D7: integer keys that MindSpore holds in 32 bits are range-checked at load, every one of them.
 
 def integer_keys(obj, prefix=""):

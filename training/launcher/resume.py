@@ -5,12 +5,13 @@ with --amend, recorded in RUN_DIR/amendments.jsonl).
 """
 import fnmatch
 import json
+import math
 import os
 import shutil
 import time
 
 from ascend_llm_recipes.common.errors import LaunchError
-from ascend_llm_recipes.training.launcher.datasets import last_step
+from ascend_llm_recipes.training.launcher.datasets import data_steps, last_step
 from ascend_llm_recipes.training.recipe.schema import Recipe
 from ascend_llm_recipes.training.tools.relayout import check_relayout, keep_source_strategy
 from ascend_llm_recipes.training.run_files import (AMENDMENTS, CHECKPOINTS, HEARTBEAT, METRICS, METRICS_PATTERN,
@@ -84,7 +85,8 @@ def continue_run(recipe: Recipe, run_dir: str, amend: bool = False) -> bool:
                   "nothing (" + ", ".join(key for key, _, _ in changes) + "); raise runner_config.stop_step to "
                   "continue it with the change", flush=True)
         return False  # already complete: the launcher says so, and the run's record stays as it is
-    record_amendments(run_dir, step or 0, changes)
+    lr = lr_change(previous, recipe, step) if step is not None and changes else None
+    record_amendments(run_dir, step or 0, changes, lr)
     if step is not None:
         keep_source_strategy(previous, recipe, run_dir, directory)
     for bad, problems in invalid:
@@ -137,14 +139,19 @@ def _flatten(value, prefix: str = "") -> dict:
     return flat
 
 
-def record_amendments(run_dir: str, step: int, changes: list) -> None:
-    """Append accepted recipe changes to RUN_DIR/amendments.jsonl, then show the run's whole amendment history."""
+def record_amendments(run_dir: str, step: int, changes: list, lr: dict = None) -> None:
+    """Append accepted recipe changes to RUN_DIR/amendments.jsonl, then show the run's whole amendment history.
+
+    `lr` (lr_change) is the learning rate the changes move the next step to: recorded with the first change.
+    """
     path = os.path.join(run_dir, AMENDMENTS)
     if changes:
         when = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        records = [{"time": when, "step": step, "key": key, "old": old, "new": new} for key, old, new in changes]
+        if lr is not None:
+            records[0]["lr"] = lr
         with open(path, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps({"time": when, "step": step, "key": key, "old": old, "new": new}) + "\n"
-                         for key, old, new in changes)
+            f.writelines(json.dumps(record) + "\n" for record in records)
             f.flush()
             os.fsync(f.fileno())
     from ascend_llm_recipes.training.worker.metrics import read_jsonl
@@ -153,8 +160,69 @@ def record_amendments(run_dir: str, step: int, changes: list) -> None:
         if os.path.isfile(path) else []
     if history:
         print(f"[launch] this run's recipe was amended ({path}):\n" + "\n".join(
-            f"  from step {a['step']}: {a['key']} {a['old']!r} -> {a['new']!r} ({a['time']})" for a in history),
+            f"  from step {a['step']}: {a['key']} {a['old']!r} -> {a['new']!r} ({a['time']})"
+            + (f"; the LR of step {a['lr']['step']}: {a['lr']['old']:.3e} -> {a['lr']['new']:.3e}" if "lr" in a else "")
+            for a in history),
             flush=True)
+
+
+def schedule_steps(recipe: Recipe) -> int:
+    """The steps the LR schedule is sized to: lr_schedule.total_steps, else runner_config.stop_step (training/recipe/
+    mindformers.py lr_schedule_block), else the steps the data holds (MindFormers sizes -1 to the dataset)."""
+    from ascend_llm_recipes.training.recipe.mindformers import lr_schedule_block
+
+    total = lr_schedule_block(recipe)["total_steps"]
+    return total if total > 0 else data_steps(recipe)
+
+
+def schedule_lr(recipe: Recipe, step: int) -> float:
+    """The learning rate of optimizer step `step` (0-based: it trains run step step + 1) under the recipe's schedule.
+
+    MindFormers' CosineWithWarmUpLR, LinearWithWarmUpLR and ConstantWarmUpLR (mindformers/core/lr/lr_schedule.py)
+    sized to schedule_steps, entered at lr_schedule.start_step and linear decaying to lr_end (training/worker/optim.py
+    StartStepLR). tests/test_run_length.py holds it against those classes.
+    """
+    s, total = recipe.lr_schedule, schedule_steps(recipe)
+    warmup = int(total * s.warmup_ratio) if s.warmup_ratio is not None else s.warmup_steps or 0
+    peak, end, t = s.learning_rate, s.lr_end, float(step + s.start_step)
+    if warmup and t < warmup:
+        return peak * t / warmup
+    if s.type == "ConstantWarmUpLR":
+        return peak
+    if s.type == "LinearWithWarmUpLR":
+        return end + (peak - end) * max(0.0, (total - t) / max(1, total - warmup))
+    if t >= total:
+        return end
+    return end + (peak - end) * max(0.0, 0.5 * (1.0 + math.cos(math.pi * (t - warmup) / max(1, total - warmup))))
+
+
+def lr_change(previous: Recipe, recipe: Recipe, step: int):
+    """{step, old, new}: the LR of the first resumed step (step + 1) under the schedule the run trained with and under
+    the amended recipe's, when they differ; also printed, with the --set keys that continue the trained schedule."""
+    from ascend_llm_recipes.common.errors import DataError
+
+    try:
+        old, new = schedule_lr(previous, step), schedule_lr(recipe, step)
+        before, after = schedule_steps(previous), schedule_steps(recipe)
+    except DataError:
+        return None  # the trained schedule's data is gone: nothing to compare with
+    if math.isclose(old, new, rel_tol=1e-3):
+        return None
+    text = (f"[launch] warning: this amendment moves the learning rate of step {step + 1} from {old:.3e} (the "
+            f"schedule the run trained with) to {new:.3e}")
+    trained = previous.lr_schedule
+    if before != after and trained.total_steps == -1 and recipe.lr_schedule.total_steps == -1:
+        text += (f": lr_schedule.total_steps -1 sizes the schedule to the run ({before} steps before, {after} now). "
+                 "To continue the trained schedule instead, stop now (Ctrl-C) and rerun with --amend and:\n"
+                 f"  --set lr_schedule.total_steps={before}   (the schedule as trained: {trained.type} to lr_end "
+                 f"{trained.lr_end:g} by step {before}, then lr_end)")
+        if old > trained.lr_end and trained.type != "ConstantWarmUpLR":
+            text += (f"\n  --set lr_schedule.learning_rate={old:.4g} --set lr_schedule.warmup_steps="
+                     f"{step + trained.start_step}" + (" --set lr_schedule.warmup_ratio=null"
+                                                       if trained.warmup_ratio is not None else "")
+                     + f"   (a new {trained.type} from the current LR {old:.3e} to lr_end by the new end)")
+    print(text, flush=True)
+    return {"step": step + 1, "old": old, "new": new}
 
 
 DATA_ORDER_KEYS = ("seed", "train_dataset.data_loader.shuffle", "train_dataset.blend", "runner_config.epochs",
