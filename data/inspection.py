@@ -14,7 +14,7 @@ from ascend_llm_recipes.common.errors import DataError
 from ascend_llm_recipes.common.files import file_sha256
 from ascend_llm_recipes.data.mindrecord_io import (MANIFEST, PADDING_PLOT, REPORT_DIR, REPORT_TEXT, indexes_hashed,
                                                    open_problem, read_manifest)
-from ascend_llm_recipes.data.prepare import model_mismatches, rerun_command, summary, validation_dir
+from ascend_llm_recipes.data.prepare import fit_hint, model_mismatches, rerun_command, summary, validation_dir
 from ascend_llm_recipes.data.tokenizer import load_tokenizer
 
 EOD_MARK = "\n<|EOD|>\n"
@@ -42,9 +42,8 @@ def validate_dataset(dataset_dir: str, recipe_path: str = None, model=None) -> s
                                       model.eos_token_id)
         problems += [f"recipe {recipe_path}: {m}" for m in mismatches]
         if mismatches:
-            hint = (f"build a dataset for this recipe with: "
-                    f"{rerun_command(manifest, dataset_dir + '-new', model.seq_length, model.vocab_size)}, "
-                    "or fix the recipe's model section")
+            hint = fit_hint(manifest, model.seq_length, model.vocab_size, model.pad_token_id, model.eos_token_id,
+                            recipe_path, dataset_dir + "-new")
         else:
             lines.append(f"matches recipe {recipe_path} (seq_length {model.seq_length}, vocabulary "
                          f"{manifest['tokenizer']['vocab_size']} <= {model.vocab_size}, pad/EOD ids)")

@@ -16,6 +16,7 @@ from ascend_llm_recipes.data.text.inputs import expand_inputs, written_paths
 from ascend_llm_recipes.data.mindrecord_io import MANIFEST, check_files_present, lock_path, read_manifest
 from ascend_llm_recipes.data.text.pipeline import PrepareOptions, prepare_local
 from ascend_llm_recipes.data.run_state import Job, val_output_dir
+from ascend_llm_recipes.data.tokenizer import EOD_ID, PAD_ID
 from ascend_llm_recipes.models.arithmetic import ALIGN, round_up
 
 SOURCES = ("python_stdlib",)
@@ -235,10 +236,47 @@ def check_dataset(dataset_dir: str, seq_length: int, vocab_size: int, pad_token_
     problems = model_mismatches(manifest, seq_length, vocab_size, pad_token_id, eos_token_id)
     if problems:
         raise DataError(f"dataset {dataset_dir} was built for another model: " + "; ".join(problems),
-                        hint="fix the recipe, or build a matching dataset with: "
-                             f"{rerun_command(manifest, 'NEW_DIR', seq_length, vocab_size)} and set "
-                             "train_dataset.data_loader.dataset_dir to NEW_DIR")
+                        hint=fit_hint(manifest, seq_length, vocab_size, pad_token_id, eos_token_id, "the recipe",
+                                      "NEW_DIR", " and set train_dataset.data_loader.dataset_dir to NEW_DIR"))
     return manifest
+
+
+def fit_hint(manifest: dict, seq_length: int, vocab_size: int, pad_token_id: int, eos_token_id: int,
+             recipe: str, new_dir: str, then: str = "") -> str:
+    """What to do when `manifest` does not fit the model (model_mismatches found something).
+
+    A dataset's ids and vocabulary are its tokenizer's: rebuilding with the same tokenizer gives them again, so
+    the recipe values that fit come first; then a dataset to build instead, when one would fit the recipe.
+    recipe: how to name the recipe; new_dir: the rebuilt dataset's directory; then: appended after a command.
+    """
+    tok = manifest["tokenizer"]
+    values = {key: value for key, value, differs in (
+        ("pad_token_id", tok["pad_id"], tok["pad_id"] != pad_token_id),
+        ("eos_token_id", tok["eod_id"], tok["eod_id"] != eos_token_id),
+        ("vocab_size", tok["vocab_size"], tok["vocab_size"] > vocab_size)) if differs}
+    seq = manifest["seq_length"]
+    if not values:
+        return (f"build a dataset for this recipe with: {rerun_command(manifest, new_dir, seq_length, vocab_size)}"
+                f"{then}; or set model.model_config.seq_length: {seq} in {recipe} (or launch with --set "
+                f"model.model_config.seq_length={seq})")
+    hint = (f"set in {recipe}, under model: model_config: {', '.join(f'{k}: {v}' for k, v in values.items())} "
+            f"(or launch with {' '.join(f'--set model.model_config.{k}={v}' for k, v in values.items())})")
+    if seq != seq_length:
+        hint += (f", and build the dataset again for seq_length {seq_length} with: "
+                 f"{rerun_command(manifest, new_dir, seq_length, max(vocab_size, tok['vocab_size']))}{then}")
+    if manifest.get("source") == "megatron_indexed":
+        return hint + " (the corpus's token ids are fixed: the recipe must take them)"
+    if "pad_token_id" in values or "eos_token_id" in values:
+        hint += (f"; or keep the recipe's ids and build the dataset with a tokenizer whose end-of-text id is "
+                 f"{eos_token_id} and padding id {pad_token_id} (the same tokenizer gives the same ids)")
+        if (eos_token_id, pad_token_id) == (EOD_ID, PAD_ID) and manifest.get("arguments", {}).get("tokenizer"):
+            retrained = {**manifest, "arguments": {**manifest["arguments"], "tokenizer": None}}
+            hint += (f", e.g. one trained on the corpus: {rerun_command(retrained, new_dir, seq_length, vocab_size)}"
+                     f"{then}")
+    else:  # a vocabulary larger than the model's: a tokenizer trained to the model's size fits
+        hint += f"; or build it with a tokenizer of the model's size: " \
+                f"{rerun_command(manifest, new_dir, seq_length, vocab_size)}{then}"
+    return hint
 
 
 def model_mismatches(manifest: dict, seq_length: int, vocab_size: int, pad_token_id: int,

@@ -1,12 +1,18 @@
 """What `--input` reads: the data files of a folder (not its dataset card, .gitattributes or metadata), never what
-prepare_data.py itself wrote."""
+prepare_data.py itself wrote; and the hints for a dataset whose tokenizer's ids are not the recipe's."""
 
 import json
 import os
 
-from conftest import LLAMA2_LAYOUT_SP_MODEL, load_script
+import pytest
+
+from conftest import LLAMA2_LAYOUT_SP_MODEL, TINY_RECIPE, load_script
+from ascend_llm_recipes.common.errors import DataError
+from ascend_llm_recipes.data.inspection import validate_dataset
 from ascend_llm_recipes.data.mindrecord_io import read_manifest
+from ascend_llm_recipes.data.prepare import check_dataset, prepare_dataset
 from ascend_llm_recipes.data.text.inputs import expand_inputs, written_paths
+from ascend_llm_recipes.training.recipe.loading import load_recipe
 
 TEXTS = [f"Document {i}: the quick brown fox jumps over the lazy dog, {i * 7} times before breakfast."
          for i in range(12)]
@@ -132,3 +138,46 @@ def test_an_input_inside_the_output_is_refused(tmp_path, capsys):
     (folder / "ds.partial" / "x.jsonl").write_text(json.dumps({"text": TEXTS[0]}) + "\n")
     code, _, stderr = build(capsys, [folder / "ds.partial" / "x.jsonl"], folder / "ds")
     assert code == 2 and "is written by this run (--output" in stderr, stderr
+
+
+# D11: a dataset built with a tokenizer.json whose end-of-text id is 1 and which has no pad token.
+@pytest.fixture(scope="module")
+def eod_one_dataset(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("eod_one")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(root / "tokenizer.json"))
+    corpus = root / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    out = str(root / "ds")
+    manifest = prepare_dataset(out, 64, inputs=[str(corpus)], tokenizer=str(root / "tokenizer.json"),
+                               show_progress=False, min_chars=10, workers=0)
+    assert (manifest["tokenizer"]["eod_id"], manifest["tokenizer"]["pad_id"]) == (1, -1)
+    return out
+
+
+def test_validate_leads_with_the_recipe_values_for_a_tokenizer_with_other_ids(eod_one_dataset, capsys):
+    code, _, stderr = run_script(capsys, "--validate", eod_one_dataset, "--recipe", TINY_RECIPE)
+    assert code == 2
+    hint = stderr.split("HINT:", 1)[1]
+    assert hint.lstrip().startswith(f"set in {TINY_RECIPE}, under model: model_config:"), hint
+    assert "pad_token_id: -1" in hint and "eos_token_id: 1" in hint
+    assert "--set model.model_config.pad_token_id=-1 --set model.model_config.eos_token_id=1" in hint
+    assert hint.index("pad_token_id: -1") < hint.index(" or ")
+    assert "--tokenizer" not in hint  # rebuilding with the same tokenizer.json gives the same ids
+    # The values the hint names make the recipe fit.
+    fixed = load_recipe(TINY_RECIPE, ("model.model_config.pad_token_id=-1", "model.model_config.eos_token_id=1"))
+    assert "matches recipe" in validate_dataset(eod_one_dataset, TINY_RECIPE, fixed.model.model_config)
+
+
+def test_the_launch_check_leads_with_the_recipe_values_too(eod_one_dataset):
+    with pytest.raises(DataError) as err:
+        check_dataset(eod_one_dataset, 64, 512, 3, 2)
+    assert err.value.hint.startswith("set in the recipe, under model: model_config: pad_token_id: -1, "
+                                     "eos_token_id: 1"), err.value.hint
+    assert "--tokenizer" not in err.value.hint
