@@ -204,3 +204,45 @@ def test_every_integer_key_past_what_mindspore_holds_is_refused_at_load_naming_i
     assert load_recipe(TINY_RECIPE, (f"seed={2**32 - 1}",)).seed == 2**32 - 1
     with pytest.raises(RecipeError, match=r"lr_schedule\.learning_rate: must be a finite number"):
         load_recipe(TINY_RECIPE, ("lr_schedule.learning_rate=1" + "0" * 400,))
+
+
+# D12: another framework's checkpoint as load_checkpoint is named, with the conversion command.
+
+def test_a_huggingface_megatron_or_torch_checkpoint_as_load_checkpoint_names_the_conversion(tmp_path,
+                                                                                           every_epoch_run):
+    import torch
+    from test_convert import make_hf_model
+    from ascend_llm_recipes.models.conversion.hf import from_hf
+    from ascend_llm_recipes.training.launcher.datasets import check_load_checkpoint
+    from ascend_llm_recipes.training.launcher.preflight import run_checks
+
+    hf_dir = tmp_path / "Tiny Llama"
+    make_hf_model(str(hf_dir))
+    recipe = load_recipe(TINY_RECIPE, (f"load_checkpoint={hf_dir}", "load_ckpt_format=safetensors",
+                                       f"output_dir={tmp_path}/run"))
+    command = (f"python scripts/convert_checkpoint.py --from-hf '{hf_dir}' --output '{hf_dir}-converted'")
+    with pytest.raises(LaunchError, match=re.escape(f"load_checkpoint: {hf_dir} is a HuggingFace model directory")) \
+            as info:
+        check_load_checkpoint(recipe)
+    assert ("this is a HuggingFace model directory: convert it with scripts/convert_checkpoint.py --from-hf first: "
+            + command) in info.value.hint
+    [finding] = [f for f in run_checks(recipe) if f.check == "load_checkpoint"]
+    assert finding.level == "error" and command in finding.message
+    from ascend_llm_recipes.training.launcher.datasets import foreign_checkpoint
+    assert foreign_checkpoint(str(hf_dir / "model.safetensors"))[:2] == ("a HuggingFace model directory", "--from-hf")
+
+    megatron = tmp_path / "megatron"
+    (megatron / "iter_0000010" / "mp_rank_00").mkdir(parents=True)
+    (megatron / "latest_checkpointed_iteration.txt").write_text("10\n")
+    assert foreign_checkpoint(str(megatron)) == ("a Megatron-LM checkpoint", "--from-megatron", str(megatron))
+    assert foreign_checkpoint(str(megatron / "iter_0000010"))[1] == "--from-megatron"
+    torch.save({"tok_embeddings.weight": torch.zeros(2, 2)}, tmp_path / "consolidated.00.pth")
+    with pytest.raises(LaunchError, match=r"(?s)is a torch\.save file.*--from-torch .*consolidated\.00\.pth "
+                                          r"--model-config CONFIG\.json --output .*consolidated\.00-converted"):
+        check_load_checkpoint(load_recipe(TINY_RECIPE, (f"load_checkpoint={tmp_path}/consolidated.00.pth",)))
+
+    # ours are not: a conversion, a run's step directory and its rank file
+    from_hf(str(hf_dir), str(tmp_path / "ours"), show_progress=False)
+    step = os.path.join(every_epoch_run, "checkpoints", "step_00000006")
+    for path in (str(tmp_path / "ours"), step, os.path.join(step, "rank_0")):
+        assert foreign_checkpoint(path) is None, path

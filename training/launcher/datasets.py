@@ -3,6 +3,8 @@
 Run by the launcher before any worker starts, and (check_datasets) by each worker on the same resolved recipe.
 """
 import os
+import re
+import shlex
 
 from ascend_llm_recipes.common.errors import DataError, LaunchError, PretrainError
 from ascend_llm_recipes.training.recipe.schema import Recipe
@@ -195,12 +197,10 @@ def check_load_checkpoint(recipe: Recipe) -> None:
 
     if not recipe.load_checkpoint:
         return
-    path = os.path.abspath(recipe.load_checkpoint)
-    if not os.path.exists(path):
-        raise LaunchError(f"load_checkpoint: {path} does not exist",
-                          hint="fix the path, or convert a HuggingFace model first: python "
-                               "scripts/convert_checkpoint.py --from-hf HF_DIR --output DIR")
-    recipe.load_checkpoint = path  # workers run inside the run directory
+    problem = load_checkpoint_problem(recipe)
+    if problem is not None:
+        raise problem
+    path = recipe.load_checkpoint = os.path.abspath(recipe.load_checkpoint)  # workers run inside the run directory
     section = recorded_model_section(path)
     if section is not None:
         try:
@@ -215,3 +215,45 @@ def check_load_checkpoint(recipe: Recipe) -> None:
                                    "the checkpoint's values)")
     check_checkpoint_parameters(recipe, 0)
 
+
+def load_checkpoint_problem(recipe: Recipe):
+    """A LaunchError when `load_checkpoint` is set but missing, or holds another framework's checkpoint; else None."""
+    path = os.path.abspath(recipe.load_checkpoint)
+    if not os.path.exists(path):
+        return LaunchError(f"load_checkpoint: {path} does not exist",
+                           hint="fix the path, or convert a HuggingFace model first: python "
+                                "scripts/convert_checkpoint.py --from-hf HF_DIR --output DIR")
+    foreign = foreign_checkpoint(path)
+    if foreign is None:
+        return None
+    what, option, source = foreign
+    out = os.path.splitext(source)[0] if os.path.isfile(source) else source.rstrip(os.sep)
+    command = shlex.join(["python", "scripts/convert_checkpoint.py", option, source,
+                          *(["--model-config", "CONFIG.json"] if option == "--from-torch" else []),
+                          "--output", out + "-converted"])
+    return LaunchError(f"load_checkpoint: {path} is {what}, not a checkpoint MindFormers loads: its tensors have other "
+                       "names and layouts (the load would fail on their shapes, or train from random weights)",
+                       hint=f"this is {what}: convert it with scripts/convert_checkpoint.py {option} first: {command} "
+                            f"(then load_checkpoint: {out}-converted, load_ckpt_format: safetensors, and the model: "
+                            "section of its model_config.yaml)")
+
+
+def foreign_checkpoint(path: str):
+    """(what it is, the convert_checkpoint.py option, the path to convert) when `path` holds a checkpoint of another
+    framework: a HuggingFace model directory (config.json beside its weights), a Megatron-LM save (legacy or
+    torch_dist) or a torch.save file; None for ours (a conversion, a run's step) and anything else."""
+    from ascend_llm_recipes.models.conversion.megatron_files import LATEST_FILE
+    from ascend_llm_recipes.training.tools.export import recorded_model_section
+
+    if recorded_model_section(path) is not None:
+        return None  # ours: a conversion's model_config.yaml, or a run's recipe.yaml above its checkpoints
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    names = os.listdir(directory)
+    if "config.json" in names and any(n.endswith((".safetensors", ".bin", ".index.json")) for n in names):
+        return "a HuggingFace model directory", "--from-hf", directory
+    if os.path.isfile(path):
+        return ("a torch.save file", "--from-torch", path) if path.endswith((".pt", ".pth", ".bin")) else None
+    # a save directory (latest_checkpointed_iteration.txt), or one iteration's: legacy rank folders, torch_dist files
+    megatron = LATEST_FILE in names or any(re.fullmatch(r"iter_\d{7}|mp_rank_\d\d(_\d\d\d){0,2}", n) or
+                                           n.endswith(".distcp") for n in names)
+    return ("a Megatron-LM checkpoint", "--from-megatron", path) if megatron else None

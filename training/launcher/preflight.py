@@ -4,7 +4,7 @@
 launcher refuses to start). Checks: software versions against training/launcher/supported_versions.yaml,
 the device the recipe asks for, model parts not built for that device yet, the HCCL settings every rank will get,
 locked-memory and mmap limits, the master port, leftover training workers, a writable output_dir, free disk
-for the checkpoints, and runner_config.stop_step against the data.
+for the checkpoints, runner_config.stop_step against the data, and load_checkpoint's format.
 
 Nothing here imports MindSpore or MindFormers: importing MindSpore sets HCCL_CONNECT_TIMEOUT=600
 when it is unset and importing MindFormers creates ./output, so versions are read from the
@@ -52,7 +52,7 @@ MIN_MAX_MAP_COUNT = 262144
 @dataclass
 class Finding:
     level: Literal["ok", "warn", "error"]
-    check: str    # short name: versions, device, hccl, memlock, ..., disk, loader, run_length
+    check: str    # short name: versions, device, hccl, memlock, ..., disk, loader, run_length, load_checkpoint
     message: str  # what was found, and what to do next
     data: dict = field(default_factory=dict)  # machine-readable details, recorded in preflight.json
 
@@ -436,6 +436,19 @@ def check_run_length(recipe) -> list:
     return [Finding("ok", "run_length", f"{stop or steps} steps of the {steps} the training data holds", data)]
 
 
+def check_checkpoint_source(recipe) -> list:
+    """load_checkpoint exists and is not another framework's checkpoint (training/launcher/datasets.py)."""
+    from ascend_llm_recipes.training.launcher.datasets import load_checkpoint_problem
+
+    if not recipe.load_checkpoint:
+        return [Finding("ok", "load_checkpoint", "none: the model starts from its initialisation (or a resume)", {})]
+    problem = load_checkpoint_problem(recipe)
+    if problem is not None:
+        return [Finding("error", "load_checkpoint", f"{problem.message}. To fix: {problem.hint}", {})]
+    return [Finding("ok", "load_checkpoint", f"{recipe.load_checkpoint} exists (its tensors are checked at launch)",
+                    {})]
+
+
 # ---------------------------------------------------------------------------------------------
 # all checks, output
 
@@ -456,6 +469,7 @@ def run_checks(recipe, run_dir: Optional[str] = None, master_port: Optional[int]
     findings += check_disk(recipe, run_dir)
     findings += check_loader_workers(recipe)
     findings += check_run_length(recipe)
+    findings += check_checkpoint_source(recipe)
     return findings
 
 
