@@ -13,7 +13,10 @@
     python scripts/prepare_data.py --show DIR --sample 12
 
 Inputs: .txt (one document per file; --lines: per line), .jsonl (--text-field), .parquet,
-.txt.gz/.jsonl.gz; any other suffix is read as text. An interrupted run (Ctrl-C exits 130, a
+.txt.gz/.jsonl.gz; a file named or globbed with any other suffix is read as text. A folder is
+read for its data files: its .jsonl/.parquet files, else its .txt files; the rest (README.md,
+.gitattributes, dataset_info.json, hidden files) and anything prepare_data.py wrote (the output,
+other datasets, reports) are listed as not read. An interrupted run (Ctrl-C exits 130, a
 full disk exits 2), repeated with the same arguments, keeps its completed shards and
 finishes the rest.
 
@@ -57,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     build = parser.add_argument_group("build")
     build.add_argument("--input", nargs="+", metavar="PATH_OR_GLOB",
-                       help="files, globs or directories (default: the Python standard library's source)")
+                       help="files, globs or folders (a folder: its .jsonl/.parquet files, else its .txt files; default: "
+                            "the Python standard library's source)")
     build.add_argument("--output", help="dataset directory to create")
     build.add_argument("--seq-length", type=int, help="model-visible length, a multiple of 16")
     build.add_argument("--vocab-size", type=int,
