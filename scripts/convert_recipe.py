@@ -15,8 +15,10 @@ pretrained_model_dir), as MindFormers does. Without --report the report is print
   - q/k norms (qk_norm: True): MindFormers 1.9's own format (use_legacy: False), model_type qwen3, or qwen3_moe
     with experts (num_experts > 0);
   - multi-head latent attention (kv_lora_rank) with experts: MindFormers 1.9's own format, model_type deepseek_v3.
-Options MindFormers' class would compute differently (a router z-loss, dense layers in Qwen3-MoE, ...) are
-refused by name; the written file imports back into the same recipe with --from-mindformers.
+Options MindFormers' class would compute differently or has no key for (a router z-loss, dense layers in
+Qwen3-MoE, groups scored otherwise than by their best two, experts without q/k norms, ...) are refused by name
+with the MindFormers 1.9 file:line, from one table (training/recipe/mindformers_mcore_export.py REFUSALS); the
+written file imports back into the same recipe with --from-mindformers.
 """
 
 import argparse

@@ -25,7 +25,6 @@ from ascend_llm_recipes.common.errors import RecipeError
 from ascend_llm_recipes.common.files import write_atomic, write_new
 from ascend_llm_recipes.common.schema import to_plain
 from ascend_llm_recipes.models.arithmetic import param_count, round_up
-from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.models.parallel import RECOMPUTE_OPTIONS, LlamaLayout, plan_layout
 from ascend_llm_recipes.training.recipe.loading import (deep_merge, load_recipe, prune_inherited, read_recipe_file,
                                                         read_yaml_file, recipe_from_dict)
@@ -52,11 +51,6 @@ MODEL_KEYS = (
     ("fused_rms_norm", "fused_rms_norm"),
 )
 OURS = {theirs: ours for ours, theirs in MODEL_KEYS}
-# Architecture keys of ours that MindFormers' LlamaForCausalLM cannot express: exported only at their defaults.
-NOT_EXPORTED_MODEL_FIELDS = ("head_dim", "qk_norm", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                             "norm_topk_prob", "shared_expert_intermediate_size", "shared_expert_gate",
-                             "dense_layers", "router_aux_loss_coef", "router_z_loss_coef")
-REQUIRED_MODEL_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "seq_length")
 # MindFormers' LlamaConfig computes norms, softmax and rotary in these dtypes; ours always in float32.
 FLOAT32_COMPUTE_KEYS = ("layernorm_compute_type", "softmax_compute_type", "rotary_dtype")
 
@@ -404,38 +398,19 @@ def to_mindformers(recipe_path: str) -> tuple:
     """(MindFormers YAML text, Report) training the recipe's model with MindFormers' own classes: LlamaForCausalLM
     in the legacy format for a Llama; Qwen3 / Qwen3-MoE / DeepSeek-V3 in MindFormers 1.9's own format
     (use_legacy: False) for a model with q/k norms, experts or multi-head latent attention."""
-    from ascend_llm_recipes.training.recipe.mindformers_mcore_export import MODEL_NAMES, mcore_family, mcore_model
+    from ascend_llm_recipes.training.recipe.mindformers_mcore_export import (MODEL_NAMES, mcore_family, mcore_model,
+                                                                             refusals)
 
     recipe = load_recipe(recipe_path, planning=True)
-    cfg, report, problems = recipe.model.model_config, Report(recipe_path), []
+    cfg, report = recipe.model.model_config, Report(recipe_path)
     family = mcore_family(cfg)
-    if cfg.document_attention:
-        problems.append("model.model_config.document_attention: True has no MindFormers equivalent that "
-                        "reads our packed data (MindFormers' EOD mask compression needs its own data columns)")
-    if family is None and cfg.moe:
-        problems.append("model.model_config.qk_norm: False with experts (a Mixtral or Qwen2-MoE): MindFormers 1.9 has "
-                        "no model class for a MoE model without q/k norms (its 1.9 format builds Qwen3-MoE and "
-                        "DeepSeek-V3), so no MindFormers config trains it; our recipe does, on Ascend with "
-                        "MindFormers' MoE layer inside our decoder (models/expert_parallel.py)")
-        model, extra_callbacks, model_notes = None, [], []
-    elif family is None:
-        defaults = ModelConfig(**{name: getattr(cfg, name) for name in REQUIRED_MODEL_FIELDS})
-        problems += [f"model.model_config.{name}: {getattr(cfg, name)!r} has no MindFormers LlamaForCausalLM "
-                     "equivalent (MindFormers 1.9's own format is written for Qwen3 models (qk_norm: True, with "
-                     "experts: Qwen3-MoE) and DeepSeek-V3 ones (kv_lora_rank))"
-                     for name in NOT_EXPORTED_MODEL_FIELDS if getattr(cfg, name) != getattr(defaults, name)]
-        model, extra_callbacks, model_notes = None, [], []
-    else:
-        model, extra_callbacks, model_notes = mcore_model(recipe, family, problems)
-    stage_layers = recipe.parallel_config.stage_layers
-    if stage_layers and len(set(stage_layers)) > 1 and family is None:
-        problems.append(f"parallel_config.stage_layers: {stage_layers}: uneven stages; set MindFormers' "
-                        "model_config.offset by hand")
+    problems = refusals(recipe, family)  # mindformers_mcore_export.py REFUSALS: every refusal, in one table
     if problems:
         hint = ("MindFormers' LlamaForCausalLM has no such option" if family is None and not cfg.moe else
                 "train it with this recipe instead" if family is None else
                 f"MindFormers 1.9's {family} computes these differently; change them in the recipe")
         raise RecipeError(recipe_path, problems, hint=hint)
+    model, extra_callbacks, model_notes = mcore_model(recipe, family) if family else (None, [], [])
     values = {**to_plain(cfg), "num_kv_heads": cfg.kv_heads}  # None in MindFormers means num_heads too
     model_config = {"type": MF_CONFIG_TYPE, **{theirs: values[ours] for ours, theirs in MODEL_KEYS},
                     **{key: "float32" for key in FLOAT32_COMPUTE_KEYS}}

@@ -270,6 +270,14 @@ class McoreImporter(MoEKeys, Importer):
                    reason="Ascend kernel switch with MindFormers' name and meaning")
         self.carry(M + "use_attn_mask_compression", reason="Ascend kernel switch with MindFormers' name and meaning "
                                                            "(FlashAttention's 2048 x 2048 causal band)")
+        if self.family == "deepseek_v3":
+            # TransformerConfig fused_norm (transformer_config.py:242, default True): the RMSNorm class of DeepSeek-V3's
+            # layer specs (gpt_layer_specs.py:205, 218, 254); the Qwen3 classes never pass it (always fused)
+            self.carry(M + "fused_norm", M + "fused_rms_norm", default=None if self.on_cpu else True,
+                       reason="Ascend fused RMSNorm kernel switch: ours is fused_rms_norm")
+        else:
+            self.drop(M + "fused_norm", "not read by MindFormers' Qwen3 classes, which always build the fused "
+                                        "RMSNorm (gpt_layer_specs.py:92)")
 
     def only_keys(self, moe: bool, mla: bool):
         """Keys with one value ours implements; multi_latent_attention: True for DeepSeek-V3 only."""

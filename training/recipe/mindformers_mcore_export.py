@@ -3,10 +3,17 @@
 `to_mindformers` (mindformers.py) writes MindFormers' legacy LlamaForCausalLM for a plain Llama recipe and calls
 this module for a model only MindFormers 1.9's own classes build: q/k norms (Qwen3Config), with experts
 (Qwen3MoeConfig), or multi-head latent attention (DeepseekV3Config). The keys are those the importer
-(mindformers_mcore.py, mindformers_moe.py) reads back into the same recipe, with the same file:line reasons;
-what MindFormers would compute differently is refused by name.
+(mindformers_mcore.py, mindformers_moe.py) reads back into the same recipe, with the same file:line reasons.
+What MindFormers would compute differently is refused by name: REFUSALS, one table of everything `--to-mindformers`
+refuses (and, for the rows marked moe_layer, every launch of a MoE recipe on Ascend, whose MoE layers are
+MindFormers' MoELayer: models/expert_parallel.py), each row the recipe key, when, and why with the MindFormers 1.9
+file:line (site-packages mindformers/) that computes otherwise.
 """
 
+from dataclasses import dataclass
+from typing import Callable
+
+from ascend_llm_recipes.models.config import ModelConfig
 from ascend_llm_recipes.training.recipe.mindformers_moe import BIAS_UPDATED, LOAD_BALANCING
 
 M = "model.model_config."
@@ -15,8 +22,6 @@ ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"
 # trainer.model_name of the wheel's own configs (configs/qwen3/pretrain_qwen3_32b_4k.yaml:16,
 # qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml:19, deepseek3/pretrain_deepseek3_671b.yaml:16)
 MODEL_NAMES = {"qwen3": "Qwen3", "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseekV3"}
-# Our kernel switch MindFormers 1.9's own classes set themselves (TransformerConfig fused_norm): not written.
-KERNELS = ("fused_rms_norm",)
 
 
 def mcore_family(cfg):
@@ -69,25 +74,120 @@ def moe_layer_family(cfg) -> str:
     return "deepseek_v3" if cfg.mla else "qwen3_moe"
 
 
-def experts(recipe, family: str, problems: list, layers_ours: bool = False) -> tuple:
-    """(MoE keys, extra callbacks) for the router and the MoE layers. layers_ours: our decoder decides which layers
-    have experts (models/expert_parallel.py), so MindFormers' per-family layer pattern is not asked for."""
+# Architecture keys of ours that MindFormers' legacy LlamaForCausalLM cannot express: a Llama (no q/k norms, experts
+# or latent attention) exports them only at their defaults.
+NOT_EXPORTED_MODEL_FIELDS = ("head_dim", "qk_norm", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                             "norm_topk_prob", "shared_expert_intermediate_size", "shared_expert_gate",
+                             "dense_layers", "router_aux_loss_coef", "router_z_loss_coef")
+REQUIRED_MODEL_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "seq_length")
+TG = "parallel_core/training_graph/"  # MindFormers 1.9's training graph, where its own classes' layers are
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A recipe setting MindFormers 1.9 computes otherwise than ours, or has no key for."""
+
+    key: str              # the recipe key, dotted
+    when: Callable        # (recipe, family) -> bool; family: mcore_family's (None: legacy Llama) or the MoE layer's
+    why: Callable         # (recipe, family) -> the problem after "key: "
+    moe_layer: bool = False  # also refused when only the MoE layers are MindFormers' (a MoE recipe on Ascend)
+
+
+def _cfg(recipe):
+    return recipe.model.model_config
+
+
+def _moe_family(recipe, family) -> bool:
+    """A MoE model whose MoE layers a MindFormers 1.9 class builds (a Llama family None has no MoE class)."""
+    return family is not None and _cfg(recipe).moe
+
+
+def _bias_moved(recipe) -> bool:
+    return _cfg(recipe).expert_bias and bool(_cfg(recipe).expert_bias_update_rate)
+
+
+def _llama_field(name: str) -> Refusal:
+    """An architecture field of ours that MindFormers' LlamaForCausalLM has no argument for."""
+    def differs(recipe, family) -> bool:
+        defaults = ModelConfig(**{n: getattr(_cfg(recipe), n) for n in REQUIRED_MODEL_FIELDS})
+        return family is None and not _cfg(recipe).moe and getattr(_cfg(recipe), name) != getattr(defaults, name)
+    return Refusal(M + name, differs, lambda r, f: (
+        f"{getattr(_cfg(r), name)!r} has no MindFormers LlamaForCausalLM equivalent (MindFormers 1.9's own format is "
+        "written for Qwen3 models (qk_norm: True, with experts: Qwen3-MoE) and DeepSeek-V3 ones (kv_lora_rank))"))
+
+
+REFUSALS = (
+    # the MoE layer (MindFormers' TopKRouter and MoELayer, parallel_core/training_graph/transformer/moe/)
+    Refusal(M + "router_z_loss_coef", lambda r, f: _moe_family(r, f) and bool(_cfg(r).router_z_loss_coef),
+            lambda r, f: f"{_cfg(r).router_z_loss_coef}: MindFormers 1.9's training graph has no router z-loss: "
+            "TransformerConfig keeps moe_z_loss_coeff (parallel_core/transformer_config.py:1787, from z_loss_factor: "
+            f"transformer_config_utils.py:359) but no module of {TG} reads it; set it 0", moe_layer=True),
+    Refusal(M + "norm_topk_prob", lambda r, f: _moe_family(r, f) and _cfg(r).norm_topk_prob
+            and _cfg(r).num_experts_per_tok == 1,
+            lambda r, f: "True with one expert per token: MindFormers renormalises only when k > 1 "
+            f"({TG}transformer/moe/router.py:290-294), ours makes the weight 1; set it False", moe_layer=True),
+    Refusal(M + "capacity_factor", lambda r, f: _moe_family(r, f) and bool(_cfg(r).capacity_factor),
+            lambda r, f: f"{_cfg(r).capacity_factor}: MindFormers 1.9's training graph never drops: "
+            f"TopKRouter.routing keeps every token's top k ({TG}transformer/moe/router.py:259-296) and no dispatcher "
+            "reads a capacity (moe_expert_capacity_factor is only validated, parallel_core/transformer_config.py:"
+            "2123-2131); set it 0", moe_layer=True),
+    Refusal(M + "topk_group", lambda r, f: _moe_family(r, f) and _cfg(r).n_group > 1
+            and _cfg(r).num_experts_per_tok // _cfg(r).topk_group != 2,
+            lambda r, f: f"{_cfg(r).topk_group}: MindFormers scores a group by its best num_experts_per_tok // "
+            f"topk_group = {_cfg(r).num_experts_per_tok // _cfg(r).topk_group} scores ({TG}transformer/moe/router.py:"
+            "336-338; it has no key for the group score's width), ours, as DeepSeek-V3, by its best two; the same "
+            "only when num_experts_per_tok // topk_group is 2", moe_layer=True),
+    # the whole model in MindFormers' own classes
+    Refusal(M + "dense_layers", lambda r, f: f == "qwen3_moe" and bool(_cfg(r).dense_layers),
+            lambda r, f: f"{_cfg(r).dense_layers}: MindFormers' Qwen3-MoE gives every layer experts: it builds each "
+            "layer from one MoE layer spec (models/qwen3_moe/modeling_qwen3_moe_train.py:50-58, "
+            f"{TG}transformer/transformer_block.py:72-77) and deletes mlp_only_layers and decoder_sparse_step as "
+            "useless (models/qwen3_moe/configuration_qwen3_moe.py:175-177). Its keys for dense layers, "
+            "first_k_dense_replace and moe_layer_freq (parallel_core/transformer_config.py:561, 1651), are read only "
+            f"by get_gpt_decoder_block_spec ({TG}base_models/gpt/gpt_layer_specs.py:226-248), which only the "
+            "DeepSeek-V3 class builds (models/deepseek3/modeling_deepseek_v3_train.py:35-36). Train it with this "
+            "recipe (on Ascend its MoE layers are MindFormers' MoELayer), or set dense_layers: [] for a model "
+            "MindFormers' Qwen3-MoE builds"),
+    Refusal(M + "expert_bias_update_rate", lambda r, f: _moe_family(r, f) and _bias_moved(r)
+            and f not in BIAS_UPDATED,
+            lambda r, f: f"{_cfg(r).expert_bias_update_rate}: MindFormers' {f} never moves the expert bias (its "
+            "training class has no update_topk_bias)"),
+    Refusal("parallel_config.micro_batch_num", lambda r, f: _moe_family(r, f) and _bias_moved(r)
+            and r.parallel_config.pipeline_stage == 1 and r.parallel_config.micro_batch_num != 1,
+            lambda r, f: f"{r.parallel_config.micro_batch_num} without pipeline stages: MindFormers would move the "
+            f"expert bias towards micro_batch_num / experts per pass ({TG}base_models/gpt/gpt_model.py:403-404, "
+            "635); set it 1"),
+    Refusal(M + "kv_lora_rank", lambda r, f: f == "deepseek_v3" and not _cfg(r).moe,
+            lambda r, f: f"{_cfg(r).kv_lora_rank}: multi-head latent attention without experts: MindFormers' "
+            "DeepSeek-V3 is written for MoE models only here; set num_experts"),
+    Refusal(M + "document_attention", lambda r, f: _cfg(r).document_attention,
+            lambda r, f: "True has no MindFormers equivalent that reads our packed data (MindFormers' EOD mask "
+            "compression needs its own data columns)"),
+    Refusal(M + "qk_norm", lambda r, f: f is None and _cfg(r).moe,
+            lambda r, f: "False with experts (a Mixtral or Qwen2-MoE): MindFormers 1.9 has no model class for a MoE "
+            "model without q/k norms (its 1.9 format builds Qwen3-MoE, whose layers always have them: "
+            "models/qwen3_moe/modeling_qwen3_moe_train.py:56, and DeepSeek-V3), so no MindFormers config trains it; "
+            "our recipe does, on Ascend with MindFormers' MoE layer inside our decoder (models/expert_parallel.py)"),
+    *(_llama_field(name) for name in NOT_EXPORTED_MODEL_FIELDS),
+    Refusal("parallel_config.stage_layers",
+            lambda r, f: f is None and len(set(r.parallel_config.stage_layers or [])) > 1,
+            lambda r, f: f"{r.parallel_config.stage_layers}: uneven stages; set MindFormers' model_config.offset by "
+            "hand (the legacy importer refuses offsets, so such a config does not import back)"),
+)
+
+
+def refusals(recipe, family: str, moe_layer_only: bool = False) -> list:
+    """The REFUSALS rows that hold for `recipe` written as MindFormers' `family` (None: the legacy Llama), each
+    "key: why"; moe_layer_only: only the MoE layer's (our decoder around MindFormers' MoELayer)."""
+    return [f"{row.key}: {row.why(recipe, family)}" for row in REFUSALS
+            if (row.moe_layer or not moe_layer_only) and row.when(recipe, family)]
+
+
+def experts(recipe, family: str, layers_ours: bool = False) -> tuple:
+    """(MoE keys, extra callbacks) for the router and the MoE layers; what is refused is REFUSALS'. layers_ours: our
+    decoder decides which layers have experts (models/expert_parallel.py), so MindFormers' per-family layer pattern is
+    not asked for."""
     cfg = recipe.model.model_config
-    if cfg.router_z_loss_coef:
-        problems.append(f"{M}router_z_loss_coef: {cfg.router_z_loss_coef}: MindFormers 1.9's training graph has no "
-                        "router z-loss (transformer/moe/); set it 0")
-    if cfg.norm_topk_prob and cfg.num_experts_per_tok == 1:
-        problems.append(f"{M}norm_topk_prob: True with one expert per token: MindFormers renormalises only when k > 1 "
-                        "(transformer/moe/router.py:290-294), ours makes the weight 1; set it False")
-    if cfg.capacity_factor:
-        problems.append(f"{M}capacity_factor: {cfg.capacity_factor}: MindFormers 1.9's training graph never drops: "
-                        "TopKRouter.routing keeps every token's top k (transformer/moe/router.py:259-296) and no "
-                        "dispatcher reads a capacity (moe_expert_capacity_factor is only validated, "
-                        "parallel_core/transformer_config.py:2123-2131); set it 0")
-    if cfg.n_group > 1 and cfg.num_experts_per_tok // cfg.topk_group != 2:
-        problems.append(f"{M}topk_group: {cfg.topk_group}: MindFormers scores a group by its best num_experts_per_tok "
-                        f"// topk_group = {cfg.num_experts_per_tok // cfg.topk_group} scores (router.py:336-338), ours "
-                        "by its best two")
     keys = {"num_experts" if family == "qwen3_moe" else "n_routed_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.num_experts_per_tok, "moe_intermediate_size": cfg.expert_size,
             "norm_topk_prob": cfg.norm_topk_prob, "routed_scaling_factor": cfg.routed_scaling_factor,
@@ -122,22 +222,12 @@ def experts(recipe, family: str, problems: list, layers_ours: bool = False) -> t
         # our decoder places the MoE layers, but MindFormers still checks first_k_dense_replace (its default 3)
         # against num_layers (a model shallower than 3 layers is refused): the leading dense layers, as ours has them
         keys["first_k_dense_replace"] = next((i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), cfg.num_layers)
-    elif cfg.dense_layers and not layers_ours:
-        problems.append(f"{M}dense_layers: {cfg.dense_layers}: MindFormers' Qwen3-MoE gives every layer experts "
-                        "(models/qwen3_moe/modeling_qwen3_moe_train.py:50-58)")
     callbacks = []
     if cfg.expert_bias and cfg.expert_bias_update_rate and layers_ours:
         # moved by training/worker/router_stats.py from the router's counts, whatever the passes per step
         keys["moe_router_bias_update_rate"] = cfg.expert_bias_update_rate
     elif cfg.expert_bias and cfg.expert_bias_update_rate:
-        if family not in BIAS_UPDATED:
-            problems.append(f"{M}expert_bias_update_rate: {cfg.expert_bias_update_rate}: MindFormers' {family} "
-                            "never moves the expert bias (its training class has no update_topk_bias)")
         p = recipe.parallel_config
-        if p.pipeline_stage == 1 and p.micro_batch_num != 1:
-            problems.append(f"parallel_config.micro_batch_num: {p.micro_batch_num} without pipeline stages: "
-                            "MindFormers would move the expert bias towards micro_batch_num / experts per pass "
-                            "(gpt_model.py:403-404, 635); set it 1")
         keys["moe_router_bias_update_rate"] = cfg.expert_bias_update_rate
         # a step's forward passes: micro_batch_num with pipeline stages, else the accumulation steps
         accumulation = 1 if p.pipeline_stage > 1 else recipe.runner_config.gradient_accumulation_steps
@@ -145,24 +235,29 @@ def experts(recipe, family: str, problems: list, layers_ours: bool = False) -> t
     return keys, callbacks
 
 
-def mcore_model(recipe, family: str, problems: list) -> tuple:
-    """(model section, extra callbacks, report notes) of MindFormers 1.9's own format for `family`."""
+def mcore_model(recipe, family: str) -> tuple:
+    """(model section, extra callbacks, report notes) of MindFormers 1.9's own format for `family` (a recipe that
+    refusals(recipe, family) passes)."""
     cfg = recipe.model.model_config
     model_config = {**common(cfg, family), **attention(cfg, family)}
+    notes = []
+    if family == "deepseek_v3":
+        # TransformerConfig fused_norm (transformer_config.py:242, default True; transformer_config_utils.py:259): the
+        # RMSNorm class of DeepSeek-V3's layer specs (gpt_layer_specs.py:205, 218, 254)
+        model_config["fused_norm"] = cfg.fused_rms_norm
+    elif not cfg.fused_rms_norm:
+        notes.append("fused_rms_norm: False: MindFormers 1.9's Qwen3 classes always build the fused RMSNorm kernel "
+                     "(they pass no fused_norm to get_gpt_layer_local_spec, whose default is True: "
+                     f"{TG}base_models/gpt/gpt_layer_specs.py:92): the same math up to rounding")
     callbacks = []
     if cfg.moe:
-        keys, callbacks = experts(recipe, family, problems)
+        keys, callbacks = experts(recipe, family)
         model_config.update(keys)
-    elif family == "deepseek_v3":
-        problems.append(f"{M}kv_lora_rank: multi-head latent attention without experts: MindFormers' DeepSeek-V3 "
-                        "is written for MoE models only here; set num_experts")
     stages, layers = recipe.parallel_config.pipeline_stage, cfg.num_layers
     stage_layers = recipe.parallel_config.stage_layers
     if stage_layers and stages > 1:
         # parallel_core/training_graph/transformer/utils.py:160-165: num_layers // pp + offset[i] on stage i
         model_config["offset"] = [n - layers // stages for n in stage_layers]
-    notes = [f"{key}: {getattr(cfg, key)}: Ascend kernel switch MindFormers 1.9's own classes set themselves"
-             for key in KERNELS if getattr(cfg, key)]
     return {"model_config": model_config}, callbacks, notes
 
 
@@ -170,9 +265,7 @@ def moe_layer_problems(recipe) -> list:
     """What MindFormers' MoELayer (the MoE layers of a recipe on Ascend, models/expert_parallel.py) would compute
     otherwise than the recipe says, each naming its key; [] when nothing. Imports nothing of MindFormers, so that
     --plan and --check can ask it."""
-    problems = []
-    experts(recipe, moe_layer_family(recipe.model.model_config), problems, layers_ours=True)
-    return problems
+    return refusals(recipe, moe_layer_family(recipe.model.model_config), moe_layer_only=True)
 
 
 def moe_layer_refusals(recipe) -> list:
@@ -198,9 +291,9 @@ def moe_transformer_config(recipe, source: str):
     from ascend_llm_recipes.common.errors import RecipeError
     from ascend_llm_recipes.training.recipe.mindformers import semi_auto
 
-    cfg, p, problems = recipe.model.model_config, recipe.parallel_config, []
+    cfg, p, problems = recipe.model.model_config, recipe.parallel_config, moe_layer_problems(recipe)
     family = moe_layer_family(cfg)
-    keys, _ = experts(recipe, family, problems, layers_ours=True)
+    keys, _ = experts(recipe, family, layers_ours=True)
     if problems:
         raise RecipeError(source, problems, hint="on Ascend the MoE layers are MindFormers 1.9's MoELayer, which "
                                                  "computes these differently; change them in the recipe")
