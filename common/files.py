@@ -1,4 +1,5 @@
-"""Atomic file writes, file hashing and free disk space, the one copy every package uses."""
+"""Atomic file writes, file hashing and free disk space, the one copy every package uses (sizes print through
+common/units.py byte_size)."""
 
 import errno
 import hashlib
@@ -73,8 +74,3 @@ def free_bytes(path: str) -> int:
         return shutil.disk_usage(path).free
     except OSError:
         return 0
-
-
-def megabytes(n: int) -> str:
-    """A byte count as the data and checkpoint messages give it: '12.3 MB' (MiB)."""
-    return f"{n / (1 << 20):,.1f} MB"

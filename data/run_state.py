@@ -15,7 +15,8 @@ import shutil
 import sys
 
 from ascend_llm_recipes.common.errors import DataError
-from ascend_llm_recipes.common.files import disk_full, file_sha256, free_bytes, megabytes, write_json_atomic
+from ascend_llm_recipes.common.files import disk_full, file_sha256, free_bytes, write_json_atomic
+from ascend_llm_recipes.common.units import byte_size
 from ascend_llm_recipes.data.mindrecord_io import MANIFEST, MINDRECORD_MIN_FREE, partial_dir
 from ascend_llm_recipes.data.tokenizer import resolve_tokenizer
 from ascend_llm_recipes.data.text.workers import default_workers
@@ -169,16 +170,16 @@ class RunState:
         total_input = max(1, sum(job.sizes))
         if self.consumed > total_input // 100:
             expected = written * total_input // self.consumed
-            basis = f"{megabytes(written)} written for {self.consumed / total_input:.0%} of the input"
+            basis = f"{byte_size(written)} written for {self.consumed / total_input:.0%} of the input"
         else:
             expected = int(total_input * OUTPUT_PER_INPUT_BYTE)
-            basis = f"about {OUTPUT_PER_INPUT_BYTE}x the {megabytes(total_input)} of input"
+            basis = f"about {OUTPUT_PER_INPUT_BYTE}x the {byte_size(total_input)} of input"
         remaining = max(0, expected - written)
-        needed = remaining + MINDRECORD_MIN_FREE + (1 << 20)  # 1 MB for the state files
-        return DataError(f"disk full while writing dataset {job.output_dir}: {megabytes(free)} free, "
-                         f"{megabytes(needed)} needed to finish ({megabytes(remaining)} more output, estimated from "
-                         f"{basis}, plus the {megabytes(MINDRECORD_MIN_FREE)} MindRecord insists on keeping free)",
-                         hint=f"free at least {megabytes(max(needed - free, 1 << 20))} more on that disk, then "
+        needed = remaining + MINDRECORD_MIN_FREE + (1 << 20)  # 1 MiB for the state files
+        return DataError(f"disk full while writing dataset {job.output_dir}: {byte_size(free)} free, "
+                         f"{byte_size(needed)} needed to finish ({byte_size(remaining)} more output, estimated from "
+                         f"{basis}, plus the {byte_size(MINDRECORD_MIN_FREE)} MindRecord insists on keeping free)",
+                         hint=f"free at least {byte_size(max(needed - free, 1 << 20))} more on that disk, then "
                               f"{self.rerun} (kept in {self.work})")
 
 

@@ -296,9 +296,11 @@ def test_full_disk_names_the_output_and_space_needed_and_a_rerun_continues(tmp_p
         full = subprocess.run(command, capture_output=True, text=True, timeout=300)
         assert full.returncode == 2, full.stderr
         assert "Traceback" not in full.stderr
-        assert re.search(rf"error: disk full while writing dataset {re.escape(str(out))}: [\d.]+ MB free, [\d.,]+ MB "
+        assert re.search(rf"error: disk full while writing dataset {re.escape(str(out))}: "
+                         r"[\d.,]+ (GiB|MiB|KiB|B) free, [\d.,]+ (GiB|MiB|KiB|B) "
                          r"needed to finish", full.stderr), full.stderr
-        assert re.search(r"HINT: free at least [\d.,]+ MB more on that disk, then rerun the same command",
+        assert re.search(r"HINT: free at least [\d.,]+ (GiB|MiB|KiB|B) more on that disk, "
+                         r"then rerun the same command",
                          full.stderr), full.stderr
         assert not out.exists()
         written = [os.path.join(d, n) for d, _, names in os.walk(disk) for n in names]

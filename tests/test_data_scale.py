@@ -299,9 +299,11 @@ def test_a_full_disk_in_a_task_names_the_output_and_space_needed_and_a_rerun_con
         full = subprocess.run(argv, capture_output=True, text=True, timeout=300)
         assert full.returncode == 2, full.stderr
         assert "Traceback" not in full.stderr and "Loguru" not in full.stderr, full.stderr
-        assert re.search(rf"error: disk full while writing dataset {re.escape(str(out))}: [\d.]+ MB free, [\d.,]+ MB "
+        assert re.search(rf"error: disk full while writing dataset {re.escape(str(out))}: "
+                         r"[\d.,]+ (GiB|MiB|KiB|B) free, [\d.,]+ (GiB|MiB|KiB|B) "
                          r"needed to finish", full.stderr), full.stderr
-        assert re.search(r"HINT: free at least [\d.,]+ MB more on that disk, then rerun the same command: it redoes "
+        assert re.search(r"HINT: free at least [\d.,]+ (GiB|MiB|KiB|B) more on that disk, "
+                         r"then rerun the same command: it redoes "
                          r"only the unfinished tasks", full.stderr), full.stderr
         assert not out.exists()
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)

@@ -42,6 +42,14 @@ def fill(disk) -> None:
             pass
 
 
+SIZE = r"([\d.,]+ (?:GiB|MiB|KiB|B))"  # common/units.py byte_size
+
+
+def size_bytes(text: str) -> float:
+    number, unit = text.split()
+    return float(number.replace(",", "")) * {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}[unit]
+
+
 def dead_pid() -> int:
     process = subprocess.Popen(["true"])
     process.wait()
@@ -50,7 +58,7 @@ def dead_pid() -> int:
 
 @pytest.mark.drill
 def test_a_disk_filled_at_a_save_names_the_save_and_the_space_free_and_the_rerun_resumes(tiny_dataset, tmp_path):
-    """A 5 MB disk holds two of the tiny recipe's 1.9 MB checkpoints, not the third while the oldest is still kept:
+    """A 5 MiB disk holds two of the tiny recipe's 1.8 MiB checkpoints, not the third while the oldest is still kept:
     the save that fills it is named, with the free space measured after its own files are removed, in phase
     'save'; the same command on a larger disk resumes from the step before and finishes."""
     with small_disk(tmp_path / "disk", "5m") as disk:
@@ -62,12 +70,13 @@ def test_a_disk_filled_at_a_save_names_the_save_and_the_space_free_and_the_rerun
         first = subprocess.run(command, capture_output=True, text=True, timeout=400)
         assert first.returncode == 1, first.stderr
         named = re.search(r"\[launch\] rank 0 failed first: exited with code 1 in phase 'save': disk full at the "
-                          r"step-(\d+) save: ([\d.]+) MB free on (.+?); this rank's checkpoint takes about ([\d.]+) MB, "
+                          rf"step-(\d+) save: {SIZE} free on (.+?); this rank's checkpoint takes about {SIZE}, "
                           r"and a save needs room for one more than the 2 kept \(keep_checkpoint_max\)", first.stderr)
         assert named, first.stderr
-        step, free, where, size = int(named.group(1)), float(named.group(2)), named.group(3), float(named.group(4))
+        step, free, where, size = int(named.group(1)), size_bytes(named.group(2)), named.group(3), \
+            size_bytes(named.group(4))
         assert where == f"{run_dir}/checkpoints" and step >= 3
-        assert free < size + 0.5 and abs(free - shutil.disk_usage(disk).free / 2**20) < 0.5
+        assert free < size + 2**19 and abs(free - shutil.disk_usage(disk).free) < 2**19
         assert not (run_dir / "checkpoints" / f"step_{step:08d}" / "rank_0").exists()  # its files removed
         assert first.stderr.rstrip().endswith(
             f"[launch] next: once the cause above is fixed, rerun the same command to resume from step {step - 1} "
@@ -100,9 +109,10 @@ def test_a_rank_that_died_without_a_word_on_a_full_disk_is_said_to_have(tmp_path
         fill(disk)
         report = failure_report(run_dir, [0], JobOutcome(returncode=-9, worker_pid=pid))
     lines = report.splitlines()
-    assert lines[1] == (f"[launch] rank 0 failed first: killed by signal 9 (SIGKILL) in phase 'data': disk full at the "
-                        f"step-7 save: 0.0 MB free on {run_dir}/checkpoints (the rank could not say so itself, and its "
-                        "log may be cut short)")
+    headline = re.fullmatch(rf"\[launch\] rank 0 failed first: killed by signal 9 \(SIGKILL\) in phase 'data': disk "
+                            rf"full at the step-7 save: {SIZE} free on (.+)/checkpoints \(the rank could not say so "
+                            r"itself, and its log may be cut short\)", lines[1])
+    assert headline and size_bytes(headline.group(1)) < 2**16 and headline.group(2) == run_dir, lines[1]
     assert "[mindspore/train/serial\n(the log ends here, mid-line: it was cut short)\n---" in report
     assert lines[-1] == "[launch] next: once the cause above is fixed, rerun the same command to start over (no " \
                         "checkpoint is complete)"

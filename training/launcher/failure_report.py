@@ -14,7 +14,8 @@ import re
 import signal
 import time
 
-from ascend_llm_recipes.common.files import free_bytes, megabytes
+from ascend_llm_recipes.common.files import free_bytes
+from ascend_llm_recipes.common.units import byte_size
 from ascend_llm_recipes.training.launcher.cluster import Cluster
 from ascend_llm_recipes.training.launcher.rendezvous import NodeGroup
 from ascend_llm_recipes.training.launcher.supervision import JobOutcome, known_line, msrun_exit_codes
@@ -94,7 +95,7 @@ def full_disk(run_dir: str) -> str:
     started = [int(e.split("_")[1]) for e in step_entries(run_dir)]
     saving = [s for s in started if s not in complete and (not complete or s > complete[-1])]
     at = f" at the step-{max(saving)} save" if saving else ""
-    return (f"disk full{at}: {megabytes(free)} free on {os.path.join(run_dir, CHECKPOINTS)} (the rank could not say "
+    return (f"disk full{at}: {byte_size(free)} free on {os.path.join(run_dir, CHECKPOINTS)} (the rank could not say "
             "so itself, and its log may be cut short)")
 
 

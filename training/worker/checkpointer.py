@@ -11,7 +11,8 @@ import numpy as np
 from mindspore.train.callback import Callback
 
 from ascend_llm_recipes.common.errors import LaunchError
-from ascend_llm_recipes.common.files import disk_full, free_bytes, megabytes
+from ascend_llm_recipes.common.files import disk_full, free_bytes
+from ascend_llm_recipes.common.units import byte_size
 from ascend_llm_recipes.training.run_files import CHECKPOINTS
 from ascend_llm_recipes.training.worker.callbacks import StepRecorder
 
@@ -160,8 +161,8 @@ class Checkpointer(Callback):
             shutil.rmtree(rank_dir, ignore_errors=True)
         where = os.path.join(self.run_dir, CHECKPOINTS)
         return LaunchError(
-            f"disk full at the step-{step} save: {megabytes(free_bytes(where))} free on {where}; this rank's "
-            f"checkpoint takes about {megabytes(checkpoint_bytes)}, and a save needs room for one more than the "
+            f"disk full at the step-{step} save: {byte_size(free_bytes(where))} free on {where}; this rank's "
+            f"checkpoint takes about {byte_size(checkpoint_bytes)}, and a save needs room for one more than the "
             f"{self.keep_last} kept (keep_checkpoint_max) until the oldest is pruned",
             hint="free space on that disk, lower keep_checkpoint_max, or point output_dir at a larger disk")
 
