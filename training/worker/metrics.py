@@ -141,16 +141,18 @@ class CpuPeak:
     of ROUNDS rounds spaced ROUND_GAP_S apart, timed again every RECHECK_STEPS steps, and sooner (at most every
     SUSPECT_STEPS steps) when a step's MFU against it passes SUSPECT_MFU, above what a whole step's matmuls,
     attention and optimizer reach against an idle machine's GEMM (the demo: 46%); the best timing stands. A re-check
-    times REPEATS GEMMs (~50 ms on two cores), which the next step's gap carries.
+    times REPEATS GEMMs (~50 ms on two cores), which the next step's gap carries. When a re-check moves the reference
+    by more than STEADY, the machine's load is changing under the run: until a re-check reproduces it, a step past
+    SUSPECT_MFU reads n/a, MFU being unreliable on a loaded machine.
     """
 
     ROUNDS, ROUND_GAP_S, REPEATS = 3, 0.2, 3
-    SUSPECT_MFU, SUSPECT_STEPS, RECHECK_STEPS = 0.6, 10, 50
+    SUSPECT_MFU, SUSPECT_STEPS, RECHECK_STEPS, STEADY = 0.6, 5, 50, 1.05
 
     def __init__(self, size: int = GEMM_SIZE):
         square = Gemm(f"{size}^3", size, size, size, False, False, 1)
         self.size, self.gemm_flops, self.timer = size, square.flops, MindSporeGemm(square)
-        self.flops, self.since_check = 0.0, 0
+        self.flops, self.unsteady = 0.0, False
         for i in range(self.ROUNDS):
             if i:
                 time.sleep(self.ROUND_GAP_S)
@@ -163,14 +165,19 @@ class CpuPeak:
         self.since_check = 0
         return self.flops
 
-    def recheck(self, mfu: float) -> bool:
-        """Time the reference again when due, at a step whose MFU against it is `mfu`; whether it rose."""
+    def utilisation(self, achieved: float) -> tuple:
+        """(MFU or None, flag) of a step that ran `achieved` FLOP/s on this device; re-times the reference when due."""
+        value = achieved / self.flops
         self.since_check += 1
-        suspect = mfu > self.SUSPECT_MFU and self.since_check > self.SUSPECT_STEPS
-        if not suspect and self.since_check < self.RECHECK_STEPS:
-            return False
-        before = self.flops
-        return self.measure() > before
+        if (value > self.SUSPECT_MFU and self.since_check > self.SUSPECT_STEPS) or \
+                self.since_check >= self.RECHECK_STEPS:
+            before = self.flops
+            self.unsteady = self.measure() > self.STEADY * before
+            value = achieved / self.flops
+        if value > 1.0 or (self.unsteady and value > self.SUSPECT_MFU):
+            return None, (f"n/a: {value:.0%} of the reference GEMM, whose timings on this machine move with other "
+                          "processes' load; MFU is unreliable on a loaded machine")
+        return value, ""
 
     def describe(self) -> str:
         return (f"measured: float32 {self.size}^3 MindSpore MatMul on this host, {self.flops / 1e9:.1f} GFLOP/s "
@@ -193,25 +200,17 @@ def device_peak_flops(recipe) -> tuple:
 
 def model_flops_utilisation(flops_per_token_: int, tokens_per_s: float, peak_per_device: Union[float, CpuPeak, None],
                             devices: int):
-    """(MFU as a fraction, or None, and a flag). Above 100% is never reported as MFU: a datasheet peak is wrong, or
-    the CPU reference, timed again (CpuPeak), was still timed slower than the step ran: the machine is loaded."""
+    """(MFU as a fraction, or None, and a flag). Above 100% is never reported as MFU: a datasheet peak is wrong; the
+    CPU's reference (CpuPeak) is re-timed, and says when the machine's load makes it unreliable."""
     if not peak_per_device or not tokens_per_s:
         return None, "no peak"
-    measured = isinstance(peak_per_device, CpuPeak)
-
-    def mfu() -> float:
-        peak = peak_per_device.flops if measured else peak_per_device
-        return flops_per_token_ * tokens_per_s / (peak * devices)
-
-    value = mfu()
-    if measured and peak_per_device.recheck(value):
-        value = mfu()
-    if value <= 1.0:
-        return value, ""
-    if measured:
-        return None, (f"n/a: {value:.0%} of the reference GEMM, which other processes on this machine slowed; "
-                      "MFU is unreliable on a loaded machine")
-    return None, f"above 100% ({value:.0%}): the device peak is wrong"
+    achieved = flops_per_token_ * tokens_per_s / devices
+    if isinstance(peak_per_device, CpuPeak):
+        return peak_per_device.utilisation(achieved)
+    value = achieved / peak_per_device
+    if value > 1.0:
+        return None, f"above 100% ({value:.0%}): the device peak is wrong"
+    return value, ""
 
 
 def training_flops_per_token(recipe) -> int:
