@@ -435,8 +435,10 @@ class AnomalyConfig:
     #                                               it given by rollback_skip_steps)
     rollback_skip_steps: int = 1              # steps of samples to skip, ending with the spike step
     max_rollbacks: int = 3                    # after this many rollbacks a spike is only logged
-    # Mixture of Experts: warn when a layer's busiest expert takes more than this multiple of the mean load (capped
-    # at 90% of the most one expert can take, num_experts / num_experts_per_tok); 0: off
+    # Mixture of Experts: warn of a router collapse when a layer's num_experts_per_tok busiest experts took more than
+    # this multiple of their even share of the routing slots over the last 10 steps (capped at 90% of the way from a
+    # uniform router's to the most, num_experts / num_experts_per_tok: training/worker/router_stats.py
+    # CollapseWatch); 0: off
     collapse_factor: float = 3.0
 
     def check(self, recipe: "Recipe") -> list:
