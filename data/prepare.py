@@ -242,12 +242,13 @@ def check_dataset(dataset_dir: str, seq_length: int, vocab_size: int, pad_token_
 
 
 def fit_hint(manifest: dict, seq_length: int, vocab_size: int, pad_token_id: int, eos_token_id: int,
-             recipe: str, new_dir: str, then: str = "") -> str:
+             config: str, new_dir: str, then: str = "") -> str:
     """What to do when `manifest` does not fit the model (model_mismatches found something).
 
     A dataset's ids and vocabulary are its tokenizer's: rebuilding with the same tokenizer gives them again, so
     the recipe values that fit come first; then a dataset to build instead, when one would fit the recipe.
-    recipe: how to name the recipe; new_dir: the rebuilt dataset's directory; then: appended after a command.
+    config: how to name the recipe (or the file setting the model's values); new_dir: the rebuilt dataset's
+    directory; then: appended after a command.
     """
     tok = manifest["tokenizer"]
     values = {key: value for key, value, differs in (
@@ -257,9 +258,9 @@ def fit_hint(manifest: dict, seq_length: int, vocab_size: int, pad_token_id: int
     seq = manifest["seq_length"]
     if not values:
         return (f"build a dataset for this recipe with: {rerun_command(manifest, new_dir, seq_length, vocab_size)}"
-                f"{then}; or set model.model_config.seq_length: {seq} in {recipe} (or launch with --set "
+                f"{then}; or set model.model_config.seq_length: {seq} in {config} (or launch with --set "
                 f"model.model_config.seq_length={seq})")
-    hint = (f"set in {recipe}, under model: model_config: {', '.join(f'{k}: {v}' for k, v in values.items())} "
+    hint = (f"set in {config}, under model: model_config: {', '.join(f'{k}: {v}' for k, v in values.items())} "
             f"(or launch with {' '.join(f'--set model.model_config.{k}={v}' for k, v in values.items())})")
     if seq != seq_length:
         hint += (f", and build the dataset again for seq_length {seq_length} with: "

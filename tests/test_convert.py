@@ -196,8 +196,9 @@ def test_continued_pretraining_with_the_models_own_tokenizer_matches_transformer
     assert (data_manifest["tokenizer"]["kind"], data_manifest["tokenizer"]["pad_id"]) == ("hf", -1)
     code = launch(TINY_RECIPE, [f"output_dir={run_dir}", f"train_dataset.data_loader.dataset_dir={data}",
                                 "train_dataset.data_loader.shuffle=False", f"load_checkpoint={ours}",
-                                "load_ckpt_format=safetensors", "runner_config.stop_step=2",
-                                "lr_schedule.learning_rate=1e-6", "lr_schedule.lr_end=0",
+                                "load_ckpt_format=safetensors", "runner_config.stop_step=1",
+                                "lr_schedule.learning_rate=1e-6", "lr_schedule.warmup_steps=0",
+                                "lr_schedule.lr_end=0",
                                 *recipe_model_overrides(ours)], show_progress=False)
     assert code == 0
     with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
