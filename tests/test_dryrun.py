@@ -158,3 +158,22 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def test_a_rank_killed_after_its_parallel_pass_says_the_simulated_step_ran_out_of_host_memory(tmp_path):
+    """deepseek_v3_256dev at 2 layers, 12 GiB of host memory: the worker wrote its strategy file, then was killed
+    (exit -9) while the simulated step allocated an unsharded [256, 2048, 7168] float32 on the host. The log's last
+    line below is MindSpore 2.9's, verbatim from that run."""
+    from ascend_llm_recipes.training.tools.dryrun import Compiled, after_compile
+
+    (tmp_path / "strategy").mkdir()
+    log = tmp_path / "worker.log"
+    log.write_text("[WARNING] CORE(28462,7f23ff87db80,python):2026-12-04-04:35:56.262.597 "
+                   "[mindspore/core/include/ir/tensor_data.h:565] data] Try to alloca a large memory, "
+                   "size is:15032385536\n")
+    result = Compiled(0, 0, 767.8, -9, str(tmp_path), str(log), None, 0)
+    assert after_compile(result) == ""  # no strategy file: the failure may be the compile's own
+    (tmp_path / "strategy" / "ckpt_strategy_rank_0.ckpt").write_bytes(b"")
+    said = after_compile(result)
+    assert "got through MindSpore's parallel pass" in said and "14.00 GiB at once: out of host memory" in said
+    assert after_compile(Compiled(0, 0, 1.0, 1, str(tmp_path), str(log), None, 0)).endswith("simulated step failed")

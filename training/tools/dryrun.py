@@ -285,5 +285,23 @@ def _report(recipe, result: Compiled) -> bool:
               f"simulation) vs planned {_gib(result.planned_bytes)}", flush=True)
     else:
         print(f"{where}: FAILED (exit {result.returncode}) after {result.seconds:.1f} s: "
-              f"{failure_line(result.log)}\n         log: {result.log}", flush=True)
+              f"{failure_line(result.log)}{after_compile(result)}\n         log: {result.log}", flush=True)
     return result.ok
+
+
+# MindSpore's warning before a host allocation of more than it thinks sane (core/include/ir/tensor_data.h).
+_LARGE_HOST_ALLOC = re.compile(r"Try to alloca a large memory, size is:(\d+)")
+
+
+def after_compile(result: Compiled) -> str:
+    """What a failed rank got through: its parallel strategy file is written once the parallel pass is done, so
+    a failure after it is the simulated step's (host memory, most often: the stubs hold every tensor on the host)."""
+    if not glob.glob(os.path.join(result.run_dir, "strategy", "*.ckpt")):
+        return ""
+    with open(result.log, encoding="utf-8", errors="replace") as f:
+        large = [int(m) for m in _LARGE_HOST_ALLOC.findall(f.read())]
+    killed = (f"; killed (signal {-result.returncode}) after asking the host for {byte_size(max(large))} at once: "
+              f"out of host memory, the simulated runtime keeps device tensors on the host"
+              if result.returncode < 0 and large else "")
+    return (f"\n         the graph got through MindSpore's parallel pass (strategy written: "
+            f"{os.path.join(result.run_dir, 'strategy')}); the simulated step failed{killed}")
