@@ -31,7 +31,7 @@ from typing import Optional
 from ascend_llm_recipes.common.errors import LaunchError, RecipeError
 from ascend_llm_recipes.common.processes import die_with_parent
 from ascend_llm_recipes.common.units import byte_size
-from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE
+from ascend_llm_recipes.training.run_files import RESOLVED_RECIPE, STRATEGY_DIR
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO_ROOT, "scripts", "train.py")
@@ -296,7 +296,7 @@ _LARGE_HOST_ALLOC = re.compile(r"Try to alloca a large memory, size is:(\d+)")
 def after_compile(result: Compiled) -> str:
     """What a failed rank got through: its parallel strategy file is written once the parallel pass is done, so
     a failure after it is the simulated step's (host memory, most often: the stubs hold every tensor on the host)."""
-    if not glob.glob(os.path.join(result.run_dir, "strategy", "*.ckpt")):
+    if not glob.glob(os.path.join(result.run_dir, STRATEGY_DIR, "*.ckpt")):
         return ""
     with open(result.log, encoding="utf-8", errors="replace") as f:
         large = [int(m) for m in _LARGE_HOST_ALLOC.findall(f.read())]
@@ -304,4 +304,4 @@ def after_compile(result: Compiled) -> str:
               f"out of host memory, the simulated runtime keeps device tensors on the host"
               if result.returncode < 0 and large else "")
     return (f"\n         the graph got through MindSpore's parallel pass (strategy written: "
-            f"{os.path.join(result.run_dir, 'strategy')}); the simulated step failed{killed}")
+            f"{os.path.join(result.run_dir, STRATEGY_DIR)}); the simulated step failed{killed}")
